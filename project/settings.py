@@ -1,0 +1,96 @@
+"""Settings of the demo payments API.
+
+With no environment it runs on embedded defaults: SQLite and the in-process ``memory``
+backend. ``REDIS_URL`` switches limiting to Redis and ``DATABASE_URL`` the database.
+"""
+
+import os
+from pathlib import Path
+
+import dj_database_url
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+SECRET_KEY = os.environ.get("SECRET_KEY", "demo-only-not-secret")
+DEBUG = os.environ.get("DEBUG", "1") == "1"
+ALLOWED_HOSTS = ["*"]
+USE_TZ = True
+ROOT_URLCONF = "project.urls"
+WSGI_APPLICATION = "project.wsgi.application"
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+STATIC_URL = "static/"
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "ratelimits",
+    "project.payments",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+DATABASES = {"default": dj_database_url.parse(os.environ.get("DATABASE_URL", f"sqlite:///{BASE_DIR / 'demo.sqlite3'}"))}
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": ["project.payments.auth.ApiKeyAuthentication"],
+    "DEFAULT_THROTTLE_CLASSES": ["ratelimits.throttles.RateLimitThrottle"],
+    "EXCEPTION_HANDLER": "ratelimits.drf.exception_handler",
+    "UNAUTHENTICATED_USER": None,
+}
+
+REDIS_URL = os.environ.get("REDIS_URL")
+
+RATELIMITS = {
+    "BACKEND": "redis" if REDIS_URL else "memory",
+    "REDIS_URL": REDIS_URL or "redis://127.0.0.1:6379/0",
+    "TIERS": {
+        "anonymous": {"rate": "5/s", "burst": 10},
+        "free": {"rate": "10/s", "burst": 20, "quota": "10000/d"},
+        "pro": {"rate": "100/s", "burst": 200},
+    },
+    "DEFAULT_TIERS": {"anonymous": "anonymous", "authenticated": "free"},
+    "TIER_FUNC": "project.payments.auth.tier_of",
+    "ORGANIZATION_FUNC": "project.payments.auth.organization_of",
+    "DIMENSIONS": {
+        "ip": {"rate": "300/s", "burst": 300},
+        "org": {"rate": "500/s", "burst": 500},
+    },
+    "ENDPOINTS": {
+        "POST charges": {"cost": 1, "priority": "critical"},
+        "customers": {"cost": 1, "priority": "normal"},
+        "reports.export": {"cost": 10, "priority": "low", "rate": "30/m", "endpoint_rate": "600/m"},
+    },
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "loggers": {"ratelimits": {"handlers": ["console"], "level": "INFO"}},
+}

@@ -1,0 +1,174 @@
+"""The limiting algorithms as pure functions of (state, now): the reference the Lua script mirrors.
+
+Every function takes the stored state (or ``None``), the current time and the limit, and
+returns an :class:`Outcome` without side effects; backends decide whether to store
+``new_state``. All times are integer microseconds. Arithmetic is done in the same order as in
+``lua/decide.lua`` so both produce bit-identical results on IEEE doubles.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Algorithm(str, Enum):
+    """How a policy counts. The values are the names used in settings and the admin."""
+
+    #: Token bucket expressed as GCRA: one timestamp per key, smooth refill, bursts up to ``burst``.
+    TOKEN_BUCKET = "token_bucket"
+    #: Two fixed windows, the previous weighted by how much of it still overlaps the sliding one.
+    SLIDING_WINDOW = "sliding_window"
+    #: Calendar-aligned counter; simple, but allows up to twice the limit across a boundary.
+    FIXED_WINDOW = "fixed_window"
+
+    @property
+    def code(self) -> int:
+        """The number the Lua script dispatches on."""
+        return _CODES[self]
+
+
+_CODES = {Algorithm.TOKEN_BUCKET: 1, Algorithm.SLIDING_WINDOW: 2, Algorithm.FIXED_WINDOW: 3}
+
+#: Stored state: GCRA keeps (theoretical arrival time,); windows keep (window index, counts...).
+State = tuple[float, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one check decided, before the all-or-nothing rule is applied."""
+
+    allowed: bool
+    #: Whole requests of cost 1 still available after this one (or now, if denied).
+    remaining: int
+    #: Microseconds until the limit is fully restored if nothing else arrives.
+    reset_us: int
+    #: Microseconds until this request would be admitted; 0 when allowed.
+    retry_us: int
+    #: State to store if the request is admitted.
+    new_state: State
+    #: How long ``new_state`` must be kept, in microseconds (always at least 1).
+    ttl_us: int
+
+
+def token_bucket(state: State | None, now: int, limit: int, period_us: int, burst: int, cost: int) -> Outcome:
+    """GCRA: admit when the theoretical arrival time after this request is within ``burst`` intervals.
+
+    The arrival time is kept as a float, unrounded: rounding it up on every request would
+    shave a little off the burst each time (three requests of 1/3 s each would no longer fit
+    in one second).
+    """
+    interval = period_us / limit
+    capacity = burst * interval
+    tat = state[0] if state is not None and state[0] > now else float(now)
+    new_tat = tat + cost * interval
+    allow_at = new_tat - capacity
+    if now < allow_at:
+        remaining = math.floor((now + capacity - tat) / interval)
+        return Outcome(
+            allowed=False,
+            remaining=max(remaining, 0),
+            reset_us=math.ceil(tat - now),
+            retry_us=math.ceil(allow_at - now),
+            new_state=(tat,),
+            ttl_us=max(math.ceil(tat - now), 1),
+        )
+    return Outcome(
+        allowed=True,
+        remaining=max(math.floor((now + capacity - new_tat) / interval), 0),
+        reset_us=math.ceil(new_tat - now),
+        retry_us=0,
+        new_state=(new_tat,),
+        ttl_us=max(math.ceil(new_tat - now), 1),
+    )
+
+
+def sliding_window(state: State | None, now: int, limit: int, period_us: int, burst: int, cost: int) -> Outcome:
+    """Sliding window counter: ``previous * overlap + current + cost <= limit``."""
+    window = now // period_us
+    elapsed = now - window * period_us
+    current, previous = _roll(state, window)
+    estimate = _estimate(previous, current, elapsed, period_us)
+    until_next = period_us - elapsed
+    reset = until_next + period_us if current > 0 else (until_next if previous > 0 else 0)
+    if estimate + cost <= limit:
+        return Outcome(
+            allowed=True,
+            remaining=max(math.floor(limit - estimate - cost), 0),
+            reset_us=until_next + period_us,
+            retry_us=0,
+            new_state=(window, current + cost, previous),
+            ttl_us=until_next + period_us,
+        )
+    return Outcome(
+        allowed=False,
+        remaining=max(math.floor(limit - estimate), 0),
+        reset_us=reset,
+        retry_us=_sliding_retry(previous, current, elapsed, period_us, limit, cost),
+        new_state=(window, current, previous),
+        ttl_us=until_next + period_us,
+    )
+
+
+def fixed_window(state: State | None, now: int, limit: int, period_us: int, burst: int, cost: int) -> Outcome:
+    """Fixed window counter aligned to the epoch."""
+    window = now // period_us
+    until_next = period_us - (now - window * period_us)
+    count = state[1] if state is not None and state[0] == window else 0
+    if count + cost <= limit:
+        return Outcome(True, limit - count - cost, until_next, 0, (window, count + cost), until_next)
+    return Outcome(False, max(limit - count, 0), until_next, until_next, (window, count), until_next)
+
+
+def _roll(state: State | None, window: int) -> tuple[int, int]:
+    """(current, previous) counts as seen from ``window``."""
+    if state is None:
+        return 0, 0
+    stored_window, current, previous = state
+    if stored_window == window:
+        return current, previous
+    if stored_window == window - 1:
+        return 0, current
+    return 0, 0
+
+
+def _estimate(previous: int, current: int, elapsed: int, period_us: int) -> float:
+    # float() first: Lua multiplies in doubles, and Python's exact integers would round differently.
+    return previous * float(period_us - elapsed) / period_us + current
+
+
+def _sliding_retry(previous: int, current: int, elapsed: int, period_us: int, limit: int, cost: int) -> int:
+    """Smallest wait after which the request fits, assuming nothing else is admitted meanwhile."""
+    if cost > limit:
+        raise ValueError(f"cost {cost} can never fit a limit of {limit}")
+    until_next = period_us - elapsed
+    room = limit - current - cost
+    if room >= 0 and previous > 0:
+        # Fits later in this window, once enough of the previous window has slid out.
+        wait = until_next - room * float(period_us) / previous
+    else:
+        # In the next window, today's count becomes the weighted "previous".
+        refill = period_us - (limit - cost) * float(period_us) / current if current > 0 else 0.0
+        wait = until_next + max(refill, 0.0)
+    wait_us = max(math.ceil(wait), 1)
+    # Division can land a hair early; step forward to the first microsecond that really fits.
+    while not _fits_after(previous, current, elapsed, period_us, limit, cost, wait_us):
+        wait_us += 1
+    return wait_us
+
+
+def _fits_after(previous: int, current: int, elapsed: int, period_us: int, limit: int, cost: int, wait: int) -> bool:
+    at = elapsed + wait
+    if at < period_us:
+        return _estimate(previous, current, at, period_us) + cost <= limit
+    at -= period_us
+    prior = current if at < period_us else 0
+    return _estimate(prior, 0, at % period_us, period_us) + cost <= limit
+
+
+ALGORITHMS = {
+    Algorithm.TOKEN_BUCKET: token_bucket,
+    Algorithm.SLIDING_WINDOW: sliding_window,
+    Algorithm.FIXED_WINDOW: fixed_window,
+}

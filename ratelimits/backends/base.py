@@ -1,0 +1,36 @@
+"""The interface every backend implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..engine import Decision
+    from ..policies import Check
+
+
+class Backend(ABC):
+    """Stores limiter state and decides checks atomically."""
+
+    #: Whether state is shared between processes (``memory`` is not).
+    shared: bool = True
+
+    @classmethod
+    @abstractmethod
+    def from_settings(cls) -> Backend:
+        """Build an instance from ``settings.RATELIMITS``."""
+
+    @abstractmethod
+    def decide(self, checks: Sequence[Check], *, consume: bool = True) -> Decision:
+        """Decide every check at once: consume from all of them only if all allow.
+
+        With ``consume=False`` nothing is written: the decision reports what a request of
+        these costs would get now. Raises :class:`~ratelimits.exceptions.BackendUnavailable`
+        when the store cannot answer; never retries a call that may have consumed.
+        """
+
+    @abstractmethod
+    def clear(self, checks: Sequence[Check]) -> None:
+        """Forget the state of these checks' keys (an admin's reset)."""

@@ -1,0 +1,87 @@
+"""In-process backend: the embedded default for one process, and the readable reference."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from ..algorithms import ALGORITHMS, State
+from ..engine import Decision, Result
+from ..policies import Check
+from .base import Backend
+
+__all__ = ["MemoryBackend"]
+
+
+def _wall_clock_us() -> int:
+    return time.time_ns() // 1000
+
+
+class MemoryBackend(Backend):
+    """Same semantics as the Redis backend, with state in a dict guarded by a lock.
+
+    State is per process: with several workers each enforces the limits on its own, which is
+    why the system checks warn when it is used outside ``DEBUG``. ``clock`` returns integer
+    microseconds and is injectable for tests.
+    """
+
+    shared = False
+    #: Expired entries are swept after this many writes, bounding memory for idle subjects.
+    SWEEP_EVERY = 10_000
+
+    def __init__(self, *, clock: Callable[[], int] = _wall_clock_us, prefix: str = "rl") -> None:
+        self.clock = clock
+        self.prefix = prefix
+        self.version: str | None = None
+        self._state: dict[str, tuple[State, int]] = {}
+        self._lock = threading.Lock()
+        self._writes = 0
+
+    @classmethod
+    def from_settings(cls) -> MemoryBackend:
+        from ..conf import conf
+
+        return cls(prefix=conf.key_prefix)
+
+    def decide(self, checks: Sequence[Check], *, consume: bool = True) -> Decision:
+        with self._lock:
+            now = self.clock()
+            pending: dict[str, State] = {}
+            writes: list[tuple[str, State, int]] = []
+            results = []
+            for check in checks:
+                key = check.key(self.prefix)
+                state = pending[key] if key in pending else self._load(key, now)
+                policy = check.policy
+                outcome = ALGORITHMS[policy.algorithm](
+                    state, now, policy.rate.limit, policy.rate.period_us, policy.burst, check.cost
+                )
+                if outcome.allowed:
+                    pending[key] = outcome.new_state
+                    writes.append((key, outcome.new_state, outcome.ttl_us))
+                results.append(Result(check, outcome.allowed, outcome.remaining, outcome.reset_us, outcome.retry_us))
+            if consume and all(r.allowed for r in results):
+                for key, state, ttl_us in writes:
+                    # Same millisecond TTL rounding as the Redis script.
+                    self._state[key] = (state, now + max(-(-ttl_us // 1000), 1) * 1000)
+                self._writes += len(writes)
+                if self._writes >= self.SWEEP_EVERY:
+                    self._sweep(now)
+            return Decision.from_results(results, now_us=now, policy_version=self.version)
+
+    def clear(self, checks: Sequence[Check]) -> None:
+        with self._lock:
+            for check in checks:
+                self._state.pop(check.key(self.prefix), None)
+
+    def _load(self, key: str, now: int) -> State | None:
+        entry = self._state.get(key)
+        if entry is None or entry[1] <= now:
+            return None
+        return entry[0]
+
+    def _sweep(self, now: int) -> None:
+        self._writes = 0
+        for key in [k for k, (_, expires) in self._state.items() if expires <= now]:
+            del self._state[key]

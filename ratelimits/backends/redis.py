@@ -1,0 +1,116 @@
+"""Redis backend: every check of a request decided by one EVALSHA of ``lua/decide.lua``."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from importlib import resources
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from ..engine import Decision, Result
+from ..exceptions import BackendUnavailable
+from ..policies import Check
+from .base import Backend
+
+__all__ = ["RedisBackend", "load_script"]
+
+
+def load_script(name: str) -> str:
+    """The text of a Lua script shipped in ``ratelimits/lua/``."""
+    return resources.files("ratelimits").joinpath("lua", name).read_text(encoding="utf-8")
+
+
+DECIDE = load_script("decide.lua")
+DECIDE_SHA = hashlib.sha1(DECIDE.encode()).hexdigest()
+
+
+class RedisBackend(Backend):
+    """Shared state in Redis, one round trip per decision.
+
+    The client has tight timeouts and no retries: redis-py would otherwise resend a command
+    after a timeout, and a consume that may already have run must never be sent twice.
+    A lost script cache (restart, failover, ``SCRIPT FLUSH``) costs one ``EVAL`` instead.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        prefix: str = "rl",
+        clock: Callable[[], int] | None = None,
+    ) -> None:
+        self.client = client
+        self.prefix = prefix
+        #: ``None`` lets the script read Redis ``TIME``; otherwise integer microseconds.
+        self.clock = clock
+        self.version_key = f"{prefix}:policy-version"
+
+    @classmethod
+    def from_settings(cls) -> RedisBackend:
+        from ..conf import conf
+
+        clock = None if conf.use_redis_time else (lambda: time.time_ns() // 1000)
+        return cls(
+            make_client(conf.redis_url, conf.redis_socket_timeout, conf.redis_connect_timeout),
+            prefix=conf.key_prefix,
+            clock=clock,
+        )
+
+    def decide(self, checks: Sequence[Check], *, consume: bool = True) -> Decision:
+        keys = [self.version_key]
+        args: list[Any] = ["" if self.clock is None else self.clock(), "1" if consume else "0"]
+        for check in checks:
+            policy = check.policy
+            keys.append(check.key(self.prefix))
+            args += (policy.algorithm.code, policy.rate.limit, policy.rate.period_us, policy.burst, check.cost)
+        reply = self._run(keys, args)
+        now_us, version = int(reply[0]), reply[1]
+        results = [
+            Result(check, bool(reply[3 + 4 * i]), int(reply[4 + 4 * i]), int(reply[5 + 4 * i]), int(reply[6 + 4 * i]))
+            for i, check in enumerate(checks)
+        ]
+        return Decision.from_results(
+            results, now_us=now_us, policy_version=version.decode() if isinstance(version, bytes) else None
+        )
+
+    def clear(self, checks: Sequence[Check]) -> None:
+        try:
+            self.client.delete(*[check.key(self.prefix) for check in checks])
+        except redis.RedisError as exc:
+            raise BackendUnavailable(str(exc)) from exc
+
+    def _run(self, keys: list[str], args: list[Any]) -> Any:
+        try:
+            try:
+                return self.client.execute_command("EVALSHA", DECIDE_SHA, len(keys), *keys, *args)
+            except redis.exceptions.NoScriptError:
+                # The script did not run, so sending it again cannot charge twice.
+                return self.client.execute_command("EVAL", DECIDE, len(keys), *keys, *args)
+        except redis.RedisError as exc:
+            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
+
+
+_clients: dict[tuple[str, float, float], redis.Redis] = {}
+
+
+def make_client(url: str, socket_timeout: float, connect_timeout: float) -> redis.Redis:
+    """A process-wide client per URL and timeouts (redis-py pools reset themselves after fork)."""
+    key = (url, socket_timeout, connect_timeout)
+    client = _clients.get(key)
+    if client is None:
+        client = redis.Redis.from_url(
+            url,
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=connect_timeout,
+            retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False,
+            health_check_interval=0,
+            single_connection_client=False,
+        )
+        _clients[key] = client
+    return client

@@ -1,0 +1,97 @@
+"""A per-process circuit breaker that keeps a dead or stalled store off the request path."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+__all__ = ["CircuitBreaker"]
+
+
+class CircuitBreaker:
+    """Opens on a failure *rate*, lets exactly one probe through when half-open.
+
+    Closed: every call goes to the store and its outcome joins a window of the last
+    ``window`` outcomes. Once at least ``min_calls`` are in the window and the failure share
+    reaches ``failure_rate``, the breaker opens: for ``cooldown`` seconds no call reaches the
+    store. Then it is half-open: the first caller becomes the probe; everyone else is turned
+    away until the probe reports. A successful probe closes the breaker with an empty window;
+    a failed one opens it for another cooldown. Time is read from a monotonic clock.
+    """
+
+    def __init__(
+        self,
+        *,
+        window: int = 20,
+        min_calls: int = 5,
+        failure_rate: float = 0.5,
+        cooldown: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.min_calls = min_calls
+        self.failure_rate = failure_rate
+        self.cooldown = cooldown
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._outcomes: deque[bool] = deque(maxlen=window)
+        self._failures = 0
+        self._opened_at: float | None = None
+        self._probing = False
+
+    @property
+    def state(self) -> str:
+        """``"closed"``, ``"open"`` or ``"half-open"``."""
+        with self._lock:
+            if self._opened_at is None:
+                return "closed"
+            return "open" if self._clock() - self._opened_at < self.cooldown else "half-open"
+
+    def allow(self) -> bool:
+        """Whether this call may go to the store. A ``True`` in half-open state makes it the probe."""
+        with self._lock:
+            if self._opened_at is None:
+                return True
+            if self._probing or self._clock() - self._opened_at < self.cooldown:
+                return False
+            self._probing = True
+            return True
+
+    def retry_after(self) -> float:
+        """Seconds until the breaker will try the store again (0 when closed)."""
+        with self._lock:
+            if self._opened_at is None:
+                return 0.0
+            return max(self.cooldown - (self._clock() - self._opened_at), 0.0)
+
+    def record_success(self) -> None:
+        with self._lock:
+            if self._opened_at is not None:
+                self._close()
+            else:
+                self._record(True)
+
+    def record_failure(self) -> None:
+        with self._lock:
+            if self._opened_at is not None:
+                # A failed probe (or a call that started before the breaker opened).
+                self._opened_at = self._clock()
+                self._probing = False
+                return
+            self._record(False)
+            if len(self._outcomes) >= self.min_calls and self._failures >= self.failure_rate * len(self._outcomes):
+                self._opened_at = self._clock()
+
+    def _record(self, ok: bool) -> None:
+        if len(self._outcomes) == self._outcomes.maxlen and not self._outcomes[0]:
+            self._failures -= 1
+        self._outcomes.append(ok)
+        if not ok:
+            self._failures += 1
+
+    def _close(self) -> None:
+        self._opened_at = None
+        self._probing = False
+        self._outcomes.clear()
+        self._failures = 0

@@ -1,0 +1,55 @@
+"""DRF integration: the exception handler that renders 429/503 as problem+json, and helpers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.http import HttpResponse
+from rest_framework import exceptions
+from rest_framework.request import Request
+from rest_framework.views import exception_handler as drf_exception_handler
+
+from .engine import Decision
+from .problems import problem_response
+
+__all__ = ["exception_handler", "RateLimitUnavailable", "endpoint_name"]
+
+
+class RateLimitUnavailable(exceptions.APIException):
+    """503: the limiter cannot decide and a policy fails closed."""
+
+    status_code = 503
+    default_detail = "Service temporarily unavailable."
+    default_code = "ratelimit_unavailable"
+
+    def __init__(self, decision: Decision) -> None:
+        super().__init__()
+        self.decision = decision
+        self.wait = max(-(-decision.retry_after_us // 1_000_000), 1)
+
+
+def exception_handler(exc: Exception, context: dict[str, Any]) -> HttpResponse | None:
+    """DRF's handler, except that rate-limit denials become ``application/problem+json``.
+
+    Set ``REST_FRAMEWORK["EXCEPTION_HANDLER"] = "ratelimits.drf.exception_handler"``.
+    A ``Throttled`` raised by another throttle (no ratelimits decision) is left to DRF.
+    """
+    if isinstance(exc, RateLimitUnavailable):
+        return problem_response(exc.decision)
+    if isinstance(exc, exceptions.Throttled):
+        request = context.get("request")
+        decision = getattr(request, "ratelimit", None) if request is not None else None
+        if isinstance(decision, Decision) and not decision.allowed:
+            return problem_response(decision)
+    return drf_exception_handler(exc, context)
+
+
+def endpoint_name(request: Request, view: Any) -> str:
+    """The view's ``throttle_scope``, else its route name, else its class name."""
+    scope = getattr(view, "throttle_scope", None)
+    if scope:
+        return str(scope)
+    match = getattr(request, "resolver_match", None)
+    if match is not None and match.view_name:
+        return str(match.view_name)
+    return type(view).__name__

@@ -1,0 +1,226 @@
+"""The decision: evaluate a request's checks in one backend call, with fail modes and a breaker."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+from django.utils.module_loading import import_string
+
+from .breaker import CircuitBreaker
+from .conf import conf
+from .exceptions import BackendUnavailable
+from .identity import Identity, identify
+from .policies import Check, EndpointRule, PolicySource
+
+if TYPE_CHECKING:
+    from django.http import HttpRequest
+
+    from .backends.base import Backend
+
+__all__ = ["Verdict", "Result", "Decision", "Limiter", "get_limiter", "get_policy_source", "evaluate"]
+
+logger = logging.getLogger("ratelimits")
+
+
+class Verdict(str, Enum):
+    """What happens to the request."""
+
+    ALLOW = "allow"
+    #: 429: the caller is over one of its limits.
+    LIMITED = "limited"
+    #: 503: the limiter cannot decide and a policy says to fail closed.
+    UNAVAILABLE = "unavailable"
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """One check's part of a decision."""
+
+    check: Check
+    allowed: bool
+    remaining: int
+    reset_us: int
+    retry_us: int
+
+    @property
+    def policy_name(self) -> str:
+        return self.check.policy.name
+
+    @property
+    def limit(self) -> int:
+        return self.check.policy.capacity
+
+    @property
+    def used(self) -> int:
+        return max(self.limit - self.remaining, 0)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Everything decided about one request, as returned by a single backend call."""
+
+    verdict: Verdict
+    results: tuple[Result, ...]
+    #: Exact wait before a retry can succeed, in microseconds; 0 when allowed.
+    retry_after_us: int = 0
+    #: The store's clock when it decided, in microseconds since the epoch.
+    now_us: int = 0
+    #: True when the store could not be reached and a fail mode decided instead.
+    degraded: bool = False
+    policy_version: str | None = None
+    endpoint_rule: EndpointRule | None = field(default=None, compare=False)
+
+    @property
+    def allowed(self) -> bool:
+        return self.verdict is Verdict.ALLOW
+
+    @property
+    def retry_after_ms(self) -> int:
+        return math.ceil(self.retry_after_us / 1000)
+
+    @cached_property
+    def violated(self) -> tuple[Result, ...]:
+        return tuple(r for r in self.results if not r.allowed)
+
+    @cached_property
+    def closest(self) -> Result | None:
+        """The result to describe in headers: the violated one with the longest wait, else the
+        one with the smallest share of its limit left."""
+        if self.violated:
+            return max(self.violated, key=lambda r: r.retry_us)
+        if not self.results:
+            return None
+        return min(self.results, key=lambda r: (r.remaining / r.limit, r.reset_us))
+
+    @classmethod
+    def from_results(
+        cls, results: Sequence[Result], *, now_us: int, policy_version: str | None = None, degraded: bool = False
+    ) -> Decision:
+        """Combine per-check results: allowed only if all allow; the wait is the longest."""
+        denied = [r for r in results if not r.allowed]
+        return cls(
+            verdict=Verdict.LIMITED if denied else Verdict.ALLOW,
+            results=tuple(results),
+            retry_after_us=max((r.retry_us for r in denied), default=0),
+            now_us=now_us,
+            degraded=degraded,
+            policy_version=policy_version,
+        )
+
+
+class Limiter:
+    """A backend behind a circuit breaker, with per-policy fail modes when it cannot answer."""
+
+    def __init__(self, backend: Backend, breaker: CircuitBreaker, *, local: Backend, local_share: float) -> None:
+        self.backend = backend
+        self.breaker = breaker
+        self.local = local
+        self.local_share = local_share
+        self.degraded_count = 0
+        self._count_lock = threading.Lock()
+
+    def decide(self, checks: Sequence[Check], *, consume: bool = True) -> Decision:
+        """Decide ``checks`` in one backend round trip; degrade by fail mode if that fails."""
+        if not checks:
+            return Decision(Verdict.ALLOW, ())
+        if self.breaker.allow():
+            try:
+                decision = self.backend.decide(checks, consume=consume)
+            except BackendUnavailable as exc:
+                self.breaker.record_failure()
+                logger.warning("ratelimits: backend unavailable, degrading: %s", exc)
+            else:
+                self.breaker.record_success()
+                return decision
+        return self._degraded(checks, consume=consume)
+
+    def _degraded(self, checks: Sequence[Check], *, consume: bool) -> Decision:
+        with self._count_lock:
+            self.degraded_count += 1
+        closed = [c for c in checks if c.policy.fail_mode == "closed"]
+        if closed:
+            wait_us = max(math.ceil(self.breaker.retry_after() * 1_000_000), 1_000_000)
+            return Decision(Verdict.UNAVAILABLE, (), retry_after_us=wait_us, degraded=True)
+        local = [Check(c.policy.scaled(self.local_share), c.subject, c.cost) for c in checks if c.policy.fail_mode == "local"]
+        if not local:
+            return Decision(Verdict.ALLOW, (), degraded=True)
+        decision = self.local.decide(local, consume=consume)
+        return Decision.from_results(decision.results, now_us=decision.now_us, degraded=True)
+
+
+_limiter: Limiter | None = None
+_source: PolicySource | None = None
+_build_lock = threading.Lock()
+
+
+def get_limiter() -> Limiter:
+    """The process-wide limiter, built from settings on first use (and after they change)."""
+    global _limiter
+    if _limiter is None:
+        with _build_lock:
+            if _limiter is None:
+                _limiter = _build_limiter()
+    return _limiter
+
+
+def _build_limiter() -> Limiter:
+    from .backends import load_backend
+    from .backends.memory import MemoryBackend
+
+    return Limiter(
+        load_backend(conf.backend),
+        CircuitBreaker(**conf.breaker),
+        local=MemoryBackend(),
+        local_share=conf.local_fallback_share,
+    )
+
+
+def get_policy_source() -> PolicySource:
+    """The process-wide policy source named by ``RATELIMITS['POLICY_SOURCE']``."""
+    global _source
+    if _source is None:
+        with _build_lock:
+            if _source is None:
+                _source = import_string(conf.policy_source)()
+    return _source
+
+
+def reset() -> None:
+    """Forget the limiter and policy source so the next request rebuilds them from settings."""
+    global _limiter, _source
+    with _build_lock:
+        _limiter = None
+        _source = None
+
+
+def evaluate(
+    request: HttpRequest, *, endpoint: str, auth: Any = None, user: Any = None, consume: bool = True
+) -> tuple[Identity, Decision]:
+    """Identify ``request``, collect its checks and decide them in one backend call."""
+    identity = identify(request, endpoint=endpoint, auth=auth, user=user)
+    source = get_policy_source()
+    rule = source.endpoint_rule(endpoint, request.method or "GET")
+    checks = source.checks_for(request, identity)
+    decision = get_limiter().decide(checks, consume=consume)
+    return identity, replace(decision, endpoint_rule=rule)
+
+
+def _on_setting_changed(*, setting: str, **kwargs: Any) -> None:
+    if setting == "RATELIMITS":
+        reset()
+
+
+def _connect() -> None:
+    from django.core.signals import setting_changed
+
+    setting_changed.connect(_on_setting_changed, dispatch_uid="ratelimits.engine.reset")
+
+
+_connect()

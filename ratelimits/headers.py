@@ -1,0 +1,51 @@
+"""Rate-limit response headers: IETF ``RateLimit``/``RateLimit-Policy`` and GitHub's ``X-RateLimit-*``."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from .conf import conf
+from .engine import Decision
+
+__all__ = ["rate_limit_headers", "retry_after_seconds"]
+
+US = 1_000_000
+
+
+def rate_limit_headers(decision: Decision) -> dict[str, str]:
+    """Headers describing the policy closest to its limit, in the configured style(s).
+
+    IETF syntax follows draft-ietf-httpapi-ratelimit-headers-10/11: ``RateLimit-Policy``
+    gives the quota ``q`` over a window of ``w`` seconds, ``RateLimit`` the remaining
+    quota ``r`` and the seconds ``t`` until it is fully restored.
+    """
+    style = conf.headers
+    headers: dict[str, str] = {}
+    if decision.degraded:
+        headers["X-RateLimit-Degraded"] = "1"
+    closest = decision.closest
+    if closest is None or style == "none":
+        return headers
+    name = closest.policy_name
+    reset_s = math.ceil(closest.reset_us / US)
+    if style in ("ietf", "both"):
+        headers["RateLimit-Policy"] = f'"{name}";q={closest.limit};w={closest.check.policy.window_seconds}'
+        headers["RateLimit"] = f'"{name}";r={closest.remaining};t={reset_s}'
+    if style in ("github", "both"):
+        headers["X-RateLimit-Limit"] = str(closest.limit)
+        headers["X-RateLimit-Remaining"] = str(closest.remaining)
+        headers["X-RateLimit-Reset"] = str(math.ceil((decision.now_us + closest.reset_us) / US))
+        headers["X-RateLimit-Used"] = str(closest.used)
+        headers["X-RateLimit-Resource"] = name
+    return headers
+
+
+def retry_after_seconds(decision: Decision) -> int:
+    """``Retry-After`` in whole seconds: the exact wait plus optional jitter, rounded up, at least 1.
+
+    Jitter only ever adds, so a client that obeys the header is never early.
+    """
+    jitter = conf.retry_after_jitter_us
+    wait_us = decision.retry_after_us + (random.randint(0, jitter) if jitter else 0)
+    return max(math.ceil(wait_us / US), 1)

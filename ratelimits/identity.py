@@ -1,0 +1,180 @@
+"""Who is making a request: the subjects (user, API key, client IP, organisation, endpoint)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import ipaddress
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+from .conf import conf
+
+if TYPE_CHECKING:
+    from django.http import HttpRequest
+
+__all__ = ["Subject", "Identity", "identify", "client_ip", "normalize_ip"]
+
+logger = logging.getLogger(__name__)
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+@dataclass(frozen=True, slots=True)
+class Subject:
+    """One dimension a request can be limited by, such as ``Subject("ip", "203.0.113.7")``."""
+
+    kind: str
+    value: str
+    _digest: str = field(default="", init=False, repr=False, compare=False)
+
+    @property
+    def digest(self) -> str:
+        """A keyed, fixed-length hash of the subject: what Redis key names and logs carry.
+
+        Keyed with a secret so a key name cannot be reversed by hashing every IPv4 address,
+        and made of ``[A-Za-z0-9_-]`` only, so no ``{`` from user input can steer a key to
+        another Redis Cluster slot.
+        """
+        if not self._digest:
+            raw = hashlib.blake2b(
+                f"{self.kind}\x00{self.value}".encode("utf-8", "surrogatepass"),
+                digest_size=12,
+                key=conf.hash_key,
+            ).digest()
+            object.__setattr__(self, "_digest", base64.urlsafe_b64encode(raw).decode("ascii"))
+        return self._digest
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.digest}"
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Every subject of one request; absent ones are ``None``."""
+
+    ip: Subject
+    endpoint: Subject
+    user: Subject | None = None
+    api_key: Subject | None = None
+    organization: Subject | None = None
+
+    @cached_property
+    def caller(self) -> Subject:
+        """The most specific subject: API key, else user, else client IP."""
+        return self.api_key or self.user or self.ip
+
+    @property
+    def is_anonymous(self) -> bool:
+        return self.api_key is None and self.user is None
+
+    def subjects(self) -> Iterable[Subject]:
+        for subject in (self.api_key, self.user, self.organization, self.ip, self.endpoint):
+            if subject is not None:
+                yield subject
+
+
+def identify(request: HttpRequest, *, endpoint: str, auth: Any = None, user: Any = None) -> Identity:
+    """Build the :class:`Identity` of ``request``.
+
+    ``auth`` and ``user`` are what the authentication layer established (DRF's
+    ``request.auth`` and ``request.user``); for plain Django views ``user`` is
+    ``request.user`` and ``auth`` is ``None``.
+    """
+    user_subject = None
+    if user is not None and getattr(user, "is_authenticated", False):
+        user_subject = Subject("user", str(user.pk))
+    api_key = conf.api_key_func(auth) if auth is not None else None
+    organization = conf.organization_func(request)
+    return Identity(
+        ip=Subject("ip", client_ip(request)),
+        endpoint=Subject("endpoint", endpoint),
+        user=user_subject,
+        api_key=Subject("api_key", str(api_key)) if api_key is not None else None,
+        organization=Subject("org", str(organization)) if organization is not None else None,
+    )
+
+
+def default_api_key(auth: Any) -> str | None:
+    """What identifies the credential DRF authenticated with.
+
+    Model instances (DRF's ``Token``, most API key models) are identified by class and primary
+    key; anything else by its string form. Whatever it is, it is hashed before use.
+    """
+    pk = getattr(auth, "pk", None)
+    if pk is not None:
+        return f"{type(auth).__name__}:{pk}"
+    text = str(auth)
+    return text or None
+
+
+def no_organization(request: HttpRequest) -> str | None:
+    """The default organisation function: requests belong to no organisation."""
+    return None
+
+
+def client_ip(request: HttpRequest) -> str:
+    """The client's address as a limiting subject.
+
+    ``REMOTE_ADDR`` unless it is a configured trusted proxy; then the forwarded-for header is
+    walked from the right, skipping trusted proxies, and the first other hop is the client.
+    A malformed hop stops the walk at the last address we can vouch for, so a forged header
+    can neither raise an error nor hand its sender a fresh bucket per request.
+    IPv6 addresses are aggregated to a network (``/64`` by default), since one host usually
+    owns a whole /64; IPv4-mapped IPv6 addresses become IPv4.
+    """
+    remote = normalize_ip(request.META.get("REMOTE_ADDR", ""))
+    if remote is None:
+        return "unknown"
+    trusted = conf.trusted_proxies
+    if not trusted or not _in_any(remote, trusted):
+        return _aggregate(remote)
+    client = remote
+    header = request.META.get(conf.client_ip_header, "")
+    hops = header.split(",") if isinstance(header, str) else []
+    for raw in reversed(hops):
+        hop = normalize_ip(raw)
+        if hop is None:
+            logger.debug("ratelimits: malformed forwarded hop, using %s", client)
+            break
+        client = hop
+        if not _in_any(hop, trusted):
+            break
+    return _aggregate(client)
+
+
+def normalize_ip(raw: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """Parse one address as proxies write it (optional port, brackets, zone); ``None`` if invalid."""
+    text = raw.strip()
+    if not text or len(text) > 64:
+        return None
+    if text.startswith("["):
+        end = text.find("]")
+        if end == -1:
+            return None
+        text = text[1:end]
+    elif text.count(":") == 1:
+        text = text.split(":", 1)[0]
+    text = text.split("%", 1)[0]
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+def _in_any(address: ipaddress.IPv4Address | ipaddress.IPv6Address, networks: tuple[IPNetwork, ...]) -> bool:
+    return any(address.version == net.version and address in net for net in networks)
+
+
+def _aggregate(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
+    if isinstance(address, ipaddress.IPv6Address):
+        prefix = conf.ipv6_prefix
+        if prefix < 128:
+            return str(ipaddress.IPv6Network((address, prefix), strict=False))
+    return str(address)

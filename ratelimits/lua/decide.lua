@@ -1,0 +1,176 @@
+-- decide.lua: evaluate every rate check of one request atomically; consume only if all allow.
+--
+-- Mirrors ratelimits/algorithms.py operation for operation, so both agree to the microsecond.
+--
+-- KEYS[1]          policy version stamp (read only; returned so workers notice policy changes)
+-- KEYS[1 + i]      state key of check i, for i = 1..n
+-- ARGV[1]          now in integer microseconds, or "" to read the Redis server clock (TIME)
+-- ARGV[2]          "1" to consume when every check allows, "0" to only report (peek)
+-- ARGV[3 + 5(i-1)] check i: algorithm (1 token bucket/GCRA, 2 sliding window, 3 fixed window),
+--                  limit (requests per period), period (microseconds), burst (GCRA capacity in
+--                  requests; ignored by windows), cost (tokens this request spends)
+--
+-- State values (plain strings, every key written with a PX TTL):
+--   GCRA           "<theoretical arrival time, us, as an exact %.17g double>"
+--   sliding window "<window index>:<current count>:<previous count>"
+--   fixed window   "<window index>:<count>"
+--
+-- Returns {now_us, version or false, all_allowed (0/1),
+--          then per check: allowed (0/1), remaining, reset_us, retry_us}.
+
+local now
+if ARGV[1] == '' then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+else
+  now = tonumber(ARGV[1])
+end
+local consume = ARGV[2] == '1'
+local n = #KEYS - 1
+
+-- Window index and offset without trusting float division near a boundary.
+local function split(period)
+  local window = math.floor(now / period)
+  local elapsed = now - window * period
+  if elapsed < 0 then
+    window = window - 1
+    elapsed = elapsed + period
+  elseif elapsed >= period then
+    window = window + 1
+    elapsed = elapsed - period
+  end
+  return window, elapsed
+end
+
+local function estimate(previous, current, elapsed, period)
+  return previous * (period - elapsed) / period + current
+end
+
+local function fits_after(previous, current, elapsed, period, limit, cost, wait)
+  local at = elapsed + wait
+  if at < period then
+    return estimate(previous, current, at, period) + cost <= limit
+  end
+  at = at - period
+  local prior = 0
+  if at < period then prior = current end
+  return estimate(prior, 0, at % period, period) + cost <= limit
+end
+
+local function sliding_retry(previous, current, elapsed, period, limit, cost)
+  local until_next = period - elapsed
+  local room = limit - current - cost
+  local wait
+  if room >= 0 and previous > 0 then
+    wait = until_next - room * period / previous
+  else
+    local refill = 0
+    if current > 0 then refill = period - (limit - cost) * period / current end
+    wait = until_next + math.max(refill, 0)
+  end
+  local wait_us = math.max(math.ceil(wait), 1)
+  while not fits_after(previous, current, elapsed, period, limit, cost, wait_us) do
+    wait_us = wait_us + 1
+  end
+  return wait_us
+end
+
+-- Each returns allowed, remaining, reset_us, retry_us, new_value, ttl_us.
+local function token_bucket(value, limit, period, burst, cost)
+  local interval = period / limit
+  local capacity = burst * interval
+  local tat = tonumber(value)
+  if tat == nil or tat <= now then tat = now end
+  local new_tat = tat + cost * interval
+  local allow_at = new_tat - capacity
+  if now < allow_at then
+    local remaining = math.max(math.floor((now + capacity - tat) / interval), 0)
+    return false, remaining, math.ceil(tat - now), math.ceil(allow_at - now), nil, 0
+  end
+  local remaining = math.max(math.floor((now + capacity - new_tat) / interval), 0)
+  local reset = math.ceil(new_tat - now)
+  -- %.17g round-trips a double exactly; Redis would otherwise format it with %.14g.
+  return true, remaining, reset, 0, string.format('%.17g', new_tat), math.max(reset, 1)
+end
+
+local function sliding_window(value, limit, period, burst, cost)
+  local window, elapsed = split(period)
+  local current, previous = 0, 0
+  if value then
+    local w, c, p = string.match(value, '^(%-?%d+):(%d+):(%d+)$')
+    w, c, p = tonumber(w), tonumber(c), tonumber(p)
+    if w == window then
+      current, previous = c, p
+    elseif w == window - 1 then
+      previous = c
+    end
+  end
+  local est = estimate(previous, current, elapsed, period)
+  local until_next = period - elapsed
+  if est + cost <= limit then
+    local value_out = string.format('%d:%d:%d', window, current + cost, previous)
+    return true, math.max(math.floor(limit - est - cost), 0), until_next + period, 0, value_out, until_next + period
+  end
+  local reset = 0
+  if current > 0 then
+    reset = until_next + period
+  elseif previous > 0 then
+    reset = until_next
+  end
+  local retry = sliding_retry(previous, current, elapsed, period, limit, cost)
+  return false, math.max(math.floor(limit - est), 0), reset, retry, nil, 0
+end
+
+local function fixed_window(value, limit, period, burst, cost)
+  local window, elapsed = split(period)
+  local until_next = period - elapsed
+  local count = 0
+  if value then
+    local w, c = string.match(value, '^(%-?%d+):(%d+)$')
+    if tonumber(w) == window then count = tonumber(c) end
+  end
+  if count + cost <= limit then
+    return true, limit - count - cost, until_next, 0, string.format('%d:%d', window, count + cost), until_next
+  end
+  return false, math.max(limit - count, 0), until_next, until_next, nil, 0
+end
+
+local algorithms = {token_bucket, sliding_window, fixed_window}
+
+-- Phase 1: decide every check against current state. A key named twice sees the pending
+-- value of its earlier check, so duplicates cannot double-spend.
+local pending = {}
+local writes = {}
+local results = {}
+local all_allowed = true
+for i = 1, n do
+  local key = KEYS[i + 1]
+  local base = 3 + 5 * (i - 1)
+  local algorithm = tonumber(ARGV[base])
+  local value = pending[key]
+  if value == nil then value = redis.call('GET', key) end
+  local allowed, remaining, reset, retry, new_value, ttl = algorithms[algorithm](
+    value, tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3]), tonumber(ARGV[base + 4]))
+  if allowed then
+    pending[key] = new_value
+    writes[#writes + 1] = {key, new_value, ttl}
+  else
+    all_allowed = false
+  end
+  results[#results + 1] = allowed and 1 or 0
+  results[#results + 1] = remaining
+  results[#results + 1] = reset
+  results[#results + 1] = retry
+end
+
+-- Phase 2: all or nothing.
+if all_allowed and consume then
+  for _, w in ipairs(writes) do
+    redis.call('SET', w[1], w[2], 'PX', math.max(math.ceil(w[3] / 1000), 1))
+  end
+end
+
+local version = redis.call('GET', KEYS[1])
+local reply = {now, version, all_allowed and 1 or 0}
+for _, v in ipairs(results) do reply[#reply + 1] = v end
+return reply

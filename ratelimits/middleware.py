@@ -1,0 +1,95 @@
+"""The same engine for plain Django views: a middleware and a per-view decorator."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from django.http import HttpRequest, HttpResponse
+
+from .engine import Decision, evaluate
+from .headers import rate_limit_headers
+from .problems import problem_response
+
+__all__ = ["RateLimitMiddleware", "ratelimit", "ratelimit_exempt"]
+
+View = TypeVar("View", bound=Callable[..., Any])
+
+
+def _limit(request: HttpRequest, endpoint: str) -> HttpResponse | None:
+    """Decide ``request``; return the 429/503 response if denied, else ``None``."""
+    user = getattr(request, "user", None)
+    _, decision = evaluate(request, endpoint=endpoint, user=user)
+    request.ratelimit = decision  # type: ignore[attr-defined]
+    return None if decision.allowed else problem_response(decision)
+
+
+def _add_headers(request: HttpRequest, response: HttpResponse) -> HttpResponse:
+    decision = getattr(request, "ratelimit", None)
+    if isinstance(decision, Decision) and decision.allowed:
+        for name, value in rate_limit_headers(decision).items():
+            response.setdefault(name, value)
+    return response
+
+
+def _endpoint(request: HttpRequest, view_func: Callable[..., Any]) -> str:
+    scope = getattr(view_func, "ratelimit_scope", None)
+    if scope:
+        return str(scope)
+    match = request.resolver_match
+    if match is not None and match.view_name:
+        return str(match.view_name)
+    return getattr(view_func, "__qualname__", "view")
+
+
+def _is_drf_view(view_func: Callable[..., Any]) -> bool:
+    # DRF views run RateLimitThrottle themselves; limiting them here too would charge twice.
+    cls = getattr(view_func, "cls", None)
+    return cls is not None and any(base.__module__.startswith("rest_framework.") for base in cls.__mro__)
+
+
+class RateLimitMiddleware:
+    """Limit every plain Django view (DRF views are left to the throttle).
+
+    Views opt out with :func:`ratelimit_exempt` or ``RATELIMITS['EXEMPT_ENDPOINTS']``.
+    """
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        return _add_headers(request, self.get_response(request))
+
+    def process_view(
+        self, request: HttpRequest, view_func: Callable[..., Any], view_args: Any, view_kwargs: Any
+    ) -> HttpResponse | None:
+        if getattr(view_func, "ratelimit_exempt", False) or _is_drf_view(view_func):
+            return None
+        if isinstance(getattr(request, "ratelimit", None), Decision):
+            return None  # already decided by the decorator
+        return _limit(request, _endpoint(request, view_func))
+
+
+def ratelimit(scope: str | None = None) -> Callable[[View], View]:
+    """Limit one plain view; ``scope`` names it in ``RATELIMITS['ENDPOINTS']`` (default: route name)."""
+
+    def decorate(view: View) -> View:
+        @functools.wraps(view)
+        def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+            if not isinstance(getattr(request, "ratelimit", None), Decision):
+                denied = _limit(request, scope or _endpoint(request, view))
+                if denied is not None:
+                    return denied
+            return _add_headers(request, view(request, *args, **kwargs))
+
+        wrapper.ratelimit_scope = scope  # type: ignore[attr-defined]
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+def ratelimit_exempt(view: View) -> View:
+    """Mark a plain view as never limited by :class:`RateLimitMiddleware`."""
+    view.ratelimit_exempt = True  # type: ignore[attr-defined]
+    return view

@@ -1,0 +1,283 @@
+"""What to check: policies, the checks a request is subject to, and where policies come from."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .algorithms import Algorithm
+from .conf import conf, fail_mode
+from .exceptions import ConfigurationError
+from .rates import Rate, parse_rate
+
+if TYPE_CHECKING:
+    from django.http import HttpRequest
+
+    from .identity import Identity, Subject
+
+__all__ = ["Policy", "Check", "PolicySource", "SettingsPolicySource", "EndpointRule", "PRIORITIES"]
+
+PRIORITIES = ("critical", "high", "normal", "low")
+
+# Policy names appear in Redis keys and headers: keep them to characters that need no quoting
+# and can never form a Redis Cluster hash tag.
+_POLICY_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,200}", re.ASCII)
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """A named limit: ``rate`` with ``burst`` capacity, counted by ``algorithm``."""
+
+    name: str
+    rate: Rate
+    burst: int
+    algorithm: Algorithm = Algorithm.TOKEN_BUCKET
+    fail_mode: str = "open"
+
+    def __post_init__(self) -> None:
+        if not _POLICY_NAME.fullmatch(self.name):
+            raise ConfigurationError(f"policy name {self.name!r} must match {_POLICY_NAME.pattern}")
+        if isinstance(self.burst, bool) or not isinstance(self.burst, int) or self.burst < 1:
+            raise ConfigurationError(f"{self.name}: burst must be a positive integer, got {self.burst!r}")
+        fail_mode(self.fail_mode, field=f"{self.name}: fail_mode")
+
+    @property
+    def capacity(self) -> int:
+        """The most a subject can spend at once: the burst for a bucket, the limit for windows."""
+        return self.burst if self.algorithm is Algorithm.TOKEN_BUCKET else self.rate.limit
+
+    @property
+    def window_seconds(self) -> int:
+        """Seconds over which ``capacity`` is granted (refill time of a full bucket), rounded up."""
+        if self.algorithm is Algorithm.TOKEN_BUCKET:
+            return max(-(-self.burst * self.rate.period_us // (self.rate.limit * 1_000_000)), 1)
+        return max(-(-self.rate.period_us // 1_000_000), 1)
+
+    def describe(self) -> str:
+        text = self.rate.describe()
+        if self.algorithm is Algorithm.TOKEN_BUCKET:
+            return f"{text}, burst {self.burst}"
+        return f"{text} ({self.algorithm.value.replace('_', ' ')})"
+
+    def scaled(self, share: float) -> Policy:
+        """This policy cut down to ``share`` of its rate and burst (for per-process fallback)."""
+        if share >= 1:
+            return self
+        limit = max(int(self.rate.limit * share), 1)
+        return replace(self, rate=Rate(limit, self.rate.period_us), burst=max(int(self.burst * share), 1))
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One policy applied to one subject, spending ``cost`` tokens."""
+
+    policy: Policy
+    subject: Subject
+    cost: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cost, bool) or not isinstance(self.cost, int) or self.cost < 1:
+            raise ConfigurationError(f"{self.policy.name}: cost must be a positive integer, got {self.cost!r}")
+        if self.cost > self.policy.capacity:
+            raise ConfigurationError(
+                f"{self.policy.name}: cost {self.cost} exceeds its capacity {self.policy.capacity}; "
+                "such a request could never be admitted"
+            )
+
+    def key(self, prefix: str) -> str:
+        """The state key: hash-tagged by subject, so one subject's keys share a Cluster slot."""
+        return f"{prefix}:{{{self.subject.digest}}}:{self.policy.name}:{self.policy.algorithm.code}"
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointRule:
+    """How one endpoint is treated: its cost, priority and its own limits."""
+
+    cost: int = 1
+    priority: str = "normal"
+    per_caller: Policy | None = None
+    endpoint_wide: Policy | None = None
+    exempt: bool = False
+
+
+class PolicySource(Protocol):
+    """Where the checks for a request come from (settings today, the admin's models later)."""
+
+    def checks_for(self, request: HttpRequest, identity: Identity) -> list[Check]:
+        """Every check that applies to this request, each with its cost."""
+
+    def endpoint_rule(self, endpoint: str, method: str) -> EndpointRule:
+        """The rule for an endpoint and HTTP method (a default rule if none is configured)."""
+
+
+def policy_from_config(name: str, config: Mapping[str, Any], *, field: str, default_fail_mode: str) -> Policy:
+    """Build a :class:`Policy` from a settings dict like ``{"rate": "100/s", "burst": 200}``."""
+    if not isinstance(config, Mapping):
+        raise ConfigurationError(f"{field}: expected a dict with at least 'rate', got {config!r}")
+    unknown = set(config) - {"rate", "burst", "algorithm", "fail_mode", "quota"}
+    if unknown:
+        raise ConfigurationError(f"{field}: unknown keys {', '.join(sorted(unknown))}")
+    if "rate" not in config:
+        raise ConfigurationError(f"{field}: 'rate' is required")
+    rate = parse_rate(config["rate"], field=f"{field}['rate']")
+    burst = config.get("burst", rate.limit)
+    if isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
+        raise ConfigurationError(f"{field}['burst']: {burst!r} must be a positive integer")
+    algorithm_name = config.get("algorithm", Algorithm.TOKEN_BUCKET.value)
+    try:
+        algorithm = Algorithm(algorithm_name)
+    except ValueError:
+        names = ", ".join(a.value for a in Algorithm)
+        raise ConfigurationError(f"{field}['algorithm']: {algorithm_name!r} must be one of {names}") from None
+    mode = fail_mode(config.get("fail_mode", default_fail_mode), field=f"{field}['fail_mode']")
+    return Policy(name=name, rate=rate, burst=burst, algorithm=algorithm, fail_mode=mode)
+
+
+class SettingsPolicySource:
+    """Policies from ``settings.RATELIMITS``: tiers, per-dimension limits and endpoint rules.
+
+    The whole configuration is parsed and validated once (errors name the setting), then
+    each request costs dictionary look-ups only.
+    """
+
+    def __init__(self) -> None:
+        settings = conf.user_settings
+        self.default_fail_mode = conf.default_fail_mode
+        tiers = settings.get("TIERS", conf.get("TIERS"))
+        if not isinstance(tiers, Mapping) or not tiers:
+            raise ConfigurationError("RATELIMITS['TIERS'] must be a non-empty dict of tier name to policy")
+        self.tiers: dict[str, list[Policy]] = {name: self._tier(name, cfg) for name, cfg in tiers.items()}
+        defaults = conf.get("DEFAULT_TIERS")
+        for kind in ("anonymous", "authenticated"):
+            if defaults.get(kind) not in self.tiers:
+                raise ConfigurationError(
+                    f"RATELIMITS['DEFAULT_TIERS']['{kind}']: {defaults.get(kind)!r} is not a tier in RATELIMITS['TIERS']"
+                )
+        self.default_tiers = dict(defaults)
+        dimensions = conf.get("DIMENSIONS")
+        if not isinstance(dimensions, Mapping):
+            raise ConfigurationError("RATELIMITS['DIMENSIONS'] must be a dict of subject kind to policy")
+        self.dimensions: dict[str, Policy] = {}
+        for kind, cfg in dimensions.items():
+            if kind not in ("ip", "user", "api_key", "org"):
+                raise ConfigurationError(f"RATELIMITS['DIMENSIONS']: {kind!r} must be one of ip, user, api_key, org")
+            self.dimensions[kind] = self._policy(f"{kind}", cfg, f"RATELIMITS['DIMENSIONS']['{kind}']")
+        self.endpoints = self._endpoints(conf.get("ENDPOINTS"), conf.get("EXEMPT_ENDPOINTS"))
+        self._validate_costs()
+
+    def _policy(self, name: str, cfg: Any, field: str) -> Policy:
+        return policy_from_config(name, cfg, field=field, default_fail_mode=self.default_fail_mode)
+
+    def _tier(self, name: str, cfg: Any) -> list[Policy]:
+        field = f"RATELIMITS['TIERS']['{name}']"
+        policies = [self._policy(f"tier:{name}", cfg, field)]
+        quota = cfg.get("quota") if isinstance(cfg, Mapping) else None
+        if quota is not None:
+            rate = parse_rate(quota, field=f"{field}['quota']")
+            policies.append(
+                Policy(f"tier:{name}:quota", rate, rate.limit, Algorithm.FIXED_WINDOW, policies[0].fail_mode)
+            )
+        return policies
+
+    def _endpoints(self, config: Any, exempt: Any) -> dict[str, EndpointRule]:
+        if not isinstance(config, Mapping):
+            raise ConfigurationError("RATELIMITS['ENDPOINTS'] must be a dict of endpoint to rule")
+        rules: dict[str, EndpointRule] = {}
+        for name, cfg in config.items():
+            field = f"RATELIMITS['ENDPOINTS']['{name}']"
+            if not isinstance(cfg, Mapping):
+                raise ConfigurationError(f"{field}: expected a dict, got {cfg!r}")
+            unknown = set(cfg) - {"cost", "priority", "rate", "endpoint_rate", "exempt"}
+            if unknown:
+                raise ConfigurationError(f"{field}: unknown keys {', '.join(sorted(unknown))}")
+            cost = cfg.get("cost", 1)
+            if isinstance(cost, bool) or not isinstance(cost, int) or cost < 1:
+                raise ConfigurationError(f"{field}['cost']: {cost!r} must be a positive integer")
+            priority = cfg.get("priority", "normal")
+            if priority not in PRIORITIES:
+                raise ConfigurationError(f"{field}['priority']: {priority!r} must be one of {', '.join(PRIORITIES)}")
+            slug = _slug(name)
+            per_caller = cfg.get("rate")
+            endpoint_wide = cfg.get("endpoint_rate")
+            rules[_endpoint_key(name)] = EndpointRule(
+                cost=cost,
+                priority=priority,
+                per_caller=self._policy(f"endpoint:{slug}", _as_policy(per_caller), f"{field}['rate']")
+                if per_caller is not None
+                else None,
+                endpoint_wide=self._policy(f"endpoint-all:{slug}", _as_policy(endpoint_wide), f"{field}['endpoint_rate']")
+                if endpoint_wide is not None
+                else None,
+                exempt=bool(cfg.get("exempt", False)),
+            )
+        if isinstance(exempt, str) or not isinstance(exempt, (list, tuple)):
+            raise ConfigurationError("RATELIMITS['EXEMPT_ENDPOINTS'] must be a list of endpoint names")
+        for name in exempt:
+            rules[_endpoint_key(str(name))] = EndpointRule(exempt=True)
+        return rules
+
+    def _validate_costs(self) -> None:
+        """A cost above any capacity it meets would deny every such request: refuse it now."""
+        general = [p for tier in self.tiers.values() for p in tier] + list(self.dimensions.values())
+        for key, rule in self.endpoints.items():
+            for policy in general + [p for p in (rule.per_caller, rule.endpoint_wide) if p]:
+                if rule.cost > policy.capacity:
+                    raise ConfigurationError(
+                        f"RATELIMITS['ENDPOINTS']['{key}']['cost']: {rule.cost} exceeds the capacity "
+                        f"{policy.capacity} of {policy.name}; every such request would be denied"
+                    )
+
+    def endpoint_rule(self, endpoint: str, method: str) -> EndpointRule:
+        rules = self.endpoints
+        return rules.get(f"{method.upper()} {endpoint}") or rules.get(endpoint) or _DEFAULT_RULE
+
+    def tier_for(self, request: HttpRequest, identity: Identity) -> str:
+        """The caller's tier: ``TIER_FUNC`` if it names one, else the default for its kind."""
+        func = conf.tier_func
+        if func is not None:
+            name = func(request, identity)
+            if name is not None:
+                if name not in self.tiers:
+                    raise ConfigurationError(f"RATELIMITS['TIER_FUNC'] returned unknown tier {name!r}")
+                return str(name)
+        return self.default_tiers["anonymous" if identity.is_anonymous else "authenticated"]
+
+    def checks_for(self, request: HttpRequest, identity: Identity) -> list[Check]:
+        endpoint = identity.endpoint.value
+        rule = self.endpoint_rule(endpoint, request.method or "GET")
+        if rule.exempt:
+            return []
+        cost = rule.cost
+        caller = identity.caller
+        checks = [Check(policy, caller, cost) for policy in self.tiers[self.tier_for(request, identity)]]
+        subjects = {"ip": identity.ip, "user": identity.user, "api_key": identity.api_key, "org": identity.organization}
+        for kind, policy in self.dimensions.items():
+            subject = subjects[kind]
+            if subject is not None:
+                checks.append(Check(policy, subject, cost))
+        if rule.per_caller is not None:
+            checks.append(Check(rule.per_caller, caller, cost))
+        if rule.endpoint_wide is not None:
+            checks.append(Check(rule.endpoint_wide, identity.endpoint, cost))
+        return checks
+
+
+_DEFAULT_RULE = EndpointRule()
+
+
+def _as_policy(value: Any) -> Any:
+    """Endpoint limits may be written as just a rate string."""
+    return {"rate": value} if isinstance(value, str) else value
+
+
+def _endpoint_key(name: str) -> str:
+    method, _, rest = name.partition(" ")
+    return f"{method.upper()} {rest.strip()}" if rest else name
+
+
+def _slug(name: str) -> str:
+    """An endpoint name usable inside a policy name ("POST charges" becomes "POST/charges")."""
+    slug = re.sub(r"[^A-Za-z0-9_.:/-]+", "/", name.strip())
+    return slug[:150] or "endpoint"

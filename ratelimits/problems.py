@@ -1,0 +1,59 @@
+"""``application/problem+json`` bodies (RFC 9457) for 429 and 503 responses."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.http import HttpResponse
+
+from .engine import Decision, Verdict
+from .headers import rate_limit_headers, retry_after_seconds
+
+__all__ = ["problem_body", "problem_response", "CONTENT_TYPE"]
+
+CONTENT_TYPE = "application/problem+json"
+# Problem types registered by the IETF RateLimit headers draft.
+QUOTA_EXCEEDED = "https://iana.org/assignments/http-problem-types#quota-exceeded"
+REDUCED_CAPACITY = "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity"
+
+
+def problem_body(decision: Decision) -> dict[str, Any]:
+    """The problem document for a denied decision: every violated policy and the exact wait."""
+    seconds = decision.retry_after_ms / 1000
+    if decision.verdict is Verdict.UNAVAILABLE:
+        return {
+            "type": REDUCED_CAPACITY,
+            "title": "Service temporarily unable to accept this request",
+            "status": 503,
+            "detail": f"Rate limiting is unavailable and this endpoint fails closed; retry in {seconds:g} s.",
+            "retry_after_ms": decision.retry_after_ms,
+        }
+    return {
+        "type": QUOTA_EXCEEDED,
+        "title": "Too many requests",
+        "status": 429,
+        "detail": f"Over {len(decision.violated)} rate limit(s); retry in {seconds:g} s.",
+        "retry_after_ms": decision.retry_after_ms,
+        "violated_policies": [
+            {
+                "policy": r.policy_name,
+                "subject": r.check.subject.kind,
+                "limit": r.limit,
+                "remaining": r.remaining,
+                "window_seconds": r.check.policy.window_seconds,
+                "retry_after_ms": -(-r.retry_us // 1000),
+            }
+            for r in decision.violated
+        ],
+    }
+
+
+def problem_response(decision: Decision) -> HttpResponse:
+    """A complete 429 or 503 response: problem body, ``Retry-After`` and rate-limit headers."""
+    status = 503 if decision.verdict is Verdict.UNAVAILABLE else 429
+    response = HttpResponse(json.dumps(problem_body(decision)), status=status, content_type=CONTENT_TYPE)
+    for name, value in rate_limit_headers(decision).items():
+        response[name] = value
+    response["Retry-After"] = str(retry_after_seconds(decision))
+    return response

@@ -1,0 +1,130 @@
+"""Parse and represent rates such as "100/s", "5/10m" or "10000/d"."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .exceptions import ConfigurationError
+
+__all__ = ["Rate", "parse_rate", "parse_duration", "UNITS_US"]
+
+#: Microseconds per unit. Long and short spellings are both accepted.
+UNITS_US: dict[str, int] = {
+    "ms": 1_000,
+    "s": 1_000_000,
+    "sec": 1_000_000,
+    "second": 1_000_000,
+    "m": 60_000_000,
+    "min": 60_000_000,
+    "minute": 60_000_000,
+    "h": 3_600_000_000,
+    "hour": 3_600_000_000,
+    "d": 86_400_000_000,
+    "day": 86_400_000_000,
+}
+
+# ASCII digits only: str.isdigit() and \d accept other scripts' digits ("١٠٠/s"), which
+# would parse but never match what an operator meant to type.
+_RATE = re.compile(r"(?P<limit>[0-9]+)/(?P<period>[0-9]*)(?P<unit>[a-z]+)", re.ASCII)
+_DURATION = re.compile(r"(?P<count>[0-9]+)(?P<unit>[a-z]+)", re.ASCII)
+
+#: Upper bounds that keep arithmetic exact in Lua's doubles (2**53) and keys' TTLs sane.
+MAX_LIMIT = 1_000_000_000
+MAX_PERIOD_US = 366 * 86_400_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class Rate:
+    """``limit`` requests (or tokens) per ``period_us`` microseconds."""
+
+    limit: int
+    period_us: int
+
+    def __post_init__(self) -> None:
+        if not 0 < self.limit <= MAX_LIMIT:
+            raise ConfigurationError(f"limit must be between 1 and {MAX_LIMIT}, got {self.limit}")
+        if not 0 < self.period_us <= MAX_PERIOD_US:
+            raise ConfigurationError(f"period must be between 1µs and 366 days, got {self.period_us}µs")
+
+    @property
+    def period_seconds(self) -> float:
+        return self.period_us / 1_000_000
+
+    @property
+    def interval_us(self) -> float:
+        """Time one token takes to refill (the GCRA emission interval)."""
+        return self.period_us / self.limit
+
+    def __str__(self) -> str:
+        return f"{self.limit}/{_format_duration(self.period_us)}"
+
+    def describe(self) -> str:
+        """Human-readable form for admins and docs: ``"100 / second"``, ``"5 / 10 minutes"``."""
+        count, unit = _largest_unit(self.period_us)
+        names = {"us": "microsecond", "ms": "millisecond", "s": "second", "m": "minute", "h": "hour", "d": "day"}
+        name = names[unit]
+        period = name if count == 1 else f"{count} {name}s"
+        return f"{self.limit} / {period}"
+
+
+def parse_rate(value: object, *, field: str = "rate") -> Rate:
+    """Parse ``"N/period"`` (``"100/s"``, ``"5/10m"``, ``"1000/hour"``) into a :class:`Rate`.
+
+    Raises :class:`ConfigurationError` naming ``field`` and the offending input for anything
+    else: zero or negative limits, exponents, NaN, non-ASCII digits, unknown units, sizes
+    beyond what the backends can count exactly.
+    """
+    if isinstance(value, Rate):
+        return value
+    if not isinstance(value, str):
+        raise ConfigurationError(f"{field}: expected a string like '100/s', got {value!r}")
+    text = value.strip().lower()
+    match = _RATE.fullmatch(text)
+    if match is None:
+        raise ConfigurationError(
+            f"{field}: {value!r} is not a rate; expected 'N/period' such as '100/s', '5/10m' or '1000/h'"
+        )
+    limit = int(match["limit"])
+    if limit == 0:
+        raise ConfigurationError(f"{field}: {value!r} allows nothing; the limit must be at least 1")
+    if limit > MAX_LIMIT:
+        raise ConfigurationError(f"{field}: {value!r} is too large; the limit must be at most {MAX_LIMIT}")
+    period_us = _period_us(match["period"], match["unit"], field=field, value=value)
+    return Rate(limit, period_us)
+
+
+def parse_duration(value: object, *, field: str = "duration") -> int:
+    """Parse ``"30s"``, ``"10m"`` or ``"250ms"`` into microseconds."""
+    if not isinstance(value, str):
+        raise ConfigurationError(f"{field}: expected a string like '30s', got {value!r}")
+    match = _DURATION.fullmatch(value.strip().lower())
+    if match is None:
+        raise ConfigurationError(f"{field}: {value!r} is not a duration; expected e.g. '250ms', '30s', '10m'")
+    return _period_us(match["count"], match["unit"], field=field, value=value)
+
+
+def _period_us(count_text: str, unit: str, *, field: str, value: object) -> int:
+    if unit not in UNITS_US:
+        known = ", ".join(sorted(UNITS_US))
+        raise ConfigurationError(f"{field}: {value!r} has an unknown unit {unit!r}; use one of {known}")
+    count = int(count_text) if count_text else 1
+    if count == 0:
+        raise ConfigurationError(f"{field}: {value!r} has a zero-length period")
+    period_us = count * UNITS_US[unit]
+    if period_us > MAX_PERIOD_US:
+        raise ConfigurationError(f"{field}: {value!r} has a period longer than 366 days")
+    return period_us
+
+
+def _largest_unit(period_us: int) -> tuple[int, str]:
+    for unit in ("d", "h", "m", "s", "ms"):
+        size = UNITS_US[unit]
+        if period_us % size == 0:
+            return period_us // size, unit
+    return period_us, "us"
+
+
+def _format_duration(period_us: int) -> str:
+    count, unit = _largest_unit(period_us)
+    return unit if count == 1 else f"{count}{unit}"

@@ -1,0 +1,44 @@
+"""The DRF throttle: every applicable policy of a request decided in one round trip."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rest_framework.request import Request
+from rest_framework.throttling import BaseThrottle
+
+from .drf import RateLimitUnavailable, endpoint_name
+from .engine import Decision, Verdict, evaluate
+from .headers import rate_limit_headers
+
+__all__ = ["RateLimitThrottle"]
+
+
+class RateLimitThrottle(BaseThrottle):
+    """Use in ``DEFAULT_THROTTLE_CLASSES`` or a view's ``throttle_classes``.
+
+    Headers go into ``view.headers``, which DRF copies onto every response, 429s included.
+    The decision is attached to the request as ``request.ratelimit``. Pair with
+    ``ratelimits.drf.exception_handler`` for ``application/problem+json`` bodies.
+    """
+
+    def __init__(self) -> None:
+        # DRF builds a throttle per request: nothing expensive belongs here.
+        self.decision: Decision | None = None
+
+    def allow_request(self, request: Request, view: Any) -> bool:
+        _, decision = evaluate(
+            request, endpoint=endpoint_name(request, view), auth=request.auth, user=request.user
+        )
+        self.decision = decision
+        request._request.ratelimit = decision
+        view.headers.update(rate_limit_headers(decision))
+        if decision.verdict is Verdict.UNAVAILABLE:
+            raise RateLimitUnavailable(decision)
+        return decision.allowed
+
+    def wait(self) -> float | None:
+        """Seconds until the request would be admitted (exact, not rounded); ``None`` if allowed."""
+        if self.decision is None or self.decision.allowed:
+            return None
+        return self.decision.retry_after_us / 1_000_000

@@ -1,0 +1,76 @@
+"""Fixtures: a private Redis per test session, backends on both stores, a controllable clock."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from ratelimits import engine
+from ratelimits.backends.memory import MemoryBackend
+from ratelimits.backends.redis import RedisBackend, make_client
+
+from .redis_server import RedisServer
+
+
+class FakeClock:
+    """Integer microseconds that only move when a test says so."""
+
+    def __init__(self, start_us: int = 1_700_000_000_000_000) -> None:
+        self.now = start_us
+
+    def __call__(self) -> int:
+        return self.now
+
+    def advance(self, us: int) -> None:
+        self.now += us
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    client = redis_server.client()
+    client.flushall()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture(params=["memory", "redis"])
+def backend(request: pytest.FixtureRequest, clock: FakeClock) -> Any:
+    """Each backend, driven by the same fake clock (Redis in app-clock mode)."""
+    if request.param == "memory":
+        return MemoryBackend(clock=clock)
+    server: RedisServer = request.getfixturevalue("redis_server")
+    request.getfixturevalue("redis_client")  # flushed
+    return RedisBackend(make_client(server.url, 2.0, 2.0), clock=clock)
+
+
+@pytest.fixture
+def use_redis(settings: Any, redis_server: RedisServer, redis_client: redis.Redis) -> Iterator[RedisServer]:
+    """Point RATELIMITS at the private Redis (server clock) for the duration of a test."""
+    settings.RATELIMITS = {**settings.RATELIMITS, "BACKEND": "redis", "REDIS_URL": redis_server.url}
+    yield redis_server
+    engine.reset()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_engine() -> Iterator[None]:
+    engine.reset()
+    yield
+    engine.reset()

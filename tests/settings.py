@@ -1,0 +1,65 @@
+"""Settings for the test suite: the demo project's apps, PostgreSQL or SQLite, a private Redis."""
+
+import os
+
+import dj_database_url
+
+SECRET_KEY = "tests-only-secret"
+DEBUG = False
+ALLOWED_HOSTS = ["*"]
+USE_TZ = True
+ROOT_URLCONF = "tests.urls"
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+INSTALLED_APPS = [
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.admin",
+    "rest_framework",
+    "ratelimits",
+    "project.payments",
+]
+
+MIDDLEWARE = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+DATABASES = {"default": dj_database_url.parse(os.environ.get("DATABASE_URL", "sqlite:///:memory:"))}
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": ["project.payments.auth.ApiKeyAuthentication"],
+    "DEFAULT_THROTTLE_CLASSES": ["ratelimits.throttles.RateLimitThrottle"],
+    "EXCEPTION_HANDLER": "ratelimits.drf.exception_handler",
+    "UNAUTHENTICATED_USER": None,
+}
+
+# Tests point BACKEND and REDIS_URL at the private Redis started by conftest.py.
+RATELIMITS = {
+    "BACKEND": "memory",
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"null": {"class": "logging.NullHandler"}},
+    "loggers": {"ratelimits": {"handlers": ["null"], "propagate": False}},
+}

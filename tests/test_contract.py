@@ -1,0 +1,206 @@
+"""One contract, both backends: memory and Redis must decide identically."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from ratelimits.algorithms import Algorithm
+from ratelimits.backends.memory import MemoryBackend
+from ratelimits.backends.redis import RedisBackend, make_client
+from ratelimits.engine import Verdict
+from ratelimits.exceptions import ConfigurationError
+from ratelimits.identity import Subject
+from ratelimits.policies import Check, Policy
+from ratelimits.rates import parse_rate
+
+from .conftest import FakeClock
+
+ALICE = Subject("api_key", "alice")
+BOB = Subject("api_key", "bob")
+
+
+def policy(rate: str, burst: int | None = None, algorithm: Algorithm = Algorithm.TOKEN_BUCKET, name: str = "p") -> Policy:
+    parsed = parse_rate(rate)
+    return Policy(name, parsed, burst or parsed.limit, algorithm)
+
+
+ALGORITHMS = list(Algorithm)
+
+
+def test_bucket_admits_burst_then_denies_with_exact_wait(backend: Any) -> None:
+    check = Check(policy("10/s"), ALICE)
+    decisions = [backend.decide([check]) for _ in range(11)]
+    assert [d.allowed for d in decisions] == [True] * 10 + [False]
+    assert [d.results[0].remaining for d in decisions[:10]] == list(range(9, -1, -1))
+    denied = decisions[-1]
+    assert denied.verdict is Verdict.LIMITED
+    assert denied.retry_after_us == 100_000
+    assert denied.violated[0].policy_name == "p"
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_retry_at_returned_time_is_admitted_and_earlier_is_not(backend: Any, clock: FakeClock, algorithm: Algorithm) -> None:
+    check = Check(policy("5/s", algorithm=algorithm), ALICE)
+    clock.advance(123_457)  # somewhere inside a window
+    while backend.decide([check]).allowed:
+        clock.advance(1_000)
+    denied = backend.decide([check])
+    assert not denied.allowed and denied.retry_after_us > 0
+    start = clock.now
+    clock.now = start + denied.retry_after_ms * 1000 - 1_000  # a millisecond early
+    assert not backend.decide([check]).allowed
+    clock.now = start + denied.retry_after_ms * 1000  # the time the 429 named
+    assert backend.decide([check]).allowed
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_exact_microsecond_wait(backend: Any, clock: FakeClock, algorithm: Algorithm) -> None:
+    check = Check(policy("3/s", algorithm=algorithm), ALICE)
+    clock.advance(777_777)
+    for _ in range(3):
+        assert backend.decide([check]).allowed
+    denied = backend.decide([check])
+    wait = denied.retry_after_us
+    start = clock.now
+    clock.now = start + wait - 1
+    assert not backend.decide([check]).allowed
+    clock.now = start + wait
+    assert backend.decide([check]).allowed
+
+
+def test_all_or_nothing_denied_request_consumes_nothing(backend: Any) -> None:
+    roomy = Check(policy("100/s", name="roomy"), ALICE)
+    tight = Check(policy("1/s", name="tight"), ALICE)
+    assert backend.decide([roomy, tight]).allowed
+    before = backend.decide([roomy], consume=False).results[0].remaining
+    for _ in range(5):
+        denied = backend.decide([roomy, tight])
+        assert not denied.allowed
+        assert [r.policy_name for r in denied.violated] == ["tight"]
+    after = backend.decide([roomy], consume=False).results[0].remaining
+    assert after == before
+
+
+def test_strictest_wins_and_retry_is_the_longest_wait(backend: Any) -> None:
+    fast = Check(policy("10/s", burst=1, name="fast"), ALICE)
+    slow = Check(policy("1/m", name="slow"), ALICE)
+    assert backend.decide([fast, slow]).allowed
+    denied = backend.decide([fast, slow])
+    assert {r.policy_name for r in denied.violated} == {"fast", "slow"}
+    assert denied.retry_after_us == 60_000_000
+    assert denied.closest is not None and denied.closest.policy_name == "slow"
+
+
+def test_cost_weights(backend: Any) -> None:
+    check = Check(policy("20/s"), ALICE, cost=10)
+    assert [backend.decide([check]).allowed for _ in range(3)] == [True, True, False]
+
+
+def test_cost_above_capacity_is_a_configuration_error() -> None:
+    with pytest.raises(ConfigurationError, match="exceeds its capacity"):
+        Check(policy("5/s"), ALICE, cost=6)
+
+
+def test_subjects_are_independent(backend: Any) -> None:
+    limit = policy("2/s")
+    for _ in range(2):
+        assert backend.decide([Check(limit, ALICE)]).allowed
+    assert not backend.decide([Check(limit, ALICE)]).allowed
+    assert backend.decide([Check(limit, BOB)]).allowed
+
+
+def test_peek_does_not_consume(backend: Any) -> None:
+    check = Check(policy("2/s"), ALICE)
+    for _ in range(10):
+        peek = backend.decide([check], consume=False)
+        assert peek.allowed and peek.results[0].remaining == 1
+    assert backend.decide([check]).allowed
+
+
+def test_same_key_twice_in_one_request_cannot_double_spend(backend: Any) -> None:
+    check = Check(policy("3/s"), ALICE, cost=2)
+    denied = backend.decide([check, check])
+    assert not denied.allowed
+    assert backend.decide([check]).allowed
+
+
+def test_bucket_refills_smoothly(backend: Any, clock: FakeClock) -> None:
+    check = Check(policy("10/s"), ALICE)
+    for _ in range(10):
+        backend.decide([check])
+    clock.advance(250_000)  # 2.5 tokens back
+    assert [backend.decide([check]).allowed for _ in range(3)] == [True, True, False]
+
+
+def test_sliding_window_weights_previous_window(backend: Any, clock: FakeClock) -> None:
+    check = Check(policy("10/s", algorithm=Algorithm.SLIDING_WINDOW), ALICE)
+    clock.now = 1_700_000_000_000_000 + 500_000  # mid-window
+    for _ in range(10):
+        assert backend.decide([check]).allowed
+    clock.now = 1_700_000_001_000_000 + 250_000  # 25% into the next window: 7.5 of 10 still count
+    assert [backend.decide([check]).allowed for _ in range(3)] == [True, True, False]
+
+
+def test_fixed_window_resets_at_boundary(backend: Any, clock: FakeClock) -> None:
+    check = Check(policy("2/s", algorithm=Algorithm.FIXED_WINDOW), ALICE)
+    clock.now = 1_700_000_000_999_000
+    assert [backend.decide([check]).allowed for _ in range(3)] == [True, True, False]
+    assert backend.decide([check]).retry_after_us == 1_000
+    clock.now = 1_700_000_001_000_000
+    assert backend.decide([check]).allowed
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_memory_and_redis_agree_on_random_traffic(redis_server: Any, redis_client: Any, algorithm: Algorithm) -> None:
+    """The reference and the Lua script decide the same thing, to the microsecond."""
+    rng = random.Random(f"contract-{algorithm.value}")
+    memory_clock, redis_clock = FakeClock(), FakeClock()
+    memory = MemoryBackend(clock=memory_clock)
+    remote = RedisBackend(make_client(redis_server.url, 2.0, 2.0), clock=redis_clock)
+    policies = [policy("7/s", burst=12, algorithm=algorithm, name="a"), policy("50/13s", algorithm=algorithm, name="b")]
+    for _ in range(400):
+        step = rng.choice([0, 0, 1_000, 37_000, 140_001, 900_000])
+        memory_clock.advance(step)
+        redis_clock.advance(step)
+        subject = rng.choice([ALICE, BOB])
+        checks = [Check(p, subject, cost=rng.randint(1, 3)) for p in policies]
+        consume = rng.random() > 0.1
+        ours, theirs = memory.decide(checks, consume=consume), remote.decide(checks, consume=consume)
+        assert ours.verdict == theirs.verdict
+        assert ours.retry_after_us == theirs.retry_after_us
+        assert [(r.allowed, r.remaining, r.reset_us, r.retry_us) for r in ours.results] == [
+            (r.allowed, r.remaining, r.reset_us, r.retry_us) for r in theirs.results
+        ]
+
+
+def test_every_redis_key_has_a_ttl_and_no_raw_identity(redis_server: Any, redis_client: Any) -> None:
+    remote = RedisBackend(make_client(redis_server.url, 2.0, 2.0))
+    subject = Subject("ip", "203.0.113.9")
+    for algorithm in ALGORITHMS:
+        remote.decide([Check(policy("5/10m", algorithm=algorithm, name=f"p-{algorithm.value}"), subject)])
+    keys = redis_client.keys("*")
+    assert len(keys) == 3
+    for key in keys:
+        assert redis_client.pttl(key) > 0
+        assert b"203.0.113.9" not in key
+        assert key.count(b"{") == 1 and key.count(b"}") == 1
+
+
+def test_redis_clock_mode_uses_server_time(redis_server: Any, redis_client: Any) -> None:
+    remote = RedisBackend(make_client(redis_server.url, 2.0, 2.0))
+    decision = remote.decide([Check(policy("1/s"), ALICE)])
+    seconds, micros = redis_client.time()
+    assert abs(seconds * 1_000_000 + micros - decision.now_us) < 5_000_000
+
+
+def test_script_cache_loss_is_transparent(redis_server: Any, redis_client: Any) -> None:
+    remote = RedisBackend(make_client(redis_server.url, 2.0, 2.0))
+    check = Check(policy("3/s"), ALICE)
+    assert remote.decide([check]).allowed
+    redis_client.script_flush()
+    assert remote.decide([check]).results[0].remaining == 1
+    assert remote.decide([check]).allowed
+    assert not remote.decide([check]).allowed
