@@ -7,7 +7,6 @@ from typing import Any
 from django.http import HttpResponse
 from rest_framework import exceptions
 from rest_framework.request import Request
-from rest_framework.views import exception_handler as drf_exception_handler
 
 from .engine import Decision
 from .problems import problem_response
@@ -41,6 +40,10 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> HttpResponse |
         decision = getattr(request, "ratelimit", None) if request is not None else None
         if isinstance(decision, Decision) and not decision.allowed:
             return problem_response(decision)
+    # Imported here: rest_framework.views reads DEFAULT_THROTTLE_CLASSES at import time, which
+    # imports ratelimits.throttles, which imports this module.
+    from rest_framework.views import exception_handler as drf_exception_handler
+
     return drf_exception_handler(exc, context)
 
 

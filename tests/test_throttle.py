@@ -1,0 +1,187 @@
+"""The DRF throttle and the 429 contract, end to end through the demo API."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+from rest_framework.test import APIClient
+
+from ratelimits.throttles import RateLimitThrottle
+
+from .factories import ApiKeyFactory
+
+pytestmark = pytest.mark.django_db
+
+BASE = {
+    "TIERS": {"free": {"rate": "3/s"}, "pro": {"rate": "100/s", "burst": 200}, "anon": {"rate": "2/m"}},
+    "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "free"},
+    "TIER_FUNC": "project.payments.auth.tier_of",
+    "ORGANIZATION_FUNC": "project.payments.auth.organization_of",
+}
+
+
+@pytest.fixture
+def limits(settings: Any, use_redis: Any) -> dict[str, Any]:
+    settings.RATELIMITS = {**settings.RATELIMITS, **BASE}
+    return settings.RATELIMITS  # type: ignore[no-any-return]
+
+
+def client_for(raw: str) -> APIClient:
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {raw}")
+    return client
+
+
+def test_success_carries_ietf_and_github_headers(limits: Any) -> None:
+    ApiKeyFactory(raw="sk_pro_1", tier="pro")
+    response = client_for("sk_pro_1").get("/v1/customers")
+    assert response.status_code == 200
+    assert response["RateLimit-Policy"] == '"tier:pro";q=200;w=2'
+    assert response["RateLimit"] == '"tier:pro";r=199;t=1'
+    assert response["X-RateLimit-Limit"] == "200"
+    assert response["X-RateLimit-Remaining"] == "199"
+    assert response["X-RateLimit-Used"] == "1"
+    assert response["X-RateLimit-Resource"] == "tier:pro"
+    assert int(response["X-RateLimit-Reset"]) > 1_700_000_000
+
+
+def test_429_contract(limits: Any) -> None:
+    ApiKeyFactory(raw="sk_free_1", tier="free")
+    client = client_for("sk_free_1")
+    statuses = [client.get("/v1/customers").status_code for _ in range(4)]
+    assert statuses == [200, 200, 200, 429]
+    response = client.get("/v1/customers")
+    assert response.status_code == 429
+    assert response["Content-Type"] == "application/problem+json"
+    body = json.loads(response.content)
+    assert body["status"] == 429
+    assert body["type"].endswith("#quota-exceeded")
+    assert 0 < body["retry_after_ms"] <= 334
+    assert [v["policy"] for v in body["violated_policies"]] == ["tier:free"]
+    assert body["violated_policies"][0]["subject"] == "api_key"
+    assert response["Retry-After"] == str(max(math.ceil(body["retry_after_ms"] / 1000), 1))
+    assert response["RateLimit"].startswith('"tier:free";r=0;')
+    assert response["X-RateLimit-Remaining"] == "0"
+
+
+def test_retry_after_is_rounded_up_never_down(limits: Any, settings: Any) -> None:
+    settings.RATELIMITS = {**limits, "TIERS": {**BASE["TIERS"], "free": {"rate": "2/3s"}}}
+    ApiKeyFactory(raw="sk_free_2", tier="free")
+    client = client_for("sk_free_2")
+    client.get("/v1/customers"), client.get("/v1/customers")
+    response = client.get("/v1/customers")
+    body = json.loads(response.content)
+    assert 1000 < body["retry_after_ms"] <= 1500
+    assert response["Retry-After"] == "2"
+
+
+def test_jitter_only_adds(limits: Any, settings: Any) -> None:
+    settings.RATELIMITS = {**limits, "RETRY_AFTER_JITTER": "5s"}
+    ApiKeyFactory(raw="sk_free_3", tier="free")
+    client = client_for("sk_free_3")
+    for _ in range(3):
+        client.get("/v1/customers")
+    seen = set()
+    for _ in range(30):
+        response = client.get("/v1/customers")
+        exact = json.loads(response.content)["retry_after_ms"]
+        value = int(response["Retry-After"])
+        assert value >= max(math.ceil(exact / 1000), 1)
+        assert value <= math.ceil((exact + 5000) / 1000)
+        seen.add(value)
+    assert len(seen) > 1
+
+
+@pytest.mark.parametrize(
+    ("style", "present", "absent"),
+    [
+        ("ietf", ["RateLimit", "RateLimit-Policy"], ["X-RateLimit-Limit"]),
+        ("github", ["X-RateLimit-Limit", "X-RateLimit-Reset"], ["RateLimit"]),
+        ("none", [], ["RateLimit", "X-RateLimit-Limit"]),
+    ],
+)
+def test_header_style_setting(limits: Any, settings: Any, style: str, present: list[str], absent: list[str]) -> None:
+    settings.RATELIMITS = {**limits, "HEADERS": style}
+    ApiKeyFactory(raw="sk_pro_2", tier="pro")
+    response = client_for("sk_pro_2").get("/v1/customers")
+    for name in present:
+        assert response.has_header(name)
+    for name in absent:
+        assert not response.has_header(name)
+
+
+def test_wait_is_exact_and_never_none_when_denied(limits: Any, rf: Any) -> None:
+    from rest_framework.request import Request
+
+    from tests.views import Ping
+
+    view = Ping()
+    view.headers = {}
+    throttle = RateLimitThrottle()
+    request = Request(rf.get("/t/ping", REMOTE_ADDR="198.51.100.1"))
+    request.auth, request.user = None, None
+    assert throttle.allow_request(request, view) and throttle.wait() is None
+    assert RateLimitThrottle().allow_request(request, view)
+    denied = RateLimitThrottle()
+    assert not denied.allow_request(request, view)
+    wait = denied.wait()
+    assert wait is not None and 0 < wait <= 60
+    assert wait == denied.decision.retry_after_us / 1_000_000  # type: ignore[union-attr]
+
+
+def test_anonymous_callers_are_limited_per_ip(limits: Any) -> None:
+    one, two = APIClient(REMOTE_ADDR="198.51.100.7"), APIClient(REMOTE_ADDR="198.51.100.8")
+    assert [one.get("/t/ping").status_code for _ in range(3)] == [200, 200, 429]
+    assert two.get("/t/ping").status_code == 200
+
+
+def test_rate_limit_endpoint_consumes_nothing(limits: Any) -> None:
+    ApiKeyFactory(raw="sk_free_4", tier="free", organization="acme")
+    client = client_for("sk_free_4")
+    for _ in range(5):
+        body = client.get("/v1/rate_limit?endpoint=customers").json()
+    resources = {r["policy"]: r for r in body["resources"]}
+    assert resources["tier:free"]["remaining"] == 3
+    assert resources["tier:free"]["limit"] == 3
+    assert client.get("/v1/customers").status_code == 200
+    body = client.get("/v1/rate_limit?endpoint=customers").json()
+    assert {r["policy"]: r for r in body["resources"]}["tier:free"]["remaining"] == 2
+
+
+def test_endpoint_cost_and_limits(limits: Any, settings: Any) -> None:
+    settings.RATELIMITS = {
+        **limits,
+        "TIERS": {**BASE["TIERS"], "free": {"rate": "20/s"}, "anon": {"rate": "2/m", "burst": 10}},
+        "ENDPOINTS": {"POST reports.export": {"cost": 10, "priority": "low"}},
+    }
+    ApiKeyFactory(raw="sk_free_5", tier="free")
+    from project.payments.views import ReportExport
+
+    ReportExport.duration = 0
+    client = client_for("sk_free_5")
+    assert [client.post("/v1/reports/export").status_code for _ in range(3)] == [200, 200, 429]
+
+
+def test_plain_django_view_with_decorator(limits: Any, settings: Any) -> None:
+    client = APIClient(REMOTE_ADDR="192.0.2.44")
+    first = client.get("/t/plain")
+    assert first.status_code == 200 and first.content == b"plain ok"
+    assert first["X-RateLimit-Remaining"] == "1"
+    client.get("/t/plain")
+    denied = client.get("/t/plain")
+    assert denied.status_code == 429
+    assert denied["Content-Type"] == "application/problem+json"
+    assert int(denied["Retry-After"]) >= 1
+
+
+@pytest.mark.parametrize(
+    "forwarded",
+    ["", "garbage", "1.2.3.4, ,", "\x00\xff", "[::1", "999.1.1.1", "a" * 5000, "::ffff:1.2.3.4, ::1", "1.2.3.4:80, [2001:db8::1]:443"],
+)
+def test_bad_forwarded_headers_never_500(limits: Any, settings: Any, forwarded: str) -> None:
+    settings.RATELIMITS = {**limits, "TRUSTED_PROXIES": ["10.0.0.0/8"]}
+    response = APIClient().get("/t/ping", REMOTE_ADDR="10.0.0.1", HTTP_X_FORWARDED_FOR=forwarded)
+    assert response.status_code in (200, 429)
