@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 
-class Algorithm(str, Enum):
+class Algorithm(StrEnum):
     """How a policy counts. The values are the names used in settings and the admin."""
 
     #: Token bucket expressed as GCRA: one timestamp per key, smooth refill, bursts up to ``burst``.
@@ -115,7 +115,7 @@ def fixed_window(state: State | None, now: int, limit: int, period_us: int, burs
     """Fixed window counter aligned to the epoch."""
     window = now // period_us
     until_next = period_us - (now - window * period_us)
-    count = state[1] if state is not None and state[0] == window else 0
+    count = int(state[1]) if state is not None and state[0] == window else 0
     if count + cost <= limit:
         return Outcome(True, limit - count - cost, until_next, 0, (window, count + cost), until_next)
     return Outcome(False, max(limit - count, 0), until_next, until_next, (window, count), until_next)
@@ -127,9 +127,9 @@ def _roll(state: State | None, window: int) -> tuple[int, int]:
         return 0, 0
     stored_window, current, previous = state
     if stored_window == window:
-        return current, previous
+        return int(current), int(previous)
     if stored_window == window - 1:
-        return 0, current
+        return 0, int(current)
     return 0, 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from django.conf import settings
@@ -28,7 +29,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         return [Error(str(exc), id=E002)]
     for key in sorted(set(user) - set(DEFAULTS)):
         messages.append(Error(f"RATELIMITS[{key!r}] is not a ratelimits setting", id=E001))
-    probes = [
+    probes: list[Callable[[], object]] = [
         lambda: conf.key_prefix,
         lambda: conf.use_redis_time,
         lambda: conf.redis_socket_timeout,
@@ -43,7 +44,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         lambda: conf.api_key_func,
         lambda: conf.organization_func,
         lambda: conf.tier_func,
-        lambda: import_string(conf.policy_source)(),
+        lambda: _build_source(),
     ]
     for probe in probes:
         try:
@@ -53,6 +54,11 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         except ImportError as exc:
             messages.append(Error(f"RATELIMITS['POLICY_SOURCE']: {exc}", id=E002))
     return messages
+
+
+def _build_source() -> object:
+    source: Callable[[], object] = import_string(conf.policy_source)
+    return source()
 
 
 @register(Tags.compatibility)
@@ -69,7 +75,10 @@ def check_deployment(app_configs: Any = None, **kwargs: Any) -> list[CheckMessag
         )
     rest = getattr(settings, "REST_FRAMEWORK", {}) or {}
     throttles = rest.get("DEFAULT_THROTTLE_CLASSES", ())
-    if "ratelimits.throttles.RateLimitThrottle" in throttles and rest.get("EXCEPTION_HANDLER") != "ratelimits.drf.exception_handler":
+    if (
+        "ratelimits.throttles.RateLimitThrottle" in throttles
+        and rest.get("EXCEPTION_HANDLER") != "ratelimits.drf.exception_handler"
+    ):
         messages.append(
             Warning(
                 "RateLimitThrottle is installed but 429 bodies will be DRF's default JSON, not problem+json.",

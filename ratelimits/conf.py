@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from django.conf import settings
 from django.core.signals import setting_changed
@@ -18,7 +18,9 @@ from django.utils.module_loading import import_string
 from .exceptions import ConfigurationError
 from .rates import parse_duration
 
-__all__ = ["conf", "FAIL_MODES", "HEADER_STYLES"]
+__all__ = ["FAIL_MODES", "HEADER_STYLES", "conf"]
+
+T = TypeVar("T")
 
 FAIL_MODES = ("open", "closed", "local")
 HEADER_STYLES = ("ietf", "github", "both", "none")
@@ -84,10 +86,10 @@ class Settings:
     def get(self, name: str) -> Any:
         return self.user_settings.get(name, DEFAULTS[name])
 
-    def _cached(self, name: str, build: Callable[[], Any]) -> Any:
+    def _cached(self, name: str, build: Callable[[], T]) -> T:
         if name not in self._cache:
             self._cache[name] = build()
-        return self._cache[name]
+        return cast(T, self._cache[name])
 
     @property
     def backend(self) -> str:
@@ -109,7 +111,9 @@ class Settings:
     def key_prefix(self) -> str:
         prefix = str(self.get("KEY_PREFIX"))
         if not prefix or "{" in prefix or "}" in prefix or " " in prefix:
-            raise ConfigurationError(f"RATELIMITS['KEY_PREFIX']: {prefix!r} must be non-empty, without braces or spaces")
+            raise ConfigurationError(
+                f"RATELIMITS['KEY_PREFIX']: {prefix!r} must be non-empty, without braces or spaces"
+            )
         return prefix
 
     @property
@@ -148,7 +152,9 @@ class Settings:
             try:
                 networks.append(ipaddress.ip_network(str(item), strict=False))
             except ValueError:
-                raise ConfigurationError(f"RATELIMITS['TRUSTED_PROXIES']: {item!r} is not an IP address or network") from None
+                raise ConfigurationError(
+                    f"RATELIMITS['TRUSTED_PROXIES']: {item!r} is not an IP address or network"
+                ) from None
         return tuple(networks)
 
     @property

@@ -11,7 +11,7 @@ from rest_framework.request import Request
 from .engine import Decision
 from .problems import problem_response
 
-__all__ = ["exception_handler", "RateLimitUnavailable", "endpoint_name"]
+__all__ = ["RateLimitUnavailable", "endpoint_name", "exception_handler"]
 
 
 class RateLimitUnavailable(exceptions.APIException):

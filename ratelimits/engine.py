@@ -7,7 +7,7 @@ import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from enum import Enum
+from enum import StrEnum
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -24,12 +24,12 @@ if TYPE_CHECKING:
 
     from .backends.base import Backend
 
-__all__ = ["Verdict", "Result", "Decision", "Limiter", "get_limiter", "get_policy_source", "evaluate"]
+__all__ = ["Decision", "Limiter", "Result", "Verdict", "evaluate", "get_limiter", "get_policy_source"]
 
 logger = logging.getLogger("ratelimits")
 
 
-class Verdict(str, Enum):
+class Verdict(StrEnum):
     """What happens to the request."""
 
     ALLOW = "allow"
@@ -148,7 +148,9 @@ class Limiter:
         if closed:
             wait_us = max(math.ceil(self.breaker.retry_after() * 1_000_000), 1_000_000)
             return Decision(Verdict.UNAVAILABLE, (), retry_after_us=wait_us, degraded=True)
-        local = [Check(c.policy.scaled(self.local_share), c.subject, c.cost) for c in checks if c.policy.fail_mode == "local"]
+        local = [
+            Check(c.policy.scaled(self.local_share), c.subject, c.cost) for c in checks if c.policy.fail_mode == "local"
+        ]
         if not local:
             return Decision(Verdict.ALLOW, (), degraded=True)
         decision = self.local.decide(local, consume=consume)

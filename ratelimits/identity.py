@@ -16,7 +16,7 @@ from .conf import conf
 if TYPE_CHECKING:
     from django.http import HttpRequest
 
-__all__ = ["Subject", "Identity", "identify", "client_ip", "normalize_ip"]
+__all__ = ["Identity", "Subject", "client_ip", "identify", "normalize_ip"]
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
     from .identity import Identity, Subject
 
-__all__ = ["Policy", "Check", "PolicySource", "SettingsPolicySource", "EndpointRule", "PRIORITIES"]
+__all__ = ["PRIORITIES", "Check", "EndpointRule", "Policy", "PolicySource", "SettingsPolicySource"]
 
 PRIORITIES = ("critical", "high", "normal", "low")
 
@@ -143,19 +143,20 @@ class SettingsPolicySource:
     """
 
     def __init__(self) -> None:
-        settings = conf.user_settings
         self.default_fail_mode = conf.default_fail_mode
-        tiers = settings.get("TIERS", conf.get("TIERS"))
+        tiers = conf.get("TIERS")
         if not isinstance(tiers, Mapping) or not tiers:
             raise ConfigurationError("RATELIMITS['TIERS'] must be a non-empty dict of tier name to policy")
         self.tiers: dict[str, list[Policy]] = {name: self._tier(name, cfg) for name, cfg in tiers.items()}
         defaults = conf.get("DEFAULT_TIERS")
+        if not isinstance(defaults, Mapping):
+            raise ConfigurationError("RATELIMITS['DEFAULT_TIERS'] must be a dict with 'anonymous' and 'authenticated'")
         for kind in ("anonymous", "authenticated"):
             if defaults.get(kind) not in self.tiers:
                 raise ConfigurationError(
-                    f"RATELIMITS['DEFAULT_TIERS']['{kind}']: {defaults.get(kind)!r} is not a tier in RATELIMITS['TIERS']"
+                    f"RATELIMITS['DEFAULT_TIERS']['{kind}']: {defaults.get(kind)!r} is not in RATELIMITS['TIERS']"
                 )
-        self.default_tiers = dict(defaults)
+        self.default_tiers: dict[str, str] = {kind: str(name) for kind, name in defaults.items()}
         dimensions = conf.get("DIMENSIONS")
         if not isinstance(dimensions, Mapping):
             raise ConfigurationError("RATELIMITS['DIMENSIONS'] must be a dict of subject kind to policy")
@@ -207,7 +208,9 @@ class SettingsPolicySource:
                 per_caller=self._policy(f"endpoint:{slug}", _as_policy(per_caller), f"{field}['rate']")
                 if per_caller is not None
                 else None,
-                endpoint_wide=self._policy(f"endpoint-all:{slug}", _as_policy(endpoint_wide), f"{field}['endpoint_rate']")
+                endpoint_wide=self._policy(
+                    f"endpoint-all:{slug}", _as_policy(endpoint_wide), f"{field}['endpoint_rate']"
+                )
                 if endpoint_wide is not None
                 else None,
                 exempt=bool(cfg.get("exempt", False)),

@@ -10,7 +10,7 @@ from django.http import HttpResponse
 from .engine import Decision, Verdict
 from .headers import rate_limit_headers, retry_after_seconds
 
-__all__ = ["problem_body", "problem_response", "CONTENT_TYPE"]
+__all__ = ["CONTENT_TYPE", "problem_body", "problem_response"]
 
 CONTENT_TYPE = "application/problem+json"
 # Problem types registered by the IETF RateLimit headers draft.

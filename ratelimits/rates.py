@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from .exceptions import ConfigurationError
 
-__all__ = ["Rate", "parse_rate", "parse_duration", "UNITS_US"]
+__all__ = ["UNITS_US", "Rate", "parse_duration", "parse_rate"]
 
 #: Microseconds per unit. Long and short spellings are both accepted.
 UNITS_US: dict[str, int] = {
@@ -24,8 +24,8 @@ UNITS_US: dict[str, int] = {
     "day": 86_400_000_000,
 }
 
-# ASCII digits only: str.isdigit() and \d accept other scripts' digits ("١٠٠/s"), which
-# would parse but never match what an operator meant to type.
+# ASCII digits only: str.isdigit() and \d also accept other scripts' digits (Arabic-Indic
+# "\u0661\u0660\u0660/s"), which would parse but never match what an operator meant to type.
 _RATE = re.compile(r"(?P<limit>[0-9]+)/(?P<period>[0-9]*)(?P<unit>[a-z]+)", re.ASCII)
 _DURATION = re.compile(r"(?P<count>[0-9]+)(?P<unit>[a-z]+)", re.ASCII)
 

@@ -27,11 +27,9 @@ class RateLimitThrottle(BaseThrottle):
         self.decision: Decision | None = None
 
     def allow_request(self, request: Request, view: Any) -> bool:
-        _, decision = evaluate(
-            request, endpoint=endpoint_name(request, view), auth=request.auth, user=request.user
-        )
+        _, decision = evaluate(request, endpoint=endpoint_name(request, view), auth=request.auth, user=request.user)
         self.decision = decision
-        request._request.ratelimit = decision
+        request._request.ratelimit = decision  # type: ignore[attr-defined]
         view.headers.update(rate_limit_headers(decision))
         if decision.verdict is Verdict.UNAVAILABLE:
             raise RateLimitUnavailable(decision)

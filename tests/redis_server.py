@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -42,8 +43,19 @@ class RedisServer:
     def start(self, timeout: float = 10.0) -> None:
         self.process = subprocess.Popen(
             [
-                "redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--dir", str(self.dir), "--logfile", str(self.dir / "redis.log"),
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.dir),
+                "--logfile",
+                str(self.dir / "redis.log"),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -86,10 +98,8 @@ class RedisServer:
         if self.process is None:
             return
         if self.process.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(self.process.pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
             self.process.terminate()
             try:
                 self.process.wait(timeout=10)

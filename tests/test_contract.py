@@ -22,7 +22,9 @@ ALICE = Subject("api_key", "alice")
 BOB = Subject("api_key", "bob")
 
 
-def policy(rate: str, burst: int | None = None, algorithm: Algorithm = Algorithm.TOKEN_BUCKET, name: str = "p") -> Policy:
+def policy(
+    rate: str, burst: int | None = None, algorithm: Algorithm = Algorithm.TOKEN_BUCKET, name: str = "p"
+) -> Policy:
     parsed = parse_rate(rate)
     return Policy(name, parsed, burst or parsed.limit, algorithm)
 
@@ -42,7 +44,9 @@ def test_bucket_admits_burst_then_denies_with_exact_wait(backend: Any) -> None:
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_retry_at_returned_time_is_admitted_and_earlier_is_not(backend: Any, clock: FakeClock, algorithm: Algorithm) -> None:
+def test_retry_at_returned_time_is_admitted_and_earlier_is_not(
+    backend: Any, clock: FakeClock, algorithm: Algorithm
+) -> None:
     check = Check(policy("5/s", algorithm=algorithm), ALICE)
     clock.advance(123_457)  # somewhere inside a window
     while backend.decide([check]).allowed:

@@ -33,7 +33,9 @@ class ApiKey(models.Model):
     def issue(cls, name: str, tier: str, organization: str = "", raw: str | None = None) -> tuple[ApiKey, str]:
         """Create a key and return it with its raw secret (shown once)."""
         raw = raw or f"sk_{tier}_{secrets.token_urlsafe(18)}"
-        key = cls.objects.create(name=name, prefix=raw[:12], key_hash=hash_key(raw), tier=tier, organization=organization)
+        key = cls.objects.create(
+            name=name, prefix=raw[:12], key_hash=hash_key(raw), tier=tier, organization=organization
+        )
         return key, raw
 
 

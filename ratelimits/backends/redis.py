@@ -87,10 +87,12 @@ class RedisBackend(Backend):
     def _run(self, keys: list[str], args: list[Any]) -> Any:
         try:
             try:
-                return self.client.execute_command("EVALSHA", DECIDE_SHA, len(keys), *keys, *args)
+                return self.client.execute_command(  # type: ignore[no-untyped-call]
+                    "EVALSHA", DECIDE_SHA, len(keys), *keys, *args
+                )
             except redis.exceptions.NoScriptError:
                 # The script did not run, so sending it again cannot charge twice.
-                return self.client.execute_command("EVAL", DECIDE, len(keys), *keys, *args)
+                return self.client.execute_command("EVAL", DECIDE, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
         except redis.RedisError as exc:
             raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
 
