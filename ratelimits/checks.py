@@ -44,11 +44,16 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         lambda: conf.api_key_func,
         lambda: conf.organization_func,
         lambda: conf.tier_func,
-        lambda: _build_source(),
     ]
     for probe in probes:
         try:
             probe()
+        except ConfigurationError as exc:
+            messages.append(Error(str(exc), id=E002))
+    if not messages:
+        # Policies build on the settings above; report them only once those are sound.
+        try:
+            _build_source()
         except ConfigurationError as exc:
             messages.append(Error(str(exc), id=E002))
         except ImportError as exc:

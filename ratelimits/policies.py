@@ -112,8 +112,11 @@ class PolicySource(Protocol):
         """The rule for an endpoint and HTTP method (a default rule if none is configured)."""
 
 
-def policy_from_config(name: str, config: Mapping[str, Any], *, field: str, default_fail_mode: str) -> Policy:
-    """Build a :class:`Policy` from a settings dict like ``{"rate": "100/s", "burst": 200}``."""
+def policy_from_config(name: str, config: Any, *, field: str, default_fail_mode: str) -> Policy:
+    """Build a :class:`Policy` from ``{"rate": "100/s", "burst": 200}`` or just ``"100/s"``."""
+    rate_field = field if isinstance(config, str) else f"{field}['rate']"
+    if isinstance(config, str):
+        config = {"rate": config}
     if not isinstance(config, Mapping):
         raise ConfigurationError(f"{field}: expected a dict with at least 'rate', got {config!r}")
     unknown = set(config) - {"rate", "burst", "algorithm", "fail_mode", "quota"}
@@ -121,7 +124,7 @@ def policy_from_config(name: str, config: Mapping[str, Any], *, field: str, defa
         raise ConfigurationError(f"{field}: unknown keys {', '.join(sorted(unknown))}")
     if "rate" not in config:
         raise ConfigurationError(f"{field}: 'rate' is required")
-    rate = parse_rate(config["rate"], field=f"{field}['rate']")
+    rate = parse_rate(config["rate"], field=rate_field)
     burst = config.get("burst", rate.limit)
     if isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
         raise ConfigurationError(f"{field}['burst']: {burst!r} must be a positive integer")
@@ -205,12 +208,10 @@ class SettingsPolicySource:
             rules[_endpoint_key(name)] = EndpointRule(
                 cost=cost,
                 priority=priority,
-                per_caller=self._policy(f"endpoint:{slug}", _as_policy(per_caller), f"{field}['rate']")
+                per_caller=self._policy(f"endpoint:{slug}", per_caller, f"{field}['rate']")
                 if per_caller is not None
                 else None,
-                endpoint_wide=self._policy(
-                    f"endpoint-all:{slug}", _as_policy(endpoint_wide), f"{field}['endpoint_rate']"
-                )
+                endpoint_wide=self._policy(f"endpoint-all:{slug}", endpoint_wide, f"{field}['endpoint_rate']")
                 if endpoint_wide is not None
                 else None,
                 exempt=bool(cfg.get("exempt", False)),
@@ -268,11 +269,6 @@ class SettingsPolicySource:
 
 
 _DEFAULT_RULE = EndpointRule()
-
-
-def _as_policy(value: Any) -> Any:
-    """Endpoint limits may be written as just a rate string."""
-    return {"rate": value} if isinstance(value, str) else value
 
 
 def _endpoint_key(name: str) -> str:

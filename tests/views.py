@@ -5,7 +5,7 @@ from django.urls import path
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from ratelimits.middleware import ratelimit
+from ratelimits.middleware import ratelimit, ratelimit_exempt
 
 
 class Ping(APIView):
@@ -23,4 +23,19 @@ def plain(request: HttpRequest) -> HttpResponse:
 urlpatterns = [
     path("ping", Ping.as_view(), name="ping"),
     path("plain", plain, name="plain"),
+]
+
+
+def unmarked(request: HttpRequest) -> HttpResponse:
+    return HttpResponse("unmarked ok")
+
+
+@ratelimit_exempt
+def exempt(request: HttpRequest) -> HttpResponse:
+    return HttpResponse("exempt ok")
+
+
+urlpatterns += [
+    path("unmarked", unmarked, name="unmarked"),
+    path("exempt", exempt, name="exempt"),
 ]

@@ -1,0 +1,125 @@
+"""Policies from settings: validation with errors that name the field, and resolution."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.test import RequestFactory
+
+from ratelimits.algorithms import Algorithm
+from ratelimits.exceptions import ConfigurationError
+from ratelimits.identity import identify
+from ratelimits.policies import Policy, SettingsPolicySource
+from ratelimits.rates import parse_rate
+
+GOOD = {
+    "TIERS": {
+        "anon": {"rate": "10/s", "burst": 20},
+        "free": {"rate": "10/s", "burst": 20, "quota": "1000/d"},
+        "pro": {"rate": "100/s", "burst": 200, "algorithm": "sliding_window", "fail_mode": "closed"},
+    },
+    "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "free"},
+    "DIMENSIONS": {"ip": {"rate": "300/s"}, "org": {"rate": "1000/m", "burst": 100}},
+    "ENDPOINTS": {
+        "POST charges": {"cost": 1, "priority": "critical"},
+        "reports.export": {"cost": 10, "priority": "low", "rate": "30/m", "endpoint_rate": "600/m"},
+        "health": {"exempt": True},
+    },
+}
+
+
+def source(settings: Any, **changes: Any) -> SettingsPolicySource:
+    settings.RATELIMITS = {**GOOD, **changes}
+    return SettingsPolicySource()
+
+
+def test_good_configuration_resolves_every_dimension(settings: Any, rf: RequestFactory) -> None:
+    settings.RATELIMITS = {**GOOD, "ORGANIZATION_FUNC": lambda request: "acme"}
+    policies = SettingsPolicySource()
+    request = rf.post("/v1/reports/export", REMOTE_ADDR="192.0.2.1")
+    identity = identify(request, endpoint="reports.export", auth="sk_1")
+    checks = policies.checks_for(request, identity)
+    names = [(c.policy.name, c.subject.kind, c.cost) for c in checks]
+    assert names == [
+        ("tier:free", "api_key", 10),
+        ("tier:free:quota", "api_key", 10),
+        ("ip", "ip", 10),
+        ("org", "org", 10),
+        ("endpoint:reports.export", "api_key", 10),
+        ("endpoint-all:reports.export", "endpoint", 10),
+    ]
+    quota = checks[1].policy
+    assert quota.algorithm is Algorithm.FIXED_WINDOW and quota.rate == parse_rate("1000/d")
+
+
+def test_method_specific_rule_and_default_rule(settings: Any) -> None:
+    policies = source(settings)
+    assert policies.endpoint_rule("charges", "post").priority == "critical"
+    assert policies.endpoint_rule("charges", "GET").priority == "normal"
+    assert policies.endpoint_rule("reports.export", "GET").cost == 10
+
+
+def test_exempt_endpoint_has_no_checks(settings: Any, rf: RequestFactory) -> None:
+    policies = source(settings)
+    request = rf.get("/health", REMOTE_ADDR="192.0.2.1")
+    assert policies.checks_for(request, identify(request, endpoint="health")) == []
+
+
+def test_tier_func_picks_tier_and_unknown_tier_is_an_error(settings: Any, rf: RequestFactory) -> None:
+    policies = source(settings, TIER_FUNC=lambda request, identity: "pro")
+    request = rf.get("/", REMOTE_ADDR="192.0.2.1")
+    assert policies.tier_for(request, identify(request, endpoint="x", auth="k")) == "pro"
+    policies = source(settings, TIER_FUNC=lambda request, identity: "platinum")
+    with pytest.raises(ConfigurationError, match="unknown tier 'platinum'"):
+        policies.tier_for(request, identify(request, endpoint="x", auth="k"))
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"TIERS": {}}, r"RATELIMITS\['TIERS'\] must be a non-empty dict"),
+        ({"TIERS": {**GOOD["TIERS"], "free": {"rate": "0/s"}}}, r"TIERS'\]\['free'\]\['rate'\]: '0/s'"),
+        ({"TIERS": {**GOOD["TIERS"], "free": {"rate": "-1/m"}}}, r"\['free'\]\['rate'\]: '-1/m'"),
+        ({"TIERS": {**GOOD["TIERS"], "free": {"rate": "1e3/s"}}}, r"\['free'\]\['rate'\]: '1e3/s'"),
+        ({"TIERS": {**GOOD["TIERS"], "free": {"burst": 3}}}, r"\['free'\]: 'rate' is required"),
+        ({"TIERS": {**GOOD["TIERS"], "free": {"rate": "1/s", "burst": 0}}}, r"\['free'\]\['burst'\]: 0"),
+        ({"TIERS": {**GOOD["TIERS"], "free": {"rate": "1/s", "burst": 1.5}}}, r"\['free'\]\['burst'\]: 1.5"),
+        ({"TIERS": {**GOOD["TIERS"], "free": {"rate": "1/s", "algorithm": "leaky"}}}, r"\['algorithm'\]: 'leaky'"),
+        ({"TIERS": {**GOOD["TIERS"], "free": {"rate": "1/s", "fail_mode": "maybe"}}}, r"\['fail_mode'\]: 'maybe'"),
+        ({"TIERS": {**GOOD["TIERS"], "free": {"rate": "1/s", "brust": 5}}}, r"\['free'\]: unknown keys brust"),
+        ({"TIERS": {**GOOD["TIERS"], "free": {"rate": "1/s", "quota": "0/d"}}}, r"\['free'\]\['quota'\]: '0/d'"),
+        ({"DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "gold"}}, r"\['authenticated'\]: 'gold'"),
+        ({"DIMENSIONS": {"country": {"rate": "1/s"}}}, r"DIMENSIONS'\]: 'country'"),
+        ({"ENDPOINTS": {"x": {"cost": 0}}}, r"ENDPOINTS'\]\['x'\]\['cost'\]: 0"),
+        ({"ENDPOINTS": {"x": {"priority": "urgent"}}}, r"\['priority'\]: 'urgent'"),
+        ({"ENDPOINTS": {"x": {"rate": "NaN/s"}}}, r"\['x'\]\['rate'\]: 'NaN/s'"),
+        ({"ENDPOINTS": {"x": {"cost": 25}}}, r"\['x'\]\['cost'\]: 25 exceeds the capacity 20 of tier:anon"),
+        ({"ENDPOINTS": {"x": {"cost": 5, "rate": "4/s"}}}, r"capacity 4 of endpoint:x"),
+        ({"EXEMPT_ENDPOINTS": "health"}, r"EXEMPT_ENDPOINTS'\] must be a list"),
+    ],
+)
+def test_bad_configuration_names_the_field(settings: Any, changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        source(settings, **changes)
+
+
+def test_policy_names_cannot_carry_hash_tags() -> None:
+    with pytest.raises(ConfigurationError, match="policy name"):
+        Policy("tier:{x}", parse_rate("1/s"), 1)
+
+
+def test_scaled_policy_keeps_at_least_one() -> None:
+    policy = Policy("p", parse_rate("10/s"), 20)
+    half = policy.scaled(0.5)
+    assert (half.rate.limit, half.burst) == (5, 10)
+    tiny = policy.scaled(0.01)
+    assert (tiny.rate.limit, tiny.burst) == (1, 1)
+    assert policy.scaled(1.0) is policy
+
+
+def test_describe_and_window() -> None:
+    assert Policy("p", parse_rate("100/s"), 200).describe() == "100 / second, burst 200"
+    assert Policy("p", parse_rate("100/s"), 200).window_seconds == 2
+    window = Policy("q", parse_rate("5/10m"), 5, Algorithm.SLIDING_WINDOW)
+    assert window.describe() == "5 / 10 minutes (sliding window)" and window.window_seconds == 600
