@@ -14,6 +14,7 @@ SECRET_KEY = os.environ.get("SECRET_KEY", "demo-only-not-secret")
 DEBUG = os.environ.get("DEBUG", "1") == "1"
 ALLOWED_HOSTS = ["*"]
 USE_TZ = True
+TIME_ZONE = "UTC"
 ROOT_URLCONF = "project.urls"
 WSGI_APPLICATION = "project.wsgi.application"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
