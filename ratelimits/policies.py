@@ -39,8 +39,7 @@ class Policy:
     def __post_init__(self) -> None:
         if not _POLICY_NAME.fullmatch(self.name):
             raise ConfigurationError(f"policy name {self.name!r} must match {_POLICY_NAME.pattern}")
-        if isinstance(self.burst, bool) or not isinstance(self.burst, int) or self.burst < 1:
-            raise ConfigurationError(f"{self.name}: burst must be a positive integer, got {self.burst!r}")
+        positive_int(self.burst, field=f"{self.name}: burst")
         fail_mode(self.fail_mode, field=f"{self.name}: fail_mode")
 
     @property
@@ -78,8 +77,7 @@ class Check:
     cost: int = 1
 
     def __post_init__(self) -> None:
-        if isinstance(self.cost, bool) or not isinstance(self.cost, int) or self.cost < 1:
-            raise ConfigurationError(f"{self.policy.name}: cost must be a positive integer, got {self.cost!r}")
+        positive_int(self.cost, field=f"{self.policy.name}: cost")
         if self.cost > self.policy.capacity:
             raise ConfigurationError(
                 f"{self.policy.name}: cost {self.cost} exceeds its capacity {self.policy.capacity}; "
@@ -112,22 +110,26 @@ class PolicySource(Protocol):
         """The rule for an endpoint and HTTP method (a default rule if none is configured)."""
 
 
-def policy_from_config(name: str, config: Any, *, field: str, default_fail_mode: str) -> Policy:
-    """Build a :class:`Policy` from ``{"rate": "100/s", "burst": 200}`` or just ``"100/s"``."""
+def policy_from_config(
+    name: str, config: Any, *, field: str, default_fail_mode: str, extra_keys: frozenset[str] = frozenset()
+) -> Policy:
+    """Build a :class:`Policy` from ``{"rate": "100/s", "burst": 200}`` or just ``"100/s"``.
+
+    ``extra_keys`` are keys the caller handles itself (a tier's ``quota``); any other unknown
+    key is an error rather than silently ignored.
+    """
     rate_field = field if isinstance(config, str) else f"{field}['rate']"
     if isinstance(config, str):
         config = {"rate": config}
     if not isinstance(config, Mapping):
         raise ConfigurationError(f"{field}: expected a dict with at least 'rate', got {config!r}")
-    unknown = set(config) - {"rate", "burst", "algorithm", "fail_mode", "quota"}
+    unknown = set(config) - {"rate", "burst", "algorithm", "fail_mode"} - extra_keys
     if unknown:
         raise ConfigurationError(f"{field}: unknown keys {', '.join(sorted(unknown))}")
     if "rate" not in config:
         raise ConfigurationError(f"{field}: 'rate' is required")
     rate = parse_rate(config["rate"], field=rate_field)
-    burst = config.get("burst", rate.limit)
-    if isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
-        raise ConfigurationError(f"{field}['burst']: {burst!r} must be a positive integer")
+    burst = positive_int(config.get("burst", rate.limit), field=f"{field}['burst']")
     algorithm_name = config.get("algorithm", Algorithm.TOKEN_BUCKET.value)
     try:
         algorithm = Algorithm(algorithm_name)
@@ -135,7 +137,17 @@ def policy_from_config(name: str, config: Any, *, field: str, default_fail_mode:
         names = ", ".join(a.value for a in Algorithm)
         raise ConfigurationError(f"{field}['algorithm']: {algorithm_name!r} must be one of {names}") from None
     mode = fail_mode(config.get("fail_mode", default_fail_mode), field=f"{field}['fail_mode']")
-    return Policy(name=name, rate=rate, burst=burst, algorithm=algorithm, fail_mode=mode)
+    try:
+        return Policy(name=name, rate=rate, burst=burst, algorithm=algorithm, fail_mode=mode)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"{field}: {exc}") from None
+
+
+def positive_int(value: object, *, field: str) -> int:
+    """``value`` if it is an integer of at least 1 (booleans are not integers here)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(f"{field}: {value!r} must be a positive integer")
+    return value
 
 
 class SettingsPolicySource:
@@ -171,12 +183,14 @@ class SettingsPolicySource:
         self.endpoints = self._endpoints(conf.get("ENDPOINTS"), conf.get("EXEMPT_ENDPOINTS"))
         self._validate_costs()
 
-    def _policy(self, name: str, cfg: Any, field: str) -> Policy:
-        return policy_from_config(name, cfg, field=field, default_fail_mode=self.default_fail_mode)
+    def _policy(self, name: str, cfg: Any, field: str, extra_keys: frozenset[str] = frozenset()) -> Policy:
+        return policy_from_config(
+            name, cfg, field=field, default_fail_mode=self.default_fail_mode, extra_keys=extra_keys
+        )
 
     def _tier(self, name: str, cfg: Any) -> list[Policy]:
         field = f"RATELIMITS['TIERS']['{name}']"
-        policies = [self._policy(f"tier:{name}", cfg, field)]
+        policies = [self._policy(f"tier:{name}", cfg, field, frozenset({"quota"}))]
         quota = cfg.get("quota") if isinstance(cfg, Mapping) else None
         if quota is not None:
             rate = parse_rate(quota, field=f"{field}['quota']")
@@ -196,9 +210,7 @@ class SettingsPolicySource:
             unknown = set(cfg) - {"cost", "priority", "rate", "endpoint_rate", "exempt"}
             if unknown:
                 raise ConfigurationError(f"{field}: unknown keys {', '.join(sorted(unknown))}")
-            cost = cfg.get("cost", 1)
-            if isinstance(cost, bool) or not isinstance(cost, int) or cost < 1:
-                raise ConfigurationError(f"{field}['cost']: {cost!r} must be a positive integer")
+            cost = positive_int(cfg.get("cost", 1), field=f"{field}['cost']")
             priority = cfg.get("priority", "normal")
             if priority not in PRIORITIES:
                 raise ConfigurationError(f"{field}['priority']: {priority!r} must be one of {', '.join(PRIORITIES)}")

@@ -123,3 +123,13 @@ def test_describe_and_window() -> None:
     assert Policy("p", parse_rate("100/s"), 200).window_seconds == 2
     window = Policy("q", parse_rate("5/10m"), 5, Algorithm.SLIDING_WINDOW)
     assert window.describe() == "5 / 10 minutes (sliding window)" and window.window_seconds == 600
+
+
+def test_quota_only_belongs_to_tiers(settings: Any) -> None:
+    with pytest.raises(ConfigurationError, match=r"DIMENSIONS'\]\['ip'\]: unknown keys quota"):
+        source(settings, DIMENSIONS={"ip": {"rate": "10/s", "quota": "100/d"}})
+
+
+def test_bad_tier_name_names_the_field(settings: Any) -> None:
+    with pytest.raises(ConfigurationError, match=r"TIERS'\]\['gold plan'\]: policy name"):
+        source(settings, TIERS={**GOOD["TIERS"], "gold plan": {"rate": "1/s"}})
