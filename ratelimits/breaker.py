@@ -19,6 +19,12 @@ class CircuitBreaker:
     store. Then it is half-open: the first caller becomes the probe; everyone else is turned
     away until the probe reports. A successful probe closes the breaker with an empty window;
     a failed one opens it for another cooldown. Time is read from a monotonic clock.
+
+    Outcomes reported while the breaker is open and no probe is out come from calls admitted
+    before it opened (they were in flight when it tripped): they are ignored, so a straggling
+    success cannot close the breaker early and a straggling failure cannot stretch the cooldown.
+    (One that reports while a probe is out is taken for the probe's outcome; with a cooldown far
+    longer than the store's timeouts, stragglers have reported long before.)
     """
 
     def __init__(
@@ -30,7 +36,8 @@ class CircuitBreaker:
         cooldown: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.min_calls = min_calls
+        # More required calls than the window holds could never be met: the breaker would never open.
+        self.min_calls = min(min_calls, window)
         self.failure_rate = failure_rate
         self.cooldown = cooldown
         self._clock = clock
@@ -67,17 +74,20 @@ class CircuitBreaker:
 
     def record_success(self) -> None:
         with self._lock:
-            if self._opened_at is not None:
-                self._close()
-            else:
+            if self._opened_at is None:
                 self._record(True)
+            elif self._probing:
+                self._close()
+            # else: a call admitted before the breaker opened answered late; it stays open.
 
     def record_failure(self) -> None:
         with self._lock:
             if self._opened_at is not None:
-                # A failed probe (or a call that started before the breaker opened).
-                self._opened_at = self._clock()
-                self._probing = False
+                if self._probing:
+                    # The probe failed: another full cooldown from now.
+                    self._opened_at = self._clock()
+                    self._probing = False
+                # else: a call admitted before the breaker opened; the cooldown runs from the opening.
                 return
             self._record(False)
             if len(self._outcomes) >= self.min_calls and self._failures >= self.failure_rate * len(self._outcomes):

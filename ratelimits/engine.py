@@ -136,6 +136,11 @@ class Limiter:
             except BackendUnavailable as exc:
                 self.breaker.record_failure()
                 logger.warning("ratelimits: backend unavailable, degrading: %s", exc)
+            except BaseException:
+                # Anything else (a bug, a worker timeout) must still report: a half-open breaker
+                # whose probe never reports would turn every later call away for good.
+                self.breaker.record_failure()
+                raise
             else:
                 self.breaker.record_success()
                 return decision
