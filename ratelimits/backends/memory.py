@@ -63,8 +63,8 @@ class MemoryBackend(Backend):
                 results.append(Result(check, outcome.allowed, outcome.remaining, outcome.reset_us, outcome.retry_us))
             if consume and all(r.allowed for r in results):
                 for key, state, ttl_us in writes:
-                    # Same millisecond TTL rounding as the Redis script.
-                    self._state[key] = (state, now + max(-(-ttl_us // 1000), 1) * 1000)
+                    # Same millisecond TTL and one-second slack as the Redis script.
+                    self._state[key] = (state, now + (max(-(-ttl_us // 1000), 1) + 1000) * 1000)
                 self._writes += len(writes)
                 if self._writes >= self.SWEEP_EVERY:
                     self._sweep(now)

@@ -166,7 +166,10 @@ end
 -- Phase 2: all or nothing.
 if all_allowed and consume then
   for _, w in ipairs(writes) do
-    redis.call('SET', w[1], w[2], 'PX', math.max(math.ceil(w[3] / 1000), 1))
+    -- One second of slack: Redis expires keys in real time, but with CLOCK "app" the TTL was
+    -- computed on the app's clock, which may run slow. State kept too long decides exactly like
+    -- no state (a past arrival time, an old window); state dropped early forgets spent tokens.
+    redis.call('SET', w[1], w[2], 'PX', math.max(math.ceil(w[3] / 1000), 1) + 1000)
   end
 end
 

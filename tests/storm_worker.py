@@ -1,0 +1,194 @@
+"""Storm harness: real processes x threads deciding the same checks against one real Redis.
+
+Lives in its own importable module because the ``spawn`` start method re-imports the
+target function in each child. Each child builds its own client (sockets are never
+inherited), every thread waits on cross-process barriers that the parent also joins, and
+every loop is bounded: a fixed number of attempts, barrier and queue waits with timeouts.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import threading
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from ratelimits.backends.redis import RedisBackend, make_client
+from ratelimits.policies import Check
+
+#: Seconds any participant waits at the start line or for a child's report before giving up.
+START_TIMEOUT = 60.0
+REPORT_TIMEOUT = 60.0
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One decision as a thread saw it."""
+
+    allowed: bool
+    #: Redis ``TIME`` inside the script that decided it (server clock mode).
+    now_us: int
+    #: Per check: (allowed, remaining).
+    results: tuple[tuple[bool, int], ...]
+    cost: int
+    #: (pid, thread index) that made it.
+    worker: tuple[int, int]
+
+
+@dataclass
+class StormReport:
+    attempts: list[Attempt] = field(default_factory=list)
+    pids: set[int] = field(default_factory=set)
+    errors: list[str] = field(default_factory=list)
+    #: Redis TIME (us) read by the parent just before it released the start line / after all reports.
+    start_us: int = 0
+    end_us: int = 0
+
+    @property
+    def admitted(self) -> list[Attempt]:
+        return [a for a in self.attempts if a.allowed]
+
+    @property
+    def admitted_cost(self) -> int:
+        return sum(a.cost for a in self.admitted)
+
+    @property
+    def elapsed_us(self) -> int:
+        return self.end_us - self.start_us
+
+    def spans(self) -> dict[int, tuple[int, int]]:
+        """Per process, the Redis times of its first and last decision."""
+        spans: dict[int, tuple[int, int]] = {}
+        for a in self.attempts:
+            first, last = spans.get(a.worker[0], (a.now_us, a.now_us))
+            spans[a.worker[0]] = (min(first, a.now_us), max(last, a.now_us))
+        return spans
+
+
+def redis_time_us(client: redis.Redis) -> int:
+    seconds, micros = client.time()
+    return int(seconds) * 1_000_000 + int(micros)
+
+
+def _thread_body(
+    backend: RedisBackend,
+    checks: Sequence[Check],
+    attempts: int,
+    barriers: tuple[Any, Any],
+    out: list[Attempt],
+    errors: list[str],
+    index: int,
+) -> None:
+    ready, go = barriers
+    try:
+        backend.client.ping()  # open a connection before the start line, not during the storm
+        ready.wait(START_TIMEOUT)
+        go.wait(START_TIMEOUT)
+        cost = checks[-1].cost
+        for _ in range(attempts):
+            decision = backend.decide(checks)
+            out.append(
+                Attempt(
+                    allowed=decision.allowed,
+                    now_us=decision.now_us,
+                    results=tuple((r.allowed, r.remaining) for r in decision.results),
+                    cost=cost,
+                    worker=(os.getpid(), index),
+                )
+            )
+    except BaseException:  # reported to the parent, which fails the test
+        errors.append(traceback.format_exc())
+        ready.abort()
+        go.abort()
+
+
+def process_main(
+    url: str, checks_per_thread: list[list[Check]], attempts: int, barriers: tuple[Any, Any], reports: Any
+) -> None:
+    """Child entry point: one backend (own client, Redis server clock), one thread per check list."""
+    backend = RedisBackend(make_client(url, 2.0, 2.0), clock=None)
+    outs: list[list[Attempt]] = [[] for _ in checks_per_thread]
+    errors: list[str] = []
+    threads = [
+        threading.Thread(
+            target=_thread_body, args=(backend, checks, attempts, barriers, outs[i], errors, i), daemon=True
+        )
+        for i, checks in enumerate(checks_per_thread)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(START_TIMEOUT + REPORT_TIMEOUT)
+        if thread.is_alive():
+            errors.append(f"pid {os.getpid()}: a storm thread did not finish in time")
+    reports.put((os.getpid(), [a for out in outs for a in out], errors))
+
+
+def run_storm(
+    url: str,
+    checks_for: Any,
+    *,
+    processes: int = 4,
+    threads: int = 8,
+    attempts: int = 50,
+    method: str = "spawn",
+) -> StormReport:
+    """Run ``processes`` x ``threads`` workers, each making ``attempts`` decisions.
+
+    ``checks_for(process_index, thread_index)`` returns the checks one thread decides (its
+    last check's cost is recorded as the request's cost). Subjects' digests are computed
+    here, so children need no Django settings.
+    """
+    ctx = multiprocessing.get_context(method)
+    plan = [[list(checks_for(p, t)) for t in range(threads)] for p in range(processes)]
+    for per_process in plan:
+        for checks in per_process:
+            for check in checks:
+                check.key("rl")  # fills the cached digest that travels with the pickled Subject
+    # Two start lines: "ready" (every thread connected, the parent included), then the parent
+    # reads Redis TIME, then "go". So the measured span covers the storm, not process start-up.
+    barriers = (ctx.Barrier(processes * threads + 1), ctx.Barrier(processes * threads + 1))
+    reports = ctx.Queue()
+    children = [
+        ctx.Process(target=process_main, args=(url, plan[p], attempts, barriers, reports), daemon=True)
+        for p in range(processes)
+    ]
+    report = StormReport()
+    timer = redis.Redis.from_url(url, socket_timeout=5)
+    try:
+        for child in children:
+            child.start()
+        try:
+            barriers[0].wait(START_TIMEOUT)
+            report.start_us = redis_time_us(timer)  # every decision happens after this instant
+            barriers[1].wait(START_TIMEOUT)
+        except threading.BrokenBarrierError:
+            report.errors.append("the start line broke: a worker failed or never arrived")
+        for _ in children:
+            try:
+                pid, attempts_seen, errors = reports.get(timeout=REPORT_TIMEOUT)
+            except queue.Empty:
+                report.errors.append("a worker process never reported")
+                break
+            report.pids.add(pid)
+            report.attempts.extend(attempts_seen)
+            report.errors.extend(errors)
+        report.end_us = redis_time_us(timer)  # and before this one
+        for child in children:
+            child.join(REPORT_TIMEOUT)
+            if child.exitcode != 0:
+                report.errors.append(f"pid {child.pid} exited with {child.exitcode}")
+    finally:
+        for child in children:
+            if child.is_alive():
+                child.terminate()
+                child.join(10)
+        reports.close()
+        timer.close()
+    return report

@@ -1,0 +1,123 @@
+"""One Redis round trip per decision, counted on the wire with MONITOR through the real DRF stack.
+
+A request subject to four checks (tier, client IP, organisation, per-endpoint limit) goes
+through APIClient -> authentication -> RateLimitThrottle -> RedisBackend. MONITOR on the
+private redis-server logs every command any client sends, and the commands a script runs
+as "[0 lua]" lines. A sentinel ECHO from another connection marks the end of the request's
+traffic, so everything between starting MONITOR and the sentinel is the request's own.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import redis
+from rest_framework.test import APIClient
+
+from ratelimits.backends.redis import DECIDE_SHA
+from ratelimits.engine import Decision
+
+from .factories import ApiKeyFactory
+from .redis_server import RedisServer
+
+pytestmark = pytest.mark.django_db
+
+FOUR_CHECKS = {
+    "TIERS": {"anon": {"rate": "2/m"}, "free": {"rate": "3/s"}, "pro": {"rate": "1000/h"}},
+    "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "free"},
+    "TIER_FUNC": "project.payments.auth.tier_of",
+    "ORGANIZATION_FUNC": "project.payments.auth.organization_of",
+    "DIMENSIONS": {"ip": {"rate": "1000/s"}, "org": {"rate": "1000/s"}},
+    "ENDPOINTS": {"customers": {"rate": "50/s"}},
+}
+EXPECTED_POLICIES = ["tier:pro", "ip", "org", "endpoint:customers"]
+#: How many monitor lines we are prepared to read before the sentinel (bounds the loop).
+MAX_LINES = 1_000
+
+
+@pytest.fixture
+def caller(settings: Any, use_redis: Any) -> APIClient:
+    settings.RATELIMITS = {**settings.RATELIMITS, **FOUR_CHECKS}
+    ApiKeyFactory(raw="sk_rtt_1", tier="pro", organization="acme")
+    client = APIClient(REMOTE_ADDR="198.51.100.20")
+    client.credentials(HTTP_AUTHORIZATION="Bearer sk_rtt_1")
+    return client
+
+
+def get_customers(client: APIClient) -> Decision:
+    response = client.get("/v1/customers")
+    assert response.status_code == 200, response.content
+    decision = response.wsgi_request.ratelimit
+    assert isinstance(decision, Decision)
+    assert [r.policy_name for r in decision.results] == EXPECTED_POLICIES
+    assert decision.allowed
+    return decision
+
+
+@contextmanager
+def recorded_commands(redis_server: RedisServer) -> Iterator[list[dict[str, Any]]]:
+    """Every command the server receives inside the block, scripts' own included.
+
+    MONITOR's OK arrives before the block runs, so nothing the block sends can be missed;
+    on exit a sentinel ECHO is sent from another, already connected client and lines are
+    read (bounded by count and the 5 s socket timeout) until it shows up. Nothing is
+    filtered by client: any stray command from anyone would be counted.
+    """
+    commands: list[dict[str, Any]] = []
+    sentinel = f"sentinel-{uuid.uuid4()}"
+    watcher = redis_server.client()
+    marker = redis.Redis(host="127.0.0.1", port=redis_server.port, socket_timeout=5, single_connection_client=True)
+    marker.ping()  # its connection handshake happens now, before MONITOR starts
+    try:
+        with watcher.monitor() as monitor:
+            yield commands
+            assert marker.echo(sentinel) == sentinel.encode()
+            for _ in range(MAX_LINES):
+                command = monitor.next_command()
+                if command["client_type"] != "lua" and command["command"] == f"ECHO {sentinel}":
+                    break
+                commands.append(command)
+            else:
+                pytest.fail(f"no sentinel within {MAX_LINES} monitor lines: {commands[:20]}")
+    finally:
+        marker.close()
+        watcher.close()
+
+
+def top_level(commands: list[dict[str, Any]]) -> list[str]:
+    """Commands sent by clients (round trips), without the ones scripts ran inside Redis."""
+    return [c["command"] for c in commands if c["client_type"] != "lua"]
+
+
+def test_four_dimension_request_costs_exactly_one_round_trip(caller: APIClient, use_redis: RedisServer) -> None:
+    get_customers(caller)  # warm-up: connection opened, script cached, settings parsed
+    with recorded_commands(use_redis) as commands:
+        get_customers(caller)
+    sent = top_level(commands)
+    assert len(sent) == 1, sent
+    name, sha, numkeys, *_ = sent[0].split(" ")
+    assert (name.upper(), sha) == ("EVALSHA", DECIDE_SHA)
+    assert numkeys == "5"  # the policy-version stamp and the four checks' state keys
+    # The four checks were decided inside that one call: TIME, 4 GETs, 4 SETs, the version GET.
+    inside = [c["command"].split(" ")[0].upper() for c in commands if c["client_type"] == "lua"]
+    assert sorted(inside) == sorted(["TIME"] + ["GET"] * 5 + ["SET"] * 4)
+
+
+def test_lost_script_cache_costs_one_extra_round_trip_once(
+    caller: APIClient, use_redis: RedisServer, redis_client: redis.Redis
+) -> None:
+    warm = get_customers(caller)
+    redis_client.script_flush()
+    with recorded_commands(use_redis) as commands:
+        first = get_customers(caller)
+    assert [c.split(" ")[0].upper() for c in top_level(commands)] == ["EVALSHA", "EVAL"]
+    with recorded_commands(use_redis) as commands:
+        second = get_customers(caller)
+    assert [c.split(" ")[0].upper() for c in top_level(commands)] == ["EVALSHA"]
+    # The failed EVALSHA charged nothing and the EVAL charged once: the tier budget (1000/h,
+    # a token back every 3.6 s) dropped by exactly one per request.
+    assert [d.results[0].remaining for d in (warm, first, second)] == [999, 998, 997]
