@@ -48,8 +48,6 @@ class Outcome:
     retry_us: int
     #: State to store if the request is admitted.
     new_state: State
-    #: How long ``new_state`` must be kept, in microseconds (always at least 1).
-    ttl_us: int
 
 
 def token_bucket(state: State | None, now: int, limit: int, period_us: int, burst: int, cost: int) -> Outcome:
@@ -72,7 +70,6 @@ def token_bucket(state: State | None, now: int, limit: int, period_us: int, burs
             reset_us=math.ceil(tat - now),
             retry_us=math.ceil(allow_at - now),
             new_state=(tat,),
-            ttl_us=max(math.ceil(tat - now), 1),
         )
     return Outcome(
         allowed=True,
@@ -80,7 +77,6 @@ def token_bucket(state: State | None, now: int, limit: int, period_us: int, burs
         reset_us=math.ceil(new_tat - now),
         retry_us=0,
         new_state=(new_tat,),
-        ttl_us=max(math.ceil(new_tat - now), 1),
     )
 
 
@@ -99,7 +95,6 @@ def sliding_window(state: State | None, now: int, limit: int, period_us: int, bu
             reset_us=until_next + period_us,
             retry_us=0,
             new_state=(window, current + cost, previous),
-            ttl_us=until_next + period_us,
         )
     return Outcome(
         allowed=False,
@@ -107,7 +102,6 @@ def sliding_window(state: State | None, now: int, limit: int, period_us: int, bu
         reset_us=reset,
         retry_us=_sliding_retry(previous, current, elapsed, period_us, limit, cost),
         new_state=(window, current, previous),
-        ttl_us=until_next + period_us,
     )
 
 
@@ -117,8 +111,8 @@ def fixed_window(state: State | None, now: int, limit: int, period_us: int, burs
     until_next = period_us - (now - window * period_us)
     count = int(state[1]) if state is not None and state[0] == window else 0
     if count + cost <= limit:
-        return Outcome(True, limit - count - cost, until_next, 0, (window, count + cost), until_next)
-    return Outcome(False, max(limit - count, 0), until_next, until_next, (window, count), until_next)
+        return Outcome(True, limit - count - cost, until_next, 0, (window, count + cost))
+    return Outcome(False, max(limit - count, 0), until_next, until_next, (window, count))
 
 
 def _roll(state: State | None, window: int) -> tuple[int, int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .algorithms import Algorithm
@@ -36,11 +36,34 @@ class Policy:
     algorithm: Algorithm = Algorithm.TOKEN_BUCKET
     fail_mode: str = "open"
 
+    #: The policy's part of the decide script's ARGV, as strings built once (see ``lua/decide.lua``).
+    script_args: tuple[str, ...] = field(init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
         if not _POLICY_NAME.fullmatch(self.name):
             raise ConfigurationError(f"policy name {self.name!r} must match {_POLICY_NAME.pattern}")
         positive_int(self.burst, field=f"{self.name}: burst")
         fail_mode(self.fail_mode, field=f"{self.name}: fail_mode")
+        args = (self.algorithm.code, self.rate.limit, self.rate.period_us, self.burst, self.state_ttl_ms)
+        object.__setattr__(self, "script_args", tuple(str(arg) for arg in args))
+
+    @property
+    def state_ttl_ms(self) -> int:
+        """How long a subject's state is kept after its last admitted request, in milliseconds.
+
+        An upper bound of what the state can still matter for (a full bucket's refill time, or
+        the rest of the current and the next window) plus one second of slack: Redis expires
+        keys in real time, and with the app's clock a slow clock must not drop spent tokens.
+        State kept longer decides exactly like no state.
+        """
+        period = self.rate.period_us
+        if self.algorithm is Algorithm.TOKEN_BUCKET:
+            span = -(-self.burst * period // self.rate.limit)
+        elif self.algorithm is Algorithm.SLIDING_WINDOW:
+            span = 2 * period
+        else:
+            span = period
+        return -(-span // 1000) + 1000
 
     @property
     def capacity(self) -> int:

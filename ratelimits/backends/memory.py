@@ -59,12 +59,11 @@ class MemoryBackend(Backend):
                 )
                 if outcome.allowed:
                     pending[key] = outcome.new_state
-                    writes.append((key, outcome.new_state, outcome.ttl_us))
+                    writes.append((key, outcome.new_state, now + policy.state_ttl_ms * 1000))
                 results.append(Result(check, outcome.allowed, outcome.remaining, outcome.reset_us, outcome.retry_us))
             if consume and all(r.allowed for r in results):
-                for key, state, ttl_us in writes:
-                    # Same millisecond TTL and one-second slack as the Redis script.
-                    self._state[key] = (state, now + (max(-(-ttl_us // 1000), 1) + 1000) * 1000)
+                for key, state, expires in writes:
+                    self._state[key] = (state, expires)
                 self._writes += len(writes)
                 if self._writes >= self.SWEEP_EVERY:
                     self._sweep(now)

@@ -12,6 +12,11 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+try:
+    import hiredis
+except ImportError:  # optional: redis-py's own packer is used instead
+    hiredis = None  # type: ignore[assignment]
+
 from ..engine import Decision, Result
 from ..exceptions import BackendUnavailable
 from ..policies import Check
@@ -65,9 +70,9 @@ class RedisBackend(Backend):
         keys = [self.version_key]
         args: list[Any] = ["" if self.clock is None else self.clock(), "1" if consume else "0"]
         for check in checks:
-            policy = check.policy
             keys.append(check.key(self.prefix))
-            args += (policy.algorithm.code, policy.rate.limit, policy.rate.period_us, policy.burst, check.cost)
+            args += check.policy.script_args
+            args.append(check.cost)
         reply = self._run(keys, args)
         now_us, version = int(reply[0]), reply[1]
         results = [
@@ -85,16 +90,37 @@ class RedisBackend(Backend):
             raise BackendUnavailable(str(exc)) from exc
 
     def _run(self, keys: list[str], args: list[Any]) -> Any:
+        # One connection from the pool, one packed write, one read: the client's generic
+        # command path (retry wrapper, per-command option handling) costs more than the
+        # script itself on loopback.
+        pool = self.client.connection_pool
         try:
-            try:
-                return self.client.execute_command(  # type: ignore[no-untyped-call]
-                    "EVALSHA", DECIDE_SHA, len(keys), *keys, *args
-                )
-            except redis.exceptions.NoScriptError:
-                # The script did not run, so sending it again cannot charge twice.
-                return self.client.execute_command("EVAL", DECIDE, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
+            connection = pool.get_connection()
         except redis.RedisError as exc:
             raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        try:
+            try:
+                return _call(connection, "EVALSHA", DECIDE_SHA, len(keys), *keys, *args)
+            except redis.exceptions.NoScriptError:
+                # The script did not run, so sending it again cannot charge twice.
+                return _call(connection, "EVAL", DECIDE, len(keys), *keys, *args)
+        except (redis.RedisError, OSError) as exc:
+            # redis-py drops the connection on timeouts and socket errors, so a late reply
+            # can never be read as the answer to a later request.
+            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            pool.release(connection)
+
+
+def _call(connection: Any, *command: Any) -> Any:
+    connection.send_packed_command(_pack(connection, command), check_health=False)
+    return connection.read_response()
+
+
+def _pack(connection: Any, command: tuple[Any, ...]) -> list[bytes]:
+    if hiredis is not None:
+        return [hiredis.pack_command(command)]
+    return list(connection.pack_command(*command))
 
 
 _clients: dict[tuple[str, float, float], redis.Redis] = {}

@@ -6,9 +6,11 @@
 -- KEYS[1 + i]      state key of check i, for i = 1..n
 -- ARGV[1]          now in integer microseconds, or "" to read the Redis server clock (TIME)
 -- ARGV[2]          "1" to consume when every check allows, "0" to only report (peek)
--- ARGV[3 + 5(i-1)] check i: algorithm (1 token bucket/GCRA, 2 sliding window, 3 fixed window),
+-- ARGV[3 + 6(i-1)] check i: algorithm (1 token bucket/GCRA, 2 sliding window, 3 fixed window),
 --                  limit (requests per period), period (microseconds), burst (GCRA capacity in
---                  requests; ignored by windows), cost (tokens this request spends)
+--                  requests; ignored by windows), state TTL (milliseconds, passed through to PX
+--                  as given: converting numbers to strings is the costliest thing a script does),
+--                  cost (tokens this request spends)
 --
 -- State values (plain strings, every key written with a PX TTL):
 --   GCRA           "<theoretical arrival time, us, as an exact %.17g double>"
@@ -75,7 +77,7 @@ local function sliding_retry(previous, current, elapsed, period, limit, cost)
   return wait_us
 end
 
--- Each returns allowed, remaining, reset_us, retry_us, new_value, ttl_us.
+-- Each returns allowed, remaining, reset_us, retry_us, new_value.
 local function token_bucket(value, limit, period, burst, cost)
   local interval = period / limit
   local capacity = burst * interval
@@ -85,12 +87,11 @@ local function token_bucket(value, limit, period, burst, cost)
   local allow_at = new_tat - capacity
   if now < allow_at then
     local remaining = math.max(math.floor((now + capacity - tat) / interval), 0)
-    return false, remaining, math.ceil(tat - now), math.ceil(allow_at - now), nil, 0
+    return false, remaining, math.ceil(tat - now), math.ceil(allow_at - now), nil
   end
   local remaining = math.max(math.floor((now + capacity - new_tat) / interval), 0)
-  local reset = math.ceil(new_tat - now)
   -- %.17g round-trips a double exactly; Redis would otherwise format it with %.14g.
-  return true, remaining, reset, 0, string.format('%.17g', new_tat), math.max(reset, 1)
+  return true, remaining, math.ceil(new_tat - now), 0, string.format('%.17g', new_tat)
 end
 
 local function sliding_window(value, limit, period, burst, cost)
@@ -109,7 +110,7 @@ local function sliding_window(value, limit, period, burst, cost)
   local until_next = period - elapsed
   if est + cost <= limit then
     local value_out = string.format('%d:%d:%d', window, current + cost, previous)
-    return true, math.max(math.floor(limit - est - cost), 0), until_next + period, 0, value_out, until_next + period
+    return true, math.max(math.floor(limit - est - cost), 0), until_next + period, 0, value_out
   end
   local reset = 0
   if current > 0 then
@@ -118,7 +119,7 @@ local function sliding_window(value, limit, period, burst, cost)
     reset = until_next
   end
   local retry = sliding_retry(previous, current, elapsed, period, limit, cost)
-  return false, math.max(math.floor(limit - est), 0), reset, retry, nil, 0
+  return false, math.max(math.floor(limit - est), 0), reset, retry, nil
 end
 
 local function fixed_window(value, limit, period, burst, cost)
@@ -130,30 +131,33 @@ local function fixed_window(value, limit, period, burst, cost)
     if tonumber(w) == window then count = tonumber(c) end
   end
   if count + cost <= limit then
-    return true, limit - count - cost, until_next, 0, string.format('%d:%d', window, count + cost), until_next
+    return true, limit - count - cost, until_next, 0, string.format('%d:%d', window, count + cost)
   end
-  return false, math.max(limit - count, 0), until_next, until_next, nil, 0
+  return false, math.max(limit - count, 0), until_next, until_next, nil
 end
 
 local algorithms = {token_bucket, sliding_window, fixed_window}
 
 -- Phase 1: decide every check against current state. A key named twice sees the pending
 -- value of its earlier check, so duplicates cannot double-spend.
+-- One MGET reads the version stamp and every state: each redis.call costs more than the Lua
+-- around it.
+local stored = redis.call('MGET', unpack(KEYS))
+local version = stored[1]
 local pending = {}
 local writes = {}
 local results = {}
 local all_allowed = true
 for i = 1, n do
   local key = KEYS[i + 1]
-  local base = 3 + 5 * (i - 1)
-  local algorithm = tonumber(ARGV[base])
+  local base = 3 + 6 * (i - 1)
   local value = pending[key]
-  if value == nil then value = redis.call('GET', key) end
-  local allowed, remaining, reset, retry, new_value, ttl = algorithms[algorithm](
-    value, tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3]), tonumber(ARGV[base + 4]))
+  if value == nil then value = stored[i + 1] end
+  local allowed, remaining, reset, retry, new_value = algorithms[tonumber(ARGV[base])](
+    value, tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3]), tonumber(ARGV[base + 5]))
   if allowed then
     pending[key] = new_value
-    writes[#writes + 1] = {key, new_value, ttl}
+    writes[#writes + 1] = {key, new_value, ARGV[base + 4]}
   else
     all_allowed = false
   end
@@ -166,14 +170,10 @@ end
 -- Phase 2: all or nothing.
 if all_allowed and consume then
   for _, w in ipairs(writes) do
-    -- One second of slack: Redis expires keys in real time, but with CLOCK "app" the TTL was
-    -- computed on the app's clock, which may run slow. State kept too long decides exactly like
-    -- no state (a past arrival time, an old window); state dropped early forgets spent tokens.
-    redis.call('SET', w[1], w[2], 'PX', math.max(math.ceil(w[3] / 1000), 1) + 1000)
+    redis.call('SET', w[1], w[2], 'PX', w[3])
   end
 end
 
-local version = redis.call('GET', KEYS[1])
 local reply = {now, version, all_allowed and 1 or 0}
 for _, v in ipairs(results) do reply[#reply + 1] = v end
 return reply
