@@ -6,7 +6,7 @@ import logging
 import math
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from enum import StrEnum
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -17,7 +17,7 @@ from .breaker import CircuitBreaker
 from .conf import conf
 from .exceptions import BackendUnavailable
 from .identity import Identity, identify
-from .policies import Check, EndpointRule, PolicySource
+from .policies import Check, PolicySource
 
 if TYPE_CHECKING:
     from django.http import HttpRequest
@@ -75,7 +75,6 @@ class Decision:
     #: True when the store could not be reached and a fail mode decided instead.
     degraded: bool = False
     policy_version: str | None = None
-    endpoint_rule: EndpointRule | None = field(default=None, compare=False)
 
     @property
     def allowed(self) -> bool:
@@ -212,11 +211,8 @@ def evaluate(
 ) -> tuple[Identity, Decision]:
     """Identify ``request``, collect its checks and decide them in one backend call."""
     identity = identify(request, endpoint=endpoint, auth=auth, user=user)
-    source = get_policy_source()
-    rule = source.endpoint_rule(endpoint, request.method or "GET")
-    checks = source.checks_for(request, identity)
-    decision = get_limiter().decide(checks, consume=consume)
-    return identity, replace(decision, endpoint_rule=rule)
+    checks = get_policy_source().checks_for(request, identity)
+    return identity, get_limiter().decide(checks, consume=consume)
 
 
 def _on_setting_changed(*, setting: str, **kwargs: Any) -> None:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import ipaddress
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .conf import conf
 
@@ -20,7 +21,42 @@ __all__ = ["Identity", "Subject", "client_ip", "identify", "normalize_ip"]
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+#: Entries kept by each hot-path memo before it starts over; bounds memory under address churn.
+MEMO_SIZE = 65_536
+
+
+def _memoize(func: Callable[..., T]) -> Callable[..., T]:
+    """Cache a pure function of hashable arguments; the cache is dropped whole when full.
+
+    Hashing identities and parsing addresses cost more than the rest of a decision's Python;
+    the same callers come back again and again. Dropping the whole cache when full is
+    cheaper on the hot path than keeping LRU order.
+    """
+    cache: dict[tuple[Any, ...], T] = {}
+
+    @functools.wraps(func)
+    def wrapper(*args: Any) -> T:
+        try:
+            return cache[args]
+        except KeyError:
+            pass
+        if len(cache) >= MEMO_SIZE:
+            cache.clear()
+        value = cache[args] = func(*args)
+        return value
+
+    return wrapper
+
+
+@_memoize
+def _digest(key: bytes, kind: str, value: str) -> str:
+    raw = hashlib.blake2b(f"{kind}\x00{value}".encode("utf-8", "surrogatepass"), digest_size=12, key=key).digest()
+    return base64.urlsafe_b64encode(raw).decode("ascii")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,12 +76,7 @@ class Subject:
         another Redis Cluster slot.
         """
         if not self._digest:
-            raw = hashlib.blake2b(
-                f"{self.kind}\x00{self.value}".encode("utf-8", "surrogatepass"),
-                digest_size=12,
-                key=conf.hash_key,
-            ).digest()
-            object.__setattr__(self, "_digest", base64.urlsafe_b64encode(raw).decode("ascii"))
+            object.__setattr__(self, "_digest", _digest(conf.hash_key, self.kind, self.value))
         return self._digest
 
     def __str__(self) -> str:
@@ -126,12 +157,16 @@ def client_ip(request: HttpRequest) -> str:
     IPv6 addresses are aggregated to a network (``/64`` by default), since one host usually
     owns a whole /64; IPv4-mapped IPv6 addresses become IPv4.
     """
-    remote = normalize_ip(request.META.get("REMOTE_ADDR", ""))
+    remote_addr = request.META.get("REMOTE_ADDR", "")
+    trusted = conf.trusted_proxies
+    prefix = conf.ipv6_prefix
+    if not trusted:
+        return _subject_of(remote_addr, prefix)
+    remote = normalize_ip(remote_addr)
     if remote is None:
         return "unknown"
-    trusted = conf.trusted_proxies
-    if not trusted or not _in_any(remote, trusted):
-        return _aggregate(remote)
+    if not _in_any(remote, trusted):
+        return _aggregate(remote, prefix)
     client = remote
     header = request.META.get(conf.client_ip_header, "")
     hops = header.split(",") if isinstance(header, str) else []
@@ -143,14 +178,26 @@ def client_ip(request: HttpRequest) -> str:
         client = hop
         if not _in_any(hop, trusted):
             break
-    return _aggregate(client)
+    return _aggregate(client, prefix)
 
 
-def normalize_ip(raw: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+@_memoize
+def _subject_of(remote_addr: str, prefix: int) -> str:
+    address = normalize_ip(remote_addr)
+    return "unknown" if address is None else _aggregate(address, prefix)
+
+
+def normalize_ip(raw: str) -> Address | None:
     """Parse one address as proxies write it (optional port, brackets, zone); ``None`` if invalid."""
     text = raw.strip()
+    # Checked before the memo, so oversized junk from a header can never fill it.
     if not text or len(text) > 64:
         return None
+    return _parse_address(text)
+
+
+@_memoize
+def _parse_address(text: str) -> Address | None:
     if text.startswith("["):
         end = text.find("]")
         if end == -1:
@@ -168,13 +215,11 @@ def normalize_ip(raw: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | No
     return address
 
 
-def _in_any(address: ipaddress.IPv4Address | ipaddress.IPv6Address, networks: tuple[IPNetwork, ...]) -> bool:
+def _in_any(address: Address, networks: tuple[IPNetwork, ...]) -> bool:
     return any(address.version == net.version and address in net for net in networks)
 
 
-def _aggregate(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
-    if isinstance(address, ipaddress.IPv6Address):
-        prefix = conf.ipv6_prefix
-        if prefix < 128:
-            return str(ipaddress.IPv6Network((address, prefix), strict=False))
+def _aggregate(address: Address, prefix: int) -> str:
+    if isinstance(address, ipaddress.IPv6Address) and prefix < 128:
+        return str(ipaddress.IPv6Network((address, prefix), strict=False))
     return str(address)
