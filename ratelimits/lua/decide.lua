@@ -29,10 +29,11 @@ else
 end
 local consume = ARGV[2] == '1'
 local n = #KEYS - 1
+local floor, ceil, max = math.floor, math.ceil, math.max
 
 -- Window index and offset without trusting float division near a boundary.
 local function split(period)
-  local window = math.floor(now / period)
+  local window = floor(now / period)
   local elapsed = now - window * period
   if elapsed < 0 then
     window = window - 1
@@ -68,9 +69,9 @@ local function sliding_retry(previous, current, elapsed, period, limit, cost)
   else
     local refill = 0
     if current > 0 then refill = period - (limit - cost) * period / current end
-    wait = until_next + math.max(refill, 0)
+    wait = until_next + max(refill, 0)
   end
-  local wait_us = math.max(math.ceil(wait), 1)
+  local wait_us = max(ceil(wait), 1)
   while not fits_after(previous, current, elapsed, period, limit, cost, wait_us) do
     wait_us = wait_us + 1
   end
@@ -86,12 +87,12 @@ local function token_bucket(value, limit, period, burst, cost)
   local new_tat = tat + cost * interval
   local allow_at = new_tat - capacity
   if now < allow_at then
-    local remaining = math.max(math.floor((now + capacity - tat) / interval), 0)
-    return false, remaining, math.ceil(tat - now), math.ceil(allow_at - now), nil
+    local remaining = max(floor((now + capacity - tat) / interval), 0)
+    return false, remaining, ceil(tat - now), ceil(allow_at - now), nil
   end
-  local remaining = math.max(math.floor((now + capacity - new_tat) / interval), 0)
+  local remaining = max(floor((now + capacity - new_tat) / interval), 0)
   -- %.17g round-trips a double exactly; Redis would otherwise format it with %.14g.
-  return true, remaining, math.ceil(new_tat - now), 0, string.format('%.17g', new_tat)
+  return true, remaining, ceil(new_tat - now), 0, string.format('%.17g', new_tat)
 end
 
 local function sliding_window(value, limit, period, burst, cost)
@@ -110,7 +111,7 @@ local function sliding_window(value, limit, period, burst, cost)
   local until_next = period - elapsed
   if est + cost <= limit then
     local value_out = string.format('%d:%d:%d', window, current + cost, previous)
-    return true, math.max(math.floor(limit - est - cost), 0), until_next + period, 0, value_out
+    return true, max(floor(limit - est - cost), 0), until_next + period, 0, value_out
   end
   local reset = 0
   if current > 0 then
@@ -119,7 +120,7 @@ local function sliding_window(value, limit, period, burst, cost)
     reset = until_next
   end
   local retry = sliding_retry(previous, current, elapsed, period, limit, cost)
-  return false, math.max(math.floor(limit - est), 0), reset, retry, nil
+  return false, max(floor(limit - est), 0), reset, retry, nil
 end
 
 local function fixed_window(value, limit, period, burst, cost)
@@ -133,7 +134,7 @@ local function fixed_window(value, limit, period, burst, cost)
   if count + cost <= limit then
     return true, limit - count - cost, until_next, 0, string.format('%d:%d', window, count + cost)
   end
-  return false, math.max(limit - count, 0), until_next, until_next, nil
+  return false, max(limit - count, 0), until_next, until_next, nil
 end
 
 local algorithms = {token_bucket, sliding_window, fixed_window}
@@ -141,13 +142,13 @@ local algorithms = {token_bucket, sliding_window, fixed_window}
 -- Phase 1: decide every check against current state. A key named twice sees the pending
 -- value of its earlier check, so duplicates cannot double-spend.
 -- One MGET reads the version stamp and every state: each redis.call costs more than the Lua
--- around it.
+-- around it. The reply is filled in place: {now, version, all allowed, per-check quadruples}.
 local stored = redis.call('MGET', unpack(KEYS))
-local version = stored[1]
+local reply = {now, stored[1], 1}
 local pending = {}
-local writes = {}
-local results = {}
+local write_keys, write_values, write_ttls, writes = {}, {}, {}, 0
 local all_allowed = true
+local out = 3
 for i = 1, n do
   local key = KEYS[i + 1]
   local base = 3 + 6 * (i - 1)
@@ -157,23 +158,25 @@ for i = 1, n do
     value, tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3]), tonumber(ARGV[base + 5]))
   if allowed then
     pending[key] = new_value
-    writes[#writes + 1] = {key, new_value, ARGV[base + 4]}
+    writes = writes + 1
+    write_keys[writes], write_values[writes], write_ttls[writes] = key, new_value, ARGV[base + 4]
+    reply[out + 1] = 1
   else
     all_allowed = false
+    reply[out + 1] = 0
   end
-  results[#results + 1] = allowed and 1 or 0
-  results[#results + 1] = remaining
-  results[#results + 1] = reset
-  results[#results + 1] = retry
+  reply[out + 2], reply[out + 3], reply[out + 4] = remaining, reset, retry
+  out = out + 4
 end
 
 -- Phase 2: all or nothing.
-if all_allowed and consume then
-  for _, w in ipairs(writes) do
-    redis.call('SET', w[1], w[2], 'PX', w[3])
+if all_allowed then
+  if consume then
+    for i = 1, writes do
+      redis.call('SET', write_keys[i], write_values[i], 'PX', write_ttls[i])
+    end
   end
+else
+  reply[3] = 0
 end
-
-local reply = {now, version, all_allowed and 1 or 0}
-for _, v in ipairs(results) do reply[#reply + 1] = v end
 return reply
