@@ -1,7 +1,8 @@
 """Settings of ratelimits, read from ``settings.RATELIMITS`` when accessed.
 
-Each setting is one typed property, so ``override_settings`` just works; values that are costly
-to build (imported callables, parsed networks) are cached until a ``setting_changed`` signal.
+Each setting is one typed property, so ``override_settings`` just works; values read on every
+request, or costly to build (imported callables, parsed networks), are validated once and cached
+until a ``setting_changed`` signal.
 """
 
 from __future__ import annotations
@@ -163,6 +164,9 @@ class Settings:
 
     @property
     def ipv6_prefix(self) -> int:
+        return self._cached("IPV6_PREFIX", self._parse_ipv6_prefix)
+
+    def _parse_ipv6_prefix(self) -> int:
         prefix = self.get("IPV6_PREFIX")
         if not isinstance(prefix, int) or isinstance(prefix, bool) or not 1 <= prefix <= 128:
             raise ConfigurationError(f"RATELIMITS['IPV6_PREFIX']: {prefix!r} must be an integer from 1 to 128")
@@ -178,6 +182,9 @@ class Settings:
 
     @property
     def headers(self) -> str:
+        return self._cached("HEADERS", self._parse_headers)
+
+    def _parse_headers(self) -> str:
         style = self.get("HEADERS")
         if style not in HEADER_STYLES:
             raise ConfigurationError(f"RATELIMITS['HEADERS']: {style!r} must be one of {', '.join(HEADER_STYLES)}")
@@ -185,6 +192,9 @@ class Settings:
 
     @property
     def retry_after_jitter_us(self) -> int:
+        return self._cached("RETRY_AFTER_JITTER", self._parse_jitter)
+
+    def _parse_jitter(self) -> int:
         value = self.get("RETRY_AFTER_JITTER")
         if value in ("0", "0ms", "0s", 0):
             return 0

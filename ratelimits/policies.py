@@ -36,6 +36,8 @@ class Policy:
     algorithm: Algorithm = Algorithm.TOKEN_BUCKET
     fail_mode: str = "open"
 
+    #: The most a subject can spend at once: the burst for a bucket, the limit for windows.
+    capacity: int = field(init=False, repr=False, compare=False)
     #: The policy's part of the decide script's ARGV, as strings built once (see ``lua/decide.lua``).
     script_args: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
@@ -44,6 +46,9 @@ class Policy:
             raise ConfigurationError(f"policy name {self.name!r} must match {_POLICY_NAME.pattern}")
         positive_int(self.burst, field=f"{self.name}: burst")
         fail_mode(self.fail_mode, field=f"{self.name}: fail_mode")
+        # Derived once here: both are read on every decision.
+        capacity = self.burst if self.algorithm is Algorithm.TOKEN_BUCKET else self.rate.limit
+        object.__setattr__(self, "capacity", capacity)
         args = (self.algorithm.code, self.rate.limit, self.rate.period_us, self.burst, self.state_ttl_ms)
         object.__setattr__(self, "script_args", tuple(str(arg) for arg in args))
 
@@ -64,11 +69,6 @@ class Policy:
         else:
             span = period
         return -(-span // 1000) + 1000
-
-    @property
-    def capacity(self) -> int:
-        """The most a subject can spend at once: the burst for a bucket, the limit for windows."""
-        return self.burst if self.algorithm is Algorithm.TOKEN_BUCKET else self.rate.limit
 
     @property
     def window_seconds(self) -> int:
@@ -100,6 +100,8 @@ class Check:
     cost: int = 1
 
     def __post_init__(self) -> None:
+        if type(self.cost) is int and 0 < self.cost <= self.policy.capacity:
+            return  # the common case, checked in one expression: checks are built per request
         positive_int(self.cost, field=f"{self.policy.name}: cost")
         if self.cost > self.policy.capacity:
             raise ConfigurationError(

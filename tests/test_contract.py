@@ -208,3 +208,25 @@ def test_script_cache_loss_is_transparent(redis_server: Any, redis_client: Any) 
     assert remote.decide([check]).results[0].remaining == 1
     assert remote.decide([check]).allowed
     assert not remote.decide([check]).allowed
+
+
+def _decide_in_child(backend: RedisBackend, check: Check, out: Any) -> None:
+    out.put([backend.decide([check]).results[0].remaining for _ in range(3)])
+
+
+def test_redis_connection_is_not_shared_across_fork(redis_server: Any, redis_client: Any) -> None:
+    """A child forked after the parent decided gets its own connection: no crossed replies."""
+    import multiprocessing
+
+    remote = RedisBackend(make_client(redis_server.url, 2.0, 2.0))
+    check = Check(policy("100/h"), ALICE)
+    assert remote.decide([check]).results[0].remaining == 99
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    child = context.Process(target=_decide_in_child, args=(remote, check, out))
+    child.start()
+    remaining = out.get(timeout=30)
+    child.join(timeout=30)
+    assert child.exitcode == 0
+    assert remaining == [98, 97, 96]
+    assert remote.decide([check]).results[0].remaining == 95

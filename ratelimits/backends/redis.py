@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from importlib import resources
@@ -54,6 +56,7 @@ class RedisBackend(Backend):
         #: ``None`` lets the script read Redis ``TIME``; otherwise integer microseconds.
         self.clock = clock
         self.version_key = f"{prefix}:policy-version"
+        self._local = threading.local()
 
     @classmethod
     def from_settings(cls) -> RedisBackend:
@@ -90,14 +93,7 @@ class RedisBackend(Backend):
             raise BackendUnavailable(str(exc)) from exc
 
     def _run(self, keys: list[str], args: list[Any]) -> Any:
-        # One connection from the pool, one packed write, one read: the client's generic
-        # command path (retry wrapper, per-command option handling) costs more than the
-        # script itself on loopback.
-        pool = self.client.connection_pool
-        try:
-            connection = pool.get_connection()
-        except redis.RedisError as exc:
-            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        connection = self._connection()
         try:
             try:
                 return _call(connection, "EVALSHA", DECIDE_SHA, len(keys), *keys, *args)
@@ -105,11 +101,33 @@ class RedisBackend(Backend):
                 # The script did not run, so sending it again cannot charge twice.
                 return _call(connection, "EVAL", DECIDE, len(keys), *keys, *args)
         except (redis.RedisError, OSError) as exc:
-            # redis-py drops the connection on timeouts and socket errors, so a late reply
-            # can never be read as the answer to a later request.
+            # redis-py drops the connection on timeouts and socket errors (it reconnects on the
+            # next use), so a late reply can never be read as the answer to a later request.
             raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
-        finally:
-            pool.release(connection)
+
+    def _connection(self) -> Any:
+        """This thread's own connection to Redis, made with the client's settings.
+
+        A decision is one packed write and one read on a connection nobody else uses: the
+        client's generic command path and its pool's check-out bookkeeping cost more than the
+        script itself on loopback. A connection inherited through ``fork`` is replaced, never
+        used: parent and child would read each other's replies.
+        """
+        connection = getattr(self._local, "connection", None)
+        if connection is None or connection.pid != os.getpid():
+            pool = self.client.connection_pool
+            connection = pool.connection_class(**pool.connection_kwargs)
+            self._local.connection = connection
+        elif connection._sock is not None:
+            # An idle connection with something to read was closed by the server (a restart)
+            # or holds a stray reply: start afresh, as redis-py's pool does on check-out.
+            try:
+                stale = connection.can_read()
+            except (redis.ConnectionError, redis.TimeoutError, OSError):
+                stale = True
+            if stale:
+                connection.disconnect()
+        return connection
 
 
 def _call(connection: Any, *command: Any) -> Any:
