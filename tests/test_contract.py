@@ -230,3 +230,13 @@ def test_redis_connection_is_not_shared_across_fork(redis_server: Any, redis_cli
     assert child.exitcode == 0
     assert remaining == [98, 97, 96]
     assert remote.decide([check]).results[0].remaining == 95
+
+
+def test_clear_forgets_a_subjects_state(backend: Any) -> None:
+    check = Check(policy("1/m"), ALICE)
+    other = Check(policy("1/m"), BOB)
+    assert backend.decide([check]).allowed and backend.decide([other]).allowed
+    assert not backend.decide([check]).allowed
+    backend.clear([check])
+    assert backend.decide([check]).allowed
+    assert not backend.decide([other]).allowed
