@@ -1,0 +1,249 @@
+"""The measured calls. Import only after :func:`bench.settings.configure`.
+
+Each scenario is a callable ``call(i)`` doing exactly one decision for subject ``i`` (mod the
+pool size); it raises :class:`Invalid` if a decision is a denial, so no figure is ever flattered
+by a fast 429 path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.test import override_settings
+from rest_framework.request import Request
+from rest_framework.test import APIRequestFactory
+from rest_framework.throttling import AnonRateThrottle, ScopedRateThrottle, UserRateThrottle
+
+from ratelimits.backends.redis import RedisBackend, make_client
+from ratelimits.conf import conf
+from ratelimits.engine import get_limiter, get_policy_source
+from ratelimits.identity import identify
+from ratelimits.policies import Check
+from ratelimits.throttles import RateLimitThrottle
+
+from .settings import SCOPE, ratelimits_settings
+
+#: How many distinct callers the requests rotate over (a power of two: ``i & mask`` picks one).
+SUBJECTS = 1024
+#: Callers share organisations, as in real traffic.
+ORGANISATIONS = 64
+
+
+class Invalid(AssertionError):
+    """A decision that would make the figures dishonest: a denial, or a fail-open answer."""
+
+
+class BenchUser:
+    """What DRF's authentication puts in ``request.user``: authenticated, with a ``pk``."""
+
+    __slots__ = ("pk",)
+    is_authenticated = True
+    is_anonymous = False
+
+    def __init__(self, pk: int) -> None:
+        self.pk = pk
+
+
+class BenchKey:
+    """What DRF's authentication puts in ``request.auth``: an API key model with a ``pk``."""
+
+    __slots__ = ("org", "pk", "tier")
+
+    def __init__(self, pk: int, tier: str, org: str) -> None:
+        self.pk = pk
+        self.tier = tier
+        self.org = org
+
+
+class BenchView:
+    """The parts of an ``APIView`` the throttles read: ``throttle_scope`` and ``headers``."""
+
+    throttle_scope = SCOPE
+
+    def __init__(self) -> None:
+        self.headers: dict[str, str] = {}
+
+
+def build_requests(count: int = SUBJECTS) -> list[Request]:
+    """One authenticated DRF request per caller: distinct API key, user, client IP; shared orgs."""
+    factory = APIRequestFactory()
+    requests = []
+    for i in range(count):
+        django_request = factory.get(
+            "/v1/payments", REMOTE_ADDR=f"198.51.{i // 256}.{i % 256}", HTTP_AUTHORIZATION=f"Bearer sk_bench_{i}"
+        )
+        request = Request(django_request)
+        request.user = BenchUser(i + 1)
+        request.auth = BenchKey(i + 1, "bench", f"org-{i % ORGANISATIONS}")
+        requests.append(request)
+    return requests
+
+
+@dataclass
+class Scenario:
+    key: str
+    label: str
+    call: Callable[[int], None]
+    #: RATELIMITS to switch to while this scenario runs (``None``: the base four-dimension config).
+    ratelimits: dict[str, Any] | None = None
+    #: Redis commands that make up one decision (for the server-side cost column).
+    commands: tuple[str, ...] = ()
+    notes: dict[str, Any] = field(default_factory=dict)
+    #: Called after each timed block (untimed) to record facts about the state it left.
+    observe: Callable[[], dict[str, Any]] | None = None
+    observations: dict[str, Any] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        if self.ratelimits is None:
+            yield
+        else:
+            with override_settings(RATELIMITS=self.ratelimits):
+                yield
+
+
+def limiter_client() -> Any:
+    """The limiter's redis-py client: the very object ``RedisBackend.from_settings`` uses."""
+    return make_client(conf.redis_url, conf.redis_socket_timeout, conf.redis_connect_timeout)
+
+
+def ping(client: Any) -> Callable[[int], None]:
+    command = client.ping
+
+    def call(i: int) -> None:
+        if command() is not True:
+            raise Invalid("PING did not answer PONG")
+
+    return call
+
+
+def ratelimits_throttle(requests: list[Request], view: BenchView) -> Callable[[int], None]:
+    """What DRF's ``check_throttles`` does with ``throttle_classes = [RateLimitThrottle]``."""
+    mask = len(requests) - 1
+
+    def call(i: int) -> None:
+        throttle = RateLimitThrottle()
+        if not throttle.allow_request(requests[i & mask], view):
+            raise Invalid(f"ratelimits denied a request: {throttle.decision}")
+        decision = throttle.decision
+        if decision is None or decision.degraded:
+            raise Invalid("ratelimits answered without Redis (degraded, fail-open)")
+
+    return call
+
+
+DRF_STACK = (UserRateThrottle, AnonRateThrottle, ScopedRateThrottle)
+
+
+def drf_stack(requests: list[Request], view: BenchView) -> Callable[[int], None]:
+    """DRF's ``APIView.check_throttles`` with User + Anon + Scoped throttles, verbatim in effect."""
+    mask = len(requests) - 1
+    classes = DRF_STACK
+
+    def call(i: int) -> None:
+        request = requests[i & mask]
+        throttle_durations = []
+        for throttle in [throttle_class() for throttle_class in classes]:
+            if not throttle.allow_request(request, view):
+                throttle_durations.append(throttle.wait())
+        if throttle_durations:
+            raise Invalid("a DRF throttle denied a request")
+
+    return call
+
+
+def drf_history(requests: list[Request]) -> Callable[[], dict[str, Any]]:
+    """Mean length of DRF's per-user timestamp lists (its cost grows with them)."""
+    from django.core.cache import cache
+
+    def observe() -> dict[str, Any]:
+        lengths = [len(cache.get(f"throttle_user_{request.user.pk}", [])) for request in requests[:64]]
+        return {"mean_user_history_length": round(sum(lengths) / len(lengths), 2)}
+
+    return observe
+
+
+def decide_only(backend: RedisBackend, check_lists: list[list[Check]]) -> Callable[[int], None]:
+    mask = len(check_lists) - 1
+    decide = backend.decide
+
+    def call(i: int) -> None:
+        if not decide(check_lists[i & mask]).allowed:
+            raise Invalid("RedisBackend.decide denied a request")
+
+    return call
+
+
+def checks_for(request: Request, view: BenchView) -> list[Check]:
+    identity = identify(request, endpoint=SCOPE, auth=request.auth, user=request.user)
+    return get_policy_source().checks_for(request, identity)
+
+
+def build(redis_url: str) -> list[Scenario]:
+    """The five scenarios, after checking each one measures what its label says."""
+    requests = build_requests()
+    view = BenchView()
+    one_dimension = ratelimits_settings(redis_url, dimensions=1)
+
+    backend = get_limiter().backend
+    if not isinstance(backend, RedisBackend):
+        raise RuntimeError(f"expected the Redis backend, got {type(backend).__name__}")
+    client = limiter_client()
+    if client is not backend.client:
+        raise RuntimeError("the PING client is not the limiter's client")
+
+    check_lists = [checks_for(request, view) for request in requests]
+    names = [check.policy.name for check in check_lists[0]]
+    if names != ["tier:bench", "ip", "org", f"endpoint:{SCOPE}"]:
+        raise RuntimeError(f"four-dimension config yields checks {names}")
+    for checks in check_lists:
+        for check in checks:
+            check.key(backend.prefix)  # digests computed once, as a caller holding checks would
+    with override_settings(RATELIMITS=one_dimension):
+        names_one = [check.policy.name for check in checks_for(requests[0], view)]
+    if names_one != ["tier:bench"]:
+        raise RuntimeError(f"one-dimension config yields checks {names_one}")
+
+    subjects = {"subjects": len(requests), "organisations": ORGANISATIONS}
+    return [
+        Scenario(
+            "ping",
+            "PING (limiter's redis-py client)",
+            ping(client),
+            commands=("ping",),
+            notes={"client": "ratelimits.backends.redis.make_client(REDIS_URL, 50ms, 50ms)"},
+        ),
+        Scenario(
+            "ratelimits_1dim",
+            "ratelimits throttle, 1 dimension",
+            ratelimits_throttle(requests, view),
+            ratelimits=one_dimension,
+            commands=("evalsha", "eval"),
+            notes={"checks": names_one, **subjects},
+        ),
+        Scenario(
+            "ratelimits_4dim",
+            "ratelimits throttle, 4 dimensions",
+            ratelimits_throttle(requests, view),
+            commands=("evalsha", "eval"),
+            notes={"checks": names, **subjects},
+        ),
+        Scenario(
+            "drf_stack",
+            "DRF User+Anon+Scoped on django-redis",
+            drf_stack(requests, view),
+            commands=("get", "set"),
+            notes={"throttles": [cls.__name__ for cls in DRF_STACK], **subjects},
+            observe=drf_history(requests),
+        ),
+        Scenario(
+            "decide_4",
+            "RedisBackend.decide, 4 checks",
+            decide_only(backend, check_lists),
+            commands=("evalsha", "eval"),
+            notes={"checks": names, **subjects},
+        ),
+    ]

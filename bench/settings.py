@@ -1,0 +1,84 @@
+"""Django settings for the benchmark, configured in-process once the private Redis is up.
+
+Limits are set far above anything one thread can reach, so no decision is ever a denial:
+every row measures the admit path, which is the path every normal request takes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: The view's ``throttle_scope``: ratelimits' endpoint name and DRF's scoped-throttle scope.
+SCOPE = "payments"
+#: A limit no single-threaded run can reach (token bucket: 1,000,000/s, burst 1,000,000).
+UNREACHABLE = {"rate": "1000000/s", "burst": 1_000_000}
+#: DRF rates per second: histories stay short (favourable to DRF) and nothing is throttled.
+DRF_RATE = "1000000/s"
+
+
+def tier_of(request: Any, identity: Any) -> str | None:
+    """RATELIMITS['TIER_FUNC']: the tier stored on the API key (like the demo's ``tier_of``)."""
+    return getattr(getattr(request, "auth", None), "tier", None)
+
+
+def organization_of(request: Any) -> str | None:
+    """RATELIMITS['ORGANIZATION_FUNC']: the API key's organisation."""
+    return getattr(getattr(request, "auth", None), "org", None)
+
+
+def ratelimits_settings(redis_url: str, *, dimensions: int) -> dict[str, Any]:
+    """RATELIMITS for one dimension (the caller's tier only) or four (tier, ip, org, endpoint)."""
+    if dimensions not in (1, 4):
+        raise ValueError("dimensions must be 1 or 4")
+    config: dict[str, Any] = {
+        "BACKEND": "redis",
+        "REDIS_URL": redis_url,
+        "TIERS": {"anonymous": {"rate": "20/s", "burst": 40}, "bench": UNREACHABLE},
+        "DEFAULT_TIERS": {"anonymous": "anonymous", "authenticated": "bench"},
+        "TIER_FUNC": "bench.settings.tier_of",
+        "ORGANIZATION_FUNC": "bench.settings.organization_of",
+        "DIMENSIONS": {},
+        "ENDPOINTS": {},
+    }
+    if dimensions == 4:
+        config["DIMENSIONS"] = {"ip": UNREACHABLE, "org": UNREACHABLE}
+        config["ENDPOINTS"] = {SCOPE: {"rate": UNREACHABLE}}
+    return config
+
+
+def configure(redis_url: str, cache_url: str) -> None:
+    """``settings.configure`` + ``django.setup``: must run before DRF's throttling module is imported
+    (``SimpleRateThrottle.THROTTLE_RATES`` is read at class definition)."""
+    import django
+    from django.conf import settings
+
+    settings.configure(
+        DEBUG=False,
+        SECRET_KEY="bench-only-not-secret",
+        ALLOWED_HOSTS=["*"],
+        USE_TZ=True,
+        INSTALLED_APPS=["rest_framework", "ratelimits"],
+        DATABASES={},
+        CACHES={
+            "default": {
+                "BACKEND": "django_redis.cache.RedisCache",
+                "LOCATION": cache_url,
+                "OPTIONS": {"CLIENT_CLASS": "django_redis.client.DefaultClient"},
+            }
+        },
+        REST_FRAMEWORK={
+            "DEFAULT_AUTHENTICATION_CLASSES": [],
+            "DEFAULT_PERMISSION_CLASSES": [],
+            "DEFAULT_THROTTLE_CLASSES": [],
+            "DEFAULT_THROTTLE_RATES": {"user": DRF_RATE, "anon": DRF_RATE, SCOPE: DRF_RATE},
+            "UNAUTHENTICATED_USER": None,
+        },
+        RATELIMITS=ratelimits_settings(redis_url, dimensions=4),
+        LOGGING={
+            "version": 1,
+            "disable_existing_loggers": False,
+            "handlers": {"console": {"class": "logging.StreamHandler"}},
+            "loggers": {"ratelimits": {"handlers": ["console"], "level": "WARNING", "propagate": False}},
+        },
+    )
+    django.setup()
