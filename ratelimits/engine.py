@@ -8,7 +8,6 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from django.utils.module_loading import import_string
@@ -62,7 +61,7 @@ class Result:
         return max(self.limit - self.remaining, 0)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Decision:
     """Everything decided about one request, as returned by a single backend call."""
 
@@ -84,16 +83,17 @@ class Decision:
     def retry_after_ms(self) -> int:
         return math.ceil(self.retry_after_us / 1000)
 
-    @cached_property
+    @property
     def violated(self) -> tuple[Result, ...]:
         return tuple(r for r in self.results if not r.allowed)
 
-    @cached_property
+    @property
     def closest(self) -> Result | None:
         """The result to describe in headers: the violated one with the longest wait, else the
         one with the smallest share of its limit left."""
-        if self.violated:
-            return max(self.violated, key=lambda r: r.retry_us)
+        violated = self.violated
+        if violated:
+            return max(violated, key=lambda r: r.retry_us)
         if not self.results:
             return None
         return min(self.results, key=lambda r: (r.remaining / r.limit, r.reset_us))

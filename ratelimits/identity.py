@@ -9,7 +9,6 @@ import ipaddress
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .conf import conf
@@ -83,7 +82,7 @@ class Subject:
         return f"{self.kind}:{self.digest}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Identity:
     """Every subject of one request; absent ones are ``None``."""
 
@@ -93,7 +92,7 @@ class Identity:
     api_key: Subject | None = None
     organization: Subject | None = None
 
-    @cached_property
+    @property
     def caller(self) -> Subject:
         """The most specific subject: API key, else user, else client IP."""
         return self.api_key or self.user or self.ip

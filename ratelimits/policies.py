@@ -40,6 +40,8 @@ class Policy:
     capacity: int = field(init=False, repr=False, compare=False)
     #: The policy's part of the decide script's ARGV, as strings built once (see ``lua/decide.lua``).
     script_args: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    #: What follows the subject in this policy's state keys.
+    key_suffix: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not _POLICY_NAME.fullmatch(self.name):
@@ -51,6 +53,7 @@ class Policy:
         object.__setattr__(self, "capacity", capacity)
         args = (self.algorithm.code, self.rate.limit, self.rate.period_us, self.burst, self.state_ttl_ms)
         object.__setattr__(self, "script_args", tuple(str(arg) for arg in args))
+        object.__setattr__(self, "key_suffix", f":{self.name}:{self.algorithm.code}")
 
     @property
     def state_ttl_ms(self) -> int:
@@ -111,7 +114,7 @@ class Check:
 
     def key(self, prefix: str) -> str:
         """The state key: hash-tagged by subject, so one subject's keys share a Cluster slot."""
-        return f"{prefix}:{{{self.subject.digest}}}:{self.policy.name}:{self.policy.algorithm.code}"
+        return f"{prefix}:{{{self.subject.digest}}}{self.policy.key_suffix}"
 
 
 @dataclass(frozen=True, slots=True)
