@@ -240,3 +240,16 @@ def test_clear_forgets_a_subjects_state(backend: Any) -> None:
     backend.clear([check])
     assert backend.decide([check]).allowed
     assert not backend.decide([other]).allowed
+
+
+def test_memory_backend_forgets_idle_subjects(clock: FakeClock) -> None:
+    """Expired state is swept, so memory stays bounded by active subjects."""
+    memory = MemoryBackend(clock=clock)
+    memory.SWEEP_EVERY = 100
+    limit = policy("10/s")
+    for n in range(99):
+        memory.decide([Check(limit, Subject("ip", f"192.0.2.{n}"))])
+    assert len(memory._state) == 99
+    clock.advance(limit.state_ttl_ms * 1000 + 1)
+    memory.decide([Check(limit, ALICE)])  # the 100th write triggers a sweep
+    assert len(memory._state) == 1

@@ -195,3 +195,25 @@ def test_bad_forwarded_headers_never_500(limits: Any, settings: Any, forwarded: 
     settings.RATELIMITS = {**limits, "TRUSTED_PROXIES": ["10.0.0.0/8"]}
     response = APIClient().get("/t/ping", REMOTE_ADDR="10.0.0.1", HTTP_X_FORWARDED_FOR=forwarded)
     assert response.status_code in (200, 429)
+
+
+def test_retry_after_ms_is_exact_on_the_real_clock(limits: Any, settings: Any) -> None:
+    """Through the whole stack on Redis TIME: early retries fail, a retry at the named time passes.
+
+    The waits below are the behaviour under test (time passing), not synchronisation.
+    """
+    import time
+
+    settings.RATELIMITS = {**limits, "TIERS": {**BASE["TIERS"], "free": {"rate": "2/s", "burst": 1}}}
+    ApiKeyFactory(raw="sk_free_clock", tier="free")
+    client = client_for("sk_free_clock")
+    assert client.get("/v1/customers").status_code == 200
+    denied = client.get("/v1/customers")
+    assert denied.status_code == 429
+    wait_ms = json.loads(denied.content)["retry_after_ms"]
+    assert 250 <= wait_ms <= 500
+    started = time.monotonic()  # after the server's decision, so waiting wait_ms from here is never early
+    time.sleep(wait_ms / 2000)
+    assert client.get("/v1/customers").status_code == 429  # clearly early: still denied, nothing spent
+    time.sleep(max(wait_ms / 1000 - (time.monotonic() - started), 0))
+    assert client.get("/v1/customers").status_code == 200
