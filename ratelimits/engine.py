@@ -153,7 +153,9 @@ class Limiter:
             wait_us = max(math.ceil(self.breaker.retry_after() * 1_000_000), 1_000_000)
             return Decision(Verdict.UNAVAILABLE, (), retry_after_us=wait_us, degraded=True)
         local = [
-            Check(c.policy.scaled(self.local_share), c.subject, c.cost) for c in checks if c.policy.fail_mode == "local"
+            Check(c.policy.scaled(self.local_share, at_least=c.cost), c.subject, c.cost)
+            for c in checks
+            if c.policy.fail_mode == "local"
         ]
         if not local:
             return Decision(Verdict.ALLOW, (), degraded=True)

@@ -86,12 +86,21 @@ class Policy:
             return f"{text}, burst {self.burst}"
         return f"{text} ({self.algorithm.value.replace('_', ' ')})"
 
-    def scaled(self, share: float) -> Policy:
-        """This policy cut down to ``share`` of its rate and burst (for per-process fallback)."""
+    def scaled(self, share: float, *, at_least: int = 1) -> Policy:
+        """This policy cut down to ``share`` of its rate and burst (for per-process fallback).
+
+        The capacity never drops below ``at_least``: a request whose cost fits the real policy
+        must still fit this worker's share of it, or it could never be admitted.
+        """
         if share >= 1:
             return self
         limit = max(int(self.rate.limit * share), 1)
-        return replace(self, rate=Rate(limit, self.rate.period_us), burst=max(int(self.burst * share), 1))
+        burst = max(int(self.burst * share), 1)
+        if self.algorithm is Algorithm.TOKEN_BUCKET:
+            burst = max(burst, at_least)
+        else:
+            limit = max(limit, at_least)
+        return replace(self, rate=Rate(limit, self.rate.period_us), burst=burst)
 
 
 @dataclass(frozen=True, slots=True)

@@ -118,6 +118,13 @@ def test_scaled_policy_keeps_at_least_one() -> None:
     assert policy.scaled(1.0) is policy
 
 
+def test_scaled_policy_still_fits_the_cost() -> None:
+    bucket = Policy("p", parse_rate("10/s"), 20).scaled(0.25, at_least=10)
+    assert (bucket.rate.limit, bucket.burst, bucket.capacity) == (2, 10, 10)
+    window = Policy("w", parse_rate("20/m"), 20, Algorithm.FIXED_WINDOW).scaled(0.25, at_least=10)
+    assert window.capacity == 10
+
+
 def test_describe_and_window() -> None:
     assert Policy("p", parse_rate("100/s"), 200).describe() == "100 / second, burst 200"
     assert Policy("p", parse_rate("100/s"), 200).window_seconds == 2
