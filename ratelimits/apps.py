@@ -9,4 +9,6 @@ class RateLimitsConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from . import checks  # noqa: F401  (registers the system checks)
+        from . import audit, checks  # noqa: F401  (checks registers the system checks)
+
+        audit.connect()

@@ -39,6 +39,9 @@ DEFAULTS: dict[str, Any] = {
     "CLOCK": "redis",
     # Policies: see docs/configuration.md.
     "POLICY_SOURCE": "ratelimits.policies.SettingsPolicySource",
+    # With the database source: how often workers reload policies while the store is unreachable
+    # (otherwise they reload when the version stamp that comes back with every decision moves).
+    "POLICY_POLL_INTERVAL": "5s",
     "TIERS": {
         "anonymous": {"rate": "20/s", "burst": 40},
         "authenticated": {"rate": "100/s", "burst": 200},
@@ -123,6 +126,12 @@ class Settings:
         if clock not in ("redis", "app"):
             raise ConfigurationError(f"RATELIMITS['CLOCK']: {clock!r} must be 'redis' or 'app'")
         return bool(clock == "redis")
+
+    @property
+    def policy_poll_interval(self) -> float:
+        return self._cached(
+            "POLICY_POLL_INTERVAL", lambda: _seconds(self.get("POLICY_POLL_INTERVAL"), "POLICY_POLL_INTERVAL")
+        )
 
     @property
     def policy_source(self) -> str:

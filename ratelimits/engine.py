@@ -85,7 +85,13 @@ class Decision:
 
     @property
     def violated(self) -> tuple[Result, ...]:
-        return tuple(r for r in self.results if not r.allowed)
+        """Enforced checks that deny this request."""
+        return tuple(r for r in self.results if not r.allowed and not r.check.policy.shadow)
+
+    @property
+    def shadow_violated(self) -> tuple[Result, ...]:
+        """Shadow checks that would have denied this request had they been enforced."""
+        return tuple(r for r in self.results if not r.allowed and r.check.policy.shadow)
 
     @property
     def closest(self) -> Result | None:
@@ -94,16 +100,17 @@ class Decision:
         violated = self.violated
         if violated:
             return max(violated, key=lambda r: r.retry_us)
-        if not self.results:
+        enforced = [r for r in self.results if not r.check.policy.shadow]
+        if not enforced:
             return None
-        return min(self.results, key=lambda r: (r.remaining / r.limit, r.reset_us))
+        return min(enforced, key=lambda r: (r.remaining / r.limit, r.reset_us))
 
     @classmethod
     def from_results(
         cls, results: Sequence[Result], *, now_us: int, policy_version: str | None = None, degraded: bool = False
     ) -> Decision:
-        """Combine per-check results: allowed only if all allow; the wait is the longest."""
-        denied = [r for r in results if not r.allowed]
+        """Combine per-check results: allowed only if every enforced check allows; the wait is the longest."""
+        denied = [r for r in results if not r.allowed and not r.check.policy.shadow]
         return cls(
             verdict=Verdict.LIMITED if denied else Verdict.ALLOW,
             results=tuple(results),
@@ -213,8 +220,17 @@ def evaluate(
 ) -> tuple[Identity, Decision]:
     """Identify ``request``, collect its checks and decide them in one backend call."""
     identity = identify(request, endpoint=endpoint, auth=auth, user=user)
-    checks = get_policy_source().checks_for(request, identity)
-    return identity, get_limiter().decide(checks, consume=consume)
+    source = get_policy_source()
+    checks = source.checks_for(request, identity)
+    decision = get_limiter().decide(checks, consume=consume)
+    source.observe(decision)
+    if decision.shadow_violated:
+        logger.info(
+            "ratelimits: shadow policies would deny %s: %s",
+            identity.caller,
+            ", ".join(r.policy_name for r in decision.shadow_violated),
+        )
+    return identity, decision
 
 
 def _on_setting_changed(*, setting: str, **kwargs: Any) -> None:

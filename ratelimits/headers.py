@@ -24,6 +24,10 @@ def rate_limit_headers(decision: Decision) -> dict[str, str]:
     headers: dict[str, str] = {}
     if decision.degraded:
         headers["X-RateLimit-Degraded"] = "1"
+    shadow = decision.shadow_violated
+    if shadow:
+        # What shadow policies would have done, for operators trying a new limit out.
+        headers["X-RateLimit-Shadow"] = ", ".join(f'"{r.policy_name}"' for r in shadow)
     closest = decision.closest
     if closest is None or style == "none":
         return headers

@@ -15,6 +15,7 @@ from .rates import Rate, parse_rate
 if TYPE_CHECKING:
     from django.http import HttpRequest
 
+    from .engine import Decision
     from .identity import Identity, Subject
 
 __all__ = ["PRIORITIES", "Check", "EndpointRule", "Policy", "PolicySource", "SettingsPolicySource"]
@@ -35,6 +36,8 @@ class Policy:
     burst: int
     algorithm: Algorithm = Algorithm.TOKEN_BUCKET
     fail_mode: str = "open"
+    #: Evaluated and counted, reported when it would deny, but never denies.
+    shadow: bool = False
 
     #: The most a subject can spend at once: the burst for a bucket, the limit for windows.
     capacity: int = field(init=False, repr=False, compare=False)
@@ -52,7 +55,7 @@ class Policy:
         capacity = self.burst if self.algorithm is Algorithm.TOKEN_BUCKET else self.rate.limit
         object.__setattr__(self, "capacity", capacity)
         args = (self.algorithm.code, self.rate.limit, self.rate.period_us, self.burst, self.state_ttl_ms)
-        object.__setattr__(self, "script_args", tuple(str(arg) for arg in args))
+        object.__setattr__(self, "script_args", (*(str(arg) for arg in args), "1" if self.shadow else "0"))
         object.__setattr__(self, "key_suffix", f":{self.name}:{self.algorithm.code}")
 
     @property
@@ -145,6 +148,9 @@ class PolicySource(Protocol):
 
     def endpoint_rule(self, endpoint: str, method: str) -> EndpointRule:
         """The rule for an endpoint and HTTP method (a default rule if none is configured)."""
+
+    def observe(self, decision: Decision) -> None:
+        """Called with every decision: a source that caches can notice a new policy version."""
 
 
 def policy_from_config(
@@ -285,6 +291,9 @@ class SettingsPolicySource:
     def endpoint_rule(self, endpoint: str, method: str) -> EndpointRule:
         rules = self.endpoints
         return rules.get(f"{method.upper()} {endpoint}") or rules.get(endpoint) or _DEFAULT_RULE
+
+    def observe(self, decision: Decision) -> None:
+        """Settings only change with a restart (or ``override_settings``): nothing to notice."""
 
     def tier_for(self, request: HttpRequest, identity: Identity) -> str:
         """The caller's tier: ``TIER_FUNC`` if it names one, else the default for its kind."""

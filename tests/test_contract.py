@@ -253,3 +253,16 @@ def test_memory_backend_forgets_idle_subjects(clock: FakeClock) -> None:
     clock.advance(limit.state_ttl_ms * 1000 + 1)
     memory.decide([Check(limit, ALICE)])  # the 100th write triggers a sweep
     assert len(memory._state) == 1
+
+
+def test_shadow_checks_report_but_never_deny(backend: Any) -> None:
+    enforced = Check(policy("10/s", name="enforced"), ALICE)
+    shadow = Check(Policy("trial", parse_rate("1/m"), 1, shadow=True), ALICE)
+    first = backend.decide([enforced, shadow])
+    assert first.allowed and not first.shadow_violated
+    second = backend.decide([enforced, shadow])
+    assert second.allowed
+    assert [r.policy_name for r in second.shadow_violated] == ["trial"]
+    assert second.violated == () and second.closest is not None and second.closest.policy_name == "enforced"
+    # The enforced policy was charged for both requests, the shadow one only while it allowed.
+    assert backend.decide([enforced], consume=False).results[0].remaining == 7

@@ -34,3 +34,7 @@ class Backend(ABC):
     @abstractmethod
     def clear(self, checks: Sequence[Check]) -> None:
         """Forget the state of these checks' keys (an admin's reset)."""
+
+    @abstractmethod
+    def bump_version(self) -> str:
+        """Advance the policy version stamp that every decision returns; return the new one."""

@@ -61,7 +61,7 @@ class MemoryBackend(Backend):
                     pending[key] = outcome.new_state
                     writes.append((key, outcome.new_state, now + policy.state_ttl_ms * 1000))
                 results.append(Result(check, outcome.allowed, outcome.remaining, outcome.reset_us, outcome.retry_us))
-            if consume and all(r.allowed for r in results):
+            if consume and all(r.allowed or r.check.policy.shadow for r in results):
                 for key, state, expires in writes:
                     self._state[key] = (state, expires)
                 self._writes += len(writes)
@@ -73,6 +73,11 @@ class MemoryBackend(Backend):
         with self._lock:
             for check in checks:
                 self._state.pop(check.key(self.prefix), None)
+
+    def bump_version(self) -> str:
+        with self._lock:
+            self.version = str(int(self.version or 0) + 1)
+            return self.version
 
     def _load(self, key: str, now: int) -> State | None:
         entry = self._state.get(key)

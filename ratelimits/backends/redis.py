@@ -34,6 +34,8 @@ def load_script(name: str) -> str:
 
 DECIDE = load_script("decide.lua")
 DECIDE_SHA = hashlib.sha1(DECIDE.encode()).hexdigest()
+#: How long the policy version stamp lives after its last bump.
+VERSION_TTL_S = 30 * 86_400
 
 
 class RedisBackend(Backend):
@@ -91,6 +93,17 @@ class RedisBackend(Backend):
             self.client.delete(*[check.key(self.prefix) for check in checks])
         except redis.RedisError as exc:
             raise BackendUnavailable(str(exc)) from exc
+
+    def bump_version(self) -> str:
+        try:
+            with self.client.pipeline(transaction=True) as pipe:
+                pipe.incr(self.version_key)
+                # Like every key, the stamp expires; if it does, workers see "no version" and reload.
+                pipe.expire(self.version_key, VERSION_TTL_S)
+                version, _ = pipe.execute()
+        except redis.RedisError as exc:
+            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        return str(version)
 
     def _run(self, keys: list[str], args: list[Any]) -> Any:
         connection = self._connection()

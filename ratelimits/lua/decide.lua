@@ -6,18 +6,18 @@
 -- KEYS[1 + i]      state key of check i, for i = 1..n
 -- ARGV[1]          now in integer microseconds, or "" to read the Redis server clock (TIME)
 -- ARGV[2]          "1" to consume when every check allows, "0" to only report (peek)
--- ARGV[3 + 6(i-1)] check i: algorithm (1 token bucket/GCRA, 2 sliding window, 3 fixed window),
+-- ARGV[3 + 7(i-1)] check i: algorithm (1 token bucket/GCRA, 2 sliding window, 3 fixed window),
 --                  limit (requests per period), period (microseconds), burst (GCRA capacity in
 --                  requests; ignored by windows), state TTL (milliseconds, passed through to PX
 --                  as given: converting numbers to strings is the costliest thing a script does),
---                  cost (tokens this request spends)
+--                  shadow ("1": reported but never denies), cost (tokens this request spends)
 --
 -- State values (plain strings, every key written with a PX TTL):
 --   GCRA           "<theoretical arrival time, us, as an exact %.17g double>"
 --   sliding window "<window index>:<current count>:<previous count>"
 --   fixed window   "<window index>:<count>"
 --
--- Returns {now_us, version or false, all_allowed (0/1),
+-- Returns {now_us, version or false, all enforced checks allowed (0/1),
 --          then per check: allowed (0/1), remaining, reset_us, retry_us}.
 
 local now
@@ -151,18 +151,19 @@ local all_allowed = true
 local out = 3
 for i = 1, n do
   local key = KEYS[i + 1]
-  local base = 3 + 6 * (i - 1)
+  local base = 3 + 7 * (i - 1)
   local value = pending[key]
   if value == nil then value = stored[i + 1] end
   local allowed, remaining, reset, retry, new_value = algorithms[tonumber(ARGV[base])](
-    value, tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3]), tonumber(ARGV[base + 5]))
+    value, tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3]), tonumber(ARGV[base + 6]))
   if allowed then
     pending[key] = new_value
     writes = writes + 1
     write_keys[writes], write_values[writes], write_ttls[writes] = key, new_value, ARGV[base + 4]
     reply[out + 1] = 1
   else
-    all_allowed = false
+    -- A shadow check reports what it would do; only enforced checks can deny the request.
+    if ARGV[base + 5] ~= '1' then all_allowed = false end
     reply[out + 1] = 0
   end
   reply[out + 2], reply[out + 3], reply[out + 4] = remaining, reset, retry

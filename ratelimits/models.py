@@ -1,0 +1,353 @@
+"""Admin-managed policies: tiers, subject assignments, endpoint policies, overrides, fleet settings.
+
+Every change is audited in the same transaction and, once committed, bumps the policy version
+stamp in Redis so every worker reloads its in-process copy on its next request
+(see :mod:`ratelimits.sources`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from decimal import Decimal
+from typing import Any, ClassVar
+
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.core.validators import MaxValueValidator, MinValueValidator
+from django.db import models, transaction
+from django.utils import timezone
+
+from .algorithms import Algorithm
+from .exceptions import ConfigurationError
+from .policies import PRIORITIES
+from .rates import parse_rate
+
+ALGORITHM_CHOICES = [(a.value, a.value.replace("_", " ")) for a in Algorithm]
+FAIL_MODE_CHOICES = [
+    ("", "fleet default"),
+    ("open", "open: allow when the limiter is down"),
+    ("closed", "closed: 503 when the limiter is down"),
+    ("local", "local: per-process limit when the limiter is down"),
+]
+PRIORITY_CHOICES = [(p, p) for p in PRIORITIES]
+METHOD_CHOICES = [(m, m) for m in ("ANY", "GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")]
+SUBJECT_KINDS = [
+    ("api_key", "API key"),
+    ("user", "user"),
+    ("org", "organisation"),
+    ("ip", "IP address or network"),
+]
+_ENDPOINT = re.compile(r"[A-Za-z0-9_.:/-]{1,150}", re.ASCII)
+_IDENTIFIER = re.compile(r"[^\s\x00-\x1f\x7f]{1,200}")
+
+
+class ConcurrentEdit(ValidationError):
+    """Someone else saved this object since it was loaded; saving would silently undo their change."""
+
+
+def validate_rate(value: str) -> None:
+    """A model-field validator: ``"100/s"``, ``"5/10m"``; the message names the input."""
+    try:
+        parse_rate(value, field="rate")
+    except ConfigurationError as exc:
+        raise ValidationError(str(exc).removeprefix("rate: ")) from None
+
+
+def validate_endpoint(value: str) -> None:
+    if not _ENDPOINT.fullmatch(value):
+        raise ValidationError(
+            f"{value!r} is not an endpoint name: use the view's throttle_scope or route name "
+            "(letters, digits and _ . : / -), not a path or a regular expression."
+        )
+
+
+def validate_subject(kind: str, identifier: str) -> str:
+    """The canonical identifier of a subject, or a ``ValidationError`` saying what is wrong."""
+    identifier = identifier.strip()
+    if not _IDENTIFIER.fullmatch(identifier):
+        raise ValidationError({"subject_id": "Enter an identifier of 1 to 200 visible characters."})
+    if kind == "ip":
+        try:
+            network = ipaddress.ip_network(identifier, strict=False)
+        except ValueError:
+            raise ValidationError(
+                {"subject_id": f"{identifier!r} is not an IP address or network such as 203.0.113.7 or 2001:db8::/48."}
+            ) from None
+        return str(network)
+    if kind == "user" and not identifier.isdigit():
+        raise ValidationError({"subject_id": "A user is identified by its primary key (a number)."})
+    return identifier
+
+
+class RevisionedQuerySet(models.QuerySet):  # type: ignore[type-arg]
+    """``update()`` through the app's API is audited and bumps the policy version like ``save()``."""
+
+    def update(self, **kwargs: Any) -> int:
+        from .audit import record_bulk_update
+
+        with transaction.atomic(using=self.db):
+            before = list(self)
+            count = super().update(**kwargs)
+            record_bulk_update(self.model, before, kwargs)
+        return count
+
+
+class Revisioned(models.Model):
+    """Optimistic locking: a save based on a stale copy is refused instead of undoing another edit."""
+
+    revision = models.PositiveIntegerField(default=0, help_text="Bumped on every save; guards against lost edits.")
+    updated_at = models.DateTimeField(auto_now=True)
+
+    objects = RevisionedQuerySet.as_manager()
+
+    class Meta:
+        abstract = True
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        with transaction.atomic(using=kwargs.get("using")):
+            if self.pk is not None and not kwargs.get("force_insert"):
+                stored = (
+                    type(self)
+                    ._default_manager.select_for_update()
+                    .filter(pk=self.pk)
+                    .values_list("revision", flat=True)
+                    .first()
+                )
+                if stored is not None and stored != self.revision:
+                    raise ConcurrentEdit(
+                        f"This {self._meta.verbose_name} was changed by someone else while you were editing it "
+                        f"(revision {stored}, you started from {self.revision}). Reload it and apply your change again."
+                    )
+            self.revision += 1
+            super().save(*args, **kwargs)
+
+
+class Tier(Revisioned):
+    """A named set of limits that subjects are assigned to."""
+
+    name = models.SlugField(max_length=50, unique=True)
+    rate = models.CharField(max_length=32, validators=[validate_rate], help_text='Sustained rate, e.g. "100/s".')
+    burst = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Requests allowed at once (default: N of the rate).",
+    )
+    concurrency = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1)], help_text="Requests in flight at once (optional)."
+    )
+    quota = models.CharField(
+        max_length=32, blank=True, validators=[validate_rate], help_text='Optional long-period quota, e.g. "10000/d".'
+    )
+    algorithm = models.CharField(max_length=20, choices=ALGORITHM_CHOICES, default=Algorithm.TOKEN_BUCKET.value)
+    fail_mode = models.CharField(max_length=10, choices=FAIL_MODE_CHOICES, blank=True)
+    enabled = models.BooleanField(default=True, help_text="A disabled tier's limits are not applied.")
+    shadow = models.BooleanField(default=False, help_text="Count and report, but never deny.")
+    description = models.TextField(blank=True)
+
+    class Meta:
+        ordering: ClassVar = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def effective_burst(self) -> int:
+        return self.burst or parse_rate(self.rate).limit
+
+    def describe(self) -> str:
+        """``"100 / second, burst 200"``."""
+        try:
+            rate = parse_rate(self.rate)
+        except ConfigurationError:
+            return self.rate
+        return f"{rate.describe()}, burst {self.burst or rate.limit}"
+
+
+class SubjectAssignment(Revisioned):
+    """Puts one subject (API key, user, organisation, IP or network) on a tier, optionally for a while."""
+
+    subject_kind = models.CharField(max_length=10, choices=SUBJECT_KINDS)
+    subject_id = models.CharField(
+        max_length=200, help_text="API key identity, user id, organisation id, or an IP address/network."
+    )
+    tier = models.ForeignKey(Tier, on_delete=models.PROTECT, related_name="assignments")
+    starts_at = models.DateTimeField(null=True, blank=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    note = models.CharField(max_length=200, blank=True)
+
+    class Meta:
+        ordering: ClassVar = ["subject_kind", "subject_id"]
+        indexes: ClassVar = [models.Index(fields=["subject_kind", "subject_id"])]
+
+    def __str__(self) -> str:
+        return f"{self.get_subject_kind_display()} {self.subject_id} → {self.tier}"
+
+    def clean(self) -> None:
+        self.subject_id = validate_subject(self.subject_kind, self.subject_id)
+        if self.starts_at and self.expires_at and self.expires_at <= self.starts_at:
+            raise ValidationError({"expires_at": "The expiry must come after the start."})
+
+
+class EndpointPolicy(Revisioned):
+    """How one endpoint is treated: cost, priority, and its own limits."""
+
+    endpoint = models.CharField(
+        max_length=150, validators=[validate_endpoint], help_text="The view's throttle_scope or route name."
+    )
+    method = models.CharField(max_length=8, choices=METHOD_CHOICES, default="ANY")
+    cost = models.PositiveIntegerField(default=1, validators=[MinValueValidator(1)], help_text="Tokens per request.")
+    priority = models.CharField(max_length=10, choices=PRIORITY_CHOICES, default="normal")
+    per_caller_rate = models.CharField(
+        max_length=32, blank=True, validators=[validate_rate], help_text="Limit per caller on this endpoint."
+    )
+    per_caller_burst = models.PositiveIntegerField(null=True, blank=True, validators=[MinValueValidator(1)])
+    endpoint_rate = models.CharField(
+        max_length=32, blank=True, validators=[validate_rate], help_text="Limit for all callers together."
+    )
+    endpoint_burst = models.PositiveIntegerField(null=True, blank=True, validators=[MinValueValidator(1)])
+    exempt = models.BooleanField(default=False, help_text="Never limited (health checks, staff tools).")
+    enabled = models.BooleanField(default=True)
+    shadow = models.BooleanField(default=False, help_text="Count and report, but never deny.")
+    description = models.TextField(blank=True)
+
+    class Meta:
+        verbose_name_plural = "endpoint policies"
+        ordering: ClassVar = ["endpoint", "method"]
+        constraints: ClassVar = [
+            models.UniqueConstraint(fields=["endpoint", "method"], name="ratelimits_endpoint_method")
+        ]
+
+    def __str__(self) -> str:
+        return self.endpoint if self.method == "ANY" else f"{self.method} {self.endpoint}"
+
+    def clean(self) -> None:
+        for rate_field, burst_field in (("per_caller_rate", "per_caller_burst"), ("endpoint_rate", "endpoint_burst")):
+            rate, burst = getattr(self, rate_field), getattr(self, burst_field)
+            if burst and not rate:
+                raise ValidationError({burst_field: "A burst needs a rate."})
+            if rate:
+                capacity = burst or parse_rate(rate).limit
+                if self.cost and self.cost > capacity:
+                    raise ValidationError(
+                        {
+                            "cost": f"A cost of {self.cost} exceeds the {rate_field.replace('_', ' ')}'s capacity of "
+                            f"{capacity}: every request to this endpoint would be denied."
+                        }
+                    )
+
+
+class Override(Revisioned):
+    """Replacement limits (or a multiplier) for one subject, optionally on one endpoint, until it expires."""
+
+    subject_kind = models.CharField(max_length=10, choices=SUBJECT_KINDS)
+    subject_id = models.CharField(max_length=200)
+    endpoint = models.CharField(
+        max_length=150, blank=True, validators=[validate_endpoint], help_text="Blank: every endpoint."
+    )
+    rate = models.CharField(max_length=32, blank=True, validators=[validate_rate], help_text="Replacement rate.")
+    burst = models.PositiveIntegerField(null=True, blank=True, validators=[MinValueValidator(1)])
+    multiplier = models.DecimalField(
+        max_digits=8,
+        decimal_places=3,
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(Decimal("0.001")), MaxValueValidator(Decimal("10000"))],
+        help_text="Scales the tier's rate and burst instead of replacing them.",
+    )
+    reason = models.TextField(help_text="Why: shown in the audit trail.")
+    expires_at = models.DateTimeField(help_text="After this the override stops applying on its own.")
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    enabled = models.BooleanField(default=True)
+    shadow = models.BooleanField(default=False, help_text="Count and report, but never deny.")
+
+    class Meta:
+        ordering: ClassVar = ["-created_at"]
+        indexes: ClassVar = [models.Index(fields=["subject_kind", "subject_id"])]
+
+    def __str__(self) -> str:
+        scope = f" on {self.endpoint}" if self.endpoint else ""
+        return f"{self.get_subject_kind_display()} {self.subject_id}{scope}"
+
+    @property
+    def is_active(self) -> bool:
+        return self.enabled and self.expires_at > timezone.now()
+
+    def clean(self) -> None:
+        self.subject_id = validate_subject(self.subject_kind, self.subject_id)
+        if not self.reason or not self.reason.strip():
+            raise ValidationError({"reason": "Say why this override exists."})
+        if self.multiplier is not None and (self.rate or self.burst):
+            raise ValidationError("Give either replacement values (rate, burst) or a multiplier, not both.")
+        if self.multiplier is None and not self.rate:
+            raise ValidationError("Give a replacement rate or a multiplier.")
+        if self.burst and not self.rate:
+            raise ValidationError({"burst": "A burst needs a rate."})
+
+
+class FleetSettings(Revisioned):
+    """The one row of fleet-wide settings."""
+
+    default_fail_mode = models.CharField(max_length=10, choices=FAIL_MODE_CHOICES[1:], default="open")
+    shadow = models.BooleanField(default=False, help_text="Global shadow switch: count everything, deny nothing.")
+    anonymous_tier = models.ForeignKey(
+        Tier, null=True, blank=True, on_delete=models.PROTECT, related_name="+", help_text="Tier of anonymous callers."
+    )
+    authenticated_tier = models.ForeignKey(
+        Tier,
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="+",
+        help_text="Tier of authenticated callers without an assignment.",
+    )
+    capacity = models.PositiveIntegerField(default=1000, help_text="Requests in flight the fleet can serve.")
+    shed_low_percent = models.PositiveSmallIntegerField(default=60, validators=[MaxValueValidator(100)])
+    shed_normal_percent = models.PositiveSmallIntegerField(default=75, validators=[MaxValueValidator(100)])
+    shed_high_percent = models.PositiveSmallIntegerField(default=90, validators=[MaxValueValidator(100)])
+
+    class Meta:
+        verbose_name = "fleet settings"
+        verbose_name_plural = "fleet settings"
+
+    def __str__(self) -> str:
+        return "Fleet settings"
+
+    def clean(self) -> None:
+        if not self.shed_low_percent <= self.shed_normal_percent <= self.shed_high_percent:
+            raise ValidationError("Shedding thresholds must rise with priority: low ≤ normal ≤ high.")
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        self.pk = 1  # one row only
+        super().save(*args, **kwargs)
+
+    @classmethod
+    def load(cls) -> FleetSettings:
+        return cls.objects.get_or_create(pk=1)[0]
+
+
+class AuditEntry(models.Model):
+    """Who changed which policy, when, from what to what, and why."""
+
+    at = models.DateTimeField(default=timezone.now, db_index=True)
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    action = models.CharField(max_length=10, choices=[(a, a) for a in ("created", "changed", "deleted", "reset")])
+    model = models.CharField(max_length=100)
+    object_id = models.CharField(max_length=100)
+    object_repr = models.CharField(max_length=300)
+    before = models.JSONField(null=True, blank=True)
+    after = models.JSONField(null=True, blank=True)
+    reason = models.TextField(blank=True)
+
+    class Meta:
+        verbose_name_plural = "audit entries"
+        ordering: ClassVar = ["-at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.at:%Y-%m-%d %H:%M} {self.action} {self.model} {self.object_repr}"

@@ -1,0 +1,394 @@
+"""Admin-managed policies as a policy source: an in-process snapshot, reloaded when the version moves.
+
+Workers answer from a snapshot of the policy tables: no database query per request in steady
+state. Every committed policy change bumps a version stamp in the limiter's store; every
+decision brings the stamp back (in the same round trip), and a worker that sees a new one
+reloads before its next request. While the store is unreachable, workers reload on a short
+timer instead.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from django.utils import timezone
+
+from .algorithms import Algorithm
+from .conf import conf
+from .exceptions import BackendUnavailable, ConfigurationError
+from .policies import Check, EndpointRule, Policy, _endpoint_key, _slug, policy_from_config
+from .rates import Rate, parse_rate
+
+if TYPE_CHECKING:
+    from django.http import HttpRequest
+
+    from .engine import Decision
+    from .identity import Identity, Subject
+
+__all__ = ["DatabasePolicySource", "Explained", "bump_policy_version"]
+
+logger = logging.getLogger("ratelimits")
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+_DEFAULT_RULE = EndpointRule()
+
+
+@dataclass(frozen=True)
+class _Window:
+    """When an assignment or override applies."""
+
+    starts: datetime | None
+    expires: datetime | None
+
+    def covers(self, now: datetime) -> bool:
+        return (self.starts is None or self.starts <= now) and (self.expires is None or now < self.expires)
+
+
+@dataclass(frozen=True)
+class _Assignment:
+    tier: str
+    window: _Window
+    label: str
+
+
+@dataclass(frozen=True)
+class _Override:
+    id: int
+    endpoint: str
+    window: _Window
+    rate: Rate | None
+    burst: int | None
+    multiplier: float | None
+    shadow: bool
+    label: str
+
+    def apply(self, base: Policy | None, *, name: str) -> Policy | None:
+        """The policy this override makes of ``base`` (``None`` if a multiplier has nothing to scale)."""
+        if self.rate is not None:
+            burst = self.burst or self.rate.limit
+            return Policy(
+                name,
+                self.rate,
+                burst,
+                base.algorithm if base else Algorithm.TOKEN_BUCKET,
+                base.fail_mode if base else conf.default_fail_mode,
+                self.shadow or bool(base and base.shadow),
+            )
+        if base is None or self.multiplier is None:
+            return None
+        limit = max(round(base.rate.limit * self.multiplier), 1)
+        burst = max(round(base.burst * self.multiplier), 1)
+        return Policy(
+            name, Rate(limit, base.rate.period_us), burst, base.algorithm, base.fail_mode, self.shadow or base.shadow
+        )
+
+
+@dataclass
+class Snapshot:
+    """Everything a worker needs to resolve a request's checks, built from the policy tables."""
+
+    version: str | None
+    loaded_at: float
+    tiers: dict[str, list[Policy]] = field(default_factory=dict)
+    assignments: dict[tuple[str, str], list[_Assignment]] = field(default_factory=dict)
+    networks: list[tuple[IPNetwork, _Assignment]] = field(default_factory=list)
+    endpoints: dict[str, EndpointRule] = field(default_factory=dict)
+    overrides: dict[tuple[str, str], list[_Override]] = field(default_factory=dict)
+    dimensions: dict[str, Policy] = field(default_factory=dict)
+    anonymous_tier: str | None = None
+    authenticated_tier: str | None = None
+
+
+@dataclass(frozen=True)
+class Explained:
+    """One check of a request and where its values come from (for the effective-policy page)."""
+
+    check: Check
+    origin: str
+
+
+_UNSEEN = object()
+
+
+class DatabasePolicySource:
+    """Policies from the admin-managed tables (``RATELIMITS['POLICY_SOURCE']`` names this class)."""
+
+    def __init__(self) -> None:
+        self._snapshot: Snapshot | None = None
+        self._next_version: Any = _UNSEEN
+        self._lock = threading.Lock()
+
+    # -- the PolicySource protocol ---------------------------------------------------------------
+
+    def checks_for(self, request: HttpRequest, identity: Identity) -> list[Check]:
+        return [e.check for e in self.explain(request, identity)]
+
+    def endpoint_rule(self, endpoint: str, method: str) -> EndpointRule:
+        return _rule(self.snapshot().endpoints, endpoint, method)
+
+    def observe(self, decision: Decision) -> None:
+        snapshot = self._snapshot
+        if snapshot is None:
+            return
+        if decision.degraded:
+            if time.monotonic() - snapshot.loaded_at > conf.policy_poll_interval:
+                self.invalidate()
+        elif decision.policy_version != snapshot.version:
+            self._next_version = decision.policy_version
+            self.invalidate()
+
+    # -- resolution ------------------------------------------------------------------------------
+
+    def explain(self, request: HttpRequest, identity: Identity, *, now: datetime | None = None) -> list[Explained]:
+        """Every check for this request with the origin of its values: tier, assignment, override, endpoint."""
+        snap = self.snapshot()
+        endpoint = identity.endpoint.value
+        rule = _rule(snap.endpoints, endpoint, request.method or "GET")
+        if rule.exempt:
+            return []
+        now = now or timezone.now()
+        cost = rule.cost
+        found: list[Explained] = []
+        assigned = {}
+        for subject in (identity.api_key, identity.user, identity.organization, identity.ip):
+            if subject is not None:
+                assignment = self._assignment(snap, subject, now)
+                if assignment is not None:
+                    assigned[subject] = assignment
+        caller = identity.caller
+        if caller not in assigned:
+            tier = self._default_tier(snap, request, identity)
+            if tier is not None:
+                assigned[caller] = _Assignment(tier, _Window(None, None), f"default tier for {_kind(identity)}")
+        for subject, assignment in assigned.items():
+            for policy in snap.tiers.get(assignment.tier, ()):
+                policy, origin = self._overridden(snap, subject, endpoint, policy, now, assignment.label)
+                _add(found, policy, subject, cost, origin)
+        for kind, policy in snap.dimensions.items():
+            subject = {
+                "ip": identity.ip,
+                "user": identity.user,
+                "api_key": identity.api_key,
+                "org": identity.organization,
+            }[kind]
+            if subject is not None:
+                _add(found, policy, subject, cost, f"RATELIMITS['DIMENSIONS']['{kind}']")
+        if rule.per_caller is not None:
+            _add(found, rule.per_caller, caller, cost, "endpoint policy, per caller")
+        if rule.endpoint_wide is not None:
+            _add(found, rule.endpoint_wide, identity.endpoint, cost, "endpoint policy, all callers")
+        return found
+
+    def _assignment(self, snap: Snapshot, subject: Subject, now: datetime) -> _Assignment | None:
+        if subject.kind == "ip":
+            address = _address(subject.value)
+            best: tuple[int, _Assignment] | None = None
+            for network, assignment in snap.networks:
+                if (
+                    address is not None
+                    and address.version == network.version
+                    and address in network
+                    and assignment.window.covers(now)
+                    and (best is None or network.prefixlen > best[0])
+                ):
+                    best = (network.prefixlen, assignment)
+            return best[1] if best else None
+        for assignment in snap.assignments.get((subject.kind, subject.value), ()):
+            if assignment.window.covers(now):
+                return assignment
+        return None
+
+    def _default_tier(self, snap: Snapshot, request: HttpRequest, identity: Identity) -> str | None:
+        func = conf.tier_func
+        if func is not None:
+            name = func(request, identity)
+            if name is not None and name in snap.tiers:
+                return str(name)
+        return snap.anonymous_tier if identity.is_anonymous else snap.authenticated_tier
+
+    def _overridden(
+        self, snap: Snapshot, subject: Subject, endpoint: str, policy: Policy, now: datetime, origin: str
+    ) -> tuple[Policy, str]:
+        """An override for this endpoint beats a general one, which beats the tier (quotas are kept)."""
+        if policy.name.endswith(":quota"):
+            return policy, origin
+        overrides = [o for o in snap.overrides.get((subject.kind, subject.value), ()) if o.window.covers(now)]
+        for wanted, name in ((endpoint, None), ("", policy.name)):
+            for override in overrides:
+                if override.endpoint == wanted:
+                    replaced = override.apply(policy, name=name or f"override:{override.id}")
+                    if replaced is not None:
+                        return replaced, override.label
+        return policy, origin
+
+    # -- the snapshot ----------------------------------------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        snapshot = self._snapshot
+        if snapshot is None:
+            with self._lock:
+                snapshot = self._snapshot
+                if snapshot is None:
+                    version = None if self._next_version is _UNSEEN else self._next_version
+                    snapshot = self._snapshot = load_snapshot(version)
+        return snapshot
+
+    def invalidate(self) -> None:
+        """Drop the snapshot: the next request reloads it from the database."""
+        self._snapshot = None
+
+
+def load_snapshot(version: str | None) -> Snapshot:
+    """Read every policy table once and index it for lookups without queries.
+
+    A row that cannot be turned into a policy (saved around the admin's validation) is left
+    out with an error in the log, rather than taking every request down with it.
+    """
+    from .models import EndpointPolicy, FleetSettings, Override, SubjectAssignment, Tier
+
+    now = timezone.now()
+    fleet = FleetSettings.objects.filter(pk=1).select_related("anonymous_tier", "authenticated_tier").first()
+    default_mode = fleet.default_fail_mode if fleet else conf.default_fail_mode
+    global_shadow = bool(fleet and fleet.shadow)
+    snap = Snapshot(version=version, loaded_at=time.monotonic())
+    for tier in Tier.objects.filter(enabled=True):
+        try:
+            snap.tiers[tier.name] = tier_policies(tier, default_mode, global_shadow)
+        except ConfigurationError as exc:
+            logger.error("ratelimits: tier %s left out: %s", tier.name, exc)
+    if fleet is not None:
+        snap.anonymous_tier = fleet.anonymous_tier.name if fleet.anonymous_tier else None
+        snap.authenticated_tier = fleet.authenticated_tier.name if fleet.authenticated_tier else None
+    defaults = conf.get("DEFAULT_TIERS")
+    snap.anonymous_tier = snap.anonymous_tier or _known(snap, defaults.get("anonymous"))
+    snap.authenticated_tier = snap.authenticated_tier or _known(snap, defaults.get("authenticated"))
+
+    assignments: dict[tuple[str, str], list[_Assignment]] = defaultdict(list)
+    live = SubjectAssignment.objects.select_related("tier").exclude(expires_at__lte=now).order_by("-starts_at", "-id")
+    for row in live:
+        entry = _Assignment(
+            row.tier.name, _Window(row.starts_at, row.expires_at), f"assignment #{row.pk} ({row.tier.name})"
+        )
+        if row.subject_kind == "ip":
+            try:
+                snap.networks.append((ipaddress.ip_network(row.subject_id, strict=False), entry))
+            except ValueError:
+                logger.error("ratelimits: assignment #%s left out: bad network %r", row.pk, row.subject_id)
+        else:
+            assignments[(row.subject_kind, row.subject_id)].append(entry)
+    snap.assignments = dict(assignments)
+
+    for endpoint in EndpointPolicy.objects.filter(enabled=True):
+        try:
+            snap.endpoints[_endpoint_key(str(endpoint))] = endpoint_rule(endpoint, default_mode, global_shadow)
+        except ConfigurationError as exc:
+            logger.error("ratelimits: endpoint policy %s left out: %s", endpoint, exc)
+    for name in conf.get("EXEMPT_ENDPOINTS"):
+        snap.endpoints[_endpoint_key(str(name))] = EndpointRule(exempt=True)
+
+    overrides: dict[tuple[str, str], list[_Override]] = defaultdict(list)
+    for row in Override.objects.filter(enabled=True, expires_at__gt=now).order_by("-created_at", "-id"):
+        try:
+            rate = parse_rate(row.rate, field=f"override #{row.pk} rate") if row.rate else None
+        except ConfigurationError as exc:
+            logger.error("ratelimits: %s", exc)
+            continue
+        overrides[(row.subject_kind, row.subject_id)].append(
+            _Override(
+                id=row.pk,
+                endpoint=row.endpoint,
+                window=_Window(None, row.expires_at),
+                rate=rate,
+                burst=row.burst,
+                multiplier=float(row.multiplier) if row.multiplier is not None else None,
+                shadow=row.shadow or global_shadow,
+                label=f"override #{row.pk}: {row.reason[:80]}",
+            )
+        )
+    snap.overrides = dict(overrides)
+    for kind, cfg in conf.get("DIMENSIONS").items():
+        snap.dimensions[kind] = policy_from_config(
+            kind, cfg, field=f"RATELIMITS['DIMENSIONS']['{kind}']", default_fail_mode=default_mode
+        )
+    return snap
+
+
+def tier_policies(tier: Any, default_mode: str, global_shadow: bool = False) -> list[Policy]:
+    """A tier's rate policy and, if it has one, its quota."""
+    mode = tier.fail_mode or default_mode
+    config = {"rate": tier.rate, "burst": tier.burst or parse_rate(tier.rate).limit, "algorithm": tier.algorithm}
+    policy = policy_from_config(f"tier:{tier.name}", config, field=f"tier {tier.name}", default_fail_mode=mode)
+    shadow = tier.shadow or global_shadow
+    policies = [Policy(policy.name, policy.rate, policy.burst, policy.algorithm, policy.fail_mode, shadow)]
+    if tier.quota:
+        quota = parse_rate(tier.quota, field=f"tier {tier.name} quota")
+        policies.append(Policy(f"tier:{tier.name}:quota", quota, quota.limit, Algorithm.FIXED_WINDOW, mode, shadow))
+    return policies
+
+
+def endpoint_rule(endpoint: Any, default_mode: str, global_shadow: bool = False) -> EndpointRule:
+    """The rule an ``EndpointPolicy`` row stands for."""
+    slug = _slug(str(endpoint))
+    shadow = endpoint.shadow or global_shadow
+
+    def limit(name: str, rate: str, burst: int | None) -> Policy | None:
+        if not rate:
+            return None
+        parsed = parse_rate(rate, field=f"endpoint {endpoint} {name}")
+        return Policy(name, parsed, burst or parsed.limit, Algorithm.TOKEN_BUCKET, default_mode, shadow)
+
+    return EndpointRule(
+        cost=endpoint.cost,
+        priority=endpoint.priority,
+        per_caller=limit(f"endpoint:{slug}", endpoint.per_caller_rate, endpoint.per_caller_burst),
+        endpoint_wide=limit(f"endpoint-all:{slug}", endpoint.endpoint_rate, endpoint.endpoint_burst),
+        exempt=endpoint.exempt,
+    )
+
+
+def bump_policy_version() -> None:
+    """Tell every worker that policies changed (called when a change commits)."""
+    from .engine import get_limiter, get_policy_source
+
+    source = get_policy_source()
+    invalidate = getattr(source, "invalidate", None)
+    if invalidate is not None:
+        invalidate()
+    try:
+        get_limiter().backend.bump_version()
+    except BackendUnavailable as exc:
+        logger.warning("ratelimits: could not bump the policy version (%s); workers will poll", exc)
+
+
+def _rule(endpoints: dict[str, EndpointRule], endpoint: str, method: str) -> EndpointRule:
+    return endpoints.get(f"{method.upper()} {endpoint}") or endpoints.get(endpoint) or _DEFAULT_RULE
+
+
+def _add(found: list[Explained], policy: Policy, subject: Subject, cost: int, origin: str) -> None:
+    try:
+        found.append(Explained(Check(policy, subject, cost), origin))
+    except ConfigurationError as exc:
+        # Guardrails refuse such a save; a row written around them must not break requests.
+        logger.error("ratelimits: check skipped: %s", exc)
+
+
+def _known(snap: Snapshot, name: object) -> str | None:
+    return name if isinstance(name, str) and name in snap.tiers else None
+
+
+def _kind(identity: Identity) -> str:
+    return "anonymous callers" if identity.is_anonymous else "authenticated callers"
+
+
+def _address(value: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_network(value, strict=False).network_address
+    except ValueError:
+        return None
