@@ -24,7 +24,13 @@ def seed(apps: Any, schema_editor: Any) -> None:
     for name, rate, burst, concurrency, quota, description in TIERS:
         tiers[name], _ = Tier.objects.using(db).get_or_create(
             name=name,
-            defaults={"rate": rate, "burst": burst, "concurrency": concurrency, "quota": quota, "description": description},
+            defaults={
+                "rate": rate,
+                "burst": burst,
+                "concurrency": concurrency,
+                "quota": quota,
+                "description": description,
+            },
         )
     FleetSettings.objects.using(db).get_or_create(
         pk=1, defaults={"anonymous_tier": tiers["anonymous"], "authenticated_tier": tiers["standard"]}
