@@ -153,8 +153,30 @@ class Tier(Revisioned):
         return self.name
 
     @property
-    def effective_burst(self) -> int:
-        return self.burst or parse_rate(self.rate).limit
+    def capacity(self) -> int | None:
+        """The most one subject can spend at once (``None`` while the rate is invalid)."""
+        try:
+            rate = parse_rate(self.rate)
+        except ConfigurationError:
+            return None
+        return (self.burst or rate.limit) if self.algorithm == Algorithm.TOKEN_BUCKET.value else rate.limit
+
+    def clean(self) -> None:
+        """Refuse limits under which every request of some endpoint from this tier would be denied."""
+        capacity = self.capacity
+        if capacity is None or not self.enabled:
+            return  # the field validator reports a bad rate; a disabled tier limits nothing
+        if self.quota:
+            try:
+                capacity = min(capacity, parse_rate(self.quota).limit)
+            except ConfigurationError:
+                return
+        costly = EndpointPolicy.objects.filter(enabled=True, exempt=False, cost__gt=capacity).order_by("-cost").first()
+        if costly is not None:
+            raise ValidationError(
+                f"With a capacity of {capacity}, every request to {costly} (cost {costly.cost}) from this tier would "
+                f"be denied. Raise the burst to at least {costly.cost} or lower that endpoint's cost."
+            )
 
     def describe(self) -> str:
         """``"100 / second, burst 200"``."""
@@ -223,6 +245,16 @@ class EndpointPolicy(Revisioned):
         return self.endpoint if self.method == "ANY" else f"{self.method} {self.endpoint}"
 
     def clean(self) -> None:
+        if self.enabled and not self.exempt and self.cost:
+            for tier in Tier.objects.filter(enabled=True):
+                capacity = tier.capacity
+                if capacity is not None and self.cost > capacity:
+                    raise ValidationError(
+                        {
+                            "cost": f"A cost of {self.cost} exceeds the capacity {capacity} of tier {tier.name!r}: "
+                            "every request to this endpoint from that tier would be denied."
+                        }
+                    )
         for rate_field, burst_field in (("per_caller_rate", "per_caller_burst"), ("endpoint_rate", "endpoint_burst")):
             rate, burst = getattr(self, rate_field), getattr(self, burst_field)
             if burst and not rate:
