@@ -70,22 +70,15 @@ REDIS_URL = os.environ.get("REDIS_URL")
 RATELIMITS = {
     "BACKEND": "redis" if REDIS_URL else "memory",
     "REDIS_URL": REDIS_URL or "redis://127.0.0.1:6379/0",
-    "TIERS": {
-        "anonymous": {"rate": "5/s", "burst": 10},
-        "free": {"rate": "10/s", "burst": 20, "quota": "10000/d"},
-        "pro": {"rate": "100/s", "burst": 200},
-    },
-    "DEFAULT_TIERS": {"anonymous": "anonymous", "authenticated": "free"},
+    # Tiers, assignments, endpoint policies and overrides live in the admin (/admin/ratelimits/).
+    "POLICY_SOURCE": "ratelimits.sources.DatabasePolicySource",
+    # An API key's own tier field places it when no assignment does.
     "TIER_FUNC": "project.payments.auth.tier_of",
     "ORGANIZATION_FUNC": "project.payments.auth.organization_of",
+    # Static backstops that apply to every request, whatever the admin says.
     "DIMENSIONS": {
         "ip": {"rate": "300/s", "burst": 300},
         "org": {"rate": "500/s", "burst": 500},
-    },
-    "ENDPOINTS": {
-        "POST charges": {"cost": 1, "priority": "critical"},
-        "customers": {"cost": 1, "priority": "normal"},
-        "reports.export": {"cost": 10, "priority": "low", "rate": "30/m", "endpoint_rate": "600/m"},
     },
 }
 
