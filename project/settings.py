@@ -75,6 +75,8 @@ RATELIMITS = {
     # An API key's own tier field places it when no assignment does.
     "TIER_FUNC": "project.payments.auth.tier_of",
     "ORGANIZATION_FUNC": "project.payments.auth.organization_of",
+    # Lets the admin suggest API keys by name when picking a subject.
+    "API_KEY_MODEL": "payments.ApiKey",
     # Static backstops that apply to every request, whatever the admin says.
     "DIMENSIONS": {
         "ip": {"rate": "300/s", "burst": 300},

@@ -53,6 +53,8 @@ DEFAULTS: dict[str, Any] = {
     "EXEMPT_ENDPOINTS": [],
     # Identity.
     "API_KEY_FUNC": "ratelimits.identity.default_api_key",
+    # The model API keys are (``"app_label.Model"``): lets the admin suggest keys by name.
+    "API_KEY_MODEL": None,
     "ORGANIZATION_FUNC": "ratelimits.identity.no_organization",
     "TRUSTED_PROXIES": [],
     "CLIENT_IP_HEADER": "HTTP_X_FORWARDED_FOR",
