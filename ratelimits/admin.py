@@ -18,6 +18,7 @@ from django.template.response import TemplateResponse
 from django.urls import path
 from django.utils import timezone
 
+from .algorithms import Algorithm
 from .audit import audit_context
 from .engine import get_limiter, get_policy_source
 from .exceptions import BackendUnavailable
@@ -264,9 +265,14 @@ class FleetSettingsAdmin(AuditedAdmin):
             for entry in explained:
                 result = by_check.get(id(entry.check))
                 policy = entry.check.policy
-                remaining = None
+                remaining = reset_seconds = None
                 if result is not None:
                     remaining = min(result.remaining + (entry.check.cost if result.allowed else 0), result.limit)
+                    # The look-ahead charged the cost: a bucket's reset includes refilling it again.
+                    reset_us = result.reset_us
+                    if result.allowed and policy.algorithm is Algorithm.TOKEN_BUCKET:
+                        reset_us -= entry.check.cost * policy.rate.period_us / policy.rate.limit
+                    reset_seconds = 0 if remaining >= result.limit else math.ceil(max(reset_us, 0) / 1_000_000)
                 rows.append(
                     {
                         "policy": policy.name,
@@ -278,7 +284,7 @@ class FleetSettingsAdmin(AuditedAdmin):
                         "fail_mode": policy.fail_mode,
                         "limit": policy.capacity,
                         "remaining": remaining,
-                        "reset_seconds": math.ceil(result.reset_us / 1_000_000) if result is not None else None,
+                        "reset_seconds": reset_seconds,
                     }
                 )
         context = {
@@ -337,7 +343,7 @@ class AuditEntryAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 class EffectivePolicyForm(forms.Form):
     """Pick a subject (any of its identities) and an endpoint."""
 
-    api_key = forms.CharField(required=False, help_text='The API key identity, e.g. "ApiKey:3".')
+    api_key = forms.CharField(required=False, label="API key", help_text='The API key identity, e.g. "ApiKey:3".')
     user = forms.CharField(required=False, help_text="A user id.")
     org = forms.CharField(required=False, label="Organisation")
     ip = forms.CharField(required=False, label="Client IP")

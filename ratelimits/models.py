@@ -38,7 +38,8 @@ SUBJECT_KINDS = [
     ("org", "organisation"),
     ("ip", "IP address or network"),
 ]
-_ENDPOINT = re.compile(r"[A-Za-z0-9_.:/-]{1,150}", re.ASCII)
+# Not starting with "/": that is a URL path, which never matches an endpoint name.
+_ENDPOINT = re.compile(r"[A-Za-z0-9_.:-][A-Za-z0-9_.:/-]{0,149}", re.ASCII)
 _IDENTIFIER = re.compile(r"[^\s\x00-\x1f\x7f]{1,200}")
 
 
@@ -74,7 +75,9 @@ def validate_subject(kind: str, identifier: str) -> str:
             raise ValidationError(
                 {"subject_id": f"{identifier!r} is not an IP address or network such as 203.0.113.7 or 2001:db8::/48."}
             ) from None
-        return str(network)
+        # One address is stored as the address ("203.0.113.7", not "/32"): the value of the IP subject
+        # a request from it has, which overrides are matched against.
+        return str(network.network_address) if network.prefixlen == network.max_prefixlen else str(network)
     if kind == "user" and not identifier.isdigit():
         raise ValidationError({"subject_id": "A user is identified by its primary key (a number)."})
     return identifier
@@ -86,6 +89,8 @@ class RevisionedQuerySet(models.QuerySet):  # type: ignore[type-arg]
     def update(self, **kwargs: Any) -> int:
         from .audit import record_bulk_update
 
+        # Bumped like save() does, so a copy loaded before this update cannot silently undo it.
+        kwargs.setdefault("revision", models.F("revision") + 1)
         with transaction.atomic(using=self.db):
             before = list(self)
             count = super().update(**kwargs)
@@ -105,6 +110,10 @@ class Revisioned(models.Model):
         abstract = True
 
     def save(self, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("update_fields") is not None:
+            if not kwargs["update_fields"]:
+                return  # Django saves nothing then, so nothing is revised either
+            kwargs["update_fields"] = {*kwargs["update_fields"], "revision"}
         with transaction.atomic(using=kwargs.get("using")):
             if self.pk is not None and not kwargs.get("force_insert"):
                 stored = (
@@ -120,7 +129,11 @@ class Revisioned(models.Model):
                         f"(revision {stored}, you started from {self.revision}). Reload it and apply your change again."
                     )
             self.revision += 1
-            super().save(*args, **kwargs)
+            try:
+                super().save(*args, **kwargs)
+            except BaseException:
+                self.revision -= 1  # nothing was saved: this copy still stands for the stored revision
+                raise
 
 
 class Tier(Revisioned):
@@ -260,7 +273,10 @@ class EndpointPolicy(Revisioned):
             if burst and not rate:
                 raise ValidationError({burst_field: "A burst needs a rate."})
             if rate:
-                capacity = burst or parse_rate(rate).limit
+                try:
+                    capacity = burst or parse_rate(rate).limit
+                except ConfigurationError:
+                    continue  # the field's validator reports the bad rate
                 if self.cost and self.cost > capacity:
                     raise ValidationError(
                         {
@@ -315,10 +331,10 @@ class Override(Revisioned):
             raise ValidationError({"reason": "Say why this override exists."})
         if self.multiplier is not None and (self.rate or self.burst):
             raise ValidationError("Give either replacement values (rate, burst) or a multiplier, not both.")
-        if self.multiplier is None and not self.rate:
-            raise ValidationError("Give a replacement rate or a multiplier.")
         if self.burst and not self.rate:
             raise ValidationError({"burst": "A burst needs a rate."})
+        if self.multiplier is None and not self.rate:
+            raise ValidationError("Give a replacement rate or a multiplier.")
 
 
 class FleetSettings(Revisioned):

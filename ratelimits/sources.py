@@ -14,10 +14,11 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from django.db.models import F
 from django.utils import timezone
 
 from .algorithms import Algorithm
@@ -140,7 +141,9 @@ class DatabasePolicySource:
         if decision.degraded:
             if time.monotonic() - snapshot.loaded_at > conf.policy_poll_interval:
                 self.invalidate()
-        elif decision.policy_version != snapshot.version:
+        elif decision.results and decision.policy_version != snapshot.version:
+            # Only a decision the store made carries its stamp: one without checks (an exempt
+            # endpoint) never reached the store and must not cost the next request a reload.
             self._next_version = decision.policy_version
             self.invalidate()
 
@@ -271,7 +274,13 @@ def load_snapshot(version: str | None) -> Snapshot:
     snap.authenticated_tier = snap.authenticated_tier or _known(snap, defaults.get("authenticated"))
 
     assignments: dict[tuple[str, str], list[_Assignment]] = defaultdict(list)
-    live = SubjectAssignment.objects.select_related("tier").exclude(expires_at__lte=now).order_by("-starts_at", "-id")
+    # The newest start first; one without a start began before any other (NULLs sort first
+    # in descending order on PostgreSQL, last on SQLite: say which).
+    live = (
+        SubjectAssignment.objects.select_related("tier")
+        .exclude(expires_at__lte=now)
+        .order_by(F("starts_at").desc(nulls_last=True), "-id")
+    )
     for row in live:
         entry = _Assignment(
             row.tier.name, _Window(row.starts_at, row.expires_at), f"assignment #{row.pk} ({row.tier.name})"
@@ -314,9 +323,11 @@ def load_snapshot(version: str | None) -> Snapshot:
         )
     snap.overrides = dict(overrides)
     for kind, cfg in conf.get("DIMENSIONS").items():
-        snap.dimensions[kind] = policy_from_config(
+        policy = policy_from_config(
             kind, cfg, field=f"RATELIMITS['DIMENSIONS']['{kind}']", default_fail_mode=default_mode
         )
+        # The fleet's shadow switch means every policy, the settings' static backstops included.
+        snap.dimensions[kind] = replace(policy, shadow=True) if global_shadow else policy
     return snap
 
 

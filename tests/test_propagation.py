@@ -1,0 +1,570 @@
+"""Policy changes reach real, separate worker processes: within one request each, or by polling.
+
+Two ``gunicorn --workers 1 --threads 1 project.wsgi`` servers (one worker process each, on their
+own loopback ports) share a private Redis and a PostgreSQL database of their own, created for
+this module and dropped afterwards. The demo's ``migrate`` and ``seed_demo`` run against it.
+
+1. A change made through the admin over HTTP (log in, load the change form, post it) is enforced
+   by both workers within one request each: every response names the policy that decided it in
+   ``RateLimit-Policy``, and only a worker's first request after the commit may show the old one.
+2. With Redis killed, changes committed to the database cannot bump the version stamp (one saved
+   through the model, whose bump fails, then one by a plain UPDATE); both workers still pick each
+   up within ``POLICY_POLL_INTERVAL`` (1 s in ``tests/propagation_settings.py``), and not before
+   their snapshot is that old: they poll on a timer, they do not reload on every request.
+
+Every wait is a bounded poll of a condition; every process started here is stopped by its PID.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+from collections.abc import Iterator
+from dataclasses import dataclass
+from html.parser import HTMLParser
+from http.cookies import SimpleCookie
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from .propagation_settings import POLICY_POLL_INTERVAL_S
+from .redis_server import RedisServer, free_port
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+#: The PostgreSQL server to create the module's database on (the suite's, as in the Makefile).
+POSTGRES_URL = (
+    os.environ["DATABASE_URL"]
+    if os.environ.get("DATABASE_URL", "").startswith(("postgres://", "postgresql://"))
+    else "postgres://postgres@127.0.0.1:5432/postgres"
+)
+#: Seeded by ``seed_demo``: Acme's key is on the free tier; Acme's override only covers "customers".
+ACME_KEY = "sk_free_demo_acme_0000000000"
+ADMIN_USER, ADMIN_PASSWORD = "admin", "admin"
+VERSION_KEY = "rl:policy-version"
+
+#: The seeded free tier (migration 0002): a token bucket of 25/s with a burst of 50.
+OLD_POLICY = '"tier:free";q=50;w=2'
+#: What the admin change makes of it. A sliding window of 10 per hour: capacity 10, which the
+#: guardrail accepts (the seeded reports.export endpoint costs 10, no more than 10), and a
+#: different algorithm, so its counter is a key of its own. The count of new-policy admissions
+#: is then exactly 10 whatever the order of requests: an old-policy request, if any, spends from
+#: the old token bucket and cannot shift the new window by the microseconds it leaves behind.
+NEW_RATE, NEW_BURST, NEW_ALGORITHM = "10/h", 10, "sliding_window"
+NEW_LIMIT = 10
+NEW_POLICY = f'"tier:free";q={NEW_LIMIT};w=3600'
+#: The two changes made while Redis is down (capacities 12 and 14 also clear the guardrail).
+OUTAGE_LIMITS = (12, 14)
+#: How far past the poll interval a pickup may come: the request that notices the snapshot is
+#: older than the interval is still decided on it, the next one reloads, and polls are ~50 ms apart.
+POLL_SLACK_S = 1.5
+
+SUBPROCESS_TIMEOUT = 120.0
+START_TIMEOUT = 30.0
+HTTP_TIMEOUT = 10.0
+
+
+# -- HTTP --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reply:
+    status: int
+    headers: http.client.HTTPMessage
+    body: bytes
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8", "replace")
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def fetch(
+    port: int, method: str, path: str, *, headers: dict[str, str] | None = None, body: bytes | None = None
+) -> Reply:
+    """One request on a fresh connection (gunicorn's sync worker closes it anyway); no redirects followed."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=HTTP_TIMEOUT)
+    try:
+        connection.request(method, path, body=body, headers=headers or {})
+        response = connection.getresponse()
+        return Reply(response.status, response.headers, response.read())
+    finally:
+        connection.close()
+
+
+def api(port: int, path: str) -> Reply:
+    return fetch(port, "GET", path, headers={"Authorization": f"Bearer {ACME_KEY}"})
+
+
+class Browser:
+    """Cookies and form posts, enough for the Django admin."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.cookies: dict[str, str] = {}
+
+    def request(self, method: str, path: str, form: list[tuple[str, str]] | None = None) -> Reply:
+        headers = {}
+        if self.cookies:
+            headers["Cookie"] = "; ".join(f"{name}={value}" for name, value in self.cookies.items())
+        body = None
+        if form is not None:
+            body = urllib.parse.urlencode(form).encode()
+            headers["Content-Type"] = "application/x-www-form-urlencoded"
+        reply = fetch(self.port, method, path, headers=headers, body=body)
+        for header in reply.headers.get_all("Set-Cookie") or []:
+            cookie: SimpleCookie = SimpleCookie()
+            cookie.load(header)
+            self.cookies.update({name: morsel.value for name, morsel in cookie.items()})
+        return reply
+
+
+class FormFields(HTMLParser):
+    """The fields a browser would submit from the form with ``id=form_id`` (submit buttons aside)."""
+
+    def __init__(self, form_id: str) -> None:
+        super().__init__()
+        self.form_id = form_id
+        self.fields: list[tuple[str, str]] = []
+        self._inside = False
+        self._select: str | None = None
+        self._options: list[tuple[str, bool]] = []
+        self._textarea: str | None = None
+        self._text: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        if tag == "form":
+            self._inside = a.get("id") == self.form_id
+        if not self._inside:
+            return
+        name = a.get("name")
+        if tag == "input" and name:
+            kind = (a.get("type") or "text").lower()
+            if kind in ("submit", "button", "image", "reset", "file"):
+                return
+            if kind in ("checkbox", "radio") and "checked" not in a:
+                return
+            self.fields.append((name, a.get("value") or ("on" if kind == "checkbox" else "")))
+        elif tag == "select" and name:
+            self._select, self._options = name, []
+        elif tag == "option" and self._select is not None:
+            self._options.append((a.get("value") or "", "selected" in a))
+        elif tag == "textarea" and name:
+            self._textarea, self._text = name, []
+
+    def handle_data(self, data: str) -> None:
+        if self._textarea is not None:
+            self._text.append(data)
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "form":
+            self._inside = False
+        elif tag == "select" and self._select is not None:
+            chosen = [value for value, selected in self._options if selected] or [v for v, _ in self._options[:1]]
+            self.fields.extend((self._select, value) for value in chosen)
+            self._select = None
+        elif tag == "textarea" and self._textarea is not None:
+            text = "".join(self._text)
+            self.fields.append((self._textarea, text[1:] if text.startswith("\n") else text))
+            self._textarea = None
+
+
+def form_fields(html: str, form_id: str) -> dict[str, str]:
+    parser = FormFields(form_id)
+    parser.feed(html)
+    parser.close()
+    return dict(parser.fields)
+
+
+def page_errors(html: str) -> str:
+    """The admin's error notes and field errors, for assertion messages."""
+    found = re.findall(r'<(?:p class="errornote"|ul class="errorlist[^"]*")[^>]*>(.*?)</(?:p|ul)>', html, re.S)
+    return " | ".join(re.sub(r"<[^>]+>", " ", f).strip() for f in found) or html[:2000]
+
+
+# -- processes ---------------------------------------------------------------------------------
+
+
+def run_manage(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT,
+    )
+    assert result.returncode == 0, f"manage.py {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+@dataclass
+class Worker:
+    """One ``gunicorn --workers 1 --threads 1`` server: a master and its single worker process."""
+
+    name: str
+    port: int
+    log: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self, env: dict[str, str]) -> None:
+        with self.log.open("wb") as log:
+            self.process = subprocess.Popen(
+                [
+                    str(VENV_BIN / "gunicorn"),
+                    "--workers=1",
+                    "--threads=1",
+                    f"--bind=127.0.0.1:{self.port}",
+                    "--timeout=30",
+                    "--graceful-timeout=5",
+                    # Otherwise every gunicorn 27 master binds the same ~/.gunicorn/gunicorn.ctl.
+                    "--no-control-socket",
+                    "project.wsgi",
+                ],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def wait_ready(self) -> None:
+        """Poll the admin login page (it runs no rate-limit decision) until it answers, bounded."""
+        assert self.process is not None
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                break
+            with contextlib.suppress(OSError, http.client.HTTPException):
+                if fetch(self.port, "GET", "/admin/login/").status == 200:
+                    return
+            time.sleep(0.05)
+        raise RuntimeError(f"worker {self.name} on port {self.port} did not start:\n{self.log_text()}")
+
+    def stop(self) -> None:
+        """SIGTERM to the master (it stops its worker), SIGKILL if it is still there 10 s later."""
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        os.kill(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")[-5000:] if self.log.exists() else ""
+
+
+@dataclass
+class Stack:
+    redis: RedisServer
+    database_url: str
+    env: dict[str, str]
+    a: Worker
+    b: Worker
+    free_tier_id: int
+
+
+def _database_url(name: str) -> str:
+    parts = urllib.parse.urlsplit(POSTGRES_URL)
+    return urllib.parse.urlunsplit(parts._replace(path=f"/{name}"))
+
+
+@pytest.fixture(scope="module")
+def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
+    failed_before = request.session.testsfailed
+    with contextlib.ExitStack() as cleanup:
+        redis_server = RedisServer()
+        cleanup.callback(redis_server.stop)
+        redis_server.start()
+
+        name = f"ratelimits_propagation_{secrets.token_hex(4)}"
+        with psycopg.connect(POSTGRES_URL, autocommit=True, connect_timeout=10) as admin:
+            admin.execute(f'CREATE DATABASE "{name}"')
+
+        def drop() -> None:
+            with psycopg.connect(POSTGRES_URL, autocommit=True, connect_timeout=10) as admin:
+                admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+        cleanup.callback(drop)
+        database_url = _database_url(name)
+        env = {
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "project.settings",
+            "DATABASE_URL": database_url,
+            "REDIS_URL": redis_server.url,
+            "SECRET_KEY": "propagation-test-" + secrets.token_hex(8),
+            "DEBUG": "0",
+            "PYTHONUNBUFFERED": "1",
+        }
+        run_manage(env, "migrate", "--noinput", "-v", "0")
+        run_manage(env, "seed_demo")
+        with psycopg.connect(database_url, connect_timeout=10) as conn:
+            row = conn.execute("SELECT id FROM ratelimits_tier WHERE name = 'free'").fetchone()
+            assert row is not None, "migration 0002 seeds the free tier"
+            # Fail over to per-process limits rather than open, so that the tier's limits still
+            # show (and apply) while Redis is down. Set before any worker starts: nothing to notify.
+            conn.execute("UPDATE ratelimits_tier SET fail_mode = 'local' WHERE id = %s", (row[0],))
+
+        logs = Path(tempfile.mkdtemp(prefix="ratelimits-propagation-"))
+        cleanup.callback(shutil.rmtree, logs, ignore_errors=True)
+        worker_env = {**env, "DJANGO_SETTINGS_MODULE": "tests.propagation_settings"}
+        a, b = Worker("A", free_port(), logs / "a.log"), Worker("B", free_port(), logs / "b.log")
+        for worker in (a, b):
+            cleanup.callback(worker.stop)
+            worker.start(worker_env)
+        for worker in (a, b):
+            worker.wait_ready()
+        yield Stack(redis_server, database_url, env, a, b, int(row[0]))
+        if request.session.testsfailed != failed_before:
+            for worker in (a, b):
+                print(f"\n--- worker {worker.name} log (tail) ---\n{worker.log_text()}")
+
+
+# -- observations ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One response: its status, the policy that decided it (``RateLimit-Policy``) and what is left."""
+
+    worker: str
+    status: int
+    policy: str
+    remaining: int | None
+
+    def __str__(self) -> str:
+        return f"{self.worker}:{self.status} {self.policy} r={self.remaining}"
+
+
+def charge_list(worker: Worker) -> Seen:
+    """GET /v1/charges as Acme: a consuming request (cost 1; no override applies to it)."""
+    reply = api(worker.port, "/v1/charges")
+    assert reply.status in (200, 429), (reply.status, reply.text)
+    left = re.search(r";r=(\d+)", reply.headers.get("RateLimit", ""))
+    return Seen(worker.name, reply.status, reply.headers.get("RateLimit-Policy", ""), int(left[1]) if left else None)
+
+
+def free_tier_limits(worker: Worker) -> tuple[bool, dict[str, Any] | None]:
+    """GET /v1/rate_limit (consumes nothing): whether degraded, and the free tier's entry."""
+    reply = api(worker.port, "/v1/rate_limit?endpoint=charges")
+    assert reply.status == 200, (reply.status, reply.text)
+    data = reply.json()
+    entries = [r for r in data["resources"] if r["policy"] == "tier:free"]
+    return data["degraded"], entries[0] if entries else None
+
+
+def policy_version(stack: Stack) -> int:
+    client = stack.redis.client()
+    try:
+        raw = client.get(VERSION_KEY)
+    finally:
+        client.close()
+    return int(raw or 0)
+
+
+def change_tier_through_admin(worker: Worker, tier_id: int, changes: dict[str, str], reason: str) -> None:
+    """Log in, load the tier's change form and post it back with ``changes``, as a browser would."""
+    browser = Browser(worker.port)
+    login = browser.request("GET", "/admin/login/")
+    assert login.status == 200 and "csrftoken" in browser.cookies, login.status
+    token = form_fields(login.text, "login-form")["csrfmiddlewaretoken"]
+    form = [
+        ("csrfmiddlewaretoken", token),
+        ("username", ADMIN_USER),
+        ("password", ADMIN_PASSWORD),
+        ("next", "/admin/"),
+    ]
+    reply = browser.request("POST", "/admin/login/", form)
+    assert reply.status == 302 and "sessionid" in browser.cookies, page_errors(reply.text)
+
+    page = browser.request("GET", f"/admin/ratelimits/tier/{tier_id}/change/")
+    assert page.status == 200, page.status
+    fields = form_fields(page.text, "tier_form")
+    assert fields["name"] == "free" and "revision" in fields, sorted(fields)
+    fields.update(changes, change_reason=reason, _save="Save")
+    reply = browser.request("POST", f"/admin/ratelimits/tier/{tier_id}/change/", list(fields.items()))
+    assert reply.status == 302, f"the admin refused the change: {page_errors(reply.text)}"
+    assert reply.headers["Location"] == "/admin/ratelimits/tier/", reply.headers["Location"]
+
+
+# -- the tests ---------------------------------------------------------------------------------
+
+
+def test_admin_change_is_enforced_by_both_workers_within_one_request_each(stack: Stack) -> None:
+    a, b = stack.a, stack.b
+    # Warm both workers: the first decision loads a snapshot and learns the version stamp (a
+    # reload follows), the next ones run on a snapshot stamped with the current version.
+    # /v1/rate_limit consumes nothing, so no counter is touched before the change.
+    for worker in (a, b):
+        for _ in range(3):
+            degraded, free = free_tier_limits(worker)
+            assert not degraded and free is not None
+            assert (free["limit"], free["algorithm"]) == (50, "token_bucket"), free
+    before = [charge_list(a), charge_list(b)]
+    assert [(s.status, s.policy) for s in before] == [(200, OLD_POLICY)] * 2, before
+
+    version = policy_version(stack)
+    reason = f"propagation test {secrets.token_hex(4)}"
+    change_tier_through_admin(
+        a,
+        stack.free_tier_id,
+        {"rate": NEW_RATE, "burst": str(NEW_BURST), "algorithm": NEW_ALGORITHM},
+        reason,
+    )
+    # The save committed, was audited, and its commit bumped the stamp in Redis exactly once.
+    assert policy_version(stack) == version + 1
+    with psycopg.connect(stack.database_url, connect_timeout=10) as conn:
+        audited = conn.execute(
+            "SELECT e.action, u.username, e.before ->> 'rate', e.after ->> 'rate', e.after ->> 'algorithm' "
+            "FROM ratelimits_auditentry e LEFT JOIN auth_user u ON u.id = e.actor_id "
+            "WHERE e.model = 'ratelimits.Tier' AND e.reason = %s",
+            (reason,),
+        ).fetchall()
+    assert audited == [("changed", ADMIN_USER, "25/s", NEW_RATE, NEW_ALGORITHM)], audited
+
+    # Alternate between the workers, B (which has not heard of the change) first. Both share
+    # Acme's counters in Redis, so the new limit admits exactly NEW_LIMIT requests in all.
+    seen: list[Seen] = []
+    for _ in range(NEW_LIMIT + 2):
+        seen += [charge_list(b), charge_list(a)]
+    per_worker = {w.name: [s for s in seen if s.worker == w.name] for w in (a, b)}
+    print("\nafter the admin change on A:")
+    for name, sequence in per_worker.items():
+        print(f"  worker {name}: " + ", ".join(f"{s.status} {s.policy} r={s.remaining}" for s in sequence))
+
+    for name, sequence in per_worker.items():
+        # Only a worker's first request after the commit may still be decided on the old
+        # snapshot (it brings the new stamp back); from its second request on, the new policy.
+        assert sequence[0].policy in (OLD_POLICY, NEW_POLICY), sequence[0]
+        assert all(s.policy == NEW_POLICY for s in sequence[1:]), (name, [str(s) for s in sequence])
+        # The old token bucket was nowhere near empty: a stale request is admitted by it.
+        assert all(s.status == 200 for s in sequence if s.policy == OLD_POLICY), sequence
+    # Under the new policy: exactly NEW_LIMIT admissions across both workers, then only 429s,
+    # and each worker turns requests away under it.
+    new = [s for s in seen if s.policy == NEW_POLICY]
+    assert [s.status for s in new] == [200] * NEW_LIMIT + [429] * (len(new) - NEW_LIMIT), [str(s) for s in new]
+    # The window counts exactly (even across the top of the hour): 9, 8, ... 0 left, then none.
+    assert [s.remaining for s in new] == [*range(NEW_LIMIT - 1, -1, -1)] + [0] * (len(new) - NEW_LIMIT), new
+    for name, sequence in per_worker.items():
+        assert any(s.status == 429 and s.policy == NEW_POLICY for s in sequence), name
+    stale = {name: sequence[0].policy == OLD_POLICY for name, sequence in per_worker.items()}
+    print(f"  first request decided on the old policy: {stale}")
+
+
+@dataclass
+class Pickup:
+    """When a worker first reported a limit: that request's send and reply times, and what it saw before."""
+
+    started: float
+    answered: float
+    trail: list[int]
+
+
+def poll_until_limit(workers: tuple[Worker, ...], limit: int, since: float) -> dict[str, Pickup]:
+    """Ask each worker for the free tier's limit (degraded) until it reports ``limit``; at most 10 s."""
+    found: dict[str, Pickup] = {}
+    trails: dict[str, list[int]] = {w.name: [] for w in workers}
+    deadline = since + 10.0
+    while len(found) < len(workers) and time.monotonic() < deadline:
+        for worker in workers:
+            if worker.name in found:
+                continue
+            started = time.monotonic()
+            degraded, free = free_tier_limits(worker)
+            answered = time.monotonic()
+            assert degraded and free is not None, free
+            trails[worker.name].append(free["limit"])
+            if free["limit"] == limit:
+                found[worker.name] = Pickup(started, answered, trails[worker.name])
+        time.sleep(0.05)  # poll spacing, not synchronisation: the loop ends on the condition
+    for worker in workers:
+        seen = trails[worker.name]
+        took = f"{found[worker.name].answered - since:.2f} s" if worker.name in found else "never (10 s)"
+        print(f"  worker {worker.name}: {len(seen)} polls, limits seen {sorted(set(seen), key=seen.index)}, {took}")
+    assert set(found) == {w.name for w in workers}, trails
+    return found
+
+
+def test_workers_poll_the_database_while_redis_is_down(stack: Stack) -> None:
+    a, b = stack.a, stack.b
+    interval = POLICY_POLL_INTERVAL_S
+    # Both workers answer while Redis is up, on whatever the free tier is now (the same on both).
+    limits: set[int] = set()
+    for worker in (a, b):
+        free_tier_limits(worker)  # may bring back a new version stamp; the next one is current
+        degraded, free = free_tier_limits(worker)
+        assert not degraded and free is not None
+        limits.add(free["limit"])
+    assert len(limits) == 1 and not limits & set(OUTAGE_LIMITS), limits
+    (limit_before,) = limits
+
+    stack.redis.kill()
+    # Degraded now, and the free tier fails over to per-process limits, so its policy still shows.
+    for worker in (a, b):
+        degraded, free = free_tier_limits(worker)
+        assert degraded and free is not None and free["limit"] == limit_before, free
+
+    # 1. A change saved the usual way (audited): its version bump cannot reach Redis.
+    first, second = OUTAGE_LIMITS
+    code = (
+        "from ratelimits.models import Tier\n"
+        "tier = Tier.objects.get(name='free')\n"
+        f"tier.rate, tier.burst = '{first}/h', {first}\n"
+        "tier.full_clean()\n"
+        "tier.save()\n"
+    )
+    result = run_manage(stack.env, "shell", "-c", code)
+    committed = time.monotonic()
+    assert "could not bump the policy version" in result.stderr, result.stderr
+    print(f"\nRedis down; free tier {limit_before} -> {first}, saved by manage.py shell (bump failed):")
+    pickups = poll_until_limit((a, b), first, committed)
+    for name, pickup in pickups.items():
+        assert pickup.answered - committed <= interval + POLL_SLACK_S, (name, pickup)
+
+    # 2. Each worker has just loaded its snapshot (during the request that first showed the
+    # change). Change the row again, straight in the database: the worker cannot see it before
+    # its snapshot is older than the poll interval, and does see it soon after.
+    with psycopg.connect(stack.database_url, connect_timeout=10) as conn:
+        conn.execute(
+            "UPDATE ratelimits_tier SET rate = %s, burst = %s, revision = revision + 1, updated_at = now() "
+            "WHERE id = %s",
+            (f"{second}/h", second, stack.free_tier_id),
+        )
+    committed = time.monotonic()
+    age = committed - max(p.started for p in pickups.values())
+    print(f"free tier {first} -> {second} by an UPDATE, the newer snapshot {age:.2f} s old:")
+    again = poll_until_limit((a, b), second, committed)
+    for name, pickup in again.items():
+        assert pickup.answered - pickups[name].started > interval, (name, pickups[name], pickup)
+        assert pickup.answered - committed <= interval + POLL_SLACK_S, (name, pickup)
+
+    # And each worker enforces it on its own, degraded: headers from the local fallback.
+    for worker in (a, b):
+        reply = api(worker.port, "/v1/charges")
+        print(
+            f"  worker {worker.name}: GET /v1/charges {reply.status}, RateLimit-Policy "
+            f"{reply.headers.get('RateLimit-Policy')}, X-RateLimit-Degraded {reply.headers.get('X-RateLimit-Degraded')}"
+        )
+        assert reply.status == 200, reply.text
+        assert reply.headers.get("X-RateLimit-Degraded") == "1"
+        assert reply.headers.get("RateLimit-Policy") == f'"tier:free";q={second};w=3600'
