@@ -86,14 +86,19 @@ def record_bulk_update(model: type[models.Model], before: Iterable[models.Model]
 
 
 def _bump_on_commit(using: str) -> None:
-    """One version bump per transaction, however many rows it changes (an import changes many)."""
+    """Raise the policy version once per transaction, and publish it when the transaction commits.
+
+    However many rows a transaction changes (an import changes many), the version moves once.
+    A pending publication survives whenever this change does: rolling back a savepoint discards
+    the callbacks registered inside it, and any savepoint still open now encloses this change too.
+    """
+    from .models import PolicyVersion
     from .sources import bump_policy_version
 
     connection = transaction.get_connection(using)
-    # A pending bump survives whenever this change does: rolling back a savepoint discards the
-    # callbacks registered inside it, and any savepoint still open now encloses this change too.
     if connection.in_atomic_block and any(entry[1] is bump_policy_version for entry in connection.run_on_commit):
         return
+    PolicyVersion.advance(using)
     transaction.on_commit(bump_policy_version, using=using)
 
 

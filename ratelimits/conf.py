@@ -42,6 +42,8 @@ DEFAULTS: dict[str, Any] = {
     # With the database source: how often workers reload policies while the store is unreachable
     # (otherwise they reload when the version stamp that comes back with every decision moves).
     "POLICY_POLL_INTERVAL": "5s",
+    # ...and how often each worker compares its policies' version with the database's anyway.
+    "POLICY_RECHECK_INTERVAL": "60s",
     "TIERS": {
         "anonymous": {"rate": "20/s", "burst": 40},
         "authenticated": {"rate": "100/s", "burst": 200},
@@ -133,6 +135,12 @@ class Settings:
     def policy_poll_interval(self) -> float:
         return self._cached(
             "POLICY_POLL_INTERVAL", lambda: _seconds(self.get("POLICY_POLL_INTERVAL"), "POLICY_POLL_INTERVAL")
+        )
+
+    @property
+    def policy_recheck_interval(self) -> float:
+        return self._cached(
+            "POLICY_RECHECK_INTERVAL", lambda: _seconds(self.get("POLICY_RECHECK_INTERVAL"), "POLICY_RECHECK_INTERVAL")
         )
 
     @property

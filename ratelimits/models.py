@@ -378,6 +378,35 @@ class FleetSettings(Revisioned):
         return cls.objects.get_or_create(pk=1)[0]
 
 
+class PolicyVersion(models.Model):
+    """The policy version: one counter, raised in the same transaction as any policy change.
+
+    The database holds the truth; the limiter's store only carries a copy back with every
+    decision. A change committed while the store was unreachable is therefore not lost: the
+    next worker that notices the store lagging behind publishes the counter again.
+    """
+
+    value = models.BigIntegerField(default=0)
+
+    class Meta:
+        verbose_name = "policy version"
+
+    def __str__(self) -> str:
+        return f"policy version {self.value}"
+
+    @classmethod
+    def current(cls, using: str = "default") -> int:
+        """The committed version (0 before any change)."""
+        value = cls.objects.using(using).filter(pk=1).values_list("value", flat=True).first()
+        return int(value or 0)
+
+    @classmethod
+    def advance(cls, using: str = "default") -> None:
+        """Raise the version inside the current transaction (row-locked until it commits)."""
+        if not cls.objects.using(using).filter(pk=1).update(value=models.F("value") + 1):
+            cls.objects.using(using).create(pk=1, value=1)
+
+
 class AuditEntry(models.Model):
     """Who changed which policy, when, from what to what, and why."""
 

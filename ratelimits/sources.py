@@ -95,8 +95,11 @@ class _Override:
 class Snapshot:
     """Everything a worker needs to resolve a request's checks, built from the policy tables."""
 
-    version: str | None
+    #: The database's policy version when the tables were read.
+    version: int
     loaded_at: float
+    #: When the version was last compared with the database's (monotonic seconds).
+    checked_at: float
     tiers: dict[str, list[Policy]] = field(default_factory=dict)
     assignments: dict[tuple[str, str], list[_Assignment]] = field(default_factory=dict)
     networks: list[tuple[IPNetwork, _Assignment]] = field(default_factory=list)
@@ -115,15 +118,11 @@ class Explained:
     origin: str
 
 
-_UNSEEN = object()
-
-
 class DatabasePolicySource:
     """Policies from the admin-managed tables (``RATELIMITS['POLICY_SOURCE']`` names this class)."""
 
     def __init__(self) -> None:
         self._snapshot: Snapshot | None = None
-        self._next_version: Any = _UNSEEN
         self._lock = threading.Lock()
 
     # -- the PolicySource protocol ---------------------------------------------------------------
@@ -135,17 +134,35 @@ class DatabasePolicySource:
         return _rule(self.snapshot().endpoints, endpoint, method)
 
     def observe(self, decision: Decision) -> None:
+        """Reload when the store's version stamp is ahead of the snapshot; repair it when behind.
+
+        While the store is unreachable, reload every ``POLICY_POLL_INTERVAL``. And every
+        ``POLICY_RECHECK_INTERVAL`` compare with the database itself (one query), for changes
+        whose publication nobody saw fail (a command run while only its host lost the store).
+        """
         snapshot = self._snapshot
         if snapshot is None:
             return
+        now = time.monotonic()
         if decision.degraded:
-            if time.monotonic() - snapshot.loaded_at > conf.policy_poll_interval:
+            if now - snapshot.loaded_at > conf.policy_poll_interval:
                 self.invalidate()
-        elif decision.results and decision.policy_version != snapshot.version:
-            # Only a decision the store made carries its stamp: one without checks (an exempt
-            # endpoint) never reached the store and must not cost the next request a reload.
-            self._next_version = decision.policy_version
+            return
+        if not decision.results:
+            # A decision without checks (an exempt endpoint) never reached the store: no stamp.
+            return
+        stamp = _version(decision.policy_version)
+        if stamp > snapshot.version:
             self.invalidate()
+        elif stamp < snapshot.version:
+            # The store lags behind the database: a publication was lost while it was
+            # unreachable, or the stamp expired or was flushed. Publish again, so workers that
+            # were idle meanwhile reload too.
+            _publish(snapshot.version)
+        elif now - snapshot.checked_at > conf.policy_recheck_interval:
+            snapshot.checked_at = now
+            if _committed_version() > snapshot.version:
+                self.invalidate()
 
     # -- resolution ------------------------------------------------------------------------------
 
@@ -239,8 +256,7 @@ class DatabasePolicySource:
             with self._lock:
                 snapshot = self._snapshot
                 if snapshot is None:
-                    version = None if self._next_version is _UNSEEN else self._next_version
-                    snapshot = self._snapshot = load_snapshot(version)
+                    snapshot = self._snapshot = load_snapshot()
         return snapshot
 
     def invalidate(self) -> None:
@@ -248,7 +264,7 @@ class DatabasePolicySource:
         self._snapshot = None
 
 
-def load_snapshot(version: str | None) -> Snapshot:
+def load_snapshot() -> Snapshot:
     """Read every policy table once and index it for lookups without queries.
 
     A row that cannot be turned into a policy (saved around the admin's validation) is left
@@ -256,11 +272,14 @@ def load_snapshot(version: str | None) -> Snapshot:
     """
     from .models import EndpointPolicy, FleetSettings, Override, SubjectAssignment, Tier
 
+    # Read first: a change committed while the tables are read then shows as a newer version.
+    version = _committed_version()
     now = timezone.now()
     fleet = FleetSettings.objects.filter(pk=1).select_related("anonymous_tier", "authenticated_tier").first()
     default_mode = fleet.default_fail_mode if fleet else conf.default_fail_mode
     global_shadow = bool(fleet and fleet.shadow)
-    snap = Snapshot(version=version, loaded_at=time.monotonic())
+    loaded_at = time.monotonic()
+    snap = Snapshot(version=version, loaded_at=loaded_at, checked_at=loaded_at)
     for tier in Tier.objects.filter(enabled=True):
         try:
             snap.tiers[tier.name] = tier_policies(tier, default_mode, global_shadow)
@@ -366,16 +385,36 @@ def endpoint_rule(endpoint: Any, default_mode: str, global_shadow: bool = False)
 
 def bump_policy_version() -> None:
     """Tell every worker that policies changed (called when a change commits)."""
-    from .engine import get_limiter, get_policy_source
+    from .engine import get_policy_source
 
-    source = get_policy_source()
-    invalidate = getattr(source, "invalidate", None)
+    invalidate = getattr(get_policy_source(), "invalidate", None)
     if invalidate is not None:
         invalidate()
+    _publish(_committed_version())
+
+
+def _publish(version: int) -> None:
+    from .engine import get_limiter
+
     try:
-        get_limiter().backend.bump_version()
+        get_limiter().backend.publish_version(version)
     except BackendUnavailable as exc:
-        logger.warning("ratelimits: could not bump the policy version (%s); workers will poll", exc)
+        logger.warning(
+            "ratelimits: could not publish policy version %s (%s); workers poll until the store returns", version, exc
+        )
+
+
+def _committed_version() -> int:
+    from .models import PolicyVersion
+
+    return PolicyVersion.current()
+
+
+def _version(stamp: str | None) -> int:
+    try:
+        return int(stamp or 0)
+    except ValueError:
+        return 0
 
 
 def _rule(endpoints: dict[str, EndpointRule], endpoint: str, method: str) -> EndpointRule:

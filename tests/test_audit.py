@@ -340,7 +340,7 @@ def test_commit_succeeds_when_the_version_cannot_be_bumped(
     finally:
         logger.removeHandler(handler)
     assert Tier.objects.filter(name="saved-anyway").exists()
-    assert [r.getMessage() for r in records if "could not bump the policy version" in r.getMessage()]
+    assert [r.getMessage() for r in records if "could not publish policy version" in r.getMessage()]
 
 
 # -- the entries themselves ----------------------------------------------------------------------

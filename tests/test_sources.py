@@ -20,8 +20,8 @@ from ratelimits import engine
 from ratelimits.backends.memory import MemoryBackend
 from ratelimits.engine import Decision, Verdict
 from ratelimits.identity import identify
-from ratelimits.models import Override, Tier
-from ratelimits.sources import DatabasePolicySource, Explained
+from ratelimits.models import Override, PolicyVersion, Tier
+from ratelimits.sources import DatabasePolicySource, Explained, bump_policy_version
 
 from .factories import (
     ApiKeyFactory,
@@ -454,13 +454,42 @@ def explain_checks(source: DatabasePolicySource) -> list[Any]:
 
 def test_snapshot_is_kept_while_the_version_stands(source: DatabasePolicySource) -> None:
     first = source.snapshot()
-    source.observe(decision_with_version(source, None))
+    version = first.version
+    assert version == PolicyVersion.current()
+    source.observe(decision_with_version(source, str(version)))
     assert source.snapshot() is first
-    source.observe(decision_with_version(source, "4"))
+    PolicyVersion.advance()  # a change committed by another worker...
+    source.observe(decision_with_version(source, str(version + 1)))  # ...whose stamp comes back
     second = source.snapshot()
-    assert second is not first and second.version == "4"
-    source.observe(decision_with_version(source, "4"))
+    assert second is not first and second.version == version + 1
+    source.observe(decision_with_version(source, str(version + 1)))
     assert source.snapshot() is second
+
+
+def test_a_lagging_store_is_repaired_not_reloaded(source: DatabasePolicySource) -> None:
+    """A stamp behind the database (a lost publication, an expired or flushed key) is published again."""
+    PolicyVersion.advance()  # a change committed while the store was unreachable
+    source.invalidate()
+    snap = source.snapshot()
+    assert snap.version >= 1
+    for stale in (None, str(snap.version - 1)):
+        source.observe(decision_with_version(source, stale))
+        assert source.snapshot() is snap
+    assert engine.get_limiter().backend.publish_version(0) == str(snap.version)
+
+
+def test_the_database_is_rechecked_even_when_no_stamp_moves(configure: Configure) -> None:
+    """A change whose publication nobody saw fail is still found within POLICY_RECHECK_INTERVAL."""
+    configure(POLICY_RECHECK_INTERVAL="60s")
+    worker = DatabasePolicySource()
+    snap = worker.snapshot()
+    current = decision_with_version(worker, str(snap.version))
+    PolicyVersion.advance()  # committed, but the store's stamp never moved
+    worker.observe(current)
+    assert worker.snapshot() is snap  # not yet: checked less than a minute ago
+    snap.checked_at = time.monotonic() - 61
+    worker.observe(current)
+    assert worker.snapshot() is not snap
 
 
 def test_a_decision_without_checks_says_nothing_about_the_version(source: DatabasePolicySource) -> None:
@@ -474,9 +503,7 @@ def test_a_decision_without_checks_says_nothing_about_the_version(source: Databa
 def test_degraded_worker_reloads_after_the_poll_interval(configure: Configure) -> None:
     configure(POLICY_POLL_INTERVAL="30s")
     worker = DatabasePolicySource()  # a worker of its own, driven directly
-    worker.observe(decision_with_version(worker, "7"))
     snap = worker.snapshot()
-    assert snap.version == "7"
     degraded = Decision(Verdict.ALLOW, (), degraded=True)
 
     snap.loaded_at = time.monotonic() - 20  # younger than the interval: kept
@@ -490,7 +517,7 @@ def test_degraded_worker_reloads_after_the_poll_interval(configure: Configure) -
     reloaded = worker.snapshot()
     assert reloaded is not snap
     assert str(reloaded.tiers["standard"][0].rate) == "3/s"
-    assert reloaded.version == "7"  # the last stamp seen: a recovered store at "7" causes no extra reload
+    assert reloaded.version == snap.version + 1  # the update was audited: the database's version moved
 
 
 # -- through the DRF stack on Redis --------------------------------------------------------------
@@ -518,7 +545,7 @@ def metered(use_redis: Any, configure: Configure) -> tuple[DatabasePolicySource,
         response = client.get("/v1/customers")
         assert (response["X-RateLimit-Resource"], response["X-RateLimit-Limit"]) == ("tier:metered", "100")
     assert (
-        source.snapshot().version
+        str(source.snapshot().version)
         == engine.get_limiter().backend.decide(explain_checks(source), consume=False).policy_version
     )
     return source, metered, client
@@ -577,7 +604,7 @@ def test_no_policy_queries_per_request_with_ten_thousand_overrides(
     )
     Override.objects.bulk_create(rows)  # bypasses the audit signals: fine for setup
     assert Override.objects.count() == 10_000
-    engine.get_limiter().backend.bump_version()  # a fleet that has seen changes before: a stamp exists
+    bump_policy_version()  # the store carries the database's version, as after any committed change
     client = client_for("sk_zero_queries")
     for _ in range(2):  # the first loads the snapshot and learns the stamp; the second reloads once
         assert client.get("/v1/customers").status_code == 200
@@ -603,7 +630,7 @@ def test_exempt_requests_do_not_cause_reloads(
     configure()
     EndpointPolicyFactory(endpoint="ping", exempt=True)
     ApiKeyFactory(raw="sk_exempt_1")
-    engine.get_limiter().backend.bump_version()
+    bump_policy_version()
     client = client_for("sk_exempt_1")
     for _ in range(2):
         client.get("/v1/customers")

@@ -36,5 +36,8 @@ class Backend(ABC):
         """Forget the state of these checks' keys (an admin's reset)."""
 
     @abstractmethod
-    def bump_version(self) -> str:
-        """Advance the policy version stamp that every decision returns; return the new one."""
+    def publish_version(self, version: int) -> str:
+        """Raise the policy version stamp every decision returns to at least ``version``.
+
+        Never lowers it (two publishers may race); returns the stamp now stored.
+        """

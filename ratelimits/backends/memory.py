@@ -74,9 +74,9 @@ class MemoryBackend(Backend):
             for check in checks:
                 self._state.pop(check.key(self.prefix), None)
 
-    def bump_version(self) -> str:
+    def publish_version(self, version: int) -> str:
         with self._lock:
-            self.version = str(int(self.version or 0) + 1)
+            self.version = str(max(int(self.version or 0), version))
             return self.version
 
     def _load(self, key: str, now: int) -> State | None:

@@ -34,8 +34,10 @@ def load_script(name: str) -> str:
 
 DECIDE = load_script("decide.lua")
 DECIDE_SHA = hashlib.sha1(DECIDE.encode()).hexdigest()
-#: How long the policy version stamp lives after its last bump.
+#: How long the policy version stamp lives after its last publication. If it expires, workers
+#: see it lag behind their snapshot and publish it again.
 VERSION_TTL_S = 30 * 86_400
+PUBLISH_VERSION = load_script("publish_version.lua")
 
 
 class RedisBackend(Backend):
@@ -94,16 +96,12 @@ class RedisBackend(Backend):
         except redis.RedisError as exc:
             raise BackendUnavailable(str(exc)) from exc
 
-    def bump_version(self) -> str:
+    def publish_version(self, version: int) -> str:
         try:
-            with self.client.pipeline(transaction=True) as pipe:
-                pipe.incr(self.version_key)
-                # Like every key, the stamp expires; if it does, workers see "no version" and reload.
-                pipe.expire(self.version_key, VERSION_TTL_S)
-                version, _ = pipe.execute()
+            stored = self.client.eval(PUBLISH_VERSION, 1, self.version_key, version, VERSION_TTL_S)
         except redis.RedisError as exc:
             raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
-        return str(version)
+        return str(int(stored))
 
     def _run(self, keys: list[str], args: list[Any]) -> Any:
         connection = self._connection()
