@@ -9,6 +9,8 @@ DEBUG = False
 ALLOWED_HOSTS = ["*"]
 USE_TZ = True
 ROOT_URLCONF = "tests.urls"
+# The live server of the browser tests serves the admin's and ratelimits' static files from here.
+STATIC_URL = "static/"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 INSTALLED_APPS = [
@@ -17,6 +19,7 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.admin",
+    "django.contrib.staticfiles",
     "rest_framework",
     "ratelimits",
     "project.payments",

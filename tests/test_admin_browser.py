@@ -12,13 +12,10 @@ import datetime as dt
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import django.contrib.admin
 import pytest
-from django.test.utils import override_settings
 from django.urls import reverse
 from django.utils import timezone
 
@@ -68,25 +65,6 @@ def chromium() -> str:
     if not os.access(CHROMIUM, os.X_OK):
         pytest.fail(f"apt-get installed chromium but {CHROMIUM} is still missing.")
     return CHROMIUM
-
-
-@pytest.fixture(scope="session")
-def _static_files() -> Iterator[None]:
-    """Serve the admin's CSS and JS from the live server.
-
-    tests/settings.py sets no STATIC_URL and leaves django.contrib.staticfiles out, so the live
-    server's static handler would have no prefix to serve (it then fails every request). Set
-    before the live server starts, for the rest of the session.
-    """
-    static = Path(django.contrib.admin.__file__).resolve().parent / "static"
-    with override_settings(STATIC_URL="/static/", STATIC_ROOT=str(static)):
-        yield
-
-
-@pytest.fixture(scope="session")
-def live_server(_static_files: None, live_server: Any) -> Any:
-    """pytest-django's live server, started once the static settings are in place."""
-    return live_server
 
 
 @pytest.fixture
