@@ -15,11 +15,12 @@ from django.core.exceptions import PermissionDenied
 from django.db.models import Model, QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
-from django.urls import path
+from django.urls import path, reverse
 from django.utils import timezone
 
 from .algorithms import Algorithm
 from .audit import audit_context
+from .autocomplete import subject_suggestions_view
 from .engine import get_limiter, get_policy_source
 from .exceptions import BackendUnavailable
 from .identity import Identity, Subject, ip_subject_value, normalize_ip
@@ -63,6 +64,25 @@ class RevisionedForm(forms.ModelForm):  # type: ignore[type-arg]
                     code="concurrent_edit",
                 )
         return cleaned
+
+
+class SubjectForm(RevisionedForm):
+    """A subject's identifier field suggests users and API keys as the admin types."""
+
+    class Media:
+        js = ("ratelimits/subject-autocomplete.js",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        field = self.fields.get("subject_id")
+        if field is not None:
+            field.widget.attrs.update(
+                {
+                    "data-suggest-url": reverse("admin:ratelimits_subject_suggestions"),
+                    "data-kind-field": "id_subject_kind",
+                    "placeholder": "type a name to search users and API keys",
+                }
+            )
 
 
 class AuditedAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
@@ -143,6 +163,7 @@ class TierAdmin(AuditedAdmin):
 
 @admin.register(SubjectAssignment)
 class SubjectAssignmentAdmin(AuditedAdmin):
+    form = SubjectForm
     list_display = ("subject_kind", "subject_id", "tier", "starts_at", "expires_at", "active")
     list_filter = ("subject_kind", "tier")
     search_fields = ("subject_id", "note")
@@ -183,6 +204,7 @@ class EndpointPolicyAdmin(AuditedAdmin):
 
 @admin.register(Override)
 class OverrideAdmin(AuditedAdmin):
+    form = SubjectForm
     list_display = ("__str__", "values", "expires_at", "active", "created_by", "short_reason", "shadow")
     list_filter = ("subject_kind", "enabled", "shadow")
     search_fields = ("subject_id", "endpoint", "reason")
@@ -241,6 +263,7 @@ class FleetSettingsAdmin(AuditedAdmin):
         view = self.admin_site.admin_view
         return [
             path("effective/", view(self.effective_policy_view), name="ratelimits_effective_policy"),
+            path("subjects/", view(subject_suggestions_view), name="ratelimits_subject_suggestions"),
             *super().get_urls(),
         ]
 

@@ -542,3 +542,25 @@ def test_effective_policy_needs_view_tier_and_reset_needs_change_tier(
     anonymous = Client().get(url("effective_policy"))
     assert anonymous.status_code == 302
     assert "/admin/login/" in anonymous["Location"]
+
+
+def test_subject_suggestions_find_api_keys_and_users(admin_client: Any, settings: Any) -> None:
+    """The subject field's suggestions: API keys by name (as the limiter names them) and users."""
+    from project.payments.models import ApiKey
+
+    settings.RATELIMITS = {**settings.RATELIMITS, "API_KEY_MODEL": "payments.ApiKey"}
+    key, _ = ApiKey.issue(name="Initech billing", tier="free", organization="initech")
+    url = "/admin/ratelimits/fleetsettings/subjects/"
+    found = admin_client.get(url, {"kind": "api_key", "term": "initech"}).json()["results"]
+    assert found == [{"id": f"ApiKey:{key.pk}", "text": str(key)}]
+    users = admin_client.get(url, {"kind": "user", "term": "admin"}).json()["results"]
+    assert users and all(u["id"].isdigit() for u in users)
+    assert admin_client.get(url, {"kind": "org", "term": "x"}).json() == {"results": []}
+    page = admin_client.get("/admin/ratelimits/override/add/")
+    assert b"subject-autocomplete.js" in page.content and b"data-suggest-url" in page.content
+
+
+def test_subject_suggestions_need_view_permission(client: Any, django_user_model: Any) -> None:
+    staff = django_user_model.objects.create_user("nosy", password="pw", is_staff=True)
+    client.force_login(staff)
+    assert client.get("/admin/ratelimits/fleetsettings/subjects/", {"kind": "user", "term": "a"}).status_code == 403

@@ -190,3 +190,46 @@ def test_effective_policy_page_in_chromium(
     assert remaining["endpoint-all:charges"][0] == "997 / 1000"  # shared by every caller: kept
     entry = AuditEntry.objects.get(action="reset")
     assert (entry.actor.username, entry.object_id) == ("ops", f"api_key:{API_KEY}")
+
+
+def test_subject_field_suggests_api_keys_in_chromium(
+    chromium: str, live_server: Any, django_user_model: Any, settings: Any
+) -> None:
+    """Typing a name in an override's subject field offers the API key as the limiter names it."""
+    from playwright.sync_api import sync_playwright
+
+    from project.payments.models import ApiKey
+
+    settings.RATELIMITS = {**settings.RATELIMITS, "API_KEY_MODEL": "payments.ApiKey"}
+    django_user_model.objects.create_superuser("ops", "ops@example.com", PASSWORD)
+    key, _ = ApiKey.issue(name="Initech billing", tier="free", organization="initech")
+    add_url = live_server.url + reverse("admin:ratelimits_override_add")
+    problems: list[str] = []
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page()
+            page.on("pageerror", lambda exc: problems.append(f"page error: {exc}"))
+            page.on(
+                "console",
+                lambda msg: (
+                    problems.append(msg.text)
+                    if msg.type == "error" and not msg.location.get("url", "").endswith("/favicon.ico")
+                    else None
+                ),
+            )
+            page.goto(add_url)
+            page.fill("#id_username", "ops")
+            page.fill("#id_password", PASSWORD)
+            page.click("input[type=submit]")
+            page.wait_for_url(f"{add_url}*")
+            page.select_option("#id_subject_kind", "api_key")
+            page.type("#id_subject_id", "Initech")
+            page.wait_for_selector("#id_subject_id-suggestions option", state="attached")
+            options = page.eval_on_selector_all(
+                "#id_subject_id-suggestions option", "os => os.map(o => [o.value, o.label])"
+            )
+        finally:
+            browser.close()
+    assert problems == []
+    assert options == [[f"ApiKey:{key.pk}", str(key)]]
