@@ -44,6 +44,9 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         lambda: conf.api_key_func,
         lambda: conf.organization_func,
         lambda: conf.tier_func,
+        lambda: conf.policy_poll_interval,
+        lambda: conf.policy_recheck_interval,
+        _api_key_model,
     ]
     for probe in probes:
         try:
@@ -59,6 +62,12 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         except ImportError as exc:
             messages.append(Error(f"RATELIMITS['POLICY_SOURCE']: {exc}", id=E002))
     return messages
+
+
+def _api_key_model() -> object:
+    from .autocomplete import api_key_model
+
+    return api_key_model()
 
 
 def _build_source() -> object:

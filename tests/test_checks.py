@@ -43,6 +43,8 @@ def test_unknown_key(settings: Any) -> None:
         ("BREAKER_WINDOW", 0, "BREAKER_WINDOW"),
         ("API_KEY_FUNC", "no.such.func", "API_KEY_FUNC"),
         ("TIERS", {"a": {"rate": "0/s"}}, "TIERS"),
+        ("API_KEY_MODEL", "payments.NoSuchModel", "API_KEY_MODEL"),
+        ("POLICY_POLL_INTERVAL", "soon", "POLICY_POLL_INTERVAL"),
     ],
 )
 def test_invalid_values_name_the_setting(settings: Any, key: str, value: Any, needle: str) -> None:
