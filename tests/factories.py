@@ -8,7 +8,15 @@ import factory
 from django.utils import timezone
 
 from project.payments.models import ApiKey, hash_key
-from ratelimits.models import AuditEntry, EndpointPolicy, FleetSettings, Override, SubjectAssignment, Tier
+from ratelimits.models import (
+    AuditEntry,
+    EndpointPolicy,
+    FleetSettings,
+    Override,
+    PolicyVersion,
+    SubjectAssignment,
+    Tier,
+)
 
 
 class ApiKeyFactory(factory.django.DjangoModelFactory):
@@ -114,3 +122,14 @@ class AuditEntryFactory(factory.django.DjangoModelFactory):
     before = factory.LazyFunction(lambda: {"rate": "10/s"})
     after = factory.LazyFunction(lambda: {"rate": "20/s"})
     reason = "factory"
+
+
+class PolicyVersionFactory(factory.django.DjangoModelFactory):
+    """The one policy version row (pk 1), at a given value."""
+
+    class Meta:
+        model = PolicyVersion
+        django_get_or_create = ("id",)
+
+    id = 1
+    value = 0

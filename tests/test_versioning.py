@@ -50,3 +50,17 @@ def test_nothing_committed_nothing_bumped(django_capture_on_commit_callbacks: An
         except RuntimeError:
             pass
     assert version() == before
+
+
+def test_advance_counts_from_the_stored_value() -> None:
+    from ratelimits.models import PolicyVersion
+
+    from .factories import PolicyVersionFactory
+
+    PolicyVersionFactory(value=41)
+    PolicyVersion.advance()
+    assert PolicyVersion.current() == 42
+    PolicyVersion.objects.all().delete()
+    assert PolicyVersion.current() == 0
+    PolicyVersion.advance()  # the row is created when missing (a flushed test database)
+    assert PolicyVersion.current() == 1
