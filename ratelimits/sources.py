@@ -106,6 +106,8 @@ class Snapshot:
     endpoints: dict[str, EndpointRule] = field(default_factory=dict)
     overrides: dict[tuple[str, str], list[_Override]] = field(default_factory=dict)
     dimensions: dict[str, Policy] = field(default_factory=dict)
+    #: Policies derived from overrides, by (override id, base policy name), built on first use.
+    derived: dict[tuple[int, str], Policy | None] = field(default_factory=dict)
     anonymous_tier: str | None = None
     authenticated_tier: str | None = None
 
@@ -243,7 +245,11 @@ class DatabasePolicySource:
         for wanted, name in ((endpoint, None), ("", policy.name)):
             for override in overrides:
                 if override.endpoint == wanted:
-                    replaced = override.apply(policy, name=name or f"override:{override.id}")
+                    # Built once per snapshot: a Policy validates itself on construction.
+                    key = (override.id, policy.name)
+                    if key not in snap.derived:
+                        snap.derived[key] = override.apply(policy, name=name or f"override:{override.id}")
+                    replaced = snap.derived[key]
                     if replaced is not None:
                         return replaced, override.label
         return policy, origin
