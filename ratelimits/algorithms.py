@@ -22,6 +22,15 @@ class Algorithm(StrEnum):
     SLIDING_WINDOW = "sliding_window"
     #: Calendar-aligned counter; simple, but allows up to twice the limit across a boundary.
     FIXED_WINDOW = "fixed_window"
+    #: Requests in flight per subject: one slot per request, freed when its response has left.
+    CONCURRENCY = "concurrency"
+    #: Requests in flight across the fleet, limited per priority class (the load shedder).
+    FLEET = "fleet"
+
+    @property
+    def holds_slots(self) -> bool:
+        """Whether a check of this kind holds a slot until the request finishes."""
+        return self in (Algorithm.CONCURRENCY, Algorithm.FLEET)
 
     @property
     def code(self) -> int:
@@ -29,7 +38,16 @@ class Algorithm(StrEnum):
         return _CODES[self]
 
 
-_CODES = {Algorithm.TOKEN_BUCKET: 1, Algorithm.SLIDING_WINDOW: 2, Algorithm.FIXED_WINDOW: 3}
+#: The algorithms a rate policy (tier, endpoint, override) may use.
+RATE_ALGORITHMS = (Algorithm.TOKEN_BUCKET, Algorithm.SLIDING_WINDOW, Algorithm.FIXED_WINDOW)
+
+_CODES = {
+    Algorithm.TOKEN_BUCKET: 1,
+    Algorithm.SLIDING_WINDOW: 2,
+    Algorithm.FIXED_WINDOW: 3,
+    Algorithm.CONCURRENCY: 4,
+    Algorithm.FLEET: 4,  # the same slots, kept under the fleet's own key
+}
 
 #: Stored state: GCRA keeps (theoretical arrival time,); windows keep (window index, counts...).
 State = tuple[float, ...]
@@ -159,6 +177,26 @@ def _fits_after(previous: int, current: int, elapsed: int, period_us: int, limit
     at -= period_us
     prior = current if at < period_us else 0
     return _estimate(prior, 0, at % period_us, period_us) + cost <= limit
+
+
+#: How soon a caller denied a slot should retry: slots are freed as requests finish, which is
+#: usually far sooner than their expiry.
+SLOT_RETRY_US = 1_000_000
+
+
+def slots(held: dict[str, int], now: int, limit: int, ttl_us: int, cost: int) -> tuple[Outcome, dict[str, int]]:
+    """Slots in flight: admit while fewer than ``limit`` unexpired slots are held.
+
+    ``held`` maps slot ids to their expiry (microseconds). Expired slots (their worker died
+    holding them) no longer count. Returns the outcome and the live slots; taking the new slot
+    is the backend's job, once every check of the request has allowed.
+    """
+    live = {slot: expiry for slot, expiry in held.items() if expiry > now}
+    count = len(live)
+    if count + cost <= limit:
+        return Outcome(True, limit - count - cost, ttl_us, 0, ()), live
+    earliest = min(live.values(), default=now + ttl_us)
+    return Outcome(False, max(limit - count, 0), earliest - now, min(earliest - now, SLOT_RETRY_US), ()), live
 
 
 ALGORITHMS = {

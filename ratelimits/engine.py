@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.utils.module_loading import import_string
 
+from .algorithms import Algorithm
 from .breaker import CircuitBreaker
 from .conf import conf
 from .exceptions import BackendUnavailable
@@ -36,6 +37,8 @@ class Verdict(StrEnum):
     LIMITED = "limited"
     #: 503: the limiter cannot decide and a policy says to fail closed.
     UNAVAILABLE = "unavailable"
+    #: 503: the fleet (or this worker) is too busy for this request's priority class.
+    SHED = "shed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +77,10 @@ class Decision:
     #: True when the store could not be reached and a fail mode decided instead.
     degraded: bool = False
     policy_version: str | None = None
+    #: The slot this request holds (concurrency, fleet) and the keys it is held under, to be
+    #: released when the response has left the worker. Empty unless admitted and consumed.
+    slot: str | None = None
+    slot_keys: tuple[str, ...] = ()
 
     @property
     def allowed(self) -> bool:
@@ -107,17 +114,37 @@ class Decision:
 
     @classmethod
     def from_results(
-        cls, results: Sequence[Result], *, now_us: int, policy_version: str | None = None, degraded: bool = False
+        cls,
+        results: Sequence[Result],
+        *,
+        now_us: int,
+        policy_version: str | None = None,
+        degraded: bool = False,
+        slot: str | None = None,
+        slot_keys: tuple[str, ...] = (),
     ) -> Decision:
-        """Combine per-check results: allowed only if every enforced check allows; the wait is the longest."""
+        """Combine per-check results: allowed only if every enforced check allows; the wait is the longest.
+
+        A request over one of its own limits is LIMITED (429) even if the fleet is busy too; one
+        denied only by the fleet's in-flight limit is SHED (503).
+        """
         denied = [r for r in results if not r.allowed and not r.check.policy.shadow]
+        if not denied:
+            verdict = Verdict.ALLOW
+        elif all(r.check.policy.algorithm is Algorithm.FLEET for r in denied):
+            verdict = Verdict.SHED
+        else:
+            verdict = Verdict.LIMITED
+        held = verdict is Verdict.ALLOW and slot is not None
         return cls(
-            verdict=Verdict.LIMITED if denied else Verdict.ALLOW,
+            verdict=verdict,
             results=tuple(results),
             retry_after_us=max((r.retry_us for r in denied), default=0),
             now_us=now_us,
             degraded=degraded,
             policy_version=policy_version,
+            slot=slot if held else None,
+            slot_keys=slot_keys if held else (),
         )
 
 

@@ -18,12 +18,12 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models, transaction
 from django.utils import timezone
 
-from .algorithms import Algorithm
+from .algorithms import RATE_ALGORITHMS, Algorithm
 from .exceptions import ConfigurationError
 from .policies import PRIORITIES
 from .rates import parse_rate
 
-ALGORITHM_CHOICES = [(a.value, a.value.replace("_", " ")) for a in Algorithm]
+ALGORITHM_CHOICES = [(a.value, a.value.replace("_", " ")) for a in RATE_ALGORITHMS]
 FAIL_MODE_CHOICES = [
     ("", "fleet default"),
     ("open", "open: allow when the limiter is down"),

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .algorithms import Algorithm
+from .algorithms import RATE_ALGORITHMS, Algorithm
 from .conf import conf, fail_mode
 from .exceptions import ConfigurationError
 from .rates import Rate, parse_rate
@@ -84,6 +84,8 @@ class Policy:
         return max(-(-self.rate.period_us // 1_000_000), 1)
 
     def describe(self) -> str:
+        if self.algorithm.holds_slots:
+            return f"{self.rate.limit} in flight"
         text = self.rate.describe()
         if self.algorithm is Algorithm.TOKEN_BUCKET:
             return f"{text}, burst {self.burst}"
@@ -174,11 +176,10 @@ def policy_from_config(
     rate = parse_rate(config["rate"], field=rate_field)
     burst = positive_int(config.get("burst", rate.limit), field=f"{field}['burst']")
     algorithm_name = config.get("algorithm", Algorithm.TOKEN_BUCKET.value)
-    try:
-        algorithm = Algorithm(algorithm_name)
-    except ValueError:
-        names = ", ".join(a.value for a in Algorithm)
-        raise ConfigurationError(f"{field}['algorithm']: {algorithm_name!r} must be one of {names}") from None
+    if algorithm_name not in [a.value for a in RATE_ALGORITHMS]:
+        names = ", ".join(a.value for a in RATE_ALGORITHMS)
+        raise ConfigurationError(f"{field}['algorithm']: {algorithm_name!r} must be one of {names}")
+    algorithm = Algorithm(algorithm_name)
     mode = fail_mode(config.get("fail_mode", default_fail_mode), field=f"{field}['fail_mode']")
     try:
         return Policy(name=name, rate=rate, burst=burst, algorithm=algorithm, fail_mode=mode)

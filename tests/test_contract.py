@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from ratelimits.algorithms import Algorithm
+from ratelimits.algorithms import RATE_ALGORITHMS, Algorithm
 from ratelimits.backends.memory import MemoryBackend
 from ratelimits.backends.redis import RedisBackend, make_client
 from ratelimits.engine import Verdict
@@ -29,7 +29,7 @@ def policy(
     return Policy(name, parsed, burst or parsed.limit, algorithm)
 
 
-ALGORITHMS = list(Algorithm)
+ALGORITHMS = list(RATE_ALGORITHMS)
 
 
 def test_bucket_admits_burst_then_denies_with_exact_wait(backend: Any) -> None:

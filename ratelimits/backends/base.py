@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -32,6 +33,10 @@ class Backend(ABC):
         """
 
     @abstractmethod
+    def release(self, slot: str, keys: Sequence[str]) -> int:
+        """Give back a request's slot under ``keys``; idempotent. Returns how many were held."""
+
+    @abstractmethod
     def clear(self, checks: Sequence[Check]) -> None:
         """Forget the state of these checks' keys (an admin's reset)."""
 
@@ -41,3 +46,13 @@ class Backend(ABC):
 
         Never lowers it (two publishers may race); returns the stamp now stored.
         """
+
+
+def new_slot(checks: Sequence[Check]) -> str | None:
+    """A fresh slot id if any check holds slots (one id serves all of a request's slot checks)."""
+    return uuid.uuid4().hex if any(c.policy.algorithm.holds_slots for c in checks) else None
+
+
+def slot_keys(checks: Sequence[Check], keys: Sequence[str]) -> tuple[str, ...]:
+    """The keys, among ``keys`` (one per check), under which the request holds its slot."""
+    return tuple(key for check, key in zip(checks, keys, strict=True) if check.policy.algorithm.holds_slots)

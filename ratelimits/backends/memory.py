@@ -6,10 +6,10 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from ..algorithms import ALGORITHMS, State
+from ..algorithms import ALGORITHMS, State, slots
 from ..engine import Decision, Result
 from ..policies import Check
-from .base import Backend
+from .base import Backend, new_slot, slot_keys
 
 __all__ = ["MemoryBackend"]
 
@@ -35,6 +35,7 @@ class MemoryBackend(Backend):
         self.prefix = prefix
         self.version: str | None = None
         self._state: dict[str, tuple[State, int]] = {}
+        self._slots: dict[str, dict[str, int]] = {}
         self._lock = threading.Lock()
         self._writes = 0
 
@@ -50,29 +51,47 @@ class MemoryBackend(Backend):
             pending: dict[str, State] = {}
             writes: list[tuple[str, State, int]] = []
             results = []
+            keys = []
             for check in checks:
                 key = check.key(self.prefix)
-                state = pending[key] if key in pending else self._load(key, now)
+                keys.append(key)
                 policy = check.policy
-                outcome = ALGORITHMS[policy.algorithm](
-                    state, now, policy.rate.limit, policy.rate.period_us, policy.burst, check.cost
-                )
-                if outcome.allowed:
-                    pending[key] = outcome.new_state
-                    writes.append((key, outcome.new_state, now + policy.state_ttl_ms * 1000))
+                if policy.algorithm.holds_slots:
+                    outcome, live = slots(
+                        self._slots.get(key, {}), now, policy.rate.limit, policy.rate.period_us, check.cost
+                    )
+                    self._slots[key] = live
+                else:
+                    state = pending[key] if key in pending else self._load(key, now)
+                    outcome = ALGORITHMS[policy.algorithm](
+                        state, now, policy.rate.limit, policy.rate.period_us, policy.burst, check.cost
+                    )
+                    if outcome.allowed:
+                        pending[key] = outcome.new_state
+                        writes.append((key, outcome.new_state, now + policy.state_ttl_ms * 1000))
                 results.append(Result(check, outcome.allowed, outcome.remaining, outcome.reset_us, outcome.retry_us))
+            slot = new_slot(checks) if consume else None
+            held = slot_keys(checks, keys) if slot else ()
             if consume and all(r.allowed or r.check.policy.shadow for r in results):
                 for key, state, expires in writes:
                     self._state[key] = (state, expires)
+                for check, key in zip(checks, keys, strict=True):
+                    if check.policy.algorithm.holds_slots and slot is not None:
+                        self._slots.setdefault(key, {})[slot] = now + check.policy.rate.period_us
                 self._writes += len(writes)
                 if self._writes >= self.SWEEP_EVERY:
                     self._sweep(now)
-            return Decision.from_results(results, now_us=now, policy_version=self.version)
+            return Decision.from_results(results, now_us=now, policy_version=self.version, slot=slot, slot_keys=held)
+
+    def release(self, slot: str, keys: Sequence[str]) -> int:
+        with self._lock:
+            return sum(1 for key in keys if self._slots.get(key, {}).pop(slot, None) is not None)
 
     def clear(self, checks: Sequence[Check]) -> None:
         with self._lock:
             for check in checks:
                 self._state.pop(check.key(self.prefix), None)
+                self._slots.pop(check.key(self.prefix), None)
 
     def publish_version(self, version: int) -> str:
         with self._lock:

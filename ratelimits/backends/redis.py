@@ -22,7 +22,7 @@ except ImportError:  # optional: redis-py's own packer is used instead
 from ..engine import Decision, Result
 from ..exceptions import BackendUnavailable
 from ..policies import Check
-from .base import Backend
+from .base import Backend, new_slot, slot_keys
 
 __all__ = ["RedisBackend", "load_script"]
 
@@ -38,6 +38,7 @@ DECIDE_SHA = hashlib.sha1(DECIDE.encode()).hexdigest()
 #: see it lag behind their snapshot and publish it again.
 VERSION_TTL_S = 30 * 86_400
 PUBLISH_VERSION = load_script("publish_version.lua")
+RELEASE = load_script("release.lua")
 
 
 class RedisBackend(Backend):
@@ -75,7 +76,8 @@ class RedisBackend(Backend):
 
     def decide(self, checks: Sequence[Check], *, consume: bool = True) -> Decision:
         keys = [self.version_key]
-        args: list[Any] = ["" if self.clock is None else self.clock(), "1" if consume else "0"]
+        slot = new_slot(checks) if consume else None
+        args: list[Any] = ["" if self.clock is None else self.clock(), "1" if consume else "0", slot or ""]
         for check in checks:
             keys.append(check.key(self.prefix))
             args += check.policy.script_args
@@ -87,8 +89,18 @@ class RedisBackend(Backend):
             for i, check in enumerate(checks)
         ]
         return Decision.from_results(
-            results, now_us=now_us, policy_version=version.decode() if isinstance(version, bytes) else None
+            results,
+            now_us=now_us,
+            policy_version=version.decode() if isinstance(version, bytes) else None,
+            slot=slot,
+            slot_keys=slot_keys(checks, keys[1:]) if slot else (),
         )
+
+    def release(self, slot: str, keys: Sequence[str]) -> int:
+        try:
+            return int(self.client.eval(RELEASE, len(keys), *keys, slot))
+        except redis.RedisError as exc:
+            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
 
     def clear(self, checks: Sequence[Check]) -> None:
         try:

@@ -6,9 +6,11 @@
 -- KEYS[1 + i]      state key of check i, for i = 1..n
 -- ARGV[1]          now in integer microseconds, or "" to read the Redis server clock (TIME)
 -- ARGV[2]          "1" to consume when every check allows, "0" to only report (peek)
--- ARGV[3 + 7(i-1)] check i: algorithm (1 token bucket/GCRA, 2 sliding window, 3 fixed window),
---                  limit (requests per period), period (microseconds), burst (GCRA capacity in
---                  requests; ignored by windows), state TTL (milliseconds, passed through to PX
+-- ARGV[3]          this request's slot id (for checks of algorithm 4), or ""
+-- ARGV[4 + 7(i-1)] check i: algorithm (1 token bucket/GCRA, 2 sliding window, 3 fixed window,
+--                  4 slots in flight: concurrency per subject or the fleet's in-flight set),
+--                  limit (requests per period; slots), period (microseconds; a slot's TTL),
+--                  burst (GCRA capacity in requests; ignored by the others), state TTL (milliseconds, passed through to PX
 --                  as given: converting numbers to strings is the costliest thing a script does),
 --                  shadow ("1": reported but never denies), cost (tokens this request spends)
 --
@@ -16,6 +18,8 @@
 --   GCRA           "<theoretical arrival time, us, as an exact %.17g double>"
 --   sliding window "<window index>:<current count>:<previous count>"
 --   fixed window   "<window index>:<count>"
+--   slots          a sorted set of slot ids scored by their expiry (us); expired ones are purged
+--                  before counting, so a worker killed while holding slots loses them on its own
 --
 -- Returns {now_us, version or false, all enforced checks allowed (0/1),
 --          then per check: allowed (0/1), remaining, reset_us, retry_us}.
@@ -137,6 +141,21 @@ local function fixed_window(value, limit, period, burst, cost)
   return false, max(limit - count, 0), until_next, until_next, nil
 end
 
+-- Slots are counted live (a sorted set, not a string), so they take the key, not its value.
+-- Purging expired slots is a write even when the request is denied: it removes only what
+-- no request holds any more.
+local function slots(key, limit, ttl, cost)
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  local count = redis.call('ZCARD', key)
+  if count + cost <= limit then
+    return true, limit - count - cost, ttl, 0, nil
+  end
+  local first = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
+  local earliest = now + ttl
+  if first[2] then earliest = tonumber(first[2]) end
+  return false, max(limit - count, 0), earliest - now, math.min(earliest - now, 1000000), nil
+end
+
 local algorithms = {token_bucket, sliding_window, fixed_window}
 
 -- Phase 1: decide every check against current state. A key named twice sees the pending
@@ -146,20 +165,27 @@ local algorithms = {token_bucket, sliding_window, fixed_window}
 local stored = redis.call('MGET', unpack(KEYS))
 local reply = {now, stored[1], 1}
 local pending = {}
-local write_keys, write_values, write_ttls, writes = {}, {}, {}, 0
+local write_keys, write_values, write_ttls, write_slots, writes = {}, {}, {}, {}, 0
 local all_allowed = true
 local out = 3
 for i = 1, n do
   local key = KEYS[i + 1]
-  local base = 3 + 7 * (i - 1)
-  local value = pending[key]
-  if value == nil then value = stored[i + 1] end
-  local allowed, remaining, reset, retry, new_value = algorithms[tonumber(ARGV[base])](
-    value, tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3]), tonumber(ARGV[base + 6]))
+  local base = 4 + 7 * (i - 1)
+  local algorithm = tonumber(ARGV[base])
+  local allowed, remaining, reset, retry, new_value
+  if algorithm == 4 then
+    allowed, remaining, reset, retry = slots(key, tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 6]))
+  else
+    local value = pending[key]
+    if value == nil then value = stored[i + 1] end
+    allowed, remaining, reset, retry, new_value = algorithms[algorithm](
+      value, tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3]), tonumber(ARGV[base + 6]))
+  end
   if allowed then
     pending[key] = new_value
     writes = writes + 1
     write_keys[writes], write_values[writes], write_ttls[writes] = key, new_value, ARGV[base + 4]
+    if algorithm == 4 then write_slots[writes] = now + tonumber(ARGV[base + 2]) end
     reply[out + 1] = 1
   else
     -- A shadow check reports what it would do; only enforced checks can deny the request.
@@ -174,7 +200,12 @@ end
 if all_allowed then
   if consume then
     for i = 1, writes do
-      redis.call('SET', write_keys[i], write_values[i], 'PX', write_ttls[i])
+      if write_slots[i] then
+        redis.call('ZADD', write_keys[i], write_slots[i], ARGV[3])
+        redis.call('PEXPIRE', write_keys[i], write_ttls[i])
+      else
+        redis.call('SET', write_keys[i], write_values[i], 'PX', write_ttls[i])
+      end
     end
   end
 else
