@@ -215,6 +215,7 @@ class OverrideAdmin(AuditedAdmin):
         "endpoint",
         ("rate", "burst"),
         "multiplier",
+        "concurrency",
         "reason",
         "expires_at",
         ("enabled", "shadow"),

@@ -51,6 +51,17 @@ DEFAULTS: dict[str, Any] = {
     "DEFAULT_TIERS": {"anonymous": "anonymous", "authenticated": "authenticated"},
     "TIER_FUNC": None,
     "DIMENSIONS": {},
+    # Slots (concurrency per subject, the fleet's in-flight set) expire after this if the worker
+    # holding them dies: keep it well above the slowest request.
+    "SLOT_TTL": "60s",
+    # The fleet load shedder (settings source; the database source reads the fleet settings row):
+    # requests in flight the fleet can serve (None: no fleet shedding), and per priority class the
+    # share of it above which that class is shed with a 503. Critical is never shed.
+    "FLEET_CAPACITY": None,
+    "SHED_THRESHOLDS": {"low": 60, "normal": 75, "high": 90},
+    # The worker utilisation shedder: requests this process serves at once (its threads; None:
+    # off). Lower classes are shed first, by SHED_THRESHOLDS, without asking Redis.
+    "WORKER_CAPACITY": None,
     "ENDPOINTS": {},
     "EXEMPT_ENDPOINTS": [],
     # Identity.
@@ -142,6 +153,39 @@ class Settings:
         return self._cached(
             "POLICY_RECHECK_INTERVAL", lambda: _seconds(self.get("POLICY_RECHECK_INTERVAL"), "POLICY_RECHECK_INTERVAL")
         )
+
+    @property
+    def slot_ttl_us(self) -> int:
+        return self._cached("SLOT_TTL", lambda: parse_duration(self.get("SLOT_TTL"), field="RATELIMITS['SLOT_TTL']"))
+
+    @property
+    def fleet_capacity(self) -> int | None:
+        return self._cached("FLEET_CAPACITY", lambda: _optional_positive(self.get("FLEET_CAPACITY"), "FLEET_CAPACITY"))
+
+    @property
+    def worker_capacity(self) -> int | None:
+        return self._cached(
+            "WORKER_CAPACITY", lambda: _optional_positive(self.get("WORKER_CAPACITY"), "WORKER_CAPACITY")
+        )
+
+    @property
+    def shed_thresholds(self) -> dict[str, int]:
+        return self._cached("SHED_THRESHOLDS", self._parse_thresholds)
+
+    def _parse_thresholds(self) -> dict[str, int]:
+        raw = self.get("SHED_THRESHOLDS")
+        field = "RATELIMITS['SHED_THRESHOLDS']"
+        if not isinstance(raw, dict) or set(raw) - {"low", "normal", "high"}:
+            raise ConfigurationError(f"{field} must be a dict with keys low, normal and high (critical is never shed)")
+        thresholds = {}
+        for klass in ("low", "normal", "high"):
+            value = raw.get(klass, 100)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 100:
+                raise ConfigurationError(f"{field}['{klass}']: {value!r} must be a percentage from 1 to 100")
+            thresholds[klass] = value
+        if not thresholds["low"] <= thresholds["normal"] <= thresholds["high"]:
+            raise ConfigurationError(f"{field}: thresholds must rise with priority (low <= normal <= high)")
+        return thresholds
 
     @property
     def policy_source(self) -> str:
@@ -259,6 +303,14 @@ def _seconds(value: object, name: str) -> float:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
         return float(value)
     return parse_duration(value, field=f"RATELIMITS['{name}']") / 1_000_000
+
+
+def _optional_positive(value: object, name: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(f"RATELIMITS['{name}']: {value!r} must be a positive integer or None")
+    return value
 
 
 def _callable(path: object, name: str) -> Callable[..., Any]:

@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 from django.utils.module_loading import import_string
 
-from .algorithms import Algorithm
+from .algorithms import SLOT_RETRY_US, Algorithm
 from .breaker import CircuitBreaker
 from .conf import conf
 from .exceptions import BackendUnavailable
 from .identity import Identity, identify
 from .policies import Check, PolicySource
+from .shedding import WorkerShedder
 
 if TYPE_CHECKING:
     from django.http import HttpRequest
@@ -107,7 +108,10 @@ class Decision:
         violated = self.violated
         if violated:
             return max(violated, key=lambda r: r.retry_us)
-        enforced = [r for r in self.results if not r.check.policy.shadow]
+        # The fleet's in-flight count is the platform's, not the caller's: never describe it.
+        enforced = [
+            r for r in self.results if not r.check.policy.shadow and r.check.policy.algorithm is not Algorithm.FLEET
+        ]
         if not enforced:
             return None
         return min(enforced, key=lambda r: (r.remaining / r.limit, r.reset_us))
@@ -179,6 +183,16 @@ class Limiter:
                 return decision
         return self._degraded(checks, consume=consume)
 
+    def release(self, decision: Decision) -> None:
+        """Give back the slot ``decision`` holds, in the store that granted it; idempotent."""
+        if decision.slot is None:
+            return
+        backend = self.local if decision.degraded else self.backend
+        try:
+            backend.release(decision.slot, decision.slot_keys)
+        except BackendUnavailable as exc:
+            logger.info("ratelimits: slot release left to expiry: %s", exc)
+
     def _degraded(self, checks: Sequence[Check], *, consume: bool) -> Decision:
         with self._count_lock:
             self.degraded_count += 1
@@ -199,7 +213,11 @@ class Limiter:
 
 _limiter: Limiter | None = None
 _source: PolicySource | None = None
+_shedder: WorkerShedder | None = None
+_shedder_built = False
 _build_lock = threading.Lock()
+#: What this thread's current request holds until it finishes: (limiter, decision, shedder).
+_held = threading.local()
 
 
 def get_limiter() -> Limiter:
@@ -235,22 +253,75 @@ def get_policy_source() -> PolicySource:
 
 
 def reset() -> None:
-    """Forget the limiter and policy source so the next request rebuilds them from settings."""
-    global _limiter, _source
+    """Forget the limiter, policy source and shedder so the next request rebuilds them from settings."""
+    global _limiter, _source, _shedder, _shedder_built
     with _build_lock:
         _limiter = None
         _source = None
+        _shedder = None
+        _shedder_built = False
+
+
+def _hold(limiter: Limiter, decision: Decision, shedder: WorkerShedder | None) -> None:
+    if decision.slot is None and shedder is None:
+        return
+    held = getattr(_held, "items", None)
+    if held is None:
+        held = _held.items = []
+    held.append((limiter, decision, shedder))
+
+
+def release_held(**kwargs: Any) -> None:
+    """Release what this thread's requests hold (connected to ``request_finished``).
+
+    The signal is sent when the response has been closed, after a streaming body too, so slots
+    are held exactly as long as the worker is busy with the request. A release that cannot
+    reach the store is left to the slot's expiry.
+    """
+    held = getattr(_held, "items", None)
+    if not held:
+        return
+    _held.items = []
+    for limiter, decision, shedder in held:
+        if shedder is not None:
+            shedder.finish()
+        if decision.slot is not None:
+            limiter.release(decision)
+
+
+def get_worker_shedder() -> WorkerShedder | None:
+    """This process's utilisation shedder, or ``None`` when ``WORKER_CAPACITY`` is not set."""
+    global _shedder, _shedder_built
+    if not _shedder_built:
+        with _build_lock:
+            if not _shedder_built:
+                capacity = conf.worker_capacity
+                _shedder = WorkerShedder(capacity, conf.shed_thresholds) if capacity else None
+                _shedder_built = True
+    return _shedder
 
 
 def evaluate(
     request: HttpRequest, *, endpoint: str, auth: Any = None, user: Any = None, consume: bool = True
 ) -> tuple[Identity, Decision]:
-    """Identify ``request``, collect its checks and decide them in one backend call."""
+    """Identify ``request``, collect its checks and decide them in one backend call.
+
+    A consuming decision that admits the request holds its slots (and this worker's in-flight
+    count) until ``request_finished``; see :func:`release_held`.
+    """
     identity = identify(request, endpoint=endpoint, auth=auth, user=user)
     source = get_policy_source()
+    shedder = get_worker_shedder() if consume else None
+    if shedder is not None and not shedder.admit(source.endpoint_rule(endpoint, request.method or "GET").priority):
+        return identity, Decision(Verdict.SHED, (), retry_after_us=SLOT_RETRY_US)
     checks = source.checks_for(request, identity)
-    decision = get_limiter().decide(checks, consume=consume)
+    limiter = get_limiter()
+    decision = limiter.decide(checks, consume=consume)
     source.observe(decision)
+    if decision.allowed and consume:
+        _hold(limiter, decision, shedder)
+    elif shedder is not None:
+        shedder.finish()
     if decision.shadow_violated:
         logger.info(
             "ratelimits: shadow policies would deny %s: %s",
@@ -266,9 +337,10 @@ def _on_setting_changed(*, setting: str, **kwargs: Any) -> None:
 
 
 def _connect() -> None:
-    from django.core.signals import setting_changed
+    from django.core.signals import request_finished, setting_changed
 
     setting_changed.connect(_on_setting_changed, dispatch_uid="ratelimits.engine.reset")
+    request_finished.connect(release_held, dispatch_uid="ratelimits.engine.release_held")
 
 
 _connect()

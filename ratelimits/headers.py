@@ -32,14 +32,20 @@ def rate_limit_headers(decision: Decision) -> dict[str, str]:
     if closest is None or style == "none":
         return headers
     name = closest.policy_name
-    reset_s = math.ceil(closest.reset_us / US)
+    # Slots have no window: they come back when requests finish, not at a time we could name.
+    in_flight = closest.check.policy.algorithm.holds_slots
+    reset_us = 0 if in_flight else closest.reset_us
     if style in ("ietf", "both"):
-        headers["RateLimit-Policy"] = f'"{name}";q={closest.limit};w={closest.check.policy.window_seconds}'
-        headers["RateLimit"] = f'"{name}";r={closest.remaining};t={reset_s}'
+        if in_flight:
+            headers["RateLimit-Policy"] = f'"{name}";q={closest.limit};qu="concurrent-requests"'
+            headers["RateLimit"] = f'"{name}";r={closest.remaining}'
+        else:
+            headers["RateLimit-Policy"] = f'"{name}";q={closest.limit};w={closest.check.policy.window_seconds}'
+            headers["RateLimit"] = f'"{name}";r={closest.remaining};t={math.ceil(reset_us / US)}'
     if style in ("github", "both"):
         headers["X-RateLimit-Limit"] = str(closest.limit)
         headers["X-RateLimit-Remaining"] = str(closest.remaining)
-        headers["X-RateLimit-Reset"] = str(math.ceil((decision.now_us + closest.reset_us) / US))
+        headers["X-RateLimit-Reset"] = str(math.ceil((decision.now_us + reset_us) / US))
         headers["X-RateLimit-Used"] = str(closest.used)
         headers["X-RateLimit-Resource"] = name
     return headers

@@ -304,6 +304,12 @@ class Override(Revisioned):
         validators=[MinValueValidator(Decimal("0.001")), MaxValueValidator(Decimal("10000"))],
         help_text="Scales the tier's rate and burst instead of replacing them.",
     )
+    concurrency = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Replacement limit on requests in flight (optional).",
+    )
     reason = models.TextField(help_text="Why: shown in the audit trail.")
     expires_at = models.DateTimeField(help_text="After this the override stops applying on its own.")
     created_by = models.ForeignKey(
@@ -333,8 +339,8 @@ class Override(Revisioned):
             raise ValidationError("Give either replacement values (rate, burst) or a multiplier, not both.")
         if self.burst and not self.rate:
             raise ValidationError({"burst": "A burst needs a rate."})
-        if self.multiplier is None and not self.rate:
-            raise ValidationError("Give a replacement rate or a multiplier.")
+        if self.multiplier is None and not self.rate and not self.concurrency:
+            raise ValidationError("Give a replacement rate, a multiplier, or a concurrency limit.")
 
 
 class FleetSettings(Revisioned):
@@ -353,7 +359,12 @@ class FleetSettings(Revisioned):
         related_name="+",
         help_text="Tier of authenticated callers without an assignment.",
     )
-    capacity = models.PositiveIntegerField(default=1000, help_text="Requests in flight the fleet can serve.")
+    capacity = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Requests in flight the whole fleet can serve; empty: no fleet load shedding.",
+    )
     shed_low_percent = models.PositiveSmallIntegerField(default=60, validators=[MaxValueValidator(100)])
     shed_normal_percent = models.PositiveSmallIntegerField(default=75, validators=[MaxValueValidator(100)])
     shed_high_percent = models.PositiveSmallIntegerField(default=90, validators=[MaxValueValidator(100)])

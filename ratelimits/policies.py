@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .algorithms import RATE_ALGORITHMS, Algorithm
 from .conf import conf, fail_mode
 from .exceptions import ConfigurationError
-from .rates import Rate, parse_rate
+from .rates import MAX_LIMIT, Rate, parse_rate
 
 if TYPE_CHECKING:
     from django.http import HttpRequest
@@ -18,7 +18,17 @@ if TYPE_CHECKING:
     from .engine import Decision
     from .identity import Identity, Subject
 
-__all__ = ["PRIORITIES", "Check", "EndpointRule", "Policy", "PolicySource", "SettingsPolicySource"]
+__all__ = [
+    "PRIORITIES",
+    "Check",
+    "EndpointRule",
+    "Policy",
+    "PolicySource",
+    "SettingsPolicySource",
+    "check_for",
+    "concurrency_policy",
+    "fleet_checks",
+]
 
 PRIORITIES = ("critical", "high", "normal", "low")
 
@@ -187,6 +197,37 @@ def policy_from_config(
         raise ConfigurationError(f"{field}: {exc}") from None
 
 
+def concurrency_policy(name: str, limit: int, *, fail_mode: str, shadow: bool = False) -> Policy:
+    """At most ``limit`` requests of one subject in flight; slots expire after ``SLOT_TTL``."""
+    return Policy(name, Rate(limit, conf.slot_ttl_us), limit, Algorithm.CONCURRENCY, fail_mode, shadow)
+
+
+def fleet_checks(capacity: int | None, thresholds: Mapping[str, int]) -> dict[str, Check]:
+    """The fleet's in-flight check per priority class: lower classes are shed at a lower share.
+
+    Critical requests are never shed, but still hold a slot: they take capacity too. Without a
+    capacity there is no fleet shedding at all.
+    """
+    if capacity is None:
+        return {}
+    from .identity import Subject
+
+    subject = Subject("fleet", "in-flight")
+    checks = {}
+    for priority in PRIORITIES:
+        percent = thresholds.get(priority)
+        limit = MAX_LIMIT if percent is None else max(capacity * percent // 100, 1)
+        # Fails open: without Redis the fleet cannot be counted; the worker shedder still works.
+        policy = Policy("fleet", Rate(limit, conf.slot_ttl_us), limit, Algorithm.FLEET, "open")
+        checks[priority] = Check(policy, subject, 1)
+    return checks
+
+
+def check_for(policy: Policy, subject: Subject, cost: int) -> Check:
+    """A check of ``policy`` on ``subject``: a request takes one slot, whatever its cost in tokens."""
+    return Check(policy, subject, 1 if policy.algorithm.holds_slots else cost)
+
+
 def positive_int(value: object, *, field: str) -> int:
     """``value`` if it is an integer of at least 1 (booleans are not integers here)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -226,6 +267,7 @@ class SettingsPolicySource:
             self.dimensions[kind] = self._policy(f"{kind}", cfg, f"RATELIMITS['DIMENSIONS']['{kind}']")
         self.endpoints = self._endpoints(conf.get("ENDPOINTS"), conf.get("EXEMPT_ENDPOINTS"))
         self._validate_costs()
+        self.fleet = fleet_checks(conf.fleet_capacity, conf.shed_thresholds)
 
     def _policy(self, name: str, cfg: Any, field: str, extra_keys: frozenset[str] = frozenset()) -> Policy:
         return policy_from_config(
@@ -234,13 +276,17 @@ class SettingsPolicySource:
 
     def _tier(self, name: str, cfg: Any) -> list[Policy]:
         field = f"RATELIMITS['TIERS']['{name}']"
-        policies = [self._policy(f"tier:{name}", cfg, field, frozenset({"quota"}))]
+        policies = [self._policy(f"tier:{name}", cfg, field, frozenset({"quota", "concurrency"}))]
         quota = cfg.get("quota") if isinstance(cfg, Mapping) else None
         if quota is not None:
             rate = parse_rate(quota, field=f"{field}['quota']")
             policies.append(
                 Policy(f"tier:{name}:quota", rate, rate.limit, Algorithm.FIXED_WINDOW, policies[0].fail_mode)
             )
+        concurrency = cfg.get("concurrency") if isinstance(cfg, Mapping) else None
+        if concurrency is not None:
+            limit = positive_int(concurrency, field=f"{field}['concurrency']")
+            policies.append(concurrency_policy(f"tier:{name}:concurrency", limit, fail_mode=policies[0].fail_mode))
         return policies
 
     def _endpoints(self, config: Any, exempt: Any) -> dict[str, EndpointRule]:
@@ -283,7 +329,7 @@ class SettingsPolicySource:
         general = [p for tier in self.tiers.values() for p in tier] + list(self.dimensions.values())
         for key, rule in self.endpoints.items():
             for policy in general + [p for p in (rule.per_caller, rule.endpoint_wide) if p]:
-                if rule.cost > policy.capacity:
+                if rule.cost > policy.capacity and not policy.algorithm.holds_slots:
                     raise ConfigurationError(
                         f"RATELIMITS['ENDPOINTS']['{key}']['cost']: {rule.cost} exceeds the capacity "
                         f"{policy.capacity} of {policy.name}; every such request would be denied"
@@ -314,7 +360,7 @@ class SettingsPolicySource:
             return []
         cost = rule.cost
         caller = identity.caller
-        checks = [Check(policy, caller, cost) for policy in self.tiers[self.tier_for(request, identity)]]
+        checks = [check_for(policy, caller, cost) for policy in self.tiers[self.tier_for(request, identity)]]
         subjects = {"ip": identity.ip, "user": identity.user, "api_key": identity.api_key, "org": identity.organization}
         for kind, policy in self.dimensions.items():
             subject = subjects[kind]
@@ -324,6 +370,9 @@ class SettingsPolicySource:
             checks.append(Check(rule.per_caller, caller, cost))
         if rule.endpoint_wide is not None:
             checks.append(Check(rule.endpoint_wide, identity.endpoint, cost))
+        fleet = self.fleet.get(rule.priority)
+        if fleet is not None:
+            checks.append(fleet)
         return checks
 
 

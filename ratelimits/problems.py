@@ -21,6 +21,14 @@ REDUCED_CAPACITY = "https://iana.org/assignments/http-problem-types#temporary-re
 def problem_body(decision: Decision) -> dict[str, Any]:
     """The problem document for a denied decision: every violated policy and the exact wait."""
     seconds = decision.retry_after_ms / 1000
+    if decision.verdict is Verdict.SHED:
+        return {
+            "type": REDUCED_CAPACITY,
+            "title": "Service temporarily reducing load",
+            "status": 503,
+            "detail": f"The service is busy and sheds this endpoint's priority class first; retry in {seconds:g} s.",
+            "retry_after_ms": decision.retry_after_ms,
+        }
     if decision.verdict is Verdict.UNAVAILABLE:
         return {
             "type": REDUCED_CAPACITY,
@@ -51,7 +59,7 @@ def problem_body(decision: Decision) -> dict[str, Any]:
 
 def problem_response(decision: Decision) -> HttpResponse:
     """A complete 429 or 503 response: problem body, ``Retry-After`` and rate-limit headers."""
-    status = 503 if decision.verdict is Verdict.UNAVAILABLE else 429
+    status = 429 if decision.verdict is Verdict.LIMITED else 503
     response = HttpResponse(json.dumps(problem_body(decision)), status=status, content_type=CONTENT_TYPE)
     for name, value in rate_limit_headers(decision).items():
         response[name] = value

@@ -24,7 +24,17 @@ from django.utils import timezone
 from .algorithms import Algorithm
 from .conf import conf
 from .exceptions import BackendUnavailable, ConfigurationError
-from .policies import Check, EndpointRule, Policy, _endpoint_key, _slug, policy_from_config
+from .policies import (
+    Check,
+    EndpointRule,
+    Policy,
+    _endpoint_key,
+    _slug,
+    check_for,
+    concurrency_policy,
+    fleet_checks,
+    policy_from_config,
+)
 from .rates import Rate, parse_rate
 
 if TYPE_CHECKING:
@@ -67,6 +77,7 @@ class _Override:
     rate: Rate | None
     burst: int | None
     multiplier: float | None
+    concurrency: int | None
     shadow: bool
     label: str
 
@@ -106,6 +117,8 @@ class Snapshot:
     endpoints: dict[str, EndpointRule] = field(default_factory=dict)
     overrides: dict[tuple[str, str], list[_Override]] = field(default_factory=dict)
     dimensions: dict[str, Policy] = field(default_factory=dict)
+    #: The fleet's in-flight check per priority class (empty: no fleet shedding).
+    fleet: dict[str, Check] = field(default_factory=dict)
     #: Policies derived from overrides, by (override id, base policy name), built on first use.
     derived: dict[tuple[int, str], Policy | None] = field(default_factory=dict)
     anonymous_tier: str | None = None
@@ -190,9 +203,14 @@ class DatabasePolicySource:
             if tier is not None:
                 assigned[caller] = _Assignment(tier, _Window(None, None), f"default tier for {_kind(identity)}")
         for subject, assignment in assigned.items():
-            for policy in snap.tiers.get(assignment.tier, ()):
+            policies = snap.tiers.get(assignment.tier, [])
+            for policy in policies:
                 policy, origin = self._overridden(snap, subject, endpoint, policy, now, assignment.label)
                 _add(found, policy, subject, cost, origin)
+            if not any(p.algorithm.holds_slots for p in policies):
+                in_flight = self._concurrency_override(snap, subject, endpoint, now)
+                if in_flight is not None:
+                    _add(found, in_flight[0], subject, cost, in_flight[1])
         for kind, policy in snap.dimensions.items():
             subject = {
                 "ip": identity.ip,
@@ -206,6 +224,9 @@ class DatabasePolicySource:
             _add(found, rule.per_caller, caller, cost, "endpoint policy, per caller")
         if rule.endpoint_wide is not None:
             _add(found, rule.endpoint_wide, identity.endpoint, cost, "endpoint policy, all callers")
+        fleet = snap.fleet.get(rule.priority)
+        if fleet is not None:
+            found.append(Explained(fleet, f"fleet settings: {rule.priority} priority"))
         return found
 
     def _assignment(self, snap: Snapshot, subject: Subject, now: datetime) -> _Assignment | None:
@@ -241,6 +262,9 @@ class DatabasePolicySource:
         """An override for this endpoint beats a general one, which beats the tier (quotas are kept)."""
         if policy.name.endswith(":quota"):
             return policy, origin
+        if policy.algorithm.holds_slots:
+            in_flight = self._concurrency_override(snap, subject, endpoint, now, name=policy.name)
+            return in_flight if in_flight is not None else (policy, origin)
         overrides = [o for o in snap.overrides.get((subject.kind, subject.value), ()) if o.window.covers(now)]
         for wanted, name in ((endpoint, None), ("", policy.name)):
             for override in overrides:
@@ -253,6 +277,27 @@ class DatabasePolicySource:
                     if replaced is not None:
                         return replaced, override.label
         return policy, origin
+
+    def _concurrency_override(
+        self, snap: Snapshot, subject: Subject, endpoint: str, now: datetime, *, name: str | None = None
+    ) -> tuple[Policy, str] | None:
+        """The in-flight limit an override gives ``subject`` here (endpoint-specific first), if any."""
+        overrides = [
+            o
+            for o in snap.overrides.get((subject.kind, subject.value), ())
+            if o.concurrency and o.window.covers(now) and o.endpoint in (endpoint, "")
+        ]
+        if not overrides:
+            return None
+        override = min(overrides, key=lambda o: o.endpoint == "")  # this endpoint's beats the general one
+        key = (override.id, name or "concurrency")
+        if key not in snap.derived:
+            policy_name = name or f"override:{override.id}:concurrency"
+            snap.derived[key] = concurrency_policy(
+                policy_name, override.concurrency or 1, fail_mode=conf.default_fail_mode, shadow=override.shadow
+            )
+        policy = snap.derived[key]
+        return (policy, override.label) if policy is not None else None
 
     # -- the snapshot ----------------------------------------------------------------------------
 
@@ -292,6 +337,12 @@ def load_snapshot() -> Snapshot:
         except ConfigurationError as exc:
             logger.error("ratelimits: tier %s left out: %s", tier.name, exc)
     if fleet is not None:
+        thresholds = {
+            "low": fleet.shed_low_percent,
+            "normal": fleet.shed_normal_percent,
+            "high": fleet.shed_high_percent,
+        }
+        snap.fleet = fleet_checks(fleet.capacity or None, thresholds)
         snap.anonymous_tier = fleet.anonymous_tier.name if fleet.anonymous_tier else None
         snap.authenticated_tier = fleet.authenticated_tier.name if fleet.authenticated_tier else None
     defaults = conf.get("DEFAULT_TIERS")
@@ -342,6 +393,7 @@ def load_snapshot() -> Snapshot:
                 rate=rate,
                 burst=row.burst,
                 multiplier=float(row.multiplier) if row.multiplier is not None else None,
+                concurrency=row.concurrency,
                 shadow=row.shadow or global_shadow,
                 label=f"override #{row.pk}: {row.reason[:80]}",
             )
@@ -366,6 +418,10 @@ def tier_policies(tier: Any, default_mode: str, global_shadow: bool = False) -> 
     if tier.quota:
         quota = parse_rate(tier.quota, field=f"tier {tier.name} quota")
         policies.append(Policy(f"tier:{tier.name}:quota", quota, quota.limit, Algorithm.FIXED_WINDOW, mode, shadow))
+    if tier.concurrency:
+        policies.append(
+            concurrency_policy(f"tier:{tier.name}:concurrency", tier.concurrency, fail_mode=mode, shadow=shadow)
+        )
     return policies
 
 
@@ -429,7 +485,7 @@ def _rule(endpoints: dict[str, EndpointRule], endpoint: str, method: str) -> End
 
 def _add(found: list[Explained], policy: Policy, subject: Subject, cost: int, origin: str) -> None:
     try:
-        found.append(Explained(Check(policy, subject, cost), origin))
+        found.append(Explained(check_for(policy, subject, cost), origin))
     except ConfigurationError as exc:
         # Guardrails refuse such a save; a row written around them must not break requests.
         logger.error("ratelimits: check skipped: %s", exc)

@@ -31,7 +31,7 @@ class RateLimitThrottle(BaseThrottle):
         self.decision = decision
         request._request.ratelimit = decision  # type: ignore[attr-defined]
         view.headers.update(rate_limit_headers(decision))
-        if decision.verdict is Verdict.UNAVAILABLE:
+        if decision.verdict in (Verdict.UNAVAILABLE, Verdict.SHED):
             raise RateLimitUnavailable(decision)
         return decision.allowed
 

@@ -205,7 +205,7 @@ def test_override_rate_or_multiplier_not_both() -> None:
     burst_and_multiplier = errors_of(valid(Override, rate="", burst=5, multiplier=Decimal("2")))
     assert burst_and_multiplier == both
     neither = errors_of(valid(Override, rate=""))
-    assert neither == {NON_FIELD_ERRORS: ["Give a replacement rate or a multiplier."]}
+    assert neither == {NON_FIELD_ERRORS: ["Give a replacement rate, a multiplier, or a concurrency limit."]}
     valid(Override, rate="", multiplier=Decimal("0.5")).full_clean()
 
 
@@ -317,7 +317,7 @@ def test_fleet_settings_is_a_singleton() -> None:
 def test_fleet_settings_load_creates_the_row_if_missing() -> None:
     FleetSettings.objects.all().delete()
     loaded = FleetSettings.load()
-    assert (loaded.pk, loaded.default_fail_mode, loaded.capacity, loaded.anonymous_tier) == (1, "open", 1000, None)
+    assert (loaded.pk, loaded.default_fail_mode, loaded.capacity, loaded.anonymous_tier) == (1, "open", None, None)
 
 
 def test_fleet_settings_factory_applies_what_it_is_given_to_the_seeded_row() -> None:
@@ -414,10 +414,10 @@ def test_a_failed_save_keeps_the_revision_it_started_from() -> None:
 def test_seed_migration_tiers() -> None:
     tiers = {t.name: (t.rate, t.burst, t.concurrency, t.quota, t.enabled) for t in Tier.objects.all()}
     assert tiers == {
-        "anonymous": ("10/s", 20, 5, "", True),
-        "free": ("25/s", 50, 10, "100000/d", True),
-        "standard": ("100/s", 200, 25, "", True),
-        "enterprise": ("1000/s", 2000, 100, "", True),
+        "anonymous": ("10/s", 20, None, "", True),
+        "free": ("25/s", 50, None, "100000/d", True),
+        "standard": ("100/s", 200, None, "", True),
+        "enterprise": ("1000/s", 2000, None, "", True),
     }
     for tier in Tier.objects.all():
         tier.full_clean()  # the seeds pass their own guardrails

@@ -91,7 +91,7 @@ class Migration(migrations.Migration):
                 ('updated_at', models.DateTimeField(auto_now=True)),
                 ('default_fail_mode', models.CharField(choices=[('open', 'open: allow when the limiter is down'), ('closed', 'closed: 503 when the limiter is down'), ('local', 'local: per-process limit when the limiter is down')], default='open', max_length=10)),
                 ('shadow', models.BooleanField(default=False, help_text='Global shadow switch: count everything, deny nothing.')),
-                ('capacity', models.PositiveIntegerField(default=1000, help_text='Requests in flight the fleet can serve.')),
+                ('capacity', models.PositiveIntegerField(blank=True, help_text='Requests in flight the whole fleet can serve; empty: no fleet load shedding.', null=True, validators=[django.core.validators.MinValueValidator(1)])),
                 ('shed_low_percent', models.PositiveSmallIntegerField(default=60, validators=[django.core.validators.MaxValueValidator(100)])),
                 ('shed_normal_percent', models.PositiveSmallIntegerField(default=75, validators=[django.core.validators.MaxValueValidator(100)])),
                 ('shed_high_percent', models.PositiveSmallIntegerField(default=90, validators=[django.core.validators.MaxValueValidator(100)])),

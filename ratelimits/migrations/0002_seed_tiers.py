@@ -9,10 +9,10 @@ from typing import Any
 from django.db import migrations
 
 TIERS = [
-    ("anonymous", "10/s", 20, 5, "", "Callers without credentials, limited per client IP."),
-    ("free", "25/s", 50, 10, "100000/d", "Authenticated callers without a paid plan."),
-    ("standard", "100/s", 200, 25, "", "The standard limit: 100 requests per second per key."),
-    ("enterprise", "1000/s", 2000, 100, "", "Large integrators, by contract."),
+    ("anonymous", "10/s", 20, "", "Callers without credentials, limited per client IP."),
+    ("free", "25/s", 50, "100000/d", "Authenticated callers without a paid plan."),
+    ("standard", "100/s", 200, "", "The standard limit: 100 requests per second per key."),
+    ("enterprise", "1000/s", 2000, "", "Large integrators, by contract."),
 ]
 
 
@@ -21,16 +21,12 @@ def seed(apps: Any, schema_editor: Any) -> None:
     FleetSettings = apps.get_model("ratelimits", "FleetSettings")
     db = schema_editor.connection.alias
     tiers = {}
-    for name, rate, burst, concurrency, quota, description in TIERS:
+    # No concurrency limits by default: how many requests in flight a caller may hold depends on
+    # how slow the endpoints are, which only the operator knows.
+    for name, rate, burst, quota, description in TIERS:
         tiers[name], _ = Tier.objects.using(db).get_or_create(
             name=name,
-            defaults={
-                "rate": rate,
-                "burst": burst,
-                "concurrency": concurrency,
-                "quota": quota,
-                "description": description,
-            },
+            defaults={"rate": rate, "burst": burst, "quota": quota, "description": description},
         )
     FleetSettings.objects.using(db).get_or_create(
         pk=1, defaults={"anonymous_tier": tiers["anonymous"], "authenticated_tier": tiers["standard"]}
