@@ -12,7 +12,7 @@ from django.utils import timezone
 
 from project.payments.models import ApiKey, Customer, hash_key
 from ratelimits.audit import audit_context
-from ratelimits.models import EndpointPolicy, Override
+from ratelimits.models import EndpointPolicy, FleetSettings, Override, Tier
 
 # Fixed secrets so the README's curl lines work on every machine. Demo only.
 DEMO_KEYS = [
@@ -27,8 +27,8 @@ ENDPOINTS = [
         "method": "ANY",
         "cost": 10,
         "priority": "low",
-        "per_caller_rate": "30/m",
-        "endpoint_rate": "600/m",
+        "per_caller_rate": "600/m",
+        "endpoint_rate": "6000/m",
     },
 ]
 ADMIN = ("admin", "admin")
@@ -43,6 +43,16 @@ class Command(BaseCommand):
             for spec in ENDPOINTS:
                 if not EndpointPolicy.objects.filter(endpoint=spec["endpoint"], method=spec["method"]).exists():
                     EndpointPolicy.objects.create(**spec)
+            # Small numbers, so one terminal can show the limiters at work: a free key may run two
+            # requests at once, and the "fleet" (this one server) sheds exports above 3 in flight.
+            free = Tier.objects.get(name="free")
+            if free.concurrency is None:
+                free.concurrency = 2
+                free.save()
+            fleet = FleetSettings.load()
+            if fleet.capacity is None:
+                fleet.capacity = 6
+                fleet.save()
             acme = keys[0]
             if not Override.objects.filter(subject_id=f"ApiKey:{acme.pk}").exists():
                 Override.objects.create(
