@@ -104,17 +104,19 @@ class Decision:
     @property
     def closest(self) -> Result | None:
         """The result to describe in headers: the violated one with the longest wait, else the
-        one with the smallest share of its limit left."""
-        violated = self.violated
+        rate policy with the smallest share of its limit left.
+
+        The fleet's in-flight count is the platform's, not the caller's: it is never described.
+        Slots are described when they deny; otherwise one request in flight would make a small
+        concurrency limit look "closest" on every response and hide the rate quota.
+        """
+        violated = [r for r in self.violated if r.check.policy.algorithm is not Algorithm.FLEET]
         if violated:
             return max(violated, key=lambda r: r.retry_us)
-        # The fleet's in-flight count is the platform's, not the caller's: never describe it.
-        enforced = [
-            r for r in self.results if not r.check.policy.shadow and r.check.policy.algorithm is not Algorithm.FLEET
-        ]
-        if not enforced:
+        candidates = [r for r in self.results if not r.check.policy.shadow and not r.check.policy.algorithm.holds_slots]
+        if not candidates:
             return None
-        return min(enforced, key=lambda r: (r.remaining / r.limit, r.reset_us))
+        return min(candidates, key=lambda r: (r.remaining / r.limit, r.reset_us))
 
     @classmethod
     def from_results(
@@ -208,7 +210,10 @@ class Limiter:
         if not local:
             return Decision(Verdict.ALLOW, (), degraded=True)
         decision = self.local.decide(local, consume=consume)
-        return Decision.from_results(decision.results, now_us=decision.now_us, degraded=True)
+        # Keep the local slot: release() gives it back to the local backend when the request ends.
+        return Decision.from_results(
+            decision.results, now_us=decision.now_us, degraded=True, slot=decision.slot, slot_keys=decision.slot_keys
+        )
 
 
 _limiter: Limiter | None = None
@@ -314,14 +319,20 @@ def evaluate(
     shedder = get_worker_shedder() if consume else None
     if shedder is not None and not shedder.admit(source.endpoint_rule(endpoint, request.method or "GET").priority):
         return identity, Decision(Verdict.SHED, (), retry_after_us=SLOT_RETRY_US)
-    checks = source.checks_for(request, identity)
-    limiter = get_limiter()
-    decision = limiter.decide(checks, consume=consume)
-    source.observe(decision)
+    try:
+        checks = source.checks_for(request, identity)
+        limiter = get_limiter()
+        decision = limiter.decide(checks, consume=consume)
+    except BaseException:
+        if shedder is not None:
+            shedder.finish()  # counted in above, and nothing is held for request_finished to count out
+        raise
     if decision.allowed and consume:
         _hold(limiter, decision, shedder)
     elif shedder is not None:
         shedder.finish()
+    # After holding: if observing fails, request_finished still releases what this request holds.
+    source.observe(decision)
     if decision.shadow_violated:
         logger.info(
             "ratelimits: shadow policies would deny %s: %s",

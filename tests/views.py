@@ -39,3 +39,29 @@ urlpatterns += [
     path("unmarked", unmarked, name="unmarked"),
     path("exempt", exempt, name="exempt"),
 ]
+
+
+class Gated(APIView):
+    """Held inside until the test opens ``tests.inflight_gate.GATE`` (in-flight limit tests).
+
+    GET and POST are separate endpoints to ``RATELIMITS['ENDPOINTS']`` ("GET gated", "POST
+    gated"), so one view can serve two priority classes.
+    """
+
+    throttle_scope = "gated"
+
+    def get(self, request):  # type: ignore[no-untyped-def]
+        return self._hold()
+
+    def post(self, request):  # type: ignore[no-untyped-def]
+        return self._hold()
+
+    def _hold(self) -> Response:
+        from .inflight_gate import GATE
+
+        if not GATE.pass_through():
+            return Response({"ok": False, "detail": "the gate never opened"}, status=504)
+        return Response({"ok": True})
+
+
+urlpatterns += [path("gated", Gated.as_view(), name="gated")]

@@ -75,10 +75,11 @@ class MemoryBackend(Backend):
             if consume and all(r.allowed or r.check.policy.shadow for r in results):
                 for key, state, expires in writes:
                     self._state[key] = (state, expires)
-                for check, key in zip(checks, keys, strict=True):
-                    if check.policy.algorithm.holds_slots and slot is not None:
-                        self._slots.setdefault(key, {})[slot] = now + check.policy.rate.period_us
-                self._writes += len(writes)
+                for result, key in zip(results, keys, strict=True):
+                    # Only checks that allowed take the slot (a denied shadow check does not), as in Redis.
+                    if result.check.policy.algorithm.holds_slots and result.allowed and slot is not None:
+                        self._slots.setdefault(key, {})[slot] = now + result.check.policy.rate.period_us
+                self._writes += len(writes) + len(held)
                 if self._writes >= self.SWEEP_EVERY:
                     self._sweep(now)
             return Decision.from_results(results, now_us=now, policy_version=self.version, slot=slot, slot_keys=held)
@@ -108,3 +109,5 @@ class MemoryBackend(Backend):
         self._writes = 0
         for key in [k for k, (_, expires) in self._state.items() if expires <= now]:
             del self._state[key]
+        for key in [k for k, held in self._slots.items() if all(expiry <= now for expiry in held.values())]:
+            del self._slots[key]
