@@ -1,0 +1,75 @@
+"""Django settings for ``python -m bench.shedding``: the demo project, with policies from settings.
+
+The demo keeps its policies in the database (``DatabasePolicySource``, edited in the admin); the
+load-shedding benchmark replaces them with explicit ``TIERS``/``ENDPOINTS`` so a run depends on
+no admin rows. Everything that changes between runs comes from the environment, set by
+``bench/shedding.py`` when it starts gunicorn:
+
+- ``BENCH_SHEDDING_DB``: the SQLite file (a temporary one; API keys are seeded into it).
+- ``BENCH_SHEDDING_REDIS_URL``: the benchmark's private Redis.
+- ``BENCH_SHEDDING_FLEET_CAPACITY`` / ``BENCH_SHEDDING_WORKER_CAPACITY``: an integer, or empty
+  for ``None`` (that shedder off).
+"""
+
+from __future__ import annotations
+
+import os
+
+from project.settings import *  # noqa: F403
+
+DEBUG = False
+SECRET_KEY = "bench-shedding-only-not-secret"
+
+
+def _optional_int(name: str) -> int | None:
+    value = os.environ.get(name, "").strip()
+    return int(value) if value and value.lower() != "none" else None
+
+
+#: The tier every benchmark API key is on: far above what one key sends, so no 429 is expected
+#: (what is measured is 503 shedding, not per-caller limits).
+BENCH_TIER = {"rate": "1000/s", "burst": 1000}
+
+DATABASES = {
+    "default": {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": os.environ.get("BENCH_SHEDDING_DB", str(BASE_DIR / "bench" / "results" / "shedding.sqlite3")),  # noqa: F405
+        "OPTIONS": {
+            # Two gunicorn processes write charges at once: WAL lets readers proceed during a
+            # write, and writers wait for the lock (up to 20 s) instead of failing at once.
+            "timeout": 20,
+            "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL",
+            "transaction_mode": "IMMEDIATE",
+        },
+    }
+}
+
+RATELIMITS = {
+    "BACKEND": "redis",
+    "REDIS_URL": os.environ.get("BENCH_SHEDDING_REDIS_URL", "redis://127.0.0.1:6379/0"),
+    "POLICY_SOURCE": "ratelimits.policies.SettingsPolicySource",
+    "TIERS": {"anonymous": {"rate": "20/s", "burst": 40}, "bench": BENCH_TIER},
+    "DEFAULT_TIERS": {"anonymous": "anonymous", "authenticated": "bench"},
+    "ORGANIZATION_FUNC": "project.payments.auth.organization_of",
+    "API_KEY_MODEL": "payments.ApiKey",
+    # No per-IP or per-organisation backstop: every client of the benchmark is 127.0.0.1.
+    "DIMENSIONS": {},
+    "ENDPOINTS": {
+        "POST charges": {"priority": "critical", "cost": 1},
+        "customers": {"priority": "normal", "cost": 1},
+        # The demo's export costs 10 with its own per-caller (30/m) and endpoint-wide (600/m)
+        # limits; here it costs 1 and has none, so the flood is turned away by shedding only.
+        "reports.export": {"priority": "low", "cost": 1},
+    },
+    "FLEET_CAPACITY": _optional_int("BENCH_SHEDDING_FLEET_CAPACITY"),
+    "SHED_THRESHOLDS": {"low": 60, "normal": 75, "high": 90},
+    "WORKER_CAPACITY": _optional_int("BENCH_SHEDDING_WORKER_CAPACITY"),
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    # A degraded decision (warning) or a release left to expiry (info): the run counts them.
+    "loggers": {"ratelimits": {"handlers": ["console"], "level": "INFO"}},
+}
