@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
@@ -82,6 +83,9 @@ class Decision:
     #: released when the response has left the worker. Empty unless admitted and consumed.
     slot: str | None = None
     slot_keys: tuple[str, ...] = ()
+    #: A slot the store may have taken although it never answered (it timed out): released in
+    #: the store when the request finishes, whatever the decision was.
+    stray_slot: tuple[str, tuple[str, ...]] | None = None
 
     @property
     def allowed(self) -> bool:
@@ -164,6 +168,8 @@ class Limiter:
         self.local_share = local_share
         self.degraded_count = 0
         self._count_lock = threading.Lock()
+        #: Releases that could not reach the store, oldest first; bounded, since slots expire anyway.
+        self._unreleased: deque[tuple[Backend, str, tuple[str, ...]]] = deque(maxlen=10_000)
 
     def decide(self, checks: Sequence[Check], *, consume: bool = True) -> Decision:
         """Decide ``checks`` in one backend round trip; degrade by fail mode if that fails."""
@@ -175,6 +181,8 @@ class Limiter:
             except BackendUnavailable as exc:
                 self.breaker.record_failure()
                 logger.warning("ratelimits: backend unavailable, degrading: %s", exc)
+                if exc.stray_slot is not None:
+                    return replace(self._degraded(checks, consume=consume), stray_slot=exc.stray_slot)
             except BaseException:
                 # Anything else (a bug, a worker timeout) must still report: a half-open breaker
                 # whose probe never reports would turn every later call away for good.
@@ -186,14 +194,29 @@ class Limiter:
         return self._degraded(checks, consume=consume)
 
     def release(self, decision: Decision) -> None:
-        """Give back the slot ``decision`` holds, in the store that granted it; idempotent."""
-        if decision.slot is None:
-            return
-        backend = self.local if decision.degraded else self.backend
-        try:
-            backend.release(decision.slot, decision.slot_keys)
-        except BackendUnavailable as exc:
-            logger.info("ratelimits: slot release left to expiry: %s", exc)
+        """Give back the slots ``decision`` holds, in the store that granted them; idempotent."""
+        held = []
+        if decision.slot is not None:
+            held.append((self.local if decision.degraded else self.backend, decision.slot, decision.slot_keys))
+        if decision.stray_slot is not None:
+            held.append((self.backend, *decision.stray_slot))
+        for backend, slot, keys in held:
+            try:
+                backend.release(slot, keys)
+            except BackendUnavailable as exc:
+                # Tried again after later requests; the slot's expiry is the last resort.
+                self._unreleased.append((backend, slot, keys))
+                logger.info("ratelimits: slot release postponed: %s", exc)
+
+    def retry_releases(self) -> None:
+        """Retry releases that failed (the store was slow or down), once it answers again."""
+        while self._unreleased and self.breaker.state == "closed":
+            backend, slot, keys = self._unreleased.popleft()
+            try:
+                backend.release(slot, keys)
+            except BackendUnavailable:
+                self._unreleased.appendleft((backend, slot, keys))
+                return
 
     def _degraded(self, checks: Sequence[Check], *, consume: bool) -> Decision:
         with self._count_lock:
@@ -268,7 +291,7 @@ def reset() -> None:
 
 
 def _hold(limiter: Limiter, decision: Decision, shedder: WorkerShedder | None) -> None:
-    if decision.slot is None and shedder is None:
+    if decision.slot is None and decision.stray_slot is None and shedder is None:
         return
     held = getattr(_held, "items", None)
     if held is None:
@@ -290,8 +313,8 @@ def release_held(**kwargs: Any) -> None:
     for limiter, decision, shedder in held:
         if shedder is not None:
             shedder.finish()
-        if decision.slot is not None:
-            limiter.release(decision)
+        limiter.release(decision)
+    limiter.retry_releases()
 
 
 def get_worker_shedder() -> WorkerShedder | None:
@@ -329,8 +352,11 @@ def evaluate(
         raise
     if decision.allowed and consume:
         _hold(limiter, decision, shedder)
-    elif shedder is not None:
-        shedder.finish()
+    else:
+        if shedder is not None:
+            shedder.finish()
+        if decision.stray_slot is not None:
+            _hold(limiter, decision, None)
     # After holding: if observing fails, request_finished still releases what this request holds.
     source.observe(decision)
     if decision.shadow_violated:

@@ -11,3 +11,7 @@ class ConfigurationError(ImproperlyConfigured, ValueError):
 
 class BackendUnavailable(Exception):
     """The limiter's store could not answer in time (down, stalled, or the breaker is open)."""
+
+    #: A slot the unanswered call may still have taken (a stalled store runs the script late):
+    #: ``(slot id, keys)``, to be released when the request finishes.
+    stray_slot: tuple[str, tuple[str, ...]] | None = None

@@ -82,7 +82,14 @@ class RedisBackend(Backend):
             keys.append(check.key(self.prefix))
             args += check.policy.script_args
             args.append(check.cost)
-        reply = self._run(keys, args)
+        try:
+            reply = self._run(keys, args)
+        except BackendUnavailable as exc:
+            if slot:
+                # A store that timed out may still run the script and take the slot: hand its id
+                # back so the request's end releases it (releasing is idempotent).
+                exc.stray_slot = (slot, slot_keys(checks, keys[1:]))
+            raise
         now_us, version = int(reply[0]), reply[1]
         results = [
             Result(check, bool(reply[3 + 4 * i]), int(reply[4 + 4 * i]), int(reply[5 + 4 * i]), int(reply[6 + 4 * i]))
