@@ -296,7 +296,7 @@ class FleetSettingsAdmin(AuditedAdmin):
                     reset_us = result.reset_us
                     if result.allowed and policy.algorithm is Algorithm.TOKEN_BUCKET:
                         reset_us -= entry.check.cost * policy.rate.period_us / policy.rate.limit
-                    if not policy.algorithm.holds_slots:  # slots come back when requests finish
+                    if not policy.holds_slots:  # slots come back when requests finish
                         reset_seconds = 0 if remaining >= result.limit else math.ceil(max(reset_us, 0) / 1_000_000)
                 rows.append(
                     {

@@ -117,7 +117,7 @@ class Decision:
         violated = [r for r in self.violated if r.check.policy.algorithm is not Algorithm.FLEET]
         if violated:
             return max(violated, key=lambda r: r.retry_us)
-        candidates = [r for r in self.results if not r.check.policy.shadow and not r.check.policy.algorithm.holds_slots]
+        candidates = [r for r in self.results if not r.check.policy.shadow and not r.check.policy.holds_slots]
         if not candidates:
             return None
         return min(candidates, key=lambda r: (r.remaining / r.limit, r.reset_us))

@@ -33,7 +33,7 @@ def rate_limit_headers(decision: Decision) -> dict[str, str]:
         return headers
     name = closest.policy_name
     # Slots have no window: they come back when requests finish, not at a time we could name.
-    in_flight = closest.check.policy.algorithm.holds_slots
+    in_flight = closest.check.policy.holds_slots
     reset_us = 0 if in_flight else closest.reset_us
     if style in ("ietf", "both"):
         if in_flight:

@@ -55,6 +55,8 @@ class Policy:
     script_args: tuple[str, ...] = field(init=False, repr=False, compare=False)
     #: What follows the subject in this policy's state keys.
     key_suffix: str = field(init=False, repr=False, compare=False)
+    #: Whether a check of this policy holds a slot until its request finishes (read per request).
+    holds_slots: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not _POLICY_NAME.fullmatch(self.name):
@@ -67,6 +69,7 @@ class Policy:
         args = (self.algorithm.code, self.rate.limit, self.rate.period_us, self.burst, self.state_ttl_ms)
         object.__setattr__(self, "script_args", (*(str(arg) for arg in args), "1" if self.shadow else "0"))
         object.__setattr__(self, "key_suffix", f":{self.name}:{self.algorithm.code}")
+        object.__setattr__(self, "holds_slots", self.algorithm.holds_slots)
 
     @property
     def state_ttl_ms(self) -> int:
@@ -225,7 +228,7 @@ def fleet_checks(capacity: int | None, thresholds: Mapping[str, int]) -> dict[st
 
 def check_for(policy: Policy, subject: Subject, cost: int) -> Check:
     """A check of ``policy`` on ``subject``: a request takes one slot, whatever its cost in tokens."""
-    return Check(policy, subject, 1 if policy.algorithm.holds_slots else cost)
+    return Check(policy, subject, 1 if policy.holds_slots else cost)
 
 
 def positive_int(value: object, *, field: str) -> int:
@@ -329,7 +332,7 @@ class SettingsPolicySource:
         general = [p for tier in self.tiers.values() for p in tier] + list(self.dimensions.values())
         for key, rule in self.endpoints.items():
             for policy in general + [p for p in (rule.per_caller, rule.endpoint_wide) if p]:
-                if rule.cost > policy.capacity and not policy.algorithm.holds_slots:
+                if rule.cost > policy.capacity and not policy.holds_slots:
                     raise ConfigurationError(
                         f"RATELIMITS['ENDPOINTS']['{key}']['cost']: {rule.cost} exceeds the capacity "
                         f"{policy.capacity} of {policy.name}; every such request would be denied"

@@ -207,7 +207,7 @@ class DatabasePolicySource:
             for policy in policies:
                 policy, origin = self._overridden(snap, subject, endpoint, policy, now, assignment.label)
                 _add(found, policy, subject, cost, origin)
-            if not any(p.algorithm.holds_slots for p in policies):
+            if not any(p.holds_slots for p in policies):
                 in_flight = self._concurrency_override(snap, subject, endpoint, now)
                 if in_flight is not None:
                     _add(found, in_flight[0], subject, cost, in_flight[1])
@@ -262,7 +262,7 @@ class DatabasePolicySource:
         """An override for this endpoint beats a general one, which beats the tier (quotas are kept)."""
         if policy.name.endswith(":quota"):
             return policy, origin
-        if policy.algorithm.holds_slots:
+        if policy.holds_slots:
             in_flight = self._concurrency_override(snap, subject, endpoint, now, name=policy.name)
             return in_flight if in_flight is not None else (policy, origin)
         overrides = [o for o in snap.overrides.get((subject.kind, subject.value), ()) if o.window.covers(now)]

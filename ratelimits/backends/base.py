@@ -50,9 +50,9 @@ class Backend(ABC):
 
 def new_slot(checks: Sequence[Check]) -> str | None:
     """A fresh slot id if any check holds slots (one id serves all of a request's slot checks)."""
-    return uuid.uuid4().hex if any(c.policy.algorithm.holds_slots for c in checks) else None
+    return uuid.uuid4().hex if any(c.policy.holds_slots for c in checks) else None
 
 
 def slot_keys(checks: Sequence[Check], keys: Sequence[str]) -> tuple[str, ...]:
     """The keys, among ``keys`` (one per check), under which the request holds its slot."""
-    return tuple(key for check, key in zip(checks, keys, strict=True) if check.policy.algorithm.holds_slots)
+    return tuple(key for check, key in zip(checks, keys, strict=True) if check.policy.holds_slots)

@@ -56,7 +56,7 @@ class MemoryBackend(Backend):
                 key = check.key(self.prefix)
                 keys.append(key)
                 policy = check.policy
-                if policy.algorithm.holds_slots:
+                if policy.holds_slots:
                     outcome, live = slots(
                         self._slots.get(key, {}), now, policy.rate.limit, policy.rate.period_us, check.cost
                     )
@@ -77,7 +77,7 @@ class MemoryBackend(Backend):
                     self._state[key] = (state, expires)
                 for result, key in zip(results, keys, strict=True):
                     # Only checks that allowed take the slot (a denied shadow check does not), as in Redis.
-                    if result.check.policy.algorithm.holds_slots and result.allowed and slot is not None:
+                    if result.check.policy.holds_slots and result.allowed and slot is not None:
                         self._slots.setdefault(key, {})[slot] = now + result.check.policy.rate.period_us
                 self._writes += len(writes) + len(held)
                 if self._writes >= self.SWEEP_EVERY:
