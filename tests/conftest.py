@@ -12,6 +12,7 @@ from ratelimits import engine
 from ratelimits.backends.memory import MemoryBackend
 from ratelimits.backends.redis import RedisBackend, make_client
 
+from .inflight_gate import GATE, Gate
 from .redis_server import RedisServer
 
 
@@ -74,3 +75,12 @@ def _fresh_engine() -> Iterator[None]:
     engine.reset()
     yield
     engine.reset()
+
+
+@pytest.fixture
+def gate() -> Iterator[Gate]:
+    """The test views' gate (tests/inflight_gate.py), closed; opened and emptied after the test."""
+    GATE.reset()
+    yield GATE
+    GATE.open()
+    assert GATE.wait_for(lambda g: g.inside == 0, 20), "requests still held in the gate"

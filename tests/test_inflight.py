@@ -30,7 +30,7 @@ from ratelimits.rates import Rate, parse_rate
 
 from .conftest import FakeClock
 from .factories import ApiKeyFactory
-from .inflight_gate import GATE, Gate
+from .inflight_gate import Gate
 from .inflight_support import Burst, in_flight
 from .inflight_worker import hold_slots
 from .redis_server import RedisServer
@@ -38,15 +38,6 @@ from .redis_server import RedisServer
 SECOND = 1_000_000
 ALICE = Subject("api_key", "inflight-alice")
 BOB = Subject("api_key", "inflight-bob")
-
-
-@pytest.fixture
-def gate() -> Iterator[Gate]:
-    """The view gate, closed; opened (and emptied) after the test whatever happens."""
-    GATE.reset()
-    yield GATE
-    GATE.open()
-    assert GATE.wait_for(lambda g: g.inside == 0, 20), "requests still held in the gate"
 
 
 def slots_policy(limit: int, ttl_us: int = 60 * SECOND, name: str = "conc", shadow: bool = False) -> Policy:

@@ -20,20 +20,11 @@ from ratelimits import engine
 from ratelimits.exceptions import ConfigurationError
 
 from .factories import ApiKeyFactory
-from .inflight_gate import GATE, Gate
+from .inflight_gate import Gate
 from .inflight_support import Burst, in_flight
 from .redis_server import RedisServer
 
 REDUCED_CAPACITY = "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity"
-
-
-@pytest.fixture
-def gate() -> Iterator[Gate]:
-    """The view gate, closed; opened (and emptied) after the test whatever happens."""
-    GATE.reset()
-    yield GATE
-    GATE.open()
-    assert GATE.wait_for(lambda g: g.inside == 0, 20), "requests still held in the gate"
 
 
 def client_for(raw: str | None = None, ip: str = "198.51.100.90") -> APIClient:
