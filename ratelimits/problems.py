@@ -18,23 +18,29 @@ QUOTA_EXCEEDED = "https://iana.org/assignments/http-problem-types#quota-exceeded
 REDUCED_CAPACITY = "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity"
 
 
+#: The two ways a request gets a 503: the platform sheds load, or a fail-closed policy cannot be decided.
+_UNAVAILABLE = {
+    Verdict.SHED: (
+        "Service temporarily reducing load",
+        "The service is busy and sheds this endpoint's priority class first",
+    ),
+    Verdict.UNAVAILABLE: (
+        "Service temporarily unable to accept this request",
+        "Rate limiting is unavailable and this endpoint fails closed",
+    ),
+}
+
+
 def problem_body(decision: Decision) -> dict[str, Any]:
     """The problem document for a denied decision: every violated policy and the exact wait."""
     seconds = decision.retry_after_ms / 1000
-    if decision.verdict is Verdict.SHED:
+    if decision.verdict in _UNAVAILABLE:
+        title, detail = _UNAVAILABLE[decision.verdict]
         return {
             "type": REDUCED_CAPACITY,
-            "title": "Service temporarily reducing load",
+            "title": title,
             "status": 503,
-            "detail": f"The service is busy and sheds this endpoint's priority class first; retry in {seconds:g} s.",
-            "retry_after_ms": decision.retry_after_ms,
-        }
-    if decision.verdict is Verdict.UNAVAILABLE:
-        return {
-            "type": REDUCED_CAPACITY,
-            "title": "Service temporarily unable to accept this request",
-            "status": 503,
-            "detail": f"Rate limiting is unavailable and this endpoint fails closed; retry in {seconds:g} s.",
+            "detail": f"{detail}; retry in {seconds:g} s.",
             "retry_after_ms": decision.retry_after_ms,
         }
     return {
