@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import math
 import threading
@@ -244,8 +245,12 @@ _source: PolicySource | None = None
 _shedder: WorkerShedder | None = None
 _shedder_built = False
 _build_lock = threading.Lock()
-#: What this thread's current request holds until it finishes: (limiter, decision, shedder).
-_held = threading.local()
+#: What the current request holds until it finishes: (limiter, decision, shedder). A context
+#: variable, not a thread-local: under ASGI the decision and request_finished may run in different
+#: threads, and asgiref carries context (and so this list) between them.
+_held: contextvars.ContextVar[list[tuple[Limiter, Decision, WorkerShedder | None]] | None] = contextvars.ContextVar(
+    "ratelimits_held", default=None
+)
 
 
 def get_limiter() -> Limiter:
@@ -293,9 +298,10 @@ def reset() -> None:
 def _hold(limiter: Limiter, decision: Decision, shedder: WorkerShedder | None) -> None:
     if decision.slot is None and decision.stray_slot is None and shedder is None:
         return
-    held = getattr(_held, "items", None)
+    held = _held.get()
     if held is None:
-        held = _held.items = []
+        held = []
+        _held.set(held)
     held.append((limiter, decision, shedder))
 
 
@@ -306,11 +312,13 @@ def release_held(**kwargs: Any) -> None:
     are held exactly as long as the worker is busy with the request. A release that cannot
     reach the store is left to the slot's expiry.
     """
-    held = getattr(_held, "items", None)
+    held = _held.get()
     if not held:
         return
-    _held.items = []
-    for limiter, decision, shedder in held:
+    # Emptied in place: the list is shared with every context copied from the request's.
+    items = list(held)
+    held.clear()
+    for limiter, decision, shedder in items:
         if shedder is not None:
             shedder.finish()
         limiter.release(decision)
