@@ -429,3 +429,21 @@ def test_local_fail_mode_releases_its_slots(settings: Any, dead_redis: RedisServ
     statuses = [call().status_code for _ in range(6)]
     assert statuses == [200] * 6
     assert engine.get_limiter().degraded_count >= 11
+
+
+def test_slots_are_released_under_asgi(use_redis: Any, settings: Any) -> None:
+    """Through Django's ASGI handler the view runs in a worker thread; request_finished still
+    finds the request's slot (a context variable, carried by asgiref), so it is released."""
+    from asgiref.sync import async_to_sync
+    from django.test import AsyncClient
+
+    settings.RATELIMITS = {
+        **settings.RATELIMITS,
+        "TIERS": {"anonymous": {"rate": "100/s", "concurrency": 1}, "authenticated": {"rate": "100/s"}},
+    }
+    client = AsyncClient(REMOTE_ADDR="198.51.100.90")
+
+    async def three_in_a_row() -> list[int]:
+        return [(await client.get("/t/ping")).status_code for _ in range(3)]
+
+    assert async_to_sync(three_in_a_row)() == [200, 200, 200]
