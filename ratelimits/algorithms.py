@@ -46,7 +46,7 @@ _CODES = {
     Algorithm.SLIDING_WINDOW: 2,
     Algorithm.FIXED_WINDOW: 3,
     Algorithm.CONCURRENCY: 4,
-    Algorithm.FLEET: 4,  # the same slots, kept under the fleet's own key
+    Algorithm.FLEET: 5,  # the same slots; a denial sheds (503) rather than limits (429)
 }
 
 #: Stored state: GCRA keeps (theoretical arrival time,); windows keep (window index, counts...).

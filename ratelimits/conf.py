@@ -62,6 +62,8 @@ DEFAULTS: dict[str, Any] = {
     # The worker utilisation shedder: requests this process serves at once (its threads; None:
     # off). Lower classes are shed first, by SHED_THRESHOLDS, without asking Redis.
     "WORKER_CAPACITY": None,
+    # Count every decision in per-minute usage counters, in the same round trip (see usage.py).
+    "USAGE": True,
     "ENDPOINTS": {},
     "EXEMPT_ENDPOINTS": [],
     # Identity.
@@ -186,6 +188,10 @@ class Settings:
         if not thresholds["low"] <= thresholds["normal"] <= thresholds["high"]:
             raise ConfigurationError(f"{field}: thresholds must rise with priority (low <= normal <= high)")
         return thresholds
+
+    @property
+    def usage_counting(self) -> bool:
+        return bool(self.get("USAGE"))
 
     @property
     def policy_source(self) -> str:

@@ -6,7 +6,7 @@ import contextvars
 import logging
 import math
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
@@ -21,6 +21,7 @@ from .exceptions import BackendUnavailable
 from .identity import Identity, identify
 from .policies import Check, PolicySource
 from .shedding import WorkerShedder
+from .usage import Usage, tier_of, usage_for
 
 if TYPE_CHECKING:
     from django.http import HttpRequest
@@ -169,21 +170,28 @@ class Limiter:
         self.local_share = local_share
         self.degraded_count = 0
         self._count_lock = threading.Lock()
+        #: Usage of degraded decisions, per (minute, field), waiting for the store to come back.
+        self._degraded_usage: Counter[tuple[int, str]] = Counter()
         #: Releases that could not reach the store, oldest first; bounded, since slots expire anyway.
         self._unreleased: deque[tuple[Backend, str, tuple[str, ...]]] = deque(maxlen=10_000)
 
-    def decide(self, checks: Sequence[Check], *, consume: bool = True) -> Decision:
-        """Decide ``checks`` in one backend round trip; degrade by fail mode if that fails."""
+    def decide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
+        """Decide ``checks`` in one backend round trip; degrade by fail mode if that fails.
+
+        ``usage`` is counted by the backend in the same call; a degraded decision is counted
+        here and added to the store's counters once it answers again (:meth:`flush_usage`).
+        """
         if not checks:
             return Decision(Verdict.ALLOW, ())
         if self.breaker.allow():
             try:
-                decision = self.backend.decide(checks, consume=consume)
+                decision = self.backend.decide(checks, consume=consume, usage=usage)
             except BackendUnavailable as exc:
                 self.breaker.record_failure()
                 logger.warning("ratelimits: backend unavailable, degrading: %s", exc)
                 if exc.stray_slot is not None:
-                    return replace(self._degraded(checks, consume=consume), stray_slot=exc.stray_slot)
+                    degraded = self._degraded(checks, consume=consume, usage=usage)
+                    return replace(degraded, stray_slot=exc.stray_slot)
             except BaseException:
                 # Anything else (a bug, a worker timeout) must still report: a half-open breaker
                 # whose probe never reports would turn every later call away for good.
@@ -192,7 +200,19 @@ class Limiter:
             else:
                 self.breaker.record_success()
                 return decision
-        return self._degraded(checks, consume=consume)
+        return self._degraded(checks, consume=consume, usage=usage)
+
+    def flush_usage(self) -> None:
+        """Add the usage counted while the store was unreachable to its counters, once it is back."""
+        if not self._degraded_usage or self.breaker.state != "closed":
+            return
+        with self._count_lock:
+            counts, self._degraded_usage = self._degraded_usage, Counter()
+        try:
+            self.backend.add_usage(counts)
+        except BackendUnavailable:
+            with self._count_lock:
+                self._degraded_usage.update(counts)
 
     def release(self, decision: Decision) -> None:
         """Give back the slots ``decision`` holds, in the store that granted them; idempotent."""
@@ -219,9 +239,11 @@ class Limiter:
                 self._unreleased.appendleft((backend, slot, keys))
                 return
 
-    def _degraded(self, checks: Sequence[Check], *, consume: bool) -> Decision:
+    def _degraded(self, checks: Sequence[Check], *, consume: bool, usage: Usage | None = None) -> Decision:
         with self._count_lock:
             self.degraded_count += 1
+            if consume and usage is not None:
+                self._degraded_usage[(usage.minute, usage.field + "d")] += 1
         closed = [c for c in checks if c.policy.fail_mode == "closed"]
         if closed:
             wait_us = max(math.ceil(self.breaker.retry_after() * 1_000_000), 1_000_000)
@@ -295,6 +317,19 @@ def reset() -> None:
         _shedder_built = False
 
 
+def _usage(source: PolicySource, request: HttpRequest, identity: Identity, checks: Sequence[Check]) -> Usage:
+    caller = identity.caller
+    endpoint = identity.endpoint.value
+    return usage_for(
+        caller.kind,
+        caller.value,
+        identity.organization.value if identity.organization else "",
+        tier_of([c.policy.name for c in checks]),
+        endpoint,
+        source.endpoint_rule(endpoint, request.method or "GET").cost,
+    )
+
+
 def _hold(limiter: Limiter, decision: Decision, shedder: WorkerShedder | None) -> None:
     if decision.slot is None and decision.stray_slot is None and shedder is None:
         return
@@ -323,6 +358,7 @@ def release_held(**kwargs: Any) -> None:
             shedder.finish()
         limiter.release(decision)
     limiter.retry_releases()
+    limiter.flush_usage()
 
 
 def get_worker_shedder() -> WorkerShedder | None:
@@ -353,7 +389,8 @@ def evaluate(
     try:
         checks = source.checks_for(request, identity)
         limiter = get_limiter()
-        decision = limiter.decide(checks, consume=consume)
+        usage = _usage(source, request, identity, checks) if consume and conf.usage_counting else None
+        decision = limiter.decide(checks, consume=consume, usage=usage)
     except BaseException:
         if shedder is not None:
             shedder.finish()  # counted in above, and nothing is held for request_finished to count out

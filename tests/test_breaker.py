@@ -15,6 +15,7 @@ from ratelimits.exceptions import BackendUnavailable
 from ratelimits.identity import Subject
 from ratelimits.policies import Check, Policy
 from ratelimits.rates import parse_rate
+from ratelimits.usage import Usage
 
 COOLDOWN = 2.0
 
@@ -249,10 +250,10 @@ class FlakyBackend(MemoryBackend):
         super().__init__()
         self.errors = list(errors)
 
-    def decide(self, checks: Sequence[Check], *, consume: bool = True) -> Decision:
+    def decide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
         if self.errors:
             raise self.errors.pop(0)
-        return super().decide(checks, consume=consume)
+        return super().decide(checks, consume=consume, usage=usage)
 
 
 def _checks() -> list[Check]:

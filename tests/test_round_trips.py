@@ -101,10 +101,11 @@ def test_four_dimension_request_costs_exactly_one_round_trip(caller: APIClient, 
     assert len(sent) == 1, sent
     name, sha, numkeys, *_ = sent[0].split(" ")
     assert (name.upper(), sha) == ("EVALSHA", DECIDE_SHA)
-    assert numkeys == "5"  # the policy-version stamp and the four checks' state keys
+    assert numkeys == "6"  # the policy-version stamp, the four checks' state keys, this minute's usage
     # The four checks were decided inside that one call: TIME, one MGET (version + states), 4 SETs.
     inside = [c["command"].split(" ")[0].upper() for c in commands if c["client_type"] == "lua"]
-    assert sorted(inside) == sorted(["TIME", "MGET"] + ["SET"] * 4)
+    # ...and the usage counters: allowed and tokens spent, the hash's expiry set once.
+    assert sorted(inside) == sorted(["TIME", "MGET"] + ["SET"] * 4 + ["HINCRBY"] * 2 + ["EXPIRE"])
 
 
 def test_lost_script_cache_costs_one_extra_round_trip_once(

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ..engine import Decision
     from ..policies import Check
+    from ..usage import Usage
 
 
 class Backend(ABC):
@@ -24,13 +25,20 @@ class Backend(ABC):
         """Build an instance from ``settings.RATELIMITS``."""
 
     @abstractmethod
-    def decide(self, checks: Sequence[Check], *, consume: bool = True) -> Decision:
+    def decide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
         """Decide every check at once: consume from all of them only if all allow.
+
+        With ``usage``, a consuming decision also counts itself (allowed, limited or shed, and
+        the tokens spent) in that minute's usage counters, in the same call.
 
         With ``consume=False`` nothing is written: the decision reports what a request of
         these costs would get now. Raises :class:`~ratelimits.exceptions.BackendUnavailable`
         when the store cannot answer; never retries a call that may have consumed.
         """
+
+    @abstractmethod
+    def add_usage(self, counts: Mapping[tuple[int, str], int]) -> None:
+        """Add counts made without the store (degraded decisions) to the usage counters."""
 
     @abstractmethod
     def release(self, slot: str, keys: Sequence[str]) -> int:

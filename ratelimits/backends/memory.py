@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 
 from ..algorithms import ALGORITHMS, State, slots
-from ..engine import Decision, Result
+from ..engine import Decision, Result, Verdict
 from ..policies import Check
+from ..usage import Usage
 from .base import Backend, new_slot, slot_keys
 
 __all__ = ["MemoryBackend"]
@@ -36,6 +38,8 @@ class MemoryBackend(Backend):
         self.version: str | None = None
         self._state: dict[str, tuple[State, int]] = {}
         self._slots: dict[str, dict[str, int]] = {}
+        #: Usage counters per minute, drained like Redis' (see ``ratelimits.usage``).
+        self.usage_counts: dict[int, Counter[str]] = {}
         self._lock = threading.Lock()
         self._writes = 0
 
@@ -45,7 +49,7 @@ class MemoryBackend(Backend):
 
         return cls(prefix=conf.key_prefix)
 
-    def decide(self, checks: Sequence[Check], *, consume: bool = True) -> Decision:
+    def decide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
         with self._lock:
             now = self.clock()
             pending: dict[str, State] = {}
@@ -82,7 +86,22 @@ class MemoryBackend(Backend):
                 self._writes += len(writes) + len(held)
                 if self._writes >= self.SWEEP_EVERY:
                     self._sweep(now)
-            return Decision.from_results(results, now_us=now, policy_version=self.version, slot=slot, slot_keys=held)
+            decision = Decision.from_results(
+                results, now_us=now, policy_version=self.version, slot=slot, slot_keys=held
+            )
+            if consume and usage is not None:
+                counts = self.usage_counts.setdefault(usage.minute, Counter())
+                if decision.allowed:
+                    counts[usage.field + "a"] += 1
+                    counts[usage.field + "t"] += usage.tokens
+                else:
+                    counts[usage.field + ("s" if decision.verdict is Verdict.SHED else "l")] += 1
+            return decision
+
+    def add_usage(self, counts: Mapping[tuple[int, str], int]) -> None:
+        with self._lock:
+            for (minute, field), count in counts.items():
+                self.usage_counts.setdefault(minute, Counter())[field] += count
 
     def release(self, slot: str, keys: Sequence[str]) -> int:
         with self._lock:

@@ -6,7 +6,7 @@ import hashlib
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
 from typing import Any
 
@@ -22,6 +22,7 @@ except ImportError:  # optional: redis-py's own packer is used instead
 from ..engine import Decision, Result
 from ..exceptions import BackendUnavailable
 from ..policies import Check
+from ..usage import Usage
 from .base import Backend, new_slot, slot_keys
 
 __all__ = ["RedisBackend", "load_script"]
@@ -39,6 +40,8 @@ DECIDE_SHA = hashlib.sha1(DECIDE.encode()).hexdigest()
 VERSION_TTL_S = 30 * 86_400
 PUBLISH_VERSION = load_script("publish_version.lua")
 RELEASE = load_script("release.lua")
+#: Usage counters nobody drains expire after this (the decide script uses the same figure).
+USAGE_TTL_S = 172_800
 
 
 class RedisBackend(Backend):
@@ -74,21 +77,29 @@ class RedisBackend(Backend):
             clock=clock,
         )
 
-    def decide(self, checks: Sequence[Check], *, consume: bool = True) -> Decision:
+    def decide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
         keys = [self.version_key]
         slot = new_slot(checks) if consume else None
-        args: list[Any] = ["" if self.clock is None else self.clock(), "1" if consume else "0", slot or ""]
+        args: list[Any] = [
+            "" if self.clock is None else self.clock(),
+            "1" if consume else "0",
+            slot or "",
+            usage.field if usage else "",
+            usage.tokens if usage else 0,
+        ]
         for check in checks:
             keys.append(check.key(self.prefix))
             args += check.policy.script_args
             args.append(check.cost)
+        if usage:
+            keys.append(self.usage_key(usage.minute))
         try:
             reply = self._run(keys, args)
         except BackendUnavailable as exc:
             if slot:
                 # A store that timed out may still run the script and take the slot: hand its id
                 # back so the request's end releases it (releasing is idempotent).
-                exc.stray_slot = (slot, slot_keys(checks, keys[1:]))
+                exc.stray_slot = (slot, slot_keys(checks, keys[1 : len(checks) + 1]))
             raise
         now_us, version = int(reply[0]), reply[1]
         results = [
@@ -100,8 +111,22 @@ class RedisBackend(Backend):
             now_us=now_us,
             policy_version=version.decode() if isinstance(version, bytes) else None,
             slot=slot,
-            slot_keys=slot_keys(checks, keys[1:]) if slot else (),
+            slot_keys=slot_keys(checks, keys[1 : len(checks) + 1]) if slot else (),
         )
+
+    def usage_key(self, minute: int) -> str:
+        """The hash of one minute's usage counters."""
+        return f"{self.prefix}:usage:{minute}"
+
+    def add_usage(self, counts: Mapping[tuple[int, str], int]) -> None:
+        try:
+            with self.client.pipeline(transaction=False) as pipe:
+                for (minute, field), count in counts.items():
+                    pipe.hincrby(self.usage_key(minute), field, count)
+                    pipe.expire(self.usage_key(minute), USAGE_TTL_S)
+                pipe.execute()
+        except redis.RedisError as exc:
+            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
 
     def release(self, slot: str, keys: Sequence[str]) -> int:
         try:

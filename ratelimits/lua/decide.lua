@@ -6,9 +6,13 @@
 -- KEYS[1 + i]      state key of check i, for i = 1..n
 -- ARGV[1]          now in integer microseconds, or "" to read the Redis server clock (TIME)
 -- ARGV[2]          "1" to consume when every check allows, "0" to only report (peek)
--- ARGV[3]          this request's slot id (for checks of algorithm 4), or ""
--- ARGV[4 + 7(i-1)] check i: algorithm (1 token bucket/GCRA, 2 sliding window, 3 fixed window,
---                  4 slots in flight: concurrency per subject or the fleet's in-flight set),
+-- ARGV[3]          this request's slot id (for checks of algorithms 4 and 5), or ""
+-- ARGV[4]          the request's usage field prefix, or "" not to count it; then the last key
+--                  is this minute's usage hash, which gains <prefix>a (allowed), <prefix>l
+--                  (limited, 429), <prefix>s (shed, 503) and <prefix>t (tokens spent)
+-- ARGV[5]          the tokens this request spends (its endpoint's cost), for the usage count
+-- ARGV[6 + 7(i-1)] check i: algorithm (1 token bucket/GCRA, 2 sliding window, 3 fixed window,
+--                  4 slots in flight per subject, 5 slots in the fleet's in-flight set),
 --                  limit (requests per period; slots), period (microseconds; a slot's TTL),
 --                  burst (GCRA capacity in requests; ignored by the others), state TTL (milliseconds, passed through to PX
 --                  as given: converting numbers to strings is the costliest thing a script does),
@@ -32,7 +36,9 @@ else
   now = tonumber(ARGV[1])
 end
 local consume = ARGV[2] == '1'
+local usage = ARGV[4]
 local n = #KEYS - 1
+if usage ~= '' then n = n - 1 end
 local floor, ceil, max = math.floor, math.ceil, math.max
 
 -- Window index and offset without trusting float division near a boundary.
@@ -167,13 +173,14 @@ local reply = {now, stored[1], 1}
 local pending = {}
 local write_keys, write_values, write_ttls, write_slots, writes = {}, {}, {}, {}, 0
 local all_allowed = true
+local limited = false
 local out = 3
 for i = 1, n do
   local key = KEYS[i + 1]
-  local base = 4 + 7 * (i - 1)
+  local base = 6 + 7 * (i - 1)
   local algorithm = tonumber(ARGV[base])
   local allowed, remaining, reset, retry, new_value
-  if algorithm == 4 then
+  if algorithm >= 4 then
     allowed, remaining, reset, retry = slots(key, tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 6]))
   else
     local value = pending[key]
@@ -185,11 +192,14 @@ for i = 1, n do
     pending[key] = new_value
     writes = writes + 1
     write_keys[writes], write_values[writes], write_ttls[writes] = key, new_value, ARGV[base + 4]
-    if algorithm == 4 then write_slots[writes] = now + tonumber(ARGV[base + 2]) end
+    if algorithm >= 4 then write_slots[writes] = now + tonumber(ARGV[base + 2]) end
     reply[out + 1] = 1
   else
     -- A shadow check reports what it would do; only enforced checks can deny the request.
-    if ARGV[base + 5] ~= '1' then all_allowed = false end
+    if ARGV[base + 5] ~= '1' then
+      all_allowed = false
+      if algorithm ~= 5 then limited = true end
+    end
     reply[out + 1] = 0
   end
   reply[out + 2], reply[out + 3], reply[out + 4] = remaining, reset, retry
@@ -210,5 +220,19 @@ if all_allowed then
   end
 else
   reply[3] = 0
+end
+
+-- Usage counters for the roll-up, in this same round trip; they expire if nothing drains them.
+if consume and usage ~= '' then
+  local counters = KEYS[#KEYS]
+  if all_allowed then
+    redis.call('HINCRBY', counters, usage .. 'a', 1)
+    redis.call('HINCRBY', counters, usage .. 't', ARGV[5])
+  elseif limited then
+    redis.call('HINCRBY', counters, usage .. 'l', 1)
+  else
+    redis.call('HINCRBY', counters, usage .. 's', 1)
+  end
+  redis.call('EXPIRE', counters, 172800, 'NX')
 end
 return reply
