@@ -341,24 +341,26 @@ def _hold(limiter: Limiter, decision: Decision, shedder: WorkerShedder | None) -
 
 
 def release_held(**kwargs: Any) -> None:
-    """Release what this thread's requests hold (connected to ``request_finished``).
+    """Release what the finished request holds (connected to ``request_finished``).
 
     The signal is sent when the response has been closed, after a streaming body too, so slots
-    are held exactly as long as the worker is busy with the request. A release that cannot
-    reach the store is left to the slot's expiry.
+    are held exactly as long as the worker is busy with the request. A release that cannot reach
+    the store is retried after later requests (the slot's expiry is the last resort), and usage
+    counted during an outage is added to the store's counters once it answers.
     """
     held = _held.get()
-    if not held:
-        return
-    # Emptied in place: the list is shared with every context copied from the request's.
-    items = list(held)
-    held.clear()
-    for limiter, decision, shedder in items:
-        if shedder is not None:
-            shedder.finish()
-        limiter.release(decision)
-    limiter.retry_releases()
-    limiter.flush_usage()
+    if held:
+        # Emptied in place: the list is shared with every context copied from the request's.
+        items = list(held)
+        held.clear()
+        for limiter, decision, shedder in items:
+            if shedder is not None:
+                shedder.finish()
+            limiter.release(decision)
+    # After the response, off the decision path: catch up on what an outage left behind.
+    if _limiter is not None:
+        _limiter.retry_releases()
+        _limiter.flush_usage()
 
 
 def get_worker_shedder() -> WorkerShedder | None:

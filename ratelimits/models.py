@@ -439,3 +439,54 @@ class AuditEntry(models.Model):
 
     def __str__(self) -> str:
         return f"{self.at:%Y-%m-%d %H:%M} {self.action} {self.model} {self.object_repr}"
+
+
+GRANULARITIES = [("minute", "minute"), ("hour", "hour"), ("day", "day")]
+
+
+class UsageRecord(models.Model):
+    """What one subject did on one endpoint in one period: drained from the per-minute counters."""
+
+    granularity = models.CharField(max_length=6, choices=GRANULARITIES, default="minute")
+    period_start = models.DateTimeField()
+    subject_kind = models.CharField(max_length=10)
+    subject_id = models.CharField(max_length=200)
+    organization = models.CharField(max_length=200, blank=True)
+    tier = models.CharField(max_length=50, blank=True)
+    endpoint = models.CharField(max_length=150)
+    allowed = models.PositiveBigIntegerField(default=0)
+    throttled = models.PositiveBigIntegerField(default=0, help_text="Denied with 429.")
+    shed = models.PositiveBigIntegerField(default=0, help_text="Denied with 503 by the load shedder.")
+    degraded = models.PositiveBigIntegerField(default=0, help_text="Decided without the limiter's store.")
+    tokens = models.PositiveBigIntegerField(default=0, help_text="Tokens spent by allowed requests.")
+
+    class Meta:
+        ordering: ClassVar = ["-period_start"]
+        constraints: ClassVar = [
+            models.UniqueConstraint(
+                fields=["granularity", "period_start", "subject_kind", "subject_id", "endpoint"],
+                name="ratelimits_usage_period_subject_endpoint",
+            )
+        ]
+        indexes: ClassVar = [
+            models.Index(fields=["subject_kind", "subject_id", "granularity", "period_start"]),
+            models.Index(fields=["granularity", "period_start"]),
+        ]
+
+    def __str__(self) -> str:
+        period = f"{self.granularity} of {self.period_start:%Y-%m-%d %H:%M}"
+        return f"{self.subject_kind} {self.subject_id} on {self.endpoint}, {period}"
+
+    @property
+    def requests(self) -> int:
+        return self.allowed + self.throttled + self.shed + self.degraded
+
+
+class UsageBatch(models.Model):
+    """A drained batch of counters, recorded in the same transaction as its rows: never applied twice."""
+
+    batch = models.CharField(max_length=200, unique=True)
+    applied_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self) -> str:
+        return self.batch

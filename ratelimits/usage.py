@@ -12,9 +12,14 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from functools import lru_cache
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["METRICS", "Usage", "usage_for"]
+if TYPE_CHECKING:
+    from .backends.base import Backend
+
+__all__ = ["METRICS", "Usage", "drain", "usage_for"]
 
 #: Field suffix -> UsageRecord column.
 METRICS = {"a": "allowed", "l": "throttled", "s": "shed", "d": "degraded", "t": "tokens"}
@@ -60,3 +65,64 @@ def tier_of(names: Sequence[str]) -> str:
         if name.startswith("tier:"):
             return name.split(":", 2)[1]
     return ""
+
+
+def drain(backend: Backend | None = None, *, now: float | None = None) -> int:
+    """Move every closed minute's counters into ``UsageRecord`` rows, exactly once; return batches applied.
+
+    Each batch is claimed atomically from the store, applied in one database transaction
+    together with a ``UsageBatch`` row naming it, and only then forgotten by the store. A drain
+    killed anywhere, retried, or delivered twice at once therefore neither loses nor
+    double-counts a request: a batch the database already has is simply forgotten again, and
+    of two drains applying the same batch the second fails on ``UsageBatch`` and rolls back.
+    """
+    from django.db import IntegrityError, transaction
+
+    from .engine import get_limiter
+    from .models import UsageBatch
+
+    backend = backend or get_limiter().backend
+    current = int((time.time() if now is None else now) // 60)
+    applied = 0
+    for batch, minute, counts in backend.claim_usage(current):
+        try:
+            with transaction.atomic():
+                if not UsageBatch.objects.filter(batch=batch).exists():
+                    _apply(minute, counts)
+                    UsageBatch.objects.create(batch=batch)
+                    applied += 1
+        except IntegrityError:
+            if not UsageBatch.objects.filter(batch=batch).exists():
+                continue  # raced another batch to a new row: nothing kept; the next drain retries it
+            # else another drain applied this very batch: it is in the database
+        backend.finish_usage(batch)
+    return applied
+
+
+def _apply(minute: int, counts: dict[str, int]) -> None:
+    """Add one minute's counters to its rows (created as needed)."""
+    from django.db.models import F
+
+    from .models import UsageRecord
+
+    start = datetime.fromtimestamp(minute * 60, tz=UTC)
+    rows: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for field, count in counts.items():
+        parsed = parse_field(field)
+        if parsed is None or count <= 0:
+            continue
+        (kind, value, organization, tier, endpoint), metric = parsed
+        row = rows.setdefault((kind, value, endpoint), {"organization": organization, "tier": tier})
+        row[metric] = row.get(metric, 0) + count
+    for (kind, value, endpoint), row in rows.items():
+        where = {"granularity": "minute", "period_start": start, "subject_kind": kind, "subject_id": value}
+        increments = {metric: row[metric] for metric in METRICS.values() if metric in row}
+        updated = UsageRecord.objects.filter(**where, endpoint=endpoint).update(
+            organization=row["organization"],
+            tier=row["tier"],
+            **{metric: F(metric) + n for metric, n in increments.items()},
+        )
+        if not updated:
+            UsageRecord.objects.create(
+                **where, endpoint=endpoint, organization=row["organization"], tier=row["tier"], **increments
+            )

@@ -41,6 +41,18 @@ class Backend(ABC):
         """Add counts made without the store (degraded decisions) to the usage counters."""
 
     @abstractmethod
+    def claim_usage(self, before_minute: int) -> list[tuple[str, int, dict[str, int]]]:
+        """Take the counters of every minute before ``before_minute`` out of the live set.
+
+        Returns ``(batch id, minute, {field: count})`` per batch, including batches claimed
+        earlier and never finished (a drain that crashed): they stay until :meth:`finish_usage`.
+        """
+
+    @abstractmethod
+    def finish_usage(self, batch: str) -> None:
+        """Forget a claimed batch once its counts are safely in the database."""
+
+    @abstractmethod
     def release(self, slot: str, keys: Sequence[str]) -> int:
         """Give back a request's slot under ``keys``; idempotent. Returns how many were held."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 
@@ -40,6 +41,7 @@ class MemoryBackend(Backend):
         self._slots: dict[str, dict[str, int]] = {}
         #: Usage counters per minute, drained like Redis' (see ``ratelimits.usage``).
         self.usage_counts: dict[int, Counter[str]] = {}
+        self._claimed: dict[str, tuple[int, dict[str, int]]] = {}
         self._lock = threading.Lock()
         self._writes = 0
 
@@ -97,6 +99,16 @@ class MemoryBackend(Backend):
                 else:
                     counts[usage.field + ("s" if decision.verdict is Verdict.SHED else "l")] += 1
             return decision
+
+    def claim_usage(self, before_minute: int) -> list[tuple[str, int, dict[str, int]]]:
+        with self._lock:
+            for minute in [m for m in self.usage_counts if m < before_minute]:
+                self._claimed[f"memory:{minute}:{uuid.uuid4().hex}"] = (minute, dict(self.usage_counts.pop(minute)))
+            return [(batch, minute, dict(counts)) for batch, (minute, counts) in self._claimed.items()]
+
+    def finish_usage(self, batch: str) -> None:
+        with self._lock:
+            self._claimed.pop(batch, None)
 
     def add_usage(self, counts: Mapping[tuple[int, str], int]) -> None:
         with self._lock:

@@ -6,6 +6,7 @@ import hashlib
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
 from typing import Any
@@ -118,6 +119,36 @@ class RedisBackend(Backend):
         """The hash of one minute's usage counters."""
         return f"{self.prefix}:usage:{minute}"
 
+    def claim_usage(self, before_minute: int) -> list[tuple[str, int, dict[str, int]]]:
+        live, draining = f"{self.prefix}:usage:", f"{self.prefix}:usage-drain:"
+        try:
+            for key in self.client.scan_iter(match=f"{live}*", count=1000):
+                minute = _minute(key, live)
+                if minute is not None and minute < before_minute:
+                    # RENAME is atomic: of two drains racing for a minute, one gets it; the other
+                    # sees the key gone. Counts arriving late start a fresh key for that minute.
+                    try:
+                        self.client.rename(key, f"{draining}{minute}:{uuid.uuid4().hex}")
+                    except redis.ResponseError:
+                        continue
+            batches = []
+            for key in self.client.scan_iter(match=f"{draining}*", count=1000):
+                name = _text(key)
+                minute = _minute(name.rsplit(":", 1)[0], draining)
+                if minute is None:
+                    continue
+                counts = {_text(f): int(v) for f, v in self.client.hgetall(name).items()}
+                batches.append((name, minute, counts))
+        except redis.RedisError as exc:
+            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        return sorted(batches, key=lambda batch: batch[1])
+
+    def finish_usage(self, batch: str) -> None:
+        try:
+            self.client.delete(batch)
+        except redis.RedisError as exc:
+            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
+
     def add_usage(self, counts: Mapping[tuple[int, str], int]) -> None:
         try:
             with self.client.pipeline(transaction=False) as pipe:
@@ -194,6 +225,16 @@ def _pack(connection: Any, command: tuple[Any, ...]) -> list[bytes]:
     if hiredis is not None:
         return [hiredis.pack_command(command)]
     return list(connection.pack_command(*command))
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _minute(key: bytes | str, prefix: str) -> int | None:
+    name = _text(key)
+    suffix = name[len(prefix) :]
+    return int(suffix) if name.startswith(prefix) and suffix.isdigit() else None
 
 
 _clients: dict[tuple[str, float, float], redis.Redis] = {}

@@ -1,0 +1,121 @@
+"""Usage counting and its drain into UsageRecord: exact totals, exactly once."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from rest_framework.test import APIClient
+
+from ratelimits import engine
+from ratelimits.models import UsageBatch, UsageRecord
+from ratelimits.usage import drain
+
+from .factories import ApiKeyFactory
+
+pytestmark = pytest.mark.django_db
+
+LIMITS = {
+    "TIERS": {"anonymous": {"rate": "5/m"}, "authenticated": {"rate": "3/m"}},
+    "ORGANIZATION_FUNC": "project.payments.auth.organization_of",
+    "ENDPOINTS": {"reports.export": {"cost": 2}},
+}
+
+
+@pytest.fixture(params=["memory", "redis"])
+def backend_settings(request: pytest.FixtureRequest, settings: Any) -> str:
+    if request.param == "redis":
+        request.getfixturevalue("use_redis")
+    settings.RATELIMITS = {**settings.RATELIMITS, **LIMITS}
+    return str(request.param)
+
+
+def totals(**where: Any) -> dict[str, int]:
+    rows = UsageRecord.objects.filter(**where)
+    return {m: sum(getattr(r, m) for r in rows) for m in ("allowed", "throttled", "shed", "degraded", "tokens")}
+
+
+def later() -> float:
+    """A clock two minutes ahead: every minute counted so far is closed."""
+    return time.time() + 120
+
+
+def test_known_traffic_drains_to_exact_totals(backend_settings: str) -> None:
+    key = ApiKeyFactory(raw="sk_usage_1", organization="acme")
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION="Bearer sk_usage_1")
+    statuses = [client.get("/v1/customers").status_code for _ in range(5)]
+    assert statuses == [200, 200, 200, 429, 429]
+    anonymous = APIClient(REMOTE_ADDR="198.51.100.5")
+    assert [anonymous.get("/t/ping").status_code for _ in range(6)] == [200] * 5 + [429]
+
+    assert drain(now=later()) >= 1
+    subject = f"ApiKey:{key.pk}"
+    assert totals(subject_kind="api_key", subject_id=subject) == {
+        "allowed": 3,
+        "throttled": 2,
+        "shed": 0,
+        "degraded": 0,
+        "tokens": 3,
+    }
+    row = UsageRecord.objects.get(subject_id=subject)
+    assert (row.organization, row.tier, row.endpoint, row.granularity) == (
+        "acme",
+        "authenticated",
+        "customers",
+        "minute",
+    )
+    assert totals(subject_kind="ip", subject_id="198.51.100.5")["allowed"] == 5
+    assert totals(subject_kind="ip", subject_id="198.51.100.5")["throttled"] == 1
+    # Nothing left to drain: a second drain applies nothing and changes nothing.
+    before = totals()
+    assert drain(now=later()) == 0
+    assert totals() == before
+
+
+def test_a_batch_is_applied_once_even_if_the_drain_dies_before_forgetting_it(backend_settings: str) -> None:
+    client = APIClient(REMOTE_ADDR="198.51.100.6")
+    for _ in range(4):
+        client.get("/t/ping")
+    backend = engine.get_limiter().backend
+    batches = backend.claim_usage(int(later() // 60))  # claimed by a drain that then "dies"
+    assert len(batches) == 1
+    # The next drain finds the claimed batch again and applies it...
+    assert drain(now=later()) == 1
+    # ...and a duplicate delivery of the same batch (it was never forgotten) applies nothing.
+    for batch, minute, counts in batches:
+        assert UsageBatch.objects.filter(batch=batch).exists()
+    assert drain(now=later()) == 0
+    assert totals(subject_id="198.51.100.6")["allowed"] == 4
+
+
+def test_open_minutes_are_not_drained(backend_settings: str) -> None:
+    APIClient(REMOTE_ADDR="198.51.100.7").get("/t/ping")
+    assert drain(now=time.time() - 120) == 0
+    assert not UsageRecord.objects.exists()
+    assert drain(now=later()) == 1
+
+
+def test_degraded_decisions_are_counted_and_added_when_the_store_returns(settings: Any) -> None:
+    from .redis_server import RedisServer
+
+    server = RedisServer()
+    server.start()
+    try:
+        settings.RATELIMITS = {**LIMITS, "BACKEND": "redis", "REDIS_URL": server.url, "BREAKER_COOLDOWN": "50ms"}
+        client = APIClient(REMOTE_ADDR="198.51.100.8")
+        assert client.get("/t/ping").status_code == 200
+        server.kill()
+        assert [client.get("/t/ping")["X-RateLimit-Degraded"] for _ in range(3)] == ["1", "1", "1"]
+        server.start()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and engine.get_limiter().breaker.state != "closed":
+            client.get("/t/ping")  # probes until the breaker closes
+        assert engine.get_limiter().breaker.state == "closed"
+        client.get("/t/ping")  # its end flushes what was counted while Redis was away
+        drain(now=later())
+        counted = totals(subject_id="198.51.100.8")
+        assert counted["degraded"] == 3
+    finally:
+        server.stop()
