@@ -84,8 +84,7 @@ def test_a_batch_is_applied_once_even_if_the_drain_dies_before_forgetting_it(bac
     # The next drain finds the claimed batch again and applies it...
     assert drain(now=later()) == 1
     # ...and a duplicate delivery of the same batch (it was never forgotten) applies nothing.
-    for batch, minute, counts in batches:
-        assert UsageBatch.objects.filter(batch=batch).exists()
+    assert all(UsageBatch.objects.filter(batch=batch).exists() for batch, _, _ in batches)
     assert drain(now=later()) == 0
     assert totals(subject_id="198.51.100.6")["allowed"] == 4
 
@@ -119,3 +118,29 @@ def test_degraded_decisions_are_counted_and_added_when_the_store_returns(setting
         assert counted["degraded"] == 3
     finally:
         server.stop()
+
+
+def test_a_drain_killed_after_committing_does_not_count_twice(backend_settings: str) -> None:
+    """Committed, but killed before the store forgot the batch: the next drain only forgets it."""
+
+    class ForgetsNothing:
+        """The store as seen by a drain that dies right after its database commit."""
+
+        def __init__(self, backend: Any) -> None:
+            self.backend = backend
+
+        def claim_usage(self, before_minute: int) -> Any:
+            return self.backend.claim_usage(before_minute)
+
+        def finish_usage(self, batch: str) -> None:
+            raise SystemExit("killed before forgetting the batch")
+
+    client = APIClient(REMOTE_ADDR="198.51.100.9")
+    for _ in range(3):
+        client.get("/t/ping")
+    with pytest.raises(SystemExit):
+        drain(ForgetsNothing(engine.get_limiter().backend), now=later())  # type: ignore[arg-type]
+    assert totals(subject_id="198.51.100.9")["allowed"] == 3
+    assert drain(now=later()) == 0  # the batch is found again, recognised, and forgotten
+    assert totals(subject_id="198.51.100.9")["allowed"] == 3
+    assert engine.get_limiter().backend.claim_usage(int(later() // 60)) == []
