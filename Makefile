@@ -20,7 +20,7 @@ $(STAMP): requirements/base.txt requirements/ci.txt pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python manage.py migrate --noinput -v 0
 	$(BIN)/python manage.py seed_demo
-	$(BIN)/python manage.py runserver $(HOST):$(PORT)
+	RATELIMITS_DEMO_TIMER=1 $(BIN)/python manage.py runserver $(HOST):$(PORT)
 
 test: $(STAMP)
 	$(BIN)/ruff check ratelimits project tests bench

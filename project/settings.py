@@ -67,6 +67,13 @@ REST_FRAMEWORK = {
 
 REDIS_URL = os.environ.get("REDIS_URL")
 
+# Celery: with a broker (e.g. amqp://guest:guest@127.0.0.1:5672//) a worker and beat drain usage;
+# without one the demo drains in process on a timer (see project/payments/apps.py).
+CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "")
+CELERY_TASK_ALWAYS_EAGER = not CELERY_BROKER_URL
+CELERY_TASK_ACKS_LATE = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+
 RATELIMITS = {
     "BACKEND": "redis" if REDIS_URL else "memory",
     "REDIS_URL": REDIS_URL or "redis://127.0.0.1:6379/0",

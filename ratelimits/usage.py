@@ -12,14 +12,16 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
+
+from django.db.models.functions import Trunc
 
 if TYPE_CHECKING:
     from .backends.base import Backend
 
-__all__ = ["METRICS", "Usage", "drain", "usage_for"]
+__all__ = ["METRICS", "Usage", "drain", "purge", "rollup", "usage_for"]
 
 #: Field suffix -> UsageRecord column.
 METRICS = {"a": "allowed", "l": "throttled", "s": "shed", "d": "degraded", "t": "tokens"}
@@ -126,3 +128,57 @@ def _apply(minute: int, counts: dict[str, int]) -> None:
             UsageRecord.objects.create(
                 **where, endpoint=endpoint, organization=row["organization"], tier=row["tier"], **increments
             )
+
+
+def rollup(*, now: datetime | None = None, window_hours: int = 48) -> int:
+    """(Re)compute hourly rows from minute rows and daily rows from hourly rows; return rows written.
+
+    Every closed hour (and day) of the last ``window_hours`` is recomputed from its parts and
+    *set*, not added to, so running it twice, or after late counts arrived, gives the same rows.
+    """
+    from django.db import transaction
+    from django.db.models import Sum
+
+    from .models import UsageRecord
+
+    now = now or datetime.now(tz=UTC)
+    this_hour = now.replace(minute=0, second=0, microsecond=0)
+    today = this_hour.replace(hour=0)
+    since = this_hour - timedelta(hours=window_hours)
+    written = 0
+    plan = (("minute", "hour", "hour", this_hour), ("hour", "day", "day", today))
+    for source, target, unit, closed_before in plan:
+        sums = (
+            UsageRecord.objects.filter(granularity=source, period_start__gte=since, period_start__lt=closed_before)
+            .annotate(period=Trunc("period_start", unit, tzinfo=UTC))
+            .values("period", "subject_kind", "subject_id", "endpoint")
+            .annotate(**{m: Sum(m) for m in METRICS.values()})
+        )
+        with transaction.atomic():
+            for values_row in sums:
+                row: dict[str, Any] = dict(values_row)
+                period: datetime = row["period"]
+                key: dict[str, Any] = {k: row[k] for k in ("subject_kind", "subject_id", "endpoint")}
+                latest = (
+                    UsageRecord.objects.filter(granularity=source, **key, period_start__gte=period)
+                    .order_by("-period_start")
+                    .values("organization", "tier")
+                    .first()
+                ) or {"organization": "", "tier": ""}
+                values: dict[str, Any] = {**latest, **{m: row[m] or 0 for m in METRICS.values()}}
+                UsageRecord.objects.update_or_create(granularity=target, period_start=period, **key, defaults=values)
+                written += 1
+    return written
+
+
+def purge(*, now: datetime | None = None, keep_minutes_for: timedelta = timedelta(days=2)) -> int:
+    """Delete minute rows older than ``keep_minutes_for`` (hourly and daily rows are kept).
+
+    Run it after :func:`rollup`, whose window (48 hours) covers the default retention: every
+    minute row deleted here has been summed into its hour first.
+    """
+    from .models import UsageRecord
+
+    cutoff = (now or datetime.now(tz=UTC)) - keep_minutes_for
+    deleted, _ = UsageRecord.objects.filter(granularity="minute", period_start__lt=cutoff).delete()
+    return deleted

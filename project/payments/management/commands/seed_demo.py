@@ -74,6 +74,12 @@ class Command(BaseCommand):
         where = settings.RATELIMITS.get("REDIS_URL") if backend == "redis" else "in-process, this server only"
         self.stdout.write(f"  rate limiting backend: {backend} ({where})")
         self.stdout.write(f"  database: {settings.DATABASES['default']['ENGINE'].rsplit('.', 1)[-1]}")
+        if settings.CELERY_BROKER_URL:
+            self.stdout.write(
+                f"  usage reports: drained by Celery ({settings.CELERY_BROKER_URL}); run a worker with beat"
+            )
+        else:
+            self.stdout.write("  usage reports: no CELERY_BROKER_URL, drained in this process every 30 s")
 
     def _key(self, name: str, tier: str, org: str, raw: str) -> ApiKey:
         key = ApiKey.objects.filter(key_hash=hash_key(raw)).first()

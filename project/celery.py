@@ -1,0 +1,18 @@
+"""The demo's Celery app and beat schedule (used when CELERY_BROKER_URL is set)."""
+
+import os
+
+from celery import Celery
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
+
+app = Celery("project")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+app.autodiscover_tasks(["ratelimits"])
+
+app.conf.beat_schedule = {
+    # Every 30 s: closed minutes reach the reports within a minute.
+    "drain-usage": {"task": "ratelimits.drain_usage", "schedule": 30.0},
+    "maintain-usage": {"task": "ratelimits.maintain_usage", "schedule": 15 * 60.0},
+    "expire-policies": {"task": "ratelimits.expire_policies", "schedule": 60 * 60.0},
+}

@@ -1,0 +1,34 @@
+"""Celery tasks: thin wrappers around the plain functions in ``ratelimits.usage`` and friends.
+
+The only module that imports Celery. ``acks_late``: a task is acknowledged after it ran, so a
+worker killed mid-drain has its task delivered again; the drain is exactly-once by design.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import shared_task
+
+from . import usage
+from .expiry import expire_policies as _expire_policies
+
+__all__ = ["drain_usage", "expire_policies", "maintain_usage"]
+
+
+@shared_task(name="ratelimits.drain_usage", acks_late=True, reject_on_worker_lost=True)
+def drain_usage() -> int:
+    """Move closed minutes of usage counters into ``UsageRecord`` rows; return batches applied."""
+    return usage.drain()
+
+
+@shared_task(name="ratelimits.maintain_usage", acks_late=True, reject_on_worker_lost=True)
+def maintain_usage() -> dict[str, Any]:
+    """Roll minutes up into hours and days, then purge old minute rows."""
+    return {"rolled_up": usage.rollup(), "purged": usage.purge()}
+
+
+@shared_task(name="ratelimits.expire_policies", acks_late=True, reject_on_worker_lost=True)
+def expire_policies() -> int:
+    """Delete overrides and assignments past their expiry (audited); return how many."""
+    return _expire_policies()
