@@ -14,7 +14,7 @@ __all__ = ["current_limits"]
 
 def current_limits(request: Request, *, endpoint: str) -> dict[str, Any]:
     """Every policy that applies to ``request`` on ``endpoint``, with what is left right now."""
-    _, decision = evaluate(request, endpoint=endpoint, auth=request.auth, user=request.user, consume=False)
+    identity, decision = evaluate(request, endpoint=endpoint, auth=request.auth, user=request.user, consume=False)
     resources = []
     for result in decision.results:
         # A peek reports what would remain after one more request; add that request back.
@@ -34,4 +34,11 @@ def current_limits(request: Request, *, endpoint: str) -> dict[str, Any]:
                 "cost": result.check.cost,
             }
         )
-    return {"endpoint": endpoint, "degraded": decision.degraded, "resources": resources}
+    from .views import today_usage
+
+    return {
+        "endpoint": endpoint,
+        "degraded": decision.degraded,
+        "resources": resources,
+        "today": today_usage(identity),
+    }

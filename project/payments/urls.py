@@ -1,5 +1,7 @@
 from django.urls import path
 
+from ratelimits.views import UsageView
+
 from . import views
 
 urlpatterns = [
@@ -7,4 +9,5 @@ urlpatterns = [
     path("v1/customers", views.CustomerList.as_view(), name="customers"),
     path("v1/reports/export", views.ReportExport.as_view(), name="reports-export"),
     path("v1/rate_limit", views.RateLimitStatus.as_view(), name="rate-limit"),
+    path("v1/usage", UsageView.as_view(), name="usage"),
 ]
