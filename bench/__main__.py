@@ -247,6 +247,7 @@ def build_report(
         ratios[name] = {"value": value, "target": f"{op} {target:g}", "met": met}
     info = {
         "decide_4_p50_over_ping_p50": round(decide["p50_us"] / ping["p50_us"], 2),
+        "usage_on_over_off_p50": round(four["p50_us"] / results["ratelimits_4dim_no_usage"]["p50_us"], 2),
         "ratelimits_1dim_p50_over_ping_p50": round(results["ratelimits_1dim"]["p50_us"] / ping["p50_us"], 2),
         "throttle_plumbing_p50_us": round(four["p50_us"] - decide["p50_us"], 1),
         "extra_per_dimension_p50_us": round((four["p50_us"] - results["ratelimits_1dim"]["p50_us"]) / 3, 1),
@@ -321,6 +322,7 @@ def render(report: dict[str, Any]) -> str:
     lines += [
         "",
         f"decide(4) p50 / PING p50      {derived['decide_4_p50_over_ping_p50']:>8}",
+        f"usage counting on / off p50   {derived['usage_on_over_off_p50']:>8}",
         f"1-dim p50 / PING p50          {derived['ratelimits_1dim_p50_over_ping_p50']:>8}",
         f"throttle plumbing (p50 µs)    {derived['throttle_plumbing_p50_us']:>8}   4-dim throttle minus decide(4)",
         f"each extra dimension (p50 µs) {derived['extra_per_dimension_p50_us']:>8}   (4-dim minus 1-dim) / 3",

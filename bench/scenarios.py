@@ -183,7 +183,7 @@ def checks_for(request: Request, view: BenchView) -> list[Check]:
 
 
 def build(redis_url: str) -> list[Scenario]:
-    """The five scenarios, after checking each one measures what its label says."""
+    """The six scenarios, after checking each one measures what its label says."""
     requests = build_requests()
     view = BenchView()
     one_dimension = ratelimits_settings(redis_url, dimensions=1)
@@ -230,6 +230,14 @@ def build(redis_url: str) -> list[Scenario]:
             ratelimits_throttle(requests, view),
             commands=("evalsha", "eval"),
             notes={"checks": names, **subjects},
+        ),
+        Scenario(
+            "ratelimits_4dim_no_usage",
+            "ratelimits throttle, 4 dimensions, usage counting off",
+            ratelimits_throttle(requests, view),
+            ratelimits={**ratelimits_settings(redis_url, dimensions=4), "USAGE": False},
+            commands=("evalsha", "eval"),
+            notes={"checks": names, "usage": False, **subjects},
         ),
         Scenario(
             "drf_stack",

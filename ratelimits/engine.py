@@ -317,17 +317,17 @@ def reset() -> None:
         _shedder_built = False
 
 
-def _usage(source: PolicySource, request: HttpRequest, identity: Identity, checks: Sequence[Check]) -> Usage:
+def _usage(identity: Identity, checks: Sequence[Check]) -> Usage:
     caller = identity.caller
-    endpoint = identity.endpoint.value
-    return usage_for(
-        caller.kind,
-        caller.value,
-        identity.organization.value if identity.organization else "",
-        tier_of([c.policy.name for c in checks]),
-        endpoint,
-        source.endpoint_rule(endpoint, request.method or "GET").cost,
-    )
+    tier = ""
+    tokens = 1
+    for check in checks:
+        if not check.policy.holds_slots:
+            tokens = check.cost  # every rate check of a request spends the endpoint's cost
+        if not tier and check.policy.name.startswith("tier:"):
+            tier = tier_of([check.policy.name])
+    organization = identity.organization.value if identity.organization else ""
+    return usage_for(caller.kind, caller.value, organization, tier, identity.endpoint.value, tokens)
 
 
 def _hold(limiter: Limiter, decision: Decision, shedder: WorkerShedder | None) -> None:
@@ -391,7 +391,7 @@ def evaluate(
     try:
         checks = source.checks_for(request, identity)
         limiter = get_limiter()
-        usage = _usage(source, request, identity, checks) if consume and conf.usage_counting else None
+        usage = _usage(identity, checks) if consume and conf.usage_counting else None
         decision = limiter.decide(checks, consume=consume, usage=usage)
     except BaseException:
         if shedder is not None:
