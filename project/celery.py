@@ -15,4 +15,5 @@ app.conf.beat_schedule = {
     "drain-usage": {"task": "ratelimits.drain_usage", "schedule": 30.0},
     "maintain-usage": {"task": "ratelimits.maintain_usage", "schedule": 15 * 60.0},
     "expire-policies": {"task": "ratelimits.expire_policies", "schedule": 60 * 60.0},
+    "near-limit-digest": {"task": "ratelimits.near_limit_digest", "schedule": 24 * 60 * 60.0},
 }

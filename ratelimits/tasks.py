@@ -11,9 +11,10 @@ from typing import Any
 from celery import shared_task
 
 from . import usage
+from .digest import send_digest
 from .expiry import expire_policies as _expire_policies
 
-__all__ = ["drain_usage", "expire_policies", "maintain_usage"]
+__all__ = ["drain_usage", "expire_policies", "maintain_usage", "near_limit_digest"]
 
 
 @shared_task(name="ratelimits.drain_usage", acks_late=True, reject_on_worker_lost=True)
@@ -32,3 +33,9 @@ def maintain_usage() -> dict[str, Any]:
 def expire_policies() -> int:
     """Delete overrides and assignments past their expiry (audited); return how many."""
     return _expire_policies()
+
+
+@shared_task(name="ratelimits.near_limit_digest")
+def near_limit_digest() -> str:
+    """Mail yesterday's near-limit digest to the site's ADMINS; return its text."""
+    return send_digest().render()
