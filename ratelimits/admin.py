@@ -36,6 +36,7 @@ from .models import (
     validate_endpoint,
 )
 from .rates import parse_rate
+from .reports import usage_report_view
 
 
 class RevisionedForm(forms.ModelForm):  # type: ignore[type-arg]
@@ -265,6 +266,7 @@ class FleetSettingsAdmin(AuditedAdmin):
         return [
             path("effective/", view(self.effective_policy_view), name="ratelimits_effective_policy"),
             path("subjects/", view(subject_suggestions_view), name="ratelimits_subject_suggestions"),
+            path("usage/", view(usage_report_view(self)), name="ratelimits_usage_report"),
             *super().get_urls(),
         ]
 

@@ -1,0 +1,437 @@
+"""The admin usage report: per-period totals, bounded tables, filters, CSV exports, permissions, ranges.
+
+Usage rows are created directly. Ranges are fixed in the past (2025-03-01 UTC), so no test
+depends on the clock, except the one checking the default range.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+from datetime import UTC, datetime, timedelta
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+from django.contrib.auth.models import Permission
+from django.test import Client
+from django.urls import reverse
+
+from ratelimits.models import UsageRecord
+from ratelimits.reports import (
+    MAX_BARS,
+    TABLE_LIMIT,
+    TABLES,
+    ReportFilters,
+    effective_policy_url,
+    near_limit,
+    render_chart,
+    series_table,
+    throttled_endpoints,
+    throttled_subjects,
+    time_series,
+    top_consumers,
+)
+
+pytestmark = pytest.mark.django_db
+
+START = datetime(2025, 3, 1, tzinfo=UTC)
+HOUR = timedelta(hours=1)
+URL = "/admin/ratelimits/fleetsettings/usage/"
+
+
+def record(
+    subject: str,
+    start: datetime,
+    *,
+    endpoint: str = "charges",
+    kind: str = "api_key",
+    granularity: str = "hour",
+    organization: str = "",
+    tier: str = "",
+    **counts: int,
+) -> UsageRecord:
+    return UsageRecord.objects.create(
+        granularity=granularity,
+        period_start=start,
+        subject_kind=kind,
+        subject_id=subject,
+        endpoint=endpoint,
+        organization=organization,
+        tier=tier,
+        **counts,
+    )
+
+
+def day(**fields: Any) -> ReportFilters:
+    """The 24 hours from START, per hour."""
+    return ReportFilters(start=START, end=START + 24 * HOUR, **fields)
+
+
+def query(**params: str) -> dict[str, str]:
+    return {"from": "2025-03-01 00:00", "to": "2025-03-02 00:00", **params}
+
+
+def csv_of(response: Any) -> list[list[str]]:
+    assert response.status_code == 200, response.content
+    assert response["Content-Type"].startswith("text/csv")
+    assert response["Content-Disposition"].startswith("attachment; filename=")
+    return list(csv.reader(io.StringIO(response.content.decode())))
+
+
+@pytest.fixture
+def traffic() -> None:
+    """Three API keys, a user and an IP network over a few hours, on two endpoints and two organisations."""
+    record("ApiKey:1", START, organization="acme", tier="free", allowed=10, throttled=5, tokens=10)
+    record("ApiKey:1", START + HOUR, organization="acme", tier="free", allowed=20, throttled=1, shed=2, tokens=40)
+    record("ApiKey:1", START + HOUR, endpoint="refunds", organization="acme", tier="free", allowed=3, throttled=7)
+    record("ApiKey:2", START, organization="globex", tier="standard", allowed=50, degraded=4, tokens=500)
+    record("ApiKey:3", START + 2 * HOUR, endpoint="refunds", tier="free", allowed=1, throttled=1, tokens=1)
+    record("42", START + 2 * HOUR, kind="user", tier="free", allowed=5, shed=1, tokens=5)
+    record("2001:db8::/64", START + 3 * HOUR, kind="ip", endpoint="refunds", allowed=2, throttled=6)
+    # Not in the report: other granularities, and hours outside the range.
+    record("ApiKey:1", START, granularity="minute", allowed=1000, throttled=1000)
+    record("ApiKey:1", START, granularity="day", allowed=1000, throttled=1000)
+    record("ApiKey:1", START - HOUR, allowed=1000, throttled=1000)
+    record("ApiKey:1", START + 24 * HOUR, allowed=1000, throttled=1000)
+
+
+@pytest.fixture
+def viewer_client(django_user_model: Any) -> Client:
+    """Staff allowed to view ratelimits' models (view_tier among them)."""
+    user = django_user_model.objects.create_user("viewer", password="pw", is_staff=True)
+    user.user_permissions.set(
+        Permission.objects.filter(content_type__app_label="ratelimits", codename__startswith="view_")
+    )
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+# -- queries ------------------------------------------------------------------------------------------
+
+
+def test_totals_per_period(traffic: None) -> None:
+    series = time_series(day())
+    assert [p.start for p in series] == [START + i * HOUR for i in range(24)]
+    by_hour = [(p.allowed, p.throttled, p.shed, p.degraded, p.tokens, p.requests) for p in series]
+    assert by_hour[0] == (60, 5, 0, 4, 510, 69)
+    assert by_hour[1] == (23, 8, 2, 0, 40, 33)
+    assert by_hour[2] == (6, 1, 1, 0, 6, 8)
+    assert by_hour[3] == (2, 6, 0, 0, 0, 8)
+    assert by_hour[4:] == [(0, 0, 0, 0, 0, 0)] * 20  # empty periods are in, as zeros
+
+    table = series_table(series)
+    assert table.header() == [
+        "Period start (UTC)",
+        "Requests",
+        "Allowed",
+        "Throttled (429)",
+        "Shed (503)",
+        "Degraded",
+        "Tokens",
+    ]
+    assert table.csv_rows()[1] == ["2025-03-01T01:00:00Z", "33", "23", "8", "2", "0", "40"]
+
+
+def test_periods_start_inside_the_range_and_end_before_to(traffic: None) -> None:
+    # From 00:30: the period starting at 00:00 is out; to 03:00 is excluded.
+    series = time_series(ReportFilters(start=START + HOUR / 2, end=START + 3 * HOUR))
+    assert [p.start for p in series] == [START + HOUR, START + 2 * HOUR]
+    assert [p.requests for p in series] == [33, 8]
+    daily = time_series(ReportFilters(start=START, end=START + timedelta(days=3), granularity="day"))
+    assert [(p.start, p.allowed) for p in daily] == [
+        (START, 1000),
+        (START + timedelta(days=1), 0),
+        (START + timedelta(days=2), 0),
+    ]
+    minutes = time_series(ReportFilters(start=START, end=START + timedelta(minutes=5), granularity="minute"))
+    assert [p.throttled for p in minutes] == [1000, 0, 0, 0, 0]
+
+
+def test_top_consumers_by_requests_and_by_tokens(traffic: None) -> None:
+    by_requests = top_consumers(day())
+    rows = [(r["subject_id"], r["requests"], r["tokens"]) for r in by_requests.rows]
+    assert rows == [
+        ("ApiKey:2", 54, 500),
+        ("ApiKey:1", 48, 50),
+        ("2001:db8::/64", 8, 0),
+        ("42", 6, 5),
+        ("ApiKey:3", 2, 1),
+    ]
+    first = by_requests.rows[1]
+    assert (first["allowed"], first["throttled"], first["shed"], first["degraded"]) == (33, 13, 2, 0)
+    assert first["throttled_share"] == pytest.approx(13 / 48)
+    assert (first["organization"], first["endpoint"]) == ("acme", "charges")  # its busiest endpoint
+
+    by_tokens = top_consumers(day(), by="tokens")
+    assert by_tokens.title == "Top consumers by tokens"
+    assert [r["subject_id"] for r in by_tokens.rows] == ["ApiKey:2", "ApiKey:1", "42", "ApiKey:3", "2001:db8::/64"]
+    with pytest.raises(ValueError, match="requests or tokens"):
+        top_consumers(day(), by="bytes")
+
+
+def test_throttled_tables_order_and_what_they_leave_out(traffic: None) -> None:
+    subjects = throttled_subjects(day())
+    # By 429s; ApiKey:2 and user 42 were never throttled (shed and degraded are not throttled).
+    assert [(r["subject_id"], r["throttled"]) for r in subjects.rows] == [
+        ("ApiKey:1", 13),
+        ("2001:db8::/64", 6),
+        ("ApiKey:3", 1),
+    ]
+    # The link goes to the endpoint where each was throttled most: ApiKey:1 had 7 429s on refunds, 6 on charges.
+    assert subjects.rows[0]["endpoint"] == "refunds"
+
+    near = near_limit(day())
+    assert [(r["subject_id"], round(r["throttled_share"], 3)) for r in near.rows] == [
+        ("2001:db8::/64", 0.75),
+        ("ApiKey:3", 0.5),
+        ("ApiKey:1", 0.271),
+    ]
+
+    endpoints = throttled_endpoints(day())
+    assert [(r["endpoint"], r["throttled"], r["requests"]) for r in endpoints.rows] == [
+        ("refunds", 14, 20),
+        ("charges", 6, 98),
+    ]
+
+
+def test_every_table_holds_at_most_the_limit_in_order() -> None:
+    for n in range(TABLE_LIMIT + 5):
+        record(f"ApiKey:{n}", START, endpoint=f"ep-{n:02d}", allowed=100 - n, throttled=n + 1, tokens=n * 10)
+    filters = day()
+    consumers = top_consumers(filters).rows
+    assert len(consumers) == TABLE_LIMIT
+    assert [r["requests"] for r in consumers] == [101] * TABLE_LIMIT  # a tie: broken by most tokens
+    assert [r["subject_id"] for r in consumers[:3]] == ["ApiKey:24", "ApiKey:23", "ApiKey:22"]
+    tokens = [r["tokens"] for r in top_consumers(filters, by="tokens").rows]
+    assert tokens == sorted(tokens, reverse=True) and tokens[0] == 240 and len(tokens) == TABLE_LIMIT
+    throttled = [r["throttled"] for r in throttled_subjects(filters).rows]
+    assert throttled == list(range(25, 5, -1))
+    shares = [r["throttled_share"] for r in near_limit(filters).rows]
+    assert shares == sorted(shares, reverse=True) and len(shares) == TABLE_LIMIT
+    endpoints = [r["endpoint"] for r in throttled_endpoints(filters).rows]
+    assert endpoints == [f"ep-{n:02d}" for n in range(24, 4, -1)]
+
+
+def test_filters_narrow_every_query(traffic: None) -> None:
+    def summary(filters: ReportFilters) -> tuple[int, list[str], list[str]]:
+        requests = sum(p.requests for p in time_series(filters))
+        subjects = [r["subject_id"] for r in top_consumers(filters).rows]
+        endpoints = [r["endpoint"] for r in throttled_endpoints(filters).rows]
+        return requests, subjects, endpoints
+
+    assert summary(day()) == (118, ["ApiKey:2", "ApiKey:1", "2001:db8::/64", "42", "ApiKey:3"], ["refunds", "charges"])
+    assert summary(day(subject_kind="api_key", subject_id="ApiKey:1")) == (48, ["ApiKey:1"], ["refunds", "charges"])
+    assert summary(day(subject_kind="user", subject_id="ApiKey:1")) == (0, [], [])  # the kind counts
+    assert summary(day(tier="free")) == (56, ["ApiKey:1", "42", "ApiKey:3"], ["refunds", "charges"])
+    assert summary(day(endpoint="refunds")) == (20, ["ApiKey:1", "2001:db8::/64", "ApiKey:3"], ["refunds"])
+    assert summary(day(organization="globex")) == (54, ["ApiKey:2"], [])
+    assert summary(day(organization="acme", endpoint="charges")) == (38, ["ApiKey:1"], ["charges"])
+
+
+def test_subjects_link_to_their_effective_policy(traffic: None) -> None:
+    effective = reverse("admin:ratelimits_effective_policy")
+    links = {r["subject_id"]: r["links"].get("subject_id") for r in top_consumers(day()).rows}
+
+    def params(link: str | None) -> dict[str, list[str]]:
+        assert link is not None and link.startswith(effective + "?")
+        return parse_qs(urlsplit(link).query)
+
+    assert params(links["ApiKey:1"]) == {
+        "api_key": ["ApiKey:1"],
+        "org": ["acme"],
+        "endpoint": ["charges"],
+        "method": ["GET"],
+    }
+    assert params(links["42"]) == {"user": ["42"], "endpoint": ["charges"], "method": ["GET"]}
+    # An aggregated IPv6 network: its address, which the effective page aggregates back to it.
+    assert params(links["2001:db8::/64"]) == {"ip": ["2001:db8::"], "endpoint": ["refunds"], "method": ["GET"]}
+    assert effective_policy_url("ip", "unknown", endpoint="charges") == ""
+
+
+def test_the_linked_effective_policy_page_is_filled_in(admin_client: Client, traffic: None) -> None:
+    link = top_consumers(day()).rows[1]["links"]["subject_id"]
+    response = admin_client.get(link)
+    assert response.status_code == 200
+    form = response.context["form"]
+    assert form.is_valid(), form.errors
+    assert (form.cleaned_data["api_key"], form.cleaned_data["org"], form.cleaned_data["endpoint"]) == (
+        "ApiKey:1",
+        "acme",
+        "charges",
+    )
+
+
+# -- the page -----------------------------------------------------------------------------------------
+
+
+def test_the_report_page(admin_client: Client, traffic: None) -> None:
+    assert reverse("admin:ratelimits_usage_report") == URL
+    response = admin_client.get(URL, query())
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert response.context["title"] == "Usage report"
+    # The chart: 4 hours with traffic, one bar segment per non-zero outcome of each.
+    chart = str(response.context["chart"])
+    assert chart.startswith("<svg") and 'role="img"' in chart and "<title" in chart and "<desc" in chart
+    assert len(re.findall(r"<rect x=", chart)) == 3 + 3 + 3 + 2 + 4  # the outcomes of 4 hours, and 4 legend swatches
+    assert "<script" not in html.split('id="content-main"')[1]
+    assert "http://" not in chart.replace("http://www.w3.org/2000/svg", "")
+    for name in ("series", *TABLES):
+        assert f'id="table-{name}"' in html, name
+        assert f"format=csv&amp;table={name}" in html
+    assert "118 requests in the range" in html
+    assert reverse("admin:ratelimits_effective_policy") + "?api_key=ApiKey%3A1" in html
+
+
+def test_the_default_report_covers_the_last_24_hours(admin_client: Client) -> None:
+    now = datetime.now(tz=UTC)
+    record("ApiKey:1", now.replace(minute=0, second=0, microsecond=0) - HOUR, allowed=7)
+    record("ApiKey:1", now - timedelta(days=2), allowed=1000)
+    response = admin_client.get(URL)
+    assert response.status_code == 200
+    form = response.context["form"]
+    assert form.cleaned_data["granularity"] == "hour"
+    assert timedelta(hours=24) == form.cleaned_data["to"] - form.cleaned_data["from"]
+    assert abs(form.cleaned_data["to"] - now) < timedelta(minutes=2)
+    assert form["from"].value()  # shown in the form, not left blank
+    series = response.context["sections"][0]["table"].rows
+    assert len(series) == 24
+    assert sum(row["allowed"] for row in series) == 7
+
+
+def test_csv_export_matches_every_table(admin_client: Client, traffic: None) -> None:
+    filters = day()
+    page = admin_client.get(URL, query())
+    for section in page.context["sections"]:
+        table = section["table"]
+        expected = (
+            series_table(time_series(filters)) if table.name == "series" else TABLES[table.name](filters, "requests")
+        )
+        rows = csv_of(admin_client.get(URL, {**query(), "format": "csv", "table": table.name}))
+        assert rows[0] == table.header() == expected.header()
+        assert rows[1:] == table.csv_rows() == expected.csv_rows()
+        assert len(rows) - 1 == len(section["cells"])
+        # The page's own link gives the same file.
+        assert csv_of(admin_client.get(section["csv_url"])) == rows
+    consumers = csv_of(admin_client.get(URL, {**query(), "format": "csv", "table": "top_consumers"}))
+    assert consumers[1] == ["api_key", "ApiKey:2", "globex", "charges", "54", "50", "0", "0", "4", "500", "0.0000"]
+    series = csv_of(admin_client.get(URL, {**query(), "format": "csv"}))  # the time series by default
+    assert len(series) == 25 and series[1][0] == "2025-03-01T00:00:00Z"
+
+
+def test_csv_export_follows_the_filters_and_the_ranking(admin_client: Client, traffic: None) -> None:
+    rows = csv_of(admin_client.get(URL, {**query(endpoint="refunds"), "format": "csv", "table": "top_consumers"}))
+    assert [row[1] for row in rows[1:]] == ["ApiKey:1", "2001:db8::/64", "ApiKey:3"]
+    by_tokens = csv_of(admin_client.get(URL, {**query(by="tokens"), "format": "csv", "table": "top_consumers"}))
+    assert [row[1] for row in by_tokens[1:3]] == ["ApiKey:2", "ApiKey:1"]
+    assert [row[9] for row in by_tokens[1:]] == ["500", "50", "5", "1", "0"]
+
+
+def test_csv_cells_never_start_a_formula(admin_client: Client) -> None:
+    record("ApiKey:9", START, organization="=HYPERLINK(1)", allowed=1)
+    rows = csv_of(admin_client.get(URL, {**query(), "format": "csv", "table": "top_consumers"}))
+    assert rows[1][2] == "'=HYPERLINK(1)"
+
+
+def test_permissions(client: Client, viewer_client: Client, django_user_model: Any) -> None:
+    assert viewer_client.get(URL).status_code == 200
+    assert viewer_client.get(URL, {"format": "csv", "table": "near_limit"}).status_code == 200
+
+    staff = django_user_model.objects.create_user("staff", password="pw", is_staff=True)
+    staff.user_permissions.set(Permission.objects.filter(codename="view_auditentry"))
+    staff_client = Client()
+    staff_client.force_login(staff)
+    assert staff_client.get(URL).status_code == 403
+    assert staff_client.get(URL, {"format": "csv", "table": "series"}).status_code == 403
+
+    outsider = django_user_model.objects.create_user("outsider", password="pw")
+    outsider_client = Client()
+    outsider_client.force_login(outsider)
+    for anyone in (client, outsider_client):  # not staff: the admin's login page
+        response = anyone.get(URL)
+        assert response.status_code == 302 and "/admin/login/" in response["Location"]
+
+
+@pytest.mark.parametrize(
+    ("params", "field", "message"),
+    [
+        (query(to="2025-02-28 00:00"), "to", "To must be after From."),
+        (query(to="2025-03-01 00:00"), "to", "To must be after From."),
+        ({"from": "2025-03-01", "to": "2025-03-04", "granularity": "minute"}, "from", "at most 2 days"),
+        ({"from": "2025-01-01", "to": "2025-03-01", "granularity": "hour"}, "from", "at most 31 days"),
+        ({"from": "2024-01-01", "to": "2025-03-01", "granularity": "day"}, "from", "at most 366 days"),
+        (query(**{"from": "yesterday"}), "from", "is not a date and time"),
+        (query(to="2025-13-45 99:00"), "to", "is not a date and time"),
+        (query(granularity="week"), "granularity", "Select a valid choice"),
+        (query(subject="ApiKey:1"), "subject", "give kind:id"),
+        (query(subject="api_key:"), "subject", "give kind:id"),
+        (query(endpoint="/v1/charges"), "endpoint", ""),
+        (query(by="bytes"), "by", "Select a valid choice"),
+    ],
+)
+def test_bad_input_is_a_form_error(admin_client: Client, params: dict[str, str], field: str, message: str) -> None:
+    response = admin_client.get(URL, params)
+    assert response.status_code == 200
+    errors = response.context["form"].errors
+    assert field in errors, errors
+    assert message in " ".join(errors[field])
+    assert "chart" not in response.context
+    assert "errorlist" in response.content.decode()
+    csv_response = admin_client.get(URL, {**params, "format": "csv", "table": "series"})
+    assert csv_response.status_code == 400
+    assert csv_response.content.decode().startswith("Invalid report:")
+
+
+def test_ranges_at_the_limit_and_offsets_are_accepted(admin_client: Client) -> None:
+    two_days = admin_client.get(URL, {"from": "2025-03-01T00:00Z", "to": "2025-03-03T00:00Z", "granularity": "minute"})
+    assert two_days.status_code == 200 and two_days.context["form"].is_valid()
+    assert len(two_days.context["sections"][0]["table"].rows) == 2 * 24 * 60
+    assert two_days.context["sections"][0]["cells"] == []  # not listed on the page: in the CSV
+    assert "2880 periods: too many to list here" in two_days.content.decode()
+    offset = admin_client.get(URL, {"from": "2025-03-01T02:00+02:00", "to": "2025-03-01T03:00+02:00"})
+    assert offset.context["filters"].start == START  # 02:00 at +02:00 is midnight UTC
+    assert [row["period_start"] for row in offset.context["sections"][0]["table"].rows] == [START]
+
+
+def test_unknown_csv_table_is_a_bad_request(admin_client: Client) -> None:
+    response = admin_client.get(URL, {**query(), "format": "csv", "table": "passwords"})
+    assert response.status_code == 400
+    assert "Unknown table" in response.content.decode()
+
+
+# -- the chart ----------------------------------------------------------------------------------------
+
+
+def test_chart_is_accessible_with_totals_and_legend(traffic: None) -> None:
+    chart = str(render_chart(time_series(day()), "hour"))
+    assert 'aria-label="Requests per hour by outcome"' in chart
+    assert 'aria-describedby="usage-chart-desc"' in chart
+    desc = re.search(r'<desc id="usage-chart-desc">(.*?)</desc>', chart)
+    assert desc is not None
+    assert "91 allowed, 20 throttled (429), 3 shed (503), 4 degraded" in desc.group(1)
+    assert "Busiest period: 2025-03-01 00:00 with 69 requests" in desc.group(1)
+    assert chart.count('class="series"') == 4  # one group per outcome
+    legend = chart.split('<g class="legend">')[1]
+    assert [m for m in ("allowed: 91", "throttled (429): 20", "shed (503): 3", "degraded: 4") if m in legend] == [
+        "allowed: 91",
+        "throttled (429): 20",
+        "shed (503): 3",
+        "degraded: 4",
+    ]
+
+
+def test_long_series_are_drawn_as_lines_and_empty_ones_say_so() -> None:
+    record("ApiKey:1", START + timedelta(minutes=3), granularity="minute", allowed=5, throttled=2)
+    minutes = ReportFilters(start=START, end=START + timedelta(hours=4), granularity="minute")
+    series = time_series(minutes)
+    assert len(series) == 240 > MAX_BARS
+    chart = str(render_chart(series, "minute"))
+    assert 'data-kind="lines"' in chart
+    assert len(re.findall(r"<path ", chart)) == 4
+    assert len(re.findall(r"<rect ", chart)) == 4  # the legend's swatches only
+    empty = str(render_chart(time_series(day()), "hour"))
+    assert "No usage recorded in this range" in empty
+    assert 'data-kind="stacked bars"' in empty
