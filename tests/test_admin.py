@@ -564,3 +564,9 @@ def test_subject_suggestions_need_view_permission(client: Any, django_user_model
     staff = django_user_model.objects.create_user("nosy", password="pw", is_staff=True)
     client.force_login(staff)
     assert client.get("/admin/ratelimits/fleetsettings/subjects/", {"kind": "user", "term": "a"}).status_code == 403
+
+
+def test_fleet_settings_list_links_to_the_effective_policy_page_and_the_usage_report(admin_client: Any) -> None:
+    page = admin_client.get("/admin/ratelimits/fleetsettings/").content.decode()
+    assert 'href="/admin/ratelimits/fleetsettings/effective/"' in page
+    assert 'href="/admin/ratelimits/fleetsettings/usage/"' in page
