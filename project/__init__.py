@@ -1,4 +1,4 @@
-"""The demo project. Loads the Celery app when Celery is installed, as Celery's Django guide does."""
+"""The demo project. Loads its Celery app at start-up, as Celery's Django guide does."""
 
 from .celery import app as celery_app
 

@@ -137,7 +137,10 @@ class RedisBackend(Backend):
                 minute = _minute(name.rsplit(":", 1)[0], draining)
                 if minute is None:
                     continue
-                counts = {_text(f): int(v) for f, v in self.client.hgetall(name).items()}
+                # HSCAN, not HGETALL: a busy minute's hash can take longer than the limiter's tight
+                # socket timeout to send in one reply, and would then never drain. A claimed batch
+                # is no longer written to, so the scan sees every field (a repeat is the same value).
+                counts = {_text(f): int(v) for f, v in self.client.hscan_iter(name, count=1000)}
                 batches.append((name, minute, counts))
         except redis.RedisError as exc:
             raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
@@ -145,7 +148,9 @@ class RedisBackend(Backend):
 
     def finish_usage(self, batch: str) -> None:
         try:
-            self.client.delete(batch)
+            # UNLINK frees a busy minute's hash off the main thread: a DEL of it would hold up every
+            # decision on this Redis (and outlast their socket timeout) while it ran.
+            self.client.unlink(batch)
         except redis.RedisError as exc:
             raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
 
