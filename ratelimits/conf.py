@@ -191,7 +191,7 @@ class Settings:
 
     @property
     def usage_counting(self) -> bool:
-        return bool(self.get("USAGE"))
+        return self._cached("USAGE", lambda: bool(self.get("USAGE")))
 
     @property
     def policy_source(self) -> str:

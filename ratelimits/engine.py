@@ -21,7 +21,7 @@ from .exceptions import BackendUnavailable
 from .identity import Identity, identify
 from .policies import Check, PolicySource
 from .shedding import WorkerShedder
-from .usage import Usage, tier_of, usage_for
+from .usage import Usage, usage_for
 
 if TYPE_CHECKING:
     from django.http import HttpRequest
@@ -325,7 +325,7 @@ def _usage(identity: Identity, checks: Sequence[Check]) -> Usage:
         if not check.policy.holds_slots:
             tokens = check.cost  # every rate check of a request spends the endpoint's cost
         if not tier and check.policy.name.startswith("tier:"):
-            tier = tier_of([check.policy.name])
+            tier = check.policy.name.split(":", 2)[1]
     organization = identity.organization.value if identity.organization else ""
     return usage_for(caller.kind, caller.value, organization, tier, identity.endpoint.value, tokens)
 

@@ -104,8 +104,10 @@ def test_four_dimension_request_costs_exactly_one_round_trip(caller: APIClient, 
     assert numkeys == "6"  # the policy-version stamp, the four checks' state keys, this minute's usage
     # The four checks were decided inside that one call: TIME, one MGET (version + states), 4 SETs.
     inside = [c["command"].split(" ")[0].upper() for c in commands if c["client_type"] == "lua"]
-    # ...and the usage counters: allowed and tokens spent, the hash's expiry set once.
-    assert sorted(inside) == sorted(["TIME", "MGET"] + ["SET"] * 4 + ["HINCRBY"] * 2 + ["EXPIRE"])
+    # ...and the usage counter: one HINCRBY (cost 1), plus the hash's expiry if this request
+    # opened a new minute (the warm-up request usually did).
+    expected = sorted(["TIME", "MGET"] + ["SET"] * 4 + ["HINCRBY"])
+    assert sorted(inside) in (expected, sorted([*expected, "EXPIRE"]))
 
 
 def test_lost_script_cache_costs_one_extra_round_trip_once(

@@ -95,7 +95,8 @@ class MemoryBackend(Backend):
                 counts = self.usage_counts.setdefault(usage.minute, Counter())
                 if decision.allowed:
                     counts[usage.field + "a"] += 1
-                    counts[usage.field + "t"] += usage.tokens
+                    if usage.tokens > 1:
+                        counts[usage.field + "x"] += usage.tokens - 1
                 else:
                     counts[usage.field + ("s" if decision.verdict is Verdict.SHED else "l")] += 1
             return decision

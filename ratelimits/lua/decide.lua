@@ -9,7 +9,8 @@
 -- ARGV[3]          this request's slot id (for checks of algorithms 4 and 5), or ""
 -- ARGV[4]          the request's usage field prefix, or "" not to count it; then the last key
 --                  is this minute's usage hash, which gains <prefix>a (allowed), <prefix>l
---                  (limited, 429), <prefix>s (shed, 503) and <prefix>t (tokens spent)
+--                  (limited, 429), <prefix>s (shed, 503) and <prefix>x (tokens spent beyond one
+--                  per allowed request)
 -- ARGV[5]          the tokens this request spends (its endpoint's cost), for the usage count
 -- ARGV[6 + 7(i-1)] check i: algorithm (1 token bucket/GCRA, 2 sliding window, 3 fixed window,
 --                  4 slots in flight per subject, 5 slots in the fleet's in-flight set),
@@ -222,17 +223,20 @@ else
   reply[3] = 0
 end
 
--- Usage counters for the roll-up, in this same round trip; they expire if nothing drains them.
+-- Usage counters for the roll-up, in this same round trip. One call in the common case: tokens
+-- beyond one per request are counted only for costlier endpoints, and the hash's expiry (if
+-- nothing drains it) is set when a field is first created, not on every request.
 if consume and usage ~= '' then
   local counters = KEYS[#KEYS]
+  local metric = 's'
   if all_allowed then
-    redis.call('HINCRBY', counters, usage .. 'a', 1)
-    redis.call('HINCRBY', counters, usage .. 't', ARGV[5])
+    metric = 'a'
+    if ARGV[5] ~= '1' then redis.call('HINCRBY', counters, usage .. 'x', tonumber(ARGV[5]) - 1) end
   elseif limited then
-    redis.call('HINCRBY', counters, usage .. 'l', 1)
-  else
-    redis.call('HINCRBY', counters, usage .. 's', 1)
+    metric = 'l'
   end
-  redis.call('EXPIRE', counters, 172800, 'NX')
+  if redis.call('HINCRBY', counters, usage .. metric, 1) == 1 then
+    redis.call('EXPIRE', counters, 172800)
+  end
 end
 return reply
