@@ -94,6 +94,13 @@ class RedisServer:
         assert self.process is not None
         os.kill(self.process.pid, signal.SIGCONT)
 
+    def __enter__(self) -> RedisServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def stop(self) -> None:
         if self.process is None:
             return

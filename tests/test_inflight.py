@@ -390,12 +390,8 @@ def test_slots_of_a_killed_worker_are_free_within_ttl(
 @pytest.fixture
 def dead_redis() -> Iterator[RedisServer]:
     """A redis-server of this test's own, killed before use (stopped by PID afterwards)."""
-    server = RedisServer()
-    server.start()
-    try:
+    with RedisServer() as server:
         yield server
-    finally:
-        server.stop()
 
 
 def test_local_fail_mode_releases_its_slots(settings: Any, dead_redis: RedisServer, gate: Gate) -> None:

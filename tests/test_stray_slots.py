@@ -17,19 +17,15 @@ pytestmark = pytest.mark.django_db
 
 @pytest.fixture
 def stalled_redis(settings: Any) -> Iterator[RedisServer]:
-    server = RedisServer()
-    server.start()
-    settings.RATELIMITS = {
-        **settings.RATELIMITS,
-        "BACKEND": "redis",
-        "REDIS_URL": server.url,
-        "REDIS_SOCKET_TIMEOUT": "50ms",
-        "TIERS": {"anonymous": {"rate": "100/s", "concurrency": 1}, "authenticated": {"rate": "100/s"}},
-    }
-    try:
+    with RedisServer() as server:
+        settings.RATELIMITS = {
+            **settings.RATELIMITS,
+            "BACKEND": "redis",
+            "REDIS_URL": server.url,
+            "REDIS_SOCKET_TIMEOUT": "50ms",
+            "TIERS": {"anonymous": {"rate": "100/s", "concurrency": 1}, "authenticated": {"rate": "100/s"}},
+        }
         yield server
-    finally:
-        server.stop()
 
 
 BUSY = """

@@ -99,9 +99,7 @@ def test_open_minutes_are_not_drained(backend_settings: str) -> None:
 def test_degraded_decisions_are_counted_and_added_when_the_store_returns(settings: Any) -> None:
     from .redis_server import RedisServer
 
-    server = RedisServer()
-    server.start()
-    try:
+    with RedisServer() as server:
         settings.RATELIMITS = {**LIMITS, "BACKEND": "redis", "REDIS_URL": server.url, "BREAKER_COOLDOWN": "50ms"}
         client = APIClient(REMOTE_ADDR="198.51.100.8")
         assert client.get("/t/ping").status_code == 200
@@ -116,8 +114,6 @@ def test_degraded_decisions_are_counted_and_added_when_the_store_returns(setting
         drain(now=later())
         counted = totals(subject_id="198.51.100.8")
         assert counted["degraded"] == 3
-    finally:
-        server.stop()
 
 
 def test_a_drain_killed_after_committing_does_not_count_twice(backend_settings: str) -> None:
