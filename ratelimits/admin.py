@@ -1,12 +1,11 @@
 """The Django admin for policies: tiers, assignments, endpoints, overrides, fleet settings, audit.
 
-Every save, delete and action runs inside :func:`~ratelimits.audit.audit_context`, so the audit
+Every save, delete and action runs inside :func:`~ratelimits.policies.audit.audit_context`, so the audit
 trail knows who did it and why; every committed change reaches every worker on its next request.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from django import forms
@@ -18,12 +17,11 @@ from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils import timezone
 
-from .algorithms import Algorithm
-from .audit import audit_context
 from .autocomplete import subject_suggestions_view
-from .engine import get_limiter, get_policy_source
+from .backends import get_backend
+from .conf import conf
 from .exceptions import BackendUnavailable
-from .identity import Identity, Subject, ip_subject_value, normalize_ip
+from .identity import SubjectKind, normalize_ip
 from .models import (
     SUBJECT_KINDS,
     AuditEntry,
@@ -35,8 +33,11 @@ from .models import (
     Tier,
     validate_endpoint,
 )
+from .policies.audit import audit_context, record_reset
+from .policies.source import get_policy_source
 from .rates import parse_rate
-from .reports import usage_report_view
+from .status import Caller, effective_limits, stand_in
+from .usage.report import usage_report_view
 
 
 class RevisionedForm(forms.ModelForm):  # type: ignore[type-arg]
@@ -277,29 +278,18 @@ class FleetSettingsAdmin(AuditedAdmin):
         form = EffectivePolicyForm(request.POST if request.method == "POST" else request.GET or None)
         rows: list[dict[str, Any]] = []
         degraded = False
+        notes: list[str] = []
         if form.is_bound and form.is_valid():
-            identity, method = form.identity(), form.cleaned_data["method"]
-            explained = explain(identity, method)
-            checks = [e.check for e in explained]
+            caller = form.caller()
             if request.method == "POST" and "reset" in request.POST:
                 if not request.user.has_perm("ratelimits.change_tier"):
                     raise PermissionDenied
-                self._reset(request, identity, checks)
-            decision = get_limiter().decide(checks, consume=False)
-            degraded = decision.degraded
-            by_check = {id(r.check): r for r in decision.results}
-            for entry in explained:
-                result = by_check.get(id(entry.check))
+                self._reset(request, caller)
+            limits = effective_limits(caller.request, caller.identity)
+            degraded = limits.degraded
+            notes = form.notes(caller)
+            for entry in limits.checks:
                 policy = entry.check.policy
-                remaining = reset_seconds = None
-                if result is not None:
-                    remaining = min(result.remaining + (entry.check.cost if result.allowed else 0), result.limit)
-                    # The look-ahead charged the cost: a bucket's reset includes refilling it again.
-                    reset_us = result.reset_us
-                    if result.allowed and policy.algorithm is Algorithm.TOKEN_BUCKET:
-                        reset_us -= entry.check.cost * policy.rate.period_us / policy.rate.limit
-                    if not policy.holds_slots:  # slots come back when requests finish
-                        reset_seconds = 0 if remaining >= result.limit else math.ceil(max(reset_us, 0) / 1_000_000)
                 rows.append(
                     {
                         "policy": policy.name,
@@ -310,8 +300,8 @@ class FleetSettingsAdmin(AuditedAdmin):
                         "shadow": policy.shadow,
                         "fail_mode": policy.fail_mode,
                         "limit": policy.capacity,
-                        "remaining": remaining,
-                        "reset_seconds": reset_seconds,
+                        "remaining": entry.peek.remaining if entry.peek else None,
+                        "reset_seconds": entry.peek.reset_after_seconds if entry.peek else None,
                     }
                 )
         context = {
@@ -320,33 +310,28 @@ class FleetSettingsAdmin(AuditedAdmin):
             "form": form,
             "rows": rows,
             "degraded": degraded,
+            "notes": notes,
             "submitted": form.is_bound and form.is_valid(),
             "can_reset": request.user.has_perm("ratelimits.change_tier"),
             "opts": self.model._meta,
         }
         return TemplateResponse(request, "admin/ratelimits/effective_policy.html", context)
 
-    def _reset(self, request: HttpRequest, identity: Identity, checks: list[Any]) -> None:
-        """Clear the subject's counters (not endpoint-wide ones, which every caller shares)."""
-        own = [c for c in checks if c.subject.kind != "endpoint"]
-        caller = identity.caller
+    def _reset(self, request: HttpRequest, caller: Caller) -> None:
+        """Clear the subject's own counters (not the endpoint's or the fleet's, which every caller shares)."""
+        source = get_policy_source()
+        shared = (SubjectKind.ENDPOINT, SubjectKind.FLEET)
+        own = [c for c in source.checks_for(caller.request, caller.identity) if c.subject.kind not in shared]
+        subject = caller.identity.caller
         try:
-            get_limiter().backend.clear(own)
+            get_backend().clear(own)
         except BackendUnavailable as exc:
             self.message_user(
                 request, f"Counters not reset: the limiter's store is unavailable ({exc}).", messages.ERROR
             )
             return
-        AuditEntry.objects.create(
-            actor=request.user if request.user.is_authenticated else None,
-            action="reset",
-            model="ratelimits.counters",
-            object_id=f"{caller.kind}:{caller.value}"[:100],
-            object_repr=f"counters of {caller.kind} {caller.value}"[:300],
-            after={"policies": sorted({c.policy.name for c in own}), "subjects": sorted({c.subject.kind for c in own})},
-            reason="reset from the effective policy page",
-        )
-        self.message_user(request, f"Counters reset for {caller.kind} {caller.value}.", messages.SUCCESS)
+        record_reset(subject, own, actor=request.user, reason="reset from the effective policy page")
+        self.message_user(request, f"Counters reset for {subject.kind} {subject.value}.", messages.SUCCESS)
 
 
 @admin.register(AuditEntry)
@@ -395,25 +380,25 @@ class EffectivePolicyForm(forms.Form):
             raise forms.ValidationError("Give at least one identity of the subject.")
         return cleaned
 
-    def identity(self) -> Identity:
+    def caller(self) -> Caller:
+        """The request and identity of the subject the form names, as its own requests would have them."""
         data = self.cleaned_data
-        return Identity(
-            ip=Subject("ip", ip_subject_value(data["ip"]) if data["ip"] else "unknown"),
-            endpoint=Subject("endpoint", data["endpoint"]),
-            user=Subject("user", data["user"]) if data["user"] else None,
-            api_key=Subject("api_key", data["api_key"].strip()) if data["api_key"].strip() else None,
-            organization=Subject("org", data["org"].strip()) if data["org"].strip() else None,
+        return stand_in(
+            endpoint=data["endpoint"],
+            method=data["method"],
+            api_key=data["api_key"].strip(),
+            user=data["user"],
+            org=data["org"].strip(),
+            ip=data["ip"],
         )
 
-
-def explain(identity: Identity, method: str) -> list[Any]:
-    """The checks for ``identity`` on its endpoint, each with where its values come from."""
-    from .sources import Explained
-
-    request = HttpRequest()
-    request.method = method
-    source = get_policy_source()
-    explain_ = getattr(source, "explain", None)
-    if explain_ is not None:
-        return list(explain_(request, identity))
-    return [Explained(check, "settings") for check in source.checks_for(request, identity)]
+    def notes(self, caller: Caller) -> list[str]:
+        """What the page cannot know about the subject, in words."""
+        api_key = self.cleaned_data["api_key"].strip()
+        if api_key and caller.credential is None and conf.api_key_model is not None:
+            model = conf.api_key_model._meta.label
+            return [
+                f"No {model} has the identity {api_key!r}: TIER_FUNC and ORGANIZATION_FUNC saw no credential. "
+                "A request made with the key may be placed differently."
+            ]
+        return []

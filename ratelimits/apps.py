@@ -9,6 +9,9 @@ class RateLimitsConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from . import audit, checks  # noqa: F401  (checks registers the system checks)
+        # Imported here, not at the top: both import the models, which Django loads only after
+        # this module (checks registers the system checks; the audit trail connects its signals).
+        from . import checks  # noqa: F401
+        from .policies import audit
 
         audit.connect()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.apps import apps
 from django.contrib import admin
 from django.contrib.auth import get_user_model
 from django.core.exceptions import PermissionDenied
@@ -12,7 +11,6 @@ from django.db.models import Model
 from django.http import HttpRequest, JsonResponse
 
 from .conf import conf
-from .exceptions import ConfigurationError
 
 __all__ = ["subject_suggestions_view"]
 
@@ -34,7 +32,7 @@ def subject_suggestions_view(request: HttpRequest) -> JsonResponse:
     if kind == "user":
         model: type[Model] | None = get_user_model()
     elif kind == "api_key":
-        model = api_key_model()
+        model = conf.api_key_model
     else:
         model = None
     if model is None or not term:
@@ -45,17 +43,6 @@ def subject_suggestions_view(request: HttpRequest) -> JsonResponse:
     queryset, _ = model_admin.get_search_results(request, model._default_manager.all(), term)
     results = [{"id": _identifier(kind, obj), "text": str(obj)} for obj in queryset[:LIMIT]]
     return JsonResponse({"results": [r for r in results if r["id"]]})
-
-
-def api_key_model() -> type[Model] | None:
-    """The model named by ``RATELIMITS['API_KEY_MODEL']`` (``"app_label.Model"``), if any."""
-    label = conf.get("API_KEY_MODEL")
-    if not label:
-        return None
-    try:
-        return apps.get_model(str(label))
-    except (LookupError, ValueError) as exc:
-        raise ConfigurationError(f"RATELIMITS['API_KEY_MODEL']: {label!r} is not an installed model ({exc})") from None
 
 
 def _identifier(kind: str, obj: Any) -> str:

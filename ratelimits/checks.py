@@ -1,85 +1,118 @@
-"""System checks: configuration errors reported at start-up, not on the first request."""
+"""System checks: every setting validated at start-up, each under an id of its own.
+
+A bad value fails ``manage.py check`` (and ``runserver``, ``migrate``...) with a message naming the
+setting, never the first request. Ids are never reused: one retired is kept here, marked so.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import difflib
 from typing import Any
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
-from django.utils.module_loading import import_string
 
-from .conf import DEFAULTS, conf
+from .backends import backend_class
+from .conf import BACKEND, POLICY_SOURCE, SETTINGS, conf
 from .exceptions import ConfigurationError
+from .policies.source import build_policy_source
 
-# Ids are never reused; tests assert the exact ids a misconfiguration produces.
-E001 = "ratelimits.E001"  # unknown key in RATELIMITS
-E002 = "ratelimits.E002"  # invalid value (message names the field)
+__all__ = ["E001", "E002", "E003", "SETTING_IDS", "W001", "W002", "W003", "check_deployment", "check_settings"]
+
+#: Every id these checks report. Tests assert the exact ids a misconfiguration produces.
+E001 = "ratelimits.E001"  # a key of RATELIMITS that is no setting
+E002 = "ratelimits.E002"  # retired in 0.2: any invalid value (each setting has its own id now)
+E003 = "ratelimits.E003"  # RATELIMITS is not a dict
 W001 = "ratelimits.W001"  # memory backend outside DEBUG
 W002 = "ratelimits.W002"  # throttle installed without the problem+json exception handler
+W003 = "ratelimits.W003"  # a settings-source setting is set, but the database source ignores it
+#: The id of each setting's invalid value. A new setting takes the next free number.
+SETTING_IDS: dict[str, str] = {
+    "BACKEND": "ratelimits.E101",
+    "REDIS_URL": "ratelimits.E102",
+    "REDIS_SOCKET_TIMEOUT": "ratelimits.E103",
+    "REDIS_CONNECT_TIMEOUT": "ratelimits.E104",
+    "KEY_PREFIX": "ratelimits.E105",
+    "CLOCK": "ratelimits.E106",
+    "POLICY_SOURCE": "ratelimits.E107",
+    "POLICY_POLL_INTERVAL": "ratelimits.E108",
+    "POLICY_RECHECK_INTERVAL": "ratelimits.E109",
+    "TIERS": "ratelimits.E110",
+    "DEFAULT_TIERS": "ratelimits.E111",
+    "TIER_FUNC": "ratelimits.E112",
+    "DIMENSIONS": "ratelimits.E113",
+    "SLOT_TTL": "ratelimits.E114",
+    "FLEET_CAPACITY": "ratelimits.E115",
+    "SHED_THRESHOLDS": "ratelimits.E116",
+    "WORKER_CAPACITY": "ratelimits.E117",
+    "USAGE": "ratelimits.E118",
+    "ENDPOINTS": "ratelimits.E119",
+    "EXEMPT_ENDPOINTS": "ratelimits.E120",
+    "API_KEY_FUNC": "ratelimits.E121",
+    "API_KEY_MODEL": "ratelimits.E122",
+    "ORGANIZATION_FUNC": "ratelimits.E123",
+    "TRUSTED_PROXIES": "ratelimits.E124",
+    "CLIENT_IP_HEADER": "ratelimits.E125",
+    "IPV6_PREFIX": "ratelimits.E126",
+    "HASH_KEY": "ratelimits.E127",
+    "HEADERS": "ratelimits.E128",
+    "RETRY_AFTER_JITTER": "ratelimits.E129",
+    "DEFAULT_FAIL_MODE": "ratelimits.E130",
+    "LOCAL_FALLBACK_SHARE": "ratelimits.E131",
+    "BREAKER_WINDOW": "ratelimits.E132",
+    "BREAKER_MIN_CALLS": "ratelimits.E133",
+    "BREAKER_FAILURE_RATE": "ratelimits.E134",
+    "BREAKER_COOLDOWN": "ratelimits.E135",
+}
+
+#: Settings only the settings source reads: the database source takes these from the admin's tables.
+SETTINGS_SOURCE_ONLY = ("TIERS", "ENDPOINTS", "FLEET_CAPACITY")
 
 
 @register(Tags.compatibility)
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """Every RATELIMITS key is known and every value parses; policies build without error."""
-    messages: list[CheckMessage] = []
+    """Every RATELIMITS key is a setting and every value is valid; then the policies build."""
     try:
         user = conf.user_settings
     except ConfigurationError as exc:
-        return [Error(str(exc), id=E002)]
-    for key in sorted(set(user) - set(DEFAULTS)):
-        messages.append(Error(f"RATELIMITS[{key!r}] is not a ratelimits setting", id=E001))
-    probes: list[Callable[[], object]] = [
-        lambda: conf.key_prefix,
-        lambda: conf.use_redis_time,
-        lambda: conf.redis_socket_timeout,
-        lambda: conf.redis_connect_timeout,
-        lambda: conf.trusted_proxies,
-        lambda: conf.ipv6_prefix,
-        lambda: conf.headers,
-        lambda: conf.retry_after_jitter_us,
-        lambda: conf.default_fail_mode,
-        lambda: conf.local_fallback_share,
-        lambda: conf.breaker,
-        lambda: conf.api_key_func,
-        lambda: conf.organization_func,
-        lambda: conf.tier_func,
-        lambda: conf.policy_poll_interval,
-        lambda: conf.policy_recheck_interval,
-        _api_key_model,
+        return [Error(str(exc), id=E003)]
+    messages: list[CheckMessage] = [
+        Error(f"RATELIMITS[{key!r}] is not a ratelimits setting", hint=_known_hint(key), id=E001)
+        for key in sorted(set(user) - set(SETTINGS))
     ]
-    for probe in probes:
+    invalid = set()
+    for name, setting in SETTINGS.items():
         try:
-            probe()
+            conf.value(setting)
+            if name == BACKEND.name:  # an alias or a dotted path: is it a Backend?
+                backend_class(conf.backend)
         except ConfigurationError as exc:
-            messages.append(Error(str(exc), id=E002))
-    if not messages:
-        # Policies build on the settings above; report them only once those are sound.
+            invalid.add(name)
+            messages.append(Error(str(exc), id=SETTING_IDS[exc.setting or name]))
+    if not invalid:
+        # Policies build on the settings above: report them only once those are sound.
         try:
-            _build_source()
+            build_policy_source()
         except ConfigurationError as exc:
-            messages.append(Error(str(exc), id=E002))
-        except ImportError as exc:
-            messages.append(Error(f"RATELIMITS['POLICY_SOURCE']: {exc}", id=E002))
+            messages.append(Error(str(exc), id=SETTING_IDS.get(exc.setting or "", SETTING_IDS[POLICY_SOURCE.name])))
     return messages
 
 
-def _api_key_model() -> object:
-    from .autocomplete import api_key_model
-
-    return api_key_model()
-
-
-def _build_source() -> object:
-    source: Callable[[], object] = import_string(conf.policy_source)
-    return source()
+def _known_hint(key: str) -> str | None:
+    close = difflib.get_close_matches(key.upper(), SETTINGS, n=1)
+    return f"Did you mean {close[0]!r}?" if close else None
 
 
 @register(Tags.compatibility)
 def check_deployment(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """Warn about set-ups that work in development but not behind several workers."""
     messages: list[CheckMessage] = []
-    if conf.backend == "memory" and not settings.DEBUG:
+    try:
+        backend = conf.backend
+        source = conf.policy_source
+    except ConfigurationError:
+        return messages  # check_settings reports it
+    if backend == "memory" and not settings.DEBUG:
         messages.append(
             Warning(
                 "RATELIMITS['BACKEND'] is 'memory': every worker process counts on its own.",
@@ -100,4 +133,15 @@ def check_deployment(app_configs: Any = None, **kwargs: Any) -> list[CheckMessag
                 id=W002,
             )
         )
+    if source.endswith(".DatabasePolicySource"):
+        ignored = [name for name in SETTINGS_SOURCE_ONLY if conf.is_set(SETTINGS[name])]
+        if ignored:
+            messages.append(
+                Warning(
+                    f"{', '.join(f'RATELIMITS[{n!r}]' for n in ignored)} set, but POLICY_SOURCE is the database "
+                    "source, which reads tiers, endpoint policies and the fleet's capacity from the admin.",
+                    hint="Move them into the admin (ratelimits_import reads a document of them), or remove them.",
+                    id=W003,
+                )
+            )
     return messages

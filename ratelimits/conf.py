@@ -1,95 +1,363 @@
-"""Settings of ratelimits, read from ``settings.RATELIMITS`` when accessed.
+"""Settings of ratelimits: every key of ``settings.RATELIMITS``, its default and how it is validated.
 
-Each setting is one typed property, so ``override_settings`` just works; values read on every
-request, or costly to build (imported callables, parsed networks), are validated once and cached
-until a ``setting_changed`` signal.
+Each setting is declared once in :data:`SETTINGS` with a parser whose errors name it. Values are
+parsed on first use and cached until a ``setting_changed`` signal, so ``override_settings`` just
+works and a request reads a cached value. The system checks (:mod:`ratelimits.checks`) parse every
+setting at start-up, so a bad value fails ``manage.py check``, not the first request.
+
+Settings that describe policies (``TIERS``, ``ENDPOINTS``, ...) are checked here for their shape;
+the policy source that reads them checks their contents (rates, costs, references to tiers).
 """
 
 from __future__ import annotations
 
 import hashlib
 import ipaddress
-from collections.abc import Callable
-from typing import Any, TypeVar, cast
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
+from django.apps import apps
 from django.conf import settings
 from django.core.signals import setting_changed
 from django.utils.module_loading import import_string
+from redis.connection import parse_url
 
+from .choices import SHEDDABLE, FailMode, Priority
 from .exceptions import ConfigurationError
 from .rates import parse_duration
 
-__all__ = ["FAIL_MODES", "HEADER_STYLES", "conf"]
+if TYPE_CHECKING:
+    from django.db.models import Model
+
+__all__ = ["HEADER_STYLES", "POLICY_SOURCES", "SETTINGS", "Setting", "conf"]
 
 T = TypeVar("T")
 
-FAIL_MODES = ("open", "closed", "local")
 HEADER_STYLES = ("ietf", "github", "both", "none")
+#: Short names for ``POLICY_SOURCE``, like ``BACKEND``'s ``"memory"`` and ``"redis"``.
+POLICY_SOURCES = {
+    "settings": "ratelimits.policies.SettingsPolicySource",
+    "database": "ratelimits.policies.database.DatabasePolicySource",
+}
+#: The subject kinds ``DIMENSIONS`` may limit.
+DIMENSION_KINDS = ("ip", "user", "api_key", "org")
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
-DEFAULTS: dict[str, Any] = {
-    # Where counters live: "memory" (one process only), "redis", or a dotted path to a Backend.
-    "BACKEND": "memory",
-    "REDIS_URL": "redis://127.0.0.1:6379/0",
-    # The limiter's own client: tight timeouts, no retries (a consume is never sent twice).
-    "REDIS_SOCKET_TIMEOUT": "50ms",
-    "REDIS_CONNECT_TIMEOUT": "50ms",
-    "KEY_PREFIX": "rl",
-    # "redis": the script reads Redis TIME. "app": this process passes its clock, for Redis
-    # flavours that reject TIME in scripts (then keep app servers' clocks in sync).
-    "CLOCK": "redis",
-    # Policies: see docs/configuration.md.
-    "POLICY_SOURCE": "ratelimits.policies.SettingsPolicySource",
-    # With the database source: how often workers reload policies while the store is unreachable
-    # (otherwise they reload when the version stamp that comes back with every decision moves).
-    "POLICY_POLL_INTERVAL": "5s",
-    # ...and how often each worker compares its policies' version with the database's anyway.
-    "POLICY_RECHECK_INTERVAL": "60s",
-    "TIERS": {
-        "anonymous": {"rate": "20/s", "burst": 40},
-        "authenticated": {"rate": "100/s", "burst": 200},
-    },
-    "DEFAULT_TIERS": {"anonymous": "anonymous", "authenticated": "authenticated"},
-    "TIER_FUNC": None,
-    "DIMENSIONS": {},
-    # Slots (concurrency per subject, the fleet's in-flight set) expire after this if the worker
-    # holding them dies: keep it well above the slowest request.
-    "SLOT_TTL": "60s",
-    # The fleet load shedder (settings source; the database source reads the fleet settings row):
-    # requests in flight the fleet can serve (None: no fleet shedding), and per priority class the
-    # share of it above which that class is shed with a 503. Critical is never shed.
-    "FLEET_CAPACITY": None,
-    "SHED_THRESHOLDS": {"low": 60, "normal": 75, "high": 90},
-    # The worker utilisation shedder: requests this process serves at once (its threads; None:
-    # off). Lower classes are shed first, by SHED_THRESHOLDS, without asking Redis.
-    "WORKER_CAPACITY": None,
-    # Count every decision in per-minute usage counters, in the same round trip (see usage.py).
-    "USAGE": True,
-    "ENDPOINTS": {},
-    "EXEMPT_ENDPOINTS": [],
-    # Identity.
-    "API_KEY_FUNC": "ratelimits.identity.default_api_key",
-    # The model API keys are (``"app_label.Model"``): lets the admin suggest keys by name.
-    "API_KEY_MODEL": None,
-    "ORGANIZATION_FUNC": "ratelimits.identity.no_organization",
-    "TRUSTED_PROXIES": [],
-    "CLIENT_IP_HEADER": "HTTP_X_FORWARDED_FOR",
-    "IPV6_PREFIX": 64,
-    "HASH_KEY": None,
-    # The contract.
-    "HEADERS": "both",
-    "RETRY_AFTER_JITTER": "0ms",
-    # Failure handling.
-    "DEFAULT_FAIL_MODE": "open",
-    "LOCAL_FALLBACK_SHARE": 1.0,
-    "BREAKER_WINDOW": 20,
-    "BREAKER_MIN_CALLS": 5,
-    "BREAKER_FAILURE_RATE": 0.5,
-    "BREAKER_COOLDOWN": "2s",
+
+@dataclass(frozen=True, slots=True)
+class Setting(Generic[T]):
+    """One key of ``settings.RATELIMITS``: its default and the parser that validates a value."""
+
+    name: str
+    default: Any
+    #: ``(value, field) -> parsed``; raises :class:`ConfigurationError` naming ``field``.
+    parser: Callable[[Any, str], T]
+
+    @property
+    def field(self) -> str:
+        return f"RATELIMITS['{self.name}']"
+
+    def parse(self, value: Any) -> T:
+        try:
+            return self.parser(value, self.field)
+        except ConfigurationError as exc:
+            raise ConfigurationError(str(exc), setting=self.name) from None
+
+
+# -- parsers: (value, field) -> parsed value ----------------------------------------------------
+
+
+def _text(value: object, field: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigurationError(f"{field}: {value!r} must be a non-empty string")
+    return value.strip()
+
+
+def _choice(choices: Sequence[str]) -> Callable[[object, str], str]:
+    def parse(value: object, field: str) -> str:
+        if value not in choices:
+            raise ConfigurationError(f"{field}: {value!r} must be one of {', '.join(map(repr, choices))}")
+        return str(value)
+
+    return parse
+
+
+def _redis_url(value: object, field: str) -> str:
+    url = _text(value, field)
+    try:
+        parse_url(url)  # type: ignore[no-untyped-call]  # redis-py's own URL parser
+    except ValueError as exc:
+        raise ConfigurationError(f"{field}: {url!r} is not a Redis URL: {exc}") from None
+    return url
+
+
+def _seconds(value: object, field: str) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value > 0:
+            return float(value)
+        raise ConfigurationError(f"{field}: {value!r} must be a positive number of seconds or a duration like '50ms'")
+    return parse_duration(value, field=field) / 1_000_000
+
+
+def _duration_us(value: object, field: str) -> int:
+    return parse_duration(value, field=field)
+
+
+def _jitter_us(value: object, field: str) -> int:
+    if value in ("0", "0ms", "0s", 0):
+        return 0
+    return parse_duration(value, field=field)
+
+
+def _key_prefix(value: object, field: str) -> str:
+    prefix = value if isinstance(value, str) else ""
+    if not prefix or "{" in prefix or "}" in prefix or " " in prefix:
+        raise ConfigurationError(f"{field}: {value!r} must be a non-empty string without braces or spaces")
+    return prefix
+
+
+def _policy_source(value: object, field: str) -> str:
+    name = _text(value, field)
+    return POLICY_SOURCES.get(name, name)
+
+
+def _positive_int(value: object, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(f"{field}: {value!r} must be a positive integer")
+    return value
+
+
+def _optional_positive_int(value: object, field: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(f"{field}: {value!r} must be a positive integer or None")
+    return value
+
+
+def _share(value: object, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ConfigurationError(f"{field}: {value!r} must be a number in (0, 1]")
+    return float(value)
+
+
+def _boolean(value: object, field: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"{field}: {value!r} must be True or False")
+    return value
+
+
+def _mapping(value: object, field: str) -> dict[str, Any]:
+    if not isinstance(value, Mapping) or not all(isinstance(key, str) for key in value):
+        raise ConfigurationError(f"{field}: expected a dict with string keys, got {value!r}")
+    return dict(value)
+
+
+def _tiers(value: object, field: str) -> dict[str, Any]:
+    tiers = _mapping(value, field)
+    if not tiers:
+        raise ConfigurationError(f"{field} must be a non-empty dict of tier name to policy")
+    return tiers
+
+
+def _default_tiers(value: object, field: str) -> dict[str, str]:
+    defaults = _mapping(value, field)
+    unknown = set(defaults) - {"anonymous", "authenticated"}
+    if unknown:
+        raise ConfigurationError(f"{field}: unknown keys {', '.join(sorted(unknown))}; use anonymous and authenticated")
+    for kind, name in defaults.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigurationError(f"{field}['{kind}']: {name!r} must be a tier name")
+    return cast(dict[str, str], defaults)
+
+
+def _dimensions(value: object, field: str) -> dict[str, Any]:
+    dimensions = _mapping(value, field)
+    for kind in dimensions:
+        if kind not in DIMENSION_KINDS:
+            raise ConfigurationError(f"{field}: {kind!r} must be one of {', '.join(DIMENSION_KINDS)}")
+    return dimensions
+
+
+def _exempt_endpoints(value: object, field: str) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise ConfigurationError(f"{field} must be a list of endpoint names")
+    for name in value:
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigurationError(f"{field}: {name!r} must be an endpoint name")
+    return tuple(name.strip() for name in value)
+
+
+def _thresholds(value: object, field: str) -> dict[Priority, int]:
+    names = {p.value for p in SHEDDABLE}
+    if not isinstance(value, Mapping) or set(value) - names:
+        raise ConfigurationError(f"{field} must be a dict with keys low, normal and high (critical is never shed)")
+    thresholds = {}
+    for priority in SHEDDABLE:
+        percent = value.get(priority.value, 100)
+        if isinstance(percent, bool) or not isinstance(percent, int) or not 1 <= percent <= 100:
+            raise ConfigurationError(f"{field}['{priority}']: {percent!r} must be a percentage from 1 to 100")
+        thresholds[priority] = percent
+    if not thresholds[Priority.LOW] <= thresholds[Priority.NORMAL] <= thresholds[Priority.HIGH]:
+        raise ConfigurationError(f"{field}: thresholds must rise with priority (low <= normal <= high)")
+    return thresholds
+
+
+def _callable(value: object, field: str) -> Callable[..., Any]:
+    if callable(value):
+        return value
+    try:
+        found = import_string(_text(value, field))
+    except ImportError as exc:
+        raise ConfigurationError(f"{field}: cannot import {value!r}: {exc}") from exc
+    if not callable(found):
+        raise ConfigurationError(f"{field}: {value!r} is not callable")
+    return cast(Callable[..., Any], found)
+
+
+def _optional_callable(value: object, field: str) -> Callable[..., Any] | None:
+    return None if value is None else _callable(value, field)
+
+
+def _model(value: object, field: str) -> type[Model] | None:
+    if value is None:
+        return None
+    try:
+        return apps.get_model(_text(value, field))
+    except (LookupError, ValueError) as exc:
+        raise ConfigurationError(f"{field}: {value!r} is not an installed model ({exc})") from None
+
+
+def _networks(value: object, field: str) -> tuple[IPNetwork, ...]:
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise ConfigurationError(f"{field} must be a list of addresses or networks")
+    networks = []
+    for item in value:
+        try:
+            networks.append(ipaddress.ip_network(str(item), strict=False))
+        except ValueError:
+            raise ConfigurationError(f"{field}: {item!r} is not an IP address or network") from None
+    return tuple(networks)
+
+
+_META_KEY = re.compile(r"[A-Z][A-Z0-9_]*", re.ASCII)
+
+
+def _meta_key(value: object, field: str) -> str:
+    if not isinstance(value, str) or not _META_KEY.fullmatch(value):
+        raise ConfigurationError(
+            f"{field}: {value!r} must be a request.META key such as 'HTTP_X_FORWARDED_FOR' (upper case, underscores)"
+        )
+    return value
+
+
+def _ipv6_prefix(value: object, field: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 128:
+        raise ConfigurationError(f"{field}: {value!r} must be an integer from 1 to 128")
+    return value
+
+
+def _hash_key(value: object, field: str) -> bytes:
+    if value is not None and (not isinstance(value, (str, bytes)) or not value):
+        raise ConfigurationError(f"{field}: {value!r} must be a non-empty string or None (then SECRET_KEY is used)")
+    secret = value if value is not None else settings.SECRET_KEY
+    raw = secret if isinstance(secret, bytes) else str(secret).encode()
+    return hashlib.blake2b(raw, digest_size=32, person=b"ratelimits").digest()
+
+
+def _fail_mode(value: object, field: str) -> FailMode:
+    return FailMode.parse(value, field=field)
+
+
+# -- the settings -------------------------------------------------------------------------------
+
+BACKEND = Setting("BACKEND", "memory", _text)
+REDIS_URL = Setting("REDIS_URL", "redis://127.0.0.1:6379/0", _redis_url)
+REDIS_SOCKET_TIMEOUT = Setting("REDIS_SOCKET_TIMEOUT", "50ms", _seconds)
+REDIS_CONNECT_TIMEOUT = Setting("REDIS_CONNECT_TIMEOUT", "50ms", _seconds)
+KEY_PREFIX = Setting("KEY_PREFIX", "rl", _key_prefix)
+CLOCK = Setting("CLOCK", "redis", _choice(("redis", "app")))
+POLICY_SOURCE = Setting("POLICY_SOURCE", "settings", _policy_source)
+POLICY_POLL_INTERVAL = Setting("POLICY_POLL_INTERVAL", "5s", _seconds)
+POLICY_RECHECK_INTERVAL = Setting("POLICY_RECHECK_INTERVAL", "60s", _seconds)
+TIERS = Setting(
+    "TIERS",
+    {"anonymous": {"rate": "20/s", "burst": 40}, "authenticated": {"rate": "100/s", "burst": 200}},
+    _tiers,
+)
+DEFAULT_TIERS = Setting("DEFAULT_TIERS", {"anonymous": "anonymous", "authenticated": "authenticated"}, _default_tiers)
+TIER_FUNC = Setting("TIER_FUNC", None, _optional_callable)
+DIMENSIONS = Setting("DIMENSIONS", {}, _dimensions)
+SLOT_TTL = Setting("SLOT_TTL", "60s", _duration_us)
+FLEET_CAPACITY = Setting("FLEET_CAPACITY", None, _optional_positive_int)
+SHED_THRESHOLDS = Setting("SHED_THRESHOLDS", {"low": 60, "normal": 75, "high": 90}, _thresholds)
+WORKER_CAPACITY = Setting("WORKER_CAPACITY", None, _optional_positive_int)
+USAGE = Setting("USAGE", True, _boolean)
+ENDPOINTS = Setting("ENDPOINTS", {}, _mapping)
+EXEMPT_ENDPOINTS = Setting("EXEMPT_ENDPOINTS", [], _exempt_endpoints)
+API_KEY_FUNC = Setting("API_KEY_FUNC", "ratelimits.identity.default_api_key", _callable)
+API_KEY_MODEL = Setting("API_KEY_MODEL", None, _model)
+ORGANIZATION_FUNC = Setting("ORGANIZATION_FUNC", "ratelimits.identity.no_organization", _callable)
+TRUSTED_PROXIES = Setting("TRUSTED_PROXIES", [], _networks)
+CLIENT_IP_HEADER = Setting("CLIENT_IP_HEADER", "HTTP_X_FORWARDED_FOR", _meta_key)
+IPV6_PREFIX = Setting("IPV6_PREFIX", 64, _ipv6_prefix)
+HASH_KEY = Setting("HASH_KEY", None, _hash_key)
+HEADERS = Setting("HEADERS", "both", _choice(HEADER_STYLES))
+RETRY_AFTER_JITTER = Setting("RETRY_AFTER_JITTER", "0ms", _jitter_us)
+DEFAULT_FAIL_MODE = Setting("DEFAULT_FAIL_MODE", "open", _fail_mode)
+LOCAL_FALLBACK_SHARE = Setting("LOCAL_FALLBACK_SHARE", 1.0, _share)
+BREAKER_WINDOW = Setting("BREAKER_WINDOW", 20, _positive_int)
+BREAKER_MIN_CALLS = Setting("BREAKER_MIN_CALLS", 5, _positive_int)
+BREAKER_FAILURE_RATE = Setting("BREAKER_FAILURE_RATE", 0.5, _share)
+BREAKER_COOLDOWN = Setting("BREAKER_COOLDOWN", "2s", _seconds)
+
+#: Every setting, by name, in the order docs/configuration.md lists them.
+SETTINGS: dict[str, Setting[Any]] = {
+    s.name: s
+    for s in (
+        BACKEND,
+        REDIS_URL,
+        REDIS_SOCKET_TIMEOUT,
+        REDIS_CONNECT_TIMEOUT,
+        KEY_PREFIX,
+        CLOCK,
+        POLICY_SOURCE,
+        POLICY_POLL_INTERVAL,
+        POLICY_RECHECK_INTERVAL,
+        TIERS,
+        DEFAULT_TIERS,
+        TIER_FUNC,
+        DIMENSIONS,
+        SLOT_TTL,
+        FLEET_CAPACITY,
+        SHED_THRESHOLDS,
+        WORKER_CAPACITY,
+        USAGE,
+        ENDPOINTS,
+        EXEMPT_ENDPOINTS,
+        API_KEY_FUNC,
+        API_KEY_MODEL,
+        ORGANIZATION_FUNC,
+        TRUSTED_PROXIES,
+        CLIENT_IP_HEADER,
+        IPV6_PREFIX,
+        HASH_KEY,
+        HEADERS,
+        RETRY_AFTER_JITTER,
+        DEFAULT_FAIL_MODE,
+        LOCAL_FALLBACK_SHARE,
+        BREAKER_WINDOW,
+        BREAKER_MIN_CALLS,
+        BREAKER_FAILURE_RATE,
+        BREAKER_COOLDOWN,
+    )
 }
 
 
 class Settings:
-    """Typed access to ``settings.RATELIMITS``; unknown keys are reported by the system checks."""
+    """Typed, validated, cached access to ``settings.RATELIMITS``."""
 
     def __init__(self) -> None:
         self._cache: dict[str, Any] = {}
@@ -98,238 +366,164 @@ class Settings:
         self._cache.clear()
 
     @property
-    def user_settings(self) -> dict[str, Any]:
+    def user_settings(self) -> Mapping[str, Any]:
+        """``settings.RATELIMITS`` as the project wrote it (a dict, or a :class:`ConfigurationError`)."""
         value = getattr(settings, "RATELIMITS", {})
         if not isinstance(value, dict):
             raise ConfigurationError(f"RATELIMITS must be a dict, got {type(value).__name__}")
         return value
 
-    def get(self, name: str) -> Any:
-        return self.user_settings.get(name, DEFAULTS[name])
+    def is_set(self, setting: Setting[Any]) -> bool:
+        """Whether the project sets ``setting`` itself (rather than relying on its default)."""
+        return setting.name in self.user_settings
 
-    def _cached(self, name: str, build: Callable[[], T]) -> T:
-        if name not in self._cache:
-            self._cache[name] = build()
-        return cast(T, self._cache[name])
+    def value(self, setting: Setting[T]) -> T:
+        """The parsed value of ``setting``; raises :class:`ConfigurationError` naming it if invalid."""
+        try:
+            return cast(T, self._cache[setting.name])
+        except KeyError:
+            pass
+        parsed = self._cache[setting.name] = setting.parse(self.user_settings.get(setting.name, setting.default))
+        return parsed
+
+    # One typed property per setting (docs/configuration.md says what each is for).
 
     @property
     def backend(self) -> str:
-        return str(self.get("BACKEND"))
+        return self.value(BACKEND)
 
     @property
     def redis_url(self) -> str:
-        return str(self.get("REDIS_URL"))
+        return self.value(REDIS_URL)
 
     @property
     def redis_socket_timeout(self) -> float:
-        return _seconds(self.get("REDIS_SOCKET_TIMEOUT"), "REDIS_SOCKET_TIMEOUT")
+        return self.value(REDIS_SOCKET_TIMEOUT)
 
     @property
     def redis_connect_timeout(self) -> float:
-        return _seconds(self.get("REDIS_CONNECT_TIMEOUT"), "REDIS_CONNECT_TIMEOUT")
+        return self.value(REDIS_CONNECT_TIMEOUT)
 
     @property
     def key_prefix(self) -> str:
-        prefix = str(self.get("KEY_PREFIX"))
-        if not prefix or "{" in prefix or "}" in prefix or " " in prefix:
-            raise ConfigurationError(
-                f"RATELIMITS['KEY_PREFIX']: {prefix!r} must be non-empty, without braces or spaces"
-            )
-        return prefix
+        return self.value(KEY_PREFIX)
 
     @property
     def use_redis_time(self) -> bool:
-        clock = self.get("CLOCK")
-        if clock not in ("redis", "app"):
-            raise ConfigurationError(f"RATELIMITS['CLOCK']: {clock!r} must be 'redis' or 'app'")
-        return bool(clock == "redis")
-
-    @property
-    def policy_poll_interval(self) -> float:
-        return self._cached(
-            "POLICY_POLL_INTERVAL", lambda: _seconds(self.get("POLICY_POLL_INTERVAL"), "POLICY_POLL_INTERVAL")
-        )
-
-    @property
-    def policy_recheck_interval(self) -> float:
-        return self._cached(
-            "POLICY_RECHECK_INTERVAL", lambda: _seconds(self.get("POLICY_RECHECK_INTERVAL"), "POLICY_RECHECK_INTERVAL")
-        )
-
-    @property
-    def slot_ttl_us(self) -> int:
-        return self._cached("SLOT_TTL", lambda: parse_duration(self.get("SLOT_TTL"), field="RATELIMITS['SLOT_TTL']"))
-
-    @property
-    def fleet_capacity(self) -> int | None:
-        return self._cached("FLEET_CAPACITY", lambda: _optional_positive(self.get("FLEET_CAPACITY"), "FLEET_CAPACITY"))
-
-    @property
-    def worker_capacity(self) -> int | None:
-        return self._cached(
-            "WORKER_CAPACITY", lambda: _optional_positive(self.get("WORKER_CAPACITY"), "WORKER_CAPACITY")
-        )
-
-    @property
-    def shed_thresholds(self) -> dict[str, int]:
-        return self._cached("SHED_THRESHOLDS", self._parse_thresholds)
-
-    def _parse_thresholds(self) -> dict[str, int]:
-        raw = self.get("SHED_THRESHOLDS")
-        field = "RATELIMITS['SHED_THRESHOLDS']"
-        if not isinstance(raw, dict) or set(raw) - {"low", "normal", "high"}:
-            raise ConfigurationError(f"{field} must be a dict with keys low, normal and high (critical is never shed)")
-        thresholds = {}
-        for klass in ("low", "normal", "high"):
-            value = raw.get(klass, 100)
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 100:
-                raise ConfigurationError(f"{field}['{klass}']: {value!r} must be a percentage from 1 to 100")
-            thresholds[klass] = value
-        if not thresholds["low"] <= thresholds["normal"] <= thresholds["high"]:
-            raise ConfigurationError(f"{field}: thresholds must rise with priority (low <= normal <= high)")
-        return thresholds
-
-    @property
-    def usage_counting(self) -> bool:
-        return self._cached("USAGE", lambda: bool(self.get("USAGE")))
+        """``CLOCK``: whether decisions read Redis ``TIME`` (else the app passes its clock)."""
+        return self.value(CLOCK) == "redis"
 
     @property
     def policy_source(self) -> str:
-        return str(self.get("POLICY_SOURCE"))
+        """``POLICY_SOURCE`` as a dotted path (the short names resolved)."""
+        return self.value(POLICY_SOURCE)
+
+    @property
+    def policy_poll_interval(self) -> float:
+        return self.value(POLICY_POLL_INTERVAL)
+
+    @property
+    def policy_recheck_interval(self) -> float:
+        return self.value(POLICY_RECHECK_INTERVAL)
+
+    @property
+    def tiers(self) -> dict[str, Any]:
+        return self.value(TIERS)
+
+    @property
+    def default_tiers(self) -> dict[str, str]:
+        return self.value(DEFAULT_TIERS)
 
     @property
     def tier_func(self) -> Callable[..., str | None] | None:
-        return self._cached("TIER_FUNC", lambda: _callable_or_none(self.get("TIER_FUNC"), "TIER_FUNC"))
+        return self.value(TIER_FUNC)
+
+    @property
+    def dimensions(self) -> dict[str, Any]:
+        return self.value(DIMENSIONS)
+
+    @property
+    def slot_ttl_us(self) -> int:
+        return self.value(SLOT_TTL)
+
+    @property
+    def fleet_capacity(self) -> int | None:
+        return self.value(FLEET_CAPACITY)
+
+    @property
+    def shed_thresholds(self) -> dict[Priority, int]:
+        return self.value(SHED_THRESHOLDS)
+
+    @property
+    def worker_capacity(self) -> int | None:
+        return self.value(WORKER_CAPACITY)
+
+    @property
+    def usage_counting(self) -> bool:
+        return self.value(USAGE)
+
+    @property
+    def endpoints(self) -> dict[str, Any]:
+        return self.value(ENDPOINTS)
+
+    @property
+    def exempt_endpoints(self) -> tuple[str, ...]:
+        return self.value(EXEMPT_ENDPOINTS)
 
     @property
     def api_key_func(self) -> Callable[[Any], str | None]:
-        return self._cached("API_KEY_FUNC", lambda: _callable(self.get("API_KEY_FUNC"), "API_KEY_FUNC"))
+        return self.value(API_KEY_FUNC)
+
+    @property
+    def api_key_model(self) -> type[Model] | None:
+        return self.value(API_KEY_MODEL)
 
     @property
     def organization_func(self) -> Callable[[Any], str | None]:
-        return self._cached("ORGANIZATION_FUNC", lambda: _callable(self.get("ORGANIZATION_FUNC"), "ORGANIZATION_FUNC"))
+        return self.value(ORGANIZATION_FUNC)
 
     @property
-    def trusted_proxies(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
-        return self._cached("TRUSTED_PROXIES", self._parse_proxies)
-
-    def _parse_proxies(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
-        raw = self.get("TRUSTED_PROXIES")
-        if isinstance(raw, str) or not isinstance(raw, (list, tuple)):
-            raise ConfigurationError("RATELIMITS['TRUSTED_PROXIES'] must be a list of addresses or networks")
-        networks = []
-        for item in raw:
-            try:
-                networks.append(ipaddress.ip_network(str(item), strict=False))
-            except ValueError:
-                raise ConfigurationError(
-                    f"RATELIMITS['TRUSTED_PROXIES']: {item!r} is not an IP address or network"
-                ) from None
-        return tuple(networks)
+    def trusted_proxies(self) -> tuple[IPNetwork, ...]:
+        return self.value(TRUSTED_PROXIES)
 
     @property
     def client_ip_header(self) -> str:
-        return str(self.get("CLIENT_IP_HEADER"))
+        return self.value(CLIENT_IP_HEADER)
 
     @property
     def ipv6_prefix(self) -> int:
-        return self._cached("IPV6_PREFIX", self._parse_ipv6_prefix)
-
-    def _parse_ipv6_prefix(self) -> int:
-        prefix = self.get("IPV6_PREFIX")
-        if not isinstance(prefix, int) or isinstance(prefix, bool) or not 1 <= prefix <= 128:
-            raise ConfigurationError(f"RATELIMITS['IPV6_PREFIX']: {prefix!r} must be an integer from 1 to 128")
-        return prefix
+        return self.value(IPV6_PREFIX)
 
     @property
     def hash_key(self) -> bytes:
-        def build() -> bytes:
-            secret = self.get("HASH_KEY") or settings.SECRET_KEY
-            return hashlib.blake2b(str(secret).encode(), digest_size=32, person=b"ratelimits").digest()
-
-        return self._cached("HASH_KEY", build)
+        return self.value(HASH_KEY)
 
     @property
     def headers(self) -> str:
-        return self._cached("HEADERS", self._parse_headers)
-
-    def _parse_headers(self) -> str:
-        style = self.get("HEADERS")
-        if style not in HEADER_STYLES:
-            raise ConfigurationError(f"RATELIMITS['HEADERS']: {style!r} must be one of {', '.join(HEADER_STYLES)}")
-        return str(style)
+        return self.value(HEADERS)
 
     @property
     def retry_after_jitter_us(self) -> int:
-        return self._cached("RETRY_AFTER_JITTER", self._parse_jitter)
-
-    def _parse_jitter(self) -> int:
-        value = self.get("RETRY_AFTER_JITTER")
-        if value in ("0", "0ms", "0s", 0):
-            return 0
-        return parse_duration(value, field="RATELIMITS['RETRY_AFTER_JITTER']")
+        return self.value(RETRY_AFTER_JITTER)
 
     @property
-    def default_fail_mode(self) -> str:
-        return fail_mode(self.get("DEFAULT_FAIL_MODE"), field="RATELIMITS['DEFAULT_FAIL_MODE']")
+    def default_fail_mode(self) -> FailMode:
+        return self.value(DEFAULT_FAIL_MODE)
 
     @property
     def local_fallback_share(self) -> float:
-        share = self.get("LOCAL_FALLBACK_SHARE")
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
-            raise ConfigurationError(f"RATELIMITS['LOCAL_FALLBACK_SHARE']: {share!r} must be a number in (0, 1]")
-        return float(share)
+        return self.value(LOCAL_FALLBACK_SHARE)
 
     @property
     def breaker(self) -> dict[str, Any]:
-        window = self.get("BREAKER_WINDOW")
-        min_calls = self.get("BREAKER_MIN_CALLS")
-        rate = self.get("BREAKER_FAILURE_RATE")
-        for name, value in (("BREAKER_WINDOW", window), ("BREAKER_MIN_CALLS", min_calls)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigurationError(f"RATELIMITS['{name}']: {value!r} must be a positive integer")
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1:
-            raise ConfigurationError(f"RATELIMITS['BREAKER_FAILURE_RATE']: {rate!r} must be a number in (0, 1]")
+        """The circuit breaker's arguments (``BREAKER_*``)."""
+        window = self.value(BREAKER_WINDOW)
         return {
             "window": window,
-            "min_calls": min(min_calls, window),
-            "failure_rate": float(rate),
-            "cooldown": _seconds(self.get("BREAKER_COOLDOWN"), "BREAKER_COOLDOWN"),
+            "min_calls": min(self.value(BREAKER_MIN_CALLS), window),
+            "failure_rate": self.value(BREAKER_FAILURE_RATE),
+            "cooldown": self.value(BREAKER_COOLDOWN),
         }
-
-
-def fail_mode(value: object, *, field: str) -> str:
-    """Validate a fail mode name."""
-    if value not in FAIL_MODES:
-        raise ConfigurationError(f"{field}: {value!r} must be one of {', '.join(FAIL_MODES)}")
-    return str(value)
-
-
-def _seconds(value: object, name: str) -> float:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return float(value)
-    return parse_duration(value, field=f"RATELIMITS['{name}']") / 1_000_000
-
-
-def _optional_positive(value: object, name: str) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigurationError(f"RATELIMITS['{name}']: {value!r} must be a positive integer or None")
-    return value
-
-
-def _callable(path: object, name: str) -> Callable[..., Any]:
-    if callable(path):
-        return path
-    try:
-        return import_string(str(path))  # type: ignore[no-any-return]
-    except ImportError as exc:
-        raise ConfigurationError(f"RATELIMITS['{name}']: cannot import {path!r}: {exc}") from exc
-
-
-def _callable_or_none(path: object, name: str) -> Callable[..., Any] | None:
-    return None if path is None else _callable(path, name)
 
 
 conf = Settings()
@@ -340,4 +534,4 @@ def _reset(*, setting: str, **kwargs: Any) -> None:
         conf.clear()
 
 
-setting_changed.connect(_reset)
+setting_changed.connect(_reset, dispatch_uid="ratelimits.conf.reset")

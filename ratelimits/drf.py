@@ -8,7 +8,7 @@ from django.http import HttpResponse
 from rest_framework import exceptions
 from rest_framework.request import Request
 
-from .engine import Decision
+from .decisions import Decision
 from .problems import problem_response
 
 __all__ = ["RateLimitUnavailable", "endpoint_name", "exception_handler"]

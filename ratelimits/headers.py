@@ -6,7 +6,7 @@ import math
 import random
 
 from .conf import conf
-from .engine import Decision
+from .decisions import Decision
 
 __all__ = ["rate_limit_headers", "retry_after_seconds"]
 

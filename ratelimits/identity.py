@@ -9,6 +9,7 @@ import ipaddress
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .conf import conf
@@ -16,7 +17,7 @@ from .conf import conf
 if TYPE_CHECKING:
     from django.http import HttpRequest
 
-__all__ = ["Identity", "Subject", "client_ip", "identify", "ip_subject_value", "normalize_ip"]
+__all__ = ["Identity", "Subject", "SubjectKind", "client_ip", "identify", "ip_subject_value", "normalize_ip"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +59,46 @@ def _digest(key: bytes, kind: str, value: str) -> str:
     return base64.urlsafe_b64encode(raw).decode("ascii")
 
 
+class SubjectKind(StrEnum):
+    """What a subject is. The first four are callers' identities that policies can be assigned to."""
+
+    API_KEY = "api_key"
+    USER = "user"
+    ORG = "org"
+    IP = "ip"
+    #: An endpoint as a whole: what its all-callers limit counts.
+    ENDPOINT = "endpoint"
+    #: The whole fleet: what the load shedder's in-flight set counts.
+    FLEET = "fleet"
+
+    @property
+    def label(self) -> str:
+        return _KIND_LABELS[self]
+
+
+_KIND_LABELS = {
+    SubjectKind.API_KEY: "API key",
+    SubjectKind.USER: "user",
+    SubjectKind.ORG: "organisation",
+    SubjectKind.IP: "IP address or network",
+    SubjectKind.ENDPOINT: "endpoint",
+    SubjectKind.FLEET: "fleet",
+}
+#: The kinds a tier can be assigned to and an override can name (the callers' identities).
+ASSIGNABLE_KINDS = (SubjectKind.API_KEY, SubjectKind.USER, SubjectKind.ORG, SubjectKind.IP)
+
+
 @dataclass(frozen=True, slots=True)
 class Subject:
-    """One dimension a request can be limited by, such as ``Subject("ip", "203.0.113.7")``."""
+    """One dimension a request can be limited by, such as ``Subject(SubjectKind.IP, "203.0.113.7")``."""
 
-    kind: str
+    kind: SubjectKind
     value: str
     _digest: str = field(default="", init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if type(self.kind) is not SubjectKind:  # a plain string ("ip"): checked, and made the enum
+            object.__setattr__(self, "kind", SubjectKind(self.kind))
 
     @property
     def digest(self) -> str:
@@ -106,6 +140,20 @@ class Identity:
             if subject is not None:
                 yield subject
 
+    def subject(self, kind: SubjectKind) -> Subject | None:
+        """This request's subject of ``kind`` (``None`` if it has none)."""
+        if kind is SubjectKind.IP:
+            return self.ip
+        if kind is SubjectKind.API_KEY:
+            return self.api_key
+        if kind is SubjectKind.USER:
+            return self.user
+        if kind is SubjectKind.ORG:
+            return self.organization
+        if kind is SubjectKind.ENDPOINT:
+            return self.endpoint
+        return None
+
 
 def identify(request: HttpRequest, *, endpoint: str, auth: Any = None, user: Any = None) -> Identity:
     """Build the :class:`Identity` of ``request``.
@@ -116,15 +164,15 @@ def identify(request: HttpRequest, *, endpoint: str, auth: Any = None, user: Any
     """
     user_subject = None
     if user is not None and getattr(user, "is_authenticated", False):
-        user_subject = Subject("user", str(user.pk))
+        user_subject = Subject(SubjectKind.USER, str(user.pk))
     api_key = conf.api_key_func(auth) if auth is not None else None
     organization = conf.organization_func(request)
     return Identity(
-        ip=Subject("ip", client_ip(request)),
-        endpoint=Subject("endpoint", endpoint),
+        ip=Subject(SubjectKind.IP, client_ip(request)),
+        endpoint=Subject(SubjectKind.ENDPOINT, endpoint),
         user=user_subject,
-        api_key=Subject("api_key", str(api_key)) if api_key is not None else None,
-        organization=Subject("org", str(organization)) if organization is not None else None,
+        api_key=Subject(SubjectKind.API_KEY, str(api_key)) if api_key is not None else None,
+        organization=Subject(SubjectKind.ORG, str(organization)) if organization is not None else None,
     )
 
 

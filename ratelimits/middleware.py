@@ -8,7 +8,8 @@ from typing import Any, TypeVar
 
 from django.http import HttpRequest, HttpResponse
 
-from .engine import Decision, evaluate
+from .decisions import Decision
+from .engine import evaluate
 from .headers import rate_limit_headers
 from .problems import problem_response
 

@@ -2,7 +2,7 @@
 
 Every change is audited in the same transaction and, once committed, bumps the policy version
 stamp in Redis so every worker reloads its in-process copy on its next request
-(see :mod:`ratelimits.sources`).
+(see :mod:`ratelimits.policies.audit` and :mod:`ratelimits.policies.database`).
 """
 
 from __future__ import annotations
@@ -16,28 +16,24 @@ from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models, transaction
+from django.dispatch import Signal
 from django.utils import timezone
 
 from .algorithms import RATE_ALGORITHMS, Algorithm
+from .choices import SHEDDABLE, FailMode, Priority
 from .exceptions import ConfigurationError
-from .policies import PRIORITIES
+from .identity import ASSIGNABLE_KINDS, SubjectKind
 from .rates import parse_rate
 
 ALGORITHM_CHOICES = [(a.value, a.value.replace("_", " ")) for a in RATE_ALGORITHMS]
-FAIL_MODE_CHOICES = [
-    ("", "fleet default"),
-    ("open", "open: allow when the limiter is down"),
-    ("closed", "closed: 503 when the limiter is down"),
-    ("local", "local: per-process limit when the limiter is down"),
-]
-PRIORITY_CHOICES = [(p, p) for p in PRIORITIES]
+FAIL_MODE_CHOICES = [("", "fleet default"), *((mode.value, mode.description) for mode in FailMode)]
+PRIORITY_CHOICES = [(p.value, p.value) for p in Priority]
 METHOD_CHOICES = [(m, m) for m in ("ANY", "GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")]
-SUBJECT_KINDS = [
-    ("api_key", "API key"),
-    ("user", "user"),
-    ("org", "organisation"),
-    ("ip", "IP address or network"),
-]
+SUBJECT_KINDS = [(kind.value, kind.label) for kind in ASSIGNABLE_KINDS]
+
+#: Sent by a policy queryset's ``update()`` with the rows as they were (``before``) and the
+#: ``changes``: the audit trail records them (:mod:`ratelimits.policies.audit`).
+rows_updated = Signal()
 # Not starting with "/": that is a URL path, which never matches an endpoint name.
 _ENDPOINT = re.compile(r"[A-Za-z0-9_.:-][A-Za-z0-9_.:/-]{0,149}", re.ASCII)
 _IDENTIFIER = re.compile(r"[^\s\x00-\x1f\x7f]{1,200}")
@@ -68,7 +64,7 @@ def validate_subject(kind: str, identifier: str) -> str:
     identifier = identifier.strip()
     if not _IDENTIFIER.fullmatch(identifier):
         raise ValidationError({"subject_id": "Enter an identifier of 1 to 200 visible characters."})
-    if kind == "ip":
+    if kind == SubjectKind.IP:
         try:
             network = ipaddress.ip_network(identifier, strict=False)
         except ValueError:
@@ -78,7 +74,7 @@ def validate_subject(kind: str, identifier: str) -> str:
         # One address is stored as the address ("203.0.113.7", not "/32"): the value of the IP subject
         # a request from it has, which overrides are matched against.
         return str(network.network_address) if network.prefixlen == network.max_prefixlen else str(network)
-    if kind == "user" and not identifier.isdigit():
+    if kind == SubjectKind.USER and not identifier.isdigit():
         raise ValidationError({"subject_id": "A user is identified by its primary key (a number)."})
     return identifier
 
@@ -87,14 +83,12 @@ class RevisionedQuerySet(models.QuerySet):  # type: ignore[type-arg]
     """``update()`` through the app's API is audited and bumps the policy version like ``save()``."""
 
     def update(self, **kwargs: Any) -> int:
-        from .audit import record_bulk_update
-
         # Bumped like save() does, so a copy loaded before this update cannot silently undo it.
         kwargs.setdefault("revision", models.F("revision") + 1)
         with transaction.atomic(using=self.db):
             before = list(self)
             count = super().update(**kwargs)
-            record_bulk_update(self.model, before, kwargs)
+            rows_updated.send(sender=self.model, before=before, changes=kwargs)
         return count
 
 
@@ -233,7 +227,7 @@ class EndpointPolicy(Revisioned):
     )
     method = models.CharField(max_length=8, choices=METHOD_CHOICES, default="ANY")
     cost = models.PositiveIntegerField(default=1, validators=[MinValueValidator(1)], help_text="Tokens per request.")
-    priority = models.CharField(max_length=10, choices=PRIORITY_CHOICES, default="normal")
+    priority = models.CharField(max_length=10, choices=PRIORITY_CHOICES, default=Priority.NORMAL.value)
     per_caller_rate = models.CharField(
         max_length=32, blank=True, validators=[validate_rate], help_text="Limit per caller on this endpoint."
     )
@@ -346,7 +340,7 @@ class Override(Revisioned):
 class FleetSettings(Revisioned):
     """The one row of fleet-wide settings."""
 
-    default_fail_mode = models.CharField(max_length=10, choices=FAIL_MODE_CHOICES[1:], default="open")
+    default_fail_mode = models.CharField(max_length=10, choices=FAIL_MODE_CHOICES[1:], default=FailMode.OPEN.value)
     shadow = models.BooleanField(default=False, help_text="Global shadow switch: count everything, deny nothing.")
     anonymous_tier = models.ForeignKey(
         Tier, null=True, blank=True, on_delete=models.PROTECT, related_name="+", help_text="Tier of anonymous callers."
@@ -383,6 +377,11 @@ class FleetSettings(Revisioned):
     def save(self, *args: Any, **kwargs: Any) -> None:
         self.pk = 1  # one row only
         super().save(*args, **kwargs)
+
+    def shed_thresholds(self) -> dict[Priority, int]:
+        """The share of the capacity, per class, above which the fleet sheds it (percent)."""
+        percents = (self.shed_low_percent, self.shed_normal_percent, self.shed_high_percent)
+        return dict(zip(SHEDDABLE, percents, strict=True))
 
     @classmethod
     def load(cls) -> FleetSettings:

@@ -7,7 +7,7 @@ from typing import Any
 
 from django.http import HttpResponse
 
-from .engine import Decision, Verdict
+from .decisions import Decision, Verdict
 from .headers import rate_limit_headers, retry_after_seconds
 
 __all__ = ["CONTENT_TYPE", "problem_body", "problem_response"]
@@ -49,7 +49,7 @@ def problem_body(decision: Decision) -> dict[str, Any]:
         "status": 429,
         "detail": f"Over {len(decision.violated)} rate limit(s); retry in {seconds:g} s.",
         "retry_after_ms": decision.retry_after_ms,
-        "violated_policies": [
+        "violated-policies": [
             {
                 "policy": r.policy_name,
                 "subject": r.check.subject.kind,

@@ -1,44 +1,160 @@
-"""The caller's current limits without consuming anything (GitHub's ``GET /rate_limit``)."""
+"""A caller's current limits, consuming nothing: ``GET /rate_limit``, the admin's page and the command.
+
+All three read :func:`effective_limits`: the policy source explains the request's checks, one
+consume-nothing decision reads what is left, and :func:`~ratelimits.decisions.peek` turns each
+result into remaining, used and reset. So they list the same checks with the same figures.
+
+The admin page and the ``ratelimits_effective`` command have no request of the caller's: they
+build one (:func:`stand_in`) carrying the credential and user objects a real request would, so
+``TIER_FUNC`` and ``ORGANIZATION_FUNC`` place the caller as they would place its requests.
+"""
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass, replace
 from typing import Any
 
+from django.contrib.auth import get_user_model
+from django.core.exceptions import ValidationError
+from django.db.models import Model
+from django.http import HttpRequest
 from rest_framework.request import Request
 
-from .engine import evaluate
+from .conf import conf
+from .decisions import Peek, peek
+from .engine import get_limiter
+from .identity import Identity, Subject, SubjectKind, identify, normalize_ip
+from .policies.source import get_policy_source
+from .policies.values import Check, OriginKind
+from .usage import today_usage
 
-__all__ = ["current_limits"]
+__all__ = ["Caller", "EffectiveCheck", "EffectiveLimits", "current_limits", "effective_limits", "stand_in"]
 
 
-def current_limits(request: Request, *, endpoint: str) -> dict[str, Any]:
-    """Every policy that applies to ``request`` on ``endpoint``, with what is left right now."""
-    identity, decision = evaluate(request, endpoint=endpoint, auth=request.auth, user=request.user, consume=False)
+@dataclass(frozen=True, slots=True)
+class EffectiveCheck:
+    """One check a caller is subject to, where its values come from, and what is left under it."""
+
+    check: Check
+    origin: str
+    kind: OriginKind
+    #: ``None`` when the store could not be read (the limiter is degraded).
+    peek: Peek | None
+
+
+@dataclass(frozen=True, slots=True)
+class EffectiveLimits:
+    identity: Identity
+    checks: tuple[EffectiveCheck, ...]
+    #: The store could not be read: the checks are listed, what is left is not known.
+    degraded: bool
+
+
+def effective_limits(request: HttpRequest, identity: Identity, *, method: str | None = None) -> EffectiveLimits:
+    """Every check ``request`` (called with ``method``) is subject to, and what is left under each; spends nothing."""
+    source = get_policy_source()
+    explained = source.explain(request, identity, method=method)
+    decision = get_limiter().decide([e.check for e in explained], consume=False)
+    source.observe(decision)
+    # Matched by policy and subject: a degraded decision has results only for the checks it could
+    # decide in this process (fail mode "local"), under the same names.
+    results = {(r.check.policy.name, r.check.subject): r for r in decision.results}
+    checks = []
+    for entry in explained:
+        result = results.get((entry.check.policy.name, entry.check.subject))
+        seen = peek(result, now_us=decision.now_us) if result is not None else None
+        checks.append(EffectiveCheck(entry.check, entry.origin, entry.kind, seen))
+    return EffectiveLimits(identity, tuple(checks), decision.degraded)
+
+
+def current_limits(request: Request, *, endpoint: str, method: str = "GET") -> dict[str, Any]:
+    """``GET /rate_limit``: every policy that applies to the caller of ``request`` calling ``method endpoint``."""
+    identity = identify(request, endpoint=endpoint, auth=request.auth, user=request.user)
+    limits = effective_limits(request, identity, method=method)
     resources = []
-    for result in decision.results:
-        # A peek reports what would remain after one more request; add that request back.
-        remaining = result.remaining + result.check.cost if result.allowed else result.remaining
-        policy = result.check.policy
+    for entry in limits.checks:
+        policy = entry.check.policy
+        seen = entry.peek
         resources.append(
             {
                 "policy": policy.name,
-                "subject": result.check.subject.kind,
+                "subject": entry.check.subject.kind,
                 "description": policy.describe(),
                 "algorithm": policy.algorithm.value,
-                "limit": result.limit,
-                "remaining": min(remaining, result.limit),
-                "used": max(result.limit - remaining, 0),
-                "reset": math.ceil((decision.now_us + result.reset_us) / 1_000_000),
+                "limit": policy.capacity,
+                "remaining": seen.remaining if seen else None,
+                "used": seen.used if seen else None,
+                "reset": seen.reset_at if seen else None,
                 "window_seconds": policy.window_seconds,
-                "cost": result.check.cost,
+                "cost": entry.check.cost,
             }
         )
-    from .views import today_usage
-
     return {
         "endpoint": endpoint,
-        "degraded": decision.degraded,
+        "method": method,
+        "degraded": limits.degraded,
         "resources": resources,
         "today": today_usage(identity),
     }
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """A request as a caller would make it, for explaining its limits without one."""
+
+    request: HttpRequest
+    identity: Identity
+    #: The API key object found for the caller's API key identifier (``API_KEY_MODEL``), if any.
+    credential: Model | None
+
+
+def stand_in(
+    *,
+    endpoint: str,
+    method: str = "GET",
+    api_key: str = "",
+    user: str = "",
+    org: str = "",
+    ip: str = "",
+) -> Caller:
+    """The request and identity of a caller given by its identities (as the admin page takes them).
+
+    The request carries ``auth`` (the API key's object, when ``API_KEY_MODEL`` finds one whose
+    ``API_KEY_FUNC`` identifier is ``api_key``), ``user`` and the client address, so functions
+    that place callers see what they would see in the caller's requests. An identity given here
+    (an organisation typed in) wins over what they derive.
+    """
+    request = HttpRequest()
+    request.method = method.upper()
+    credential = find_credential(api_key) if api_key else None
+    user_object = get_user_model()._default_manager.filter(pk=user).first() if user.isdigit() else None
+    address = normalize_ip(ip) if ip else None
+    if address is not None:
+        request.META["REMOTE_ADDR"] = str(address)
+    request.auth = credential  # type: ignore[attr-defined]  # what DRF's authentication sets
+    request.user = user_object  # type: ignore[assignment]
+    identity = identify(request, endpoint=endpoint, auth=credential, user=user_object)
+    identity = replace(
+        identity,
+        api_key=Subject(SubjectKind.API_KEY, api_key) if api_key else identity.api_key,
+        user=Subject(SubjectKind.USER, user) if user else identity.user,
+        organization=Subject(SubjectKind.ORG, org) if org else identity.organization,
+    )
+    return Caller(request, identity, credential)
+
+
+def find_credential(identifier: str) -> Model | None:
+    """The ``API_KEY_MODEL`` object whose ``API_KEY_FUNC`` identifier is ``identifier``, if there is one.
+
+    The default identifier is ``"<model name>:<primary key>"``; any other must still come back
+    from ``API_KEY_FUNC`` for the object found, or nothing is found.
+    """
+    model = conf.api_key_model
+    name, _, pk = identifier.partition(":")
+    if model is None or name != model.__name__ or not pk:
+        return None
+    try:
+        found = model._default_manager.filter(pk=pk).first()
+    except (ValueError, TypeError, ValidationError):
+        return None
+    return found if found is not None and str(conf.api_key_func(found)) == identifier else None

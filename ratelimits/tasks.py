@@ -1,4 +1,4 @@
-"""Celery tasks: thin wrappers around the plain functions in ``ratelimits.usage`` and friends.
+"""Celery tasks: thin wrappers around the plain functions in ``ratelimits.usage`` and ``ratelimits.policies``.
 
 The only module that imports Celery. ``acks_late``: a task is acknowledged after it ran, so a
 worker killed mid-drain has its task delivered again; the drain is exactly-once by design.
@@ -11,8 +11,8 @@ from typing import Any
 from celery import shared_task
 
 from . import usage
-from .digest import send_digest
-from .expiry import expire_policies as _expire_policies
+from .policies.expiry import expire_policies as _expire_policies
+from .usage.digest import send_digest
 
 __all__ = ["drain_usage", "expire_policies", "maintain_usage", "near_limit_digest"]
 

@@ -7,8 +7,9 @@ from typing import Any
 from rest_framework.request import Request
 from rest_framework.throttling import BaseThrottle
 
+from .decisions import Decision, Verdict
 from .drf import RateLimitUnavailable, endpoint_name
-from .engine import Decision, Verdict, evaluate
+from .engine import evaluate
 from .headers import rate_limit_headers
 
 __all__ = ["RateLimitThrottle"]

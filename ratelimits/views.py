@@ -5,7 +5,6 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from django.db.models import Sum
 from django.utils.dateparse import parse_datetime
 from rest_framework import serializers
 from rest_framework.exceptions import ValidationError
@@ -13,14 +12,12 @@ from rest_framework.generics import ListAPIView
 from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.request import Request
 
-from .identity import Identity, identify
+from .counters import METRICS
+from .identity import identify
 from .models import UsageRecord
-from .usage import METRICS
+from .usage.records import MAX_RANGE
 
-__all__ = ["UsageView", "today_usage"]
-
-#: The longest range one query may cover, per granularity (keeps pages and scans bounded).
-MAX_RANGE = {"minute": timedelta(days=2), "hour": timedelta(days=31), "day": timedelta(days=366)}
+__all__ = ["UsageView"]
 
 
 class UsageSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
@@ -68,16 +65,6 @@ class UsageView(ListAPIView):  # type: ignore[type-arg]
             period_start__gte=start,
             period_start__lt=end,
         ).order_by("period_start", "endpoint")
-
-
-def today_usage(identity: Identity) -> dict[str, int]:
-    """The caller's usage since midnight UTC, as drained so far (the current minute is not in yet)."""
-    midnight = datetime.now(tz=UTC).replace(hour=0, minute=0, second=0, microsecond=0)
-    caller = identity.caller
-    sums = UsageRecord.objects.filter(
-        subject_kind=caller.kind, subject_id=caller.value, granularity="minute", period_start__gte=midnight
-    ).aggregate(**{m: Sum(m) for m in METRICS.values()})
-    return {m: int(v or 0) for m, v in sums.items()}
 
 
 def _caller(request: Request, view: Any) -> Any:

@@ -16,8 +16,8 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from ratelimits.admin import EffectivePolicyForm, explain
-from ratelimits.engine import get_limiter
+from ratelimits.admin import EffectivePolicyForm
+from ratelimits.engine import get_limiter, get_policy_source
 from ratelimits.models import AuditEntry, EndpointPolicy, FleetSettings, Override, SubjectAssignment, Tier
 
 pytestmark = pytest.mark.django_db
@@ -431,7 +431,8 @@ def spend(times: int) -> None:
     """Make requests' worth of consumption for the subject of ``EFFECTIVE``."""
     form = EffectivePolicyForm(EFFECTIVE)
     assert form.is_valid(), form.errors
-    checks = [e.check for e in explain(form.identity(), "GET")]
+    caller = form.caller()
+    checks = get_policy_source().checks_for(caller.request, caller.identity)
     for _ in range(times):
         assert get_limiter().decide(checks).allowed
 

@@ -13,11 +13,13 @@ import redis
 from django.contrib.auth.models import User
 from django.db import transaction
 
-from ratelimits import audit, engine
-from ratelimits.audit import audit_context, snapshot
+from ratelimits import engine
 from ratelimits.backends.memory import MemoryBackend
 from ratelimits.models import AuditEntry, ConcurrentEdit, FleetSettings, Override, Tier
-from ratelimits.sources import DatabasePolicySource, bump_policy_version
+from ratelimits.policies import audit
+from ratelimits.policies.audit import audit_context, snapshot
+from ratelimits.policies.database import DatabasePolicySource
+from ratelimits.policies.versioning import bump_policy_version
 
 from .factories import (
     AuditEntryFactory,

@@ -9,13 +9,14 @@ from collections.abc import Sequence
 import pytest
 
 from ratelimits.backends.memory import MemoryBackend
-from ratelimits.breaker import CircuitBreaker
-from ratelimits.engine import Decision, Limiter, Verdict
+from ratelimits.counters import Usage
+from ratelimits.decisions import Decision, Verdict
+from ratelimits.engine import Limiter
+from ratelimits.engine.breaker import CircuitBreaker
 from ratelimits.exceptions import BackendUnavailable
 from ratelimits.identity import Subject
 from ratelimits.policies import Check, Policy
 from ratelimits.rates import parse_rate
-from ratelimits.usage import Usage
 
 COOLDOWN = 2.0
 

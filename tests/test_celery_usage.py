@@ -52,7 +52,7 @@ from rest_framework.test import APIClient
 
 from ratelimits import engine
 from ratelimits.backends.redis import RedisBackend, make_client
-from ratelimits.usage import parse_field, usage_for
+from ratelimits.counters import parse_field, usage_for
 
 from .redis_server import RedisServer
 

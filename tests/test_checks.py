@@ -1,12 +1,15 @@
-"""System checks: the exact ids each misconfiguration produces."""
+"""System checks: the exact ids each misconfiguration produces, one id per setting."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
+from django.core.management import call_command
+from django.core.management.base import SystemCheckError
 
-from ratelimits.checks import check_deployment, check_settings
+from ratelimits.checks import SETTING_IDS, SETTINGS_SOURCE_ONLY, check_deployment, check_settings
+from ratelimits.conf import SETTINGS
 
 
 def ids(messages: list[Any]) -> list[str]:
@@ -19,44 +22,95 @@ def test_default_configuration_is_clean(settings: Any) -> None:
     assert check_deployment() == []
 
 
+def test_every_setting_has_an_id_of_its_own() -> None:
+    assert list(SETTING_IDS) == list(SETTINGS)
+    assert len(set(SETTING_IDS.values())) == len(SETTING_IDS)
+    assert set(SETTINGS_SOURCE_ONLY) <= set(SETTINGS)
+
+
 def test_unknown_key(settings: Any) -> None:
     settings.RATELIMITS = {"BACKEND": "redis", "TEIRS": {}}
     messages = check_settings()
     assert ids(messages) == ["ratelimits.E001"]
     assert "TEIRS" in messages[0].msg
+    assert messages[0].hint == "Did you mean 'TIERS'?"
 
 
-@pytest.mark.parametrize(
-    ("key", "value", "needle"),
-    [
-        ("KEY_PREFIX", "rl{x}", "KEY_PREFIX"),
-        ("CLOCK", "ntp", "CLOCK"),
-        ("REDIS_SOCKET_TIMEOUT", "fast", "REDIS_SOCKET_TIMEOUT"),
-        ("TRUSTED_PROXIES", ["10.0.0.0/33"], "TRUSTED_PROXIES"),
-        ("TRUSTED_PROXIES", "10.0.0.1", "TRUSTED_PROXIES"),
-        ("IPV6_PREFIX", 0, "IPV6_PREFIX"),
-        ("HEADERS", "fancy", "HEADERS"),
-        ("RETRY_AFTER_JITTER", "-1s", "RETRY_AFTER_JITTER"),
-        ("DEFAULT_FAIL_MODE", "sometimes", "DEFAULT_FAIL_MODE"),
-        ("LOCAL_FALLBACK_SHARE", 0, "LOCAL_FALLBACK_SHARE"),
-        ("BREAKER_FAILURE_RATE", 2, "BREAKER_FAILURE_RATE"),
-        ("BREAKER_WINDOW", 0, "BREAKER_WINDOW"),
-        ("API_KEY_FUNC", "no.such.func", "API_KEY_FUNC"),
-        ("TIERS", {"a": {"rate": "0/s"}}, "TIERS"),
-        ("API_KEY_MODEL", "payments.NoSuchModel", "API_KEY_MODEL"),
-        ("POLICY_POLL_INTERVAL", "soon", "POLICY_POLL_INTERVAL"),
-    ],
-)
-def test_invalid_values_name_the_setting(settings: Any, key: str, value: Any, needle: str) -> None:
+#: One bad value for every setting, and the id it must be reported under.
+BAD_VALUES = [
+    ("BACKEND", "cassandra", "ratelimits.E101", "cannot import 'cassandra'"),
+    ("BACKEND", "ratelimits.conf.Settings", "ratelimits.E101", "is not a ratelimits Backend"),
+    ("REDIS_URL", "redis+cluster://10.0.0.1:7000", "ratelimits.E102", "is not a Redis URL"),
+    ("REDIS_URL", "", "ratelimits.E102", "must be a non-empty string"),
+    ("REDIS_SOCKET_TIMEOUT", "fast", "ratelimits.E103", "is not a duration"),
+    ("REDIS_CONNECT_TIMEOUT", -1, "ratelimits.E104", "must be a positive number"),
+    ("KEY_PREFIX", "rl{x}", "ratelimits.E105", "without braces"),
+    ("CLOCK", "ntp", "ratelimits.E106", "must be one of 'redis', 'app'"),
+    ("POLICY_SOURCE", "no.such.Source", "ratelimits.E107", "cannot import 'no.such.Source'"),
+    ("POLICY_SOURCE", "ratelimits.conf.Settings", "ratelimits.E107", "is not a policy source"),
+    ("POLICY_POLL_INTERVAL", "soon", "ratelimits.E108", "is not a duration"),
+    ("POLICY_RECHECK_INTERVAL", 0, "ratelimits.E109", "must be a positive number"),
+    ("TIERS", {"a": {"rate": "0/s"}}, "ratelimits.E110", "RATELIMITS['TIERS']['a']['rate']: '0/s'"),
+    ("TIERS", [], "ratelimits.E110", "expected a dict"),
+    ("DEFAULT_TIERS", {"anonymous": "gold"}, "ratelimits.E111", "'gold' is not in RATELIMITS['TIERS']"),
+    ("DEFAULT_TIERS", {"robots": "anonymous"}, "ratelimits.E111", "unknown keys robots"),
+    ("TIER_FUNC", "no.such.func", "ratelimits.E112", "cannot import"),
+    ("DIMENSIONS", {"country": "1/s"}, "ratelimits.E113", "'country' must be one of"),
+    ("DIMENSIONS", {"ip": {"rate": "1/fortnight"}}, "ratelimits.E113", "unknown unit 'fortnight'"),
+    ("SLOT_TTL", "forever", "ratelimits.E114", "is not a duration"),
+    ("FLEET_CAPACITY", 0, "ratelimits.E115", "must be a positive integer or None"),
+    ("SHED_THRESHOLDS", {"low": 90, "normal": 50}, "ratelimits.E116", "must rise with priority"),
+    ("WORKER_CAPACITY", "8", "ratelimits.E117", "must be a positive integer or None"),
+    ("USAGE", "yes", "ratelimits.E118", "must be True or False"),
+    ("ENDPOINTS", {"x": {"cost": 50}}, "ratelimits.E119", "exceeds the capacity 40 of tier:anonymous"),
+    ("ENDPOINTS", {"x": {"priority": "urgent"}}, "ratelimits.E119", "'urgent' must be one of"),
+    ("EXEMPT_ENDPOINTS", "health", "ratelimits.E120", "must be a list"),
+    ("API_KEY_FUNC", "no.such.func", "ratelimits.E121", "cannot import"),
+    ("API_KEY_MODEL", "payments.NoSuchModel", "ratelimits.E122", "is not an installed model"),
+    ("ORGANIZATION_FUNC", 42, "ratelimits.E123", "must be a non-empty string"),
+    ("TRUSTED_PROXIES", ["10.0.0.0/33"], "ratelimits.E124", "is not an IP address or network"),
+    ("TRUSTED_PROXIES", "10.0.0.1", "ratelimits.E124", "must be a list"),
+    ("CLIENT_IP_HEADER", "X-Forwarded-For", "ratelimits.E125", "must be a request.META key"),
+    ("IPV6_PREFIX", 0, "ratelimits.E126", "from 1 to 128"),
+    ("HASH_KEY", "", "ratelimits.E127", "must be a non-empty string or None"),
+    ("HEADERS", "fancy", "ratelimits.E128", "must be one of"),
+    ("RETRY_AFTER_JITTER", "-1s", "ratelimits.E129", "is not a duration"),
+    ("DEFAULT_FAIL_MODE", "sometimes", "ratelimits.E130", "must be one of open, closed, local"),
+    ("LOCAL_FALLBACK_SHARE", 0, "ratelimits.E131", "must be a number in (0, 1]"),
+    ("BREAKER_WINDOW", 0, "ratelimits.E132", "must be a positive integer"),
+    ("BREAKER_MIN_CALLS", 2.5, "ratelimits.E133", "must be a positive integer"),
+    ("BREAKER_FAILURE_RATE", 2, "ratelimits.E134", "must be a number in (0, 1]"),
+    ("BREAKER_COOLDOWN", "a while", "ratelimits.E135", "is not a duration"),
+]
+
+
+def test_the_table_covers_every_setting() -> None:
+    assert {key for key, *_ in BAD_VALUES} == set(SETTINGS)
+
+
+@pytest.mark.parametrize(("key", "value", "expected", "needle"), BAD_VALUES)
+def test_invalid_values_name_the_setting(settings: Any, key: str, value: Any, expected: str, needle: str) -> None:
     settings.RATELIMITS = {"BACKEND": "redis", key: value}
     messages = check_settings()
-    assert ids(messages) == ["ratelimits.E002"]
+    assert ids(messages) == [expected]
+    assert f"RATELIMITS['{key}']" in messages[0].msg
     assert needle in messages[0].msg
+
+
+def test_several_bad_settings_are_each_reported(settings: Any) -> None:
+    settings.RATELIMITS = {"BACKEND": "redis", "USAGE": 1, "WORKER_CAPACITY": -4, "HASH_KEY": 7}
+    assert ids(check_settings()) == ["ratelimits.E117", "ratelimits.E118", "ratelimits.E127"]
+
+
+def test_a_bad_redis_url_fails_manage_py_check(settings: Any) -> None:
+    settings.RATELIMITS = {"BACKEND": "redis", "REDIS_URL": "http://127.0.0.1:6379"}
+    with pytest.raises(SystemCheckError, match=r"ratelimits\.E102.*RATELIMITS\['REDIS_URL'\]"):
+        call_command("check")
 
 
 def test_settings_must_be_a_dict(settings: Any) -> None:
     settings.RATELIMITS = ["BACKEND"]
-    assert ids(check_settings()) == ["ratelimits.E002"]
+    assert ids(check_settings()) == ["ratelimits.E003"]
 
 
 def test_memory_backend_outside_debug_warns(settings: Any) -> None:
@@ -71,3 +125,12 @@ def test_throttle_without_problem_handler_warns(settings: Any) -> None:
     settings.RATELIMITS = {"BACKEND": "redis"}
     settings.REST_FRAMEWORK = {**settings.REST_FRAMEWORK, "EXCEPTION_HANDLER": "rest_framework.views.exception_handler"}
     assert ids(check_deployment()) == ["ratelimits.W002"]
+
+
+def test_settings_the_database_source_ignores_are_named(settings: Any) -> None:
+    settings.RATELIMITS = {"BACKEND": "redis", "POLICY_SOURCE": "database", "TIERS": {"x": "1/s"}, "FLEET_CAPACITY": 9}
+    messages = check_deployment()
+    assert ids(messages) == ["ratelimits.W003"]
+    assert "RATELIMITS['TIERS'], RATELIMITS['FLEET_CAPACITY'] set" in messages[0].msg
+    settings.RATELIMITS = {"BACKEND": "redis", "POLICY_SOURCE": "database"}
+    assert check_deployment() == []

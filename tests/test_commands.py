@@ -16,7 +16,6 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.http import HttpRequest
 
-from ratelimits.audit import audit_context
 from ratelimits.engine import get_limiter, get_policy_source
 from ratelimits.identity import Identity, Subject
 from ratelimits.models import (
@@ -28,7 +27,8 @@ from ratelimits.models import (
     Tier,
     validate_subject,
 )
-from ratelimits.portability import PolicyImportError, export_policies, import_policies
+from ratelimits.policies.audit import audit_context
+from ratelimits.policies.portability import PolicyImportError, export_policies, import_policies
 
 pytestmark = pytest.mark.django_db
 
@@ -508,7 +508,7 @@ def test_import_command_errors(tmp_path: Path) -> None:
 def test_import_names_the_actor_and_bumps_the_version_on_commit(
     use_redis: Any, django_user_model: Any, django_capture_on_commit_callbacks: Any
 ) -> None:
-    from ratelimits.sources import bump_policy_version
+    from ratelimits.policies.versioning import bump_policy_version
 
     admin = django_user_model.objects.create(username="ops")
     document = export_policies()

@@ -18,7 +18,7 @@ import redis
 
 from ratelimits.algorithms import RATE_ALGORITHMS, Algorithm
 from ratelimits.backends.redis import RedisBackend, make_client
-from ratelimits.engine import Decision
+from ratelimits.decisions import Decision
 from ratelimits.identity import Subject
 from ratelimits.policies import Check, Policy
 from ratelimits.rates import parse_rate

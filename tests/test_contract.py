@@ -10,7 +10,7 @@ import pytest
 from ratelimits.algorithms import RATE_ALGORITHMS, Algorithm
 from ratelimits.backends.memory import MemoryBackend
 from ratelimits.backends.redis import RedisBackend, make_client
-from ratelimits.engine import Verdict
+from ratelimits.decisions import Verdict
 from ratelimits.exceptions import ConfigurationError
 from ratelimits.identity import Subject
 from ratelimits.policies import Check, Policy

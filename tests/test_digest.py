@@ -9,9 +9,9 @@ import pytest
 from django.core import mail
 from django.utils import timezone
 
-from ratelimits.digest import near_limit_digest, send_digest
-from ratelimits.expiry import expire_policies
 from ratelimits.models import AuditEntry, Override, UsageRecord
+from ratelimits.policies.expiry import expire_policies
+from ratelimits.usage.digest import near_limit_digest, send_digest
 
 from .factories import OverrideFactory, SubjectAssignmentFactory
 

@@ -7,8 +7,9 @@ import pytest
 from ratelimits.algorithms import Algorithm
 from ratelimits.backends.memory import MemoryBackend
 from ratelimits.backends.redis import RedisBackend, make_client
-from ratelimits.breaker import CircuitBreaker
-from ratelimits.engine import Limiter, Verdict
+from ratelimits.decisions import Verdict
+from ratelimits.engine import Limiter
+from ratelimits.engine.breaker import CircuitBreaker
 from ratelimits.identity import Subject
 from ratelimits.policies import Check, Policy
 from ratelimits.rates import parse_rate

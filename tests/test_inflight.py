@@ -23,7 +23,7 @@ from rest_framework.test import APIClient
 from ratelimits import engine
 from ratelimits.algorithms import Algorithm
 from ratelimits.backends.redis import RedisBackend, make_client
-from ratelimits.engine import Verdict
+from ratelimits.decisions import Verdict
 from ratelimits.identity import Subject
 from ratelimits.policies import Check, Policy, concurrency_policy
 from ratelimits.rates import Rate, parse_rate
@@ -82,7 +82,7 @@ def client_for(raw: str) -> APIClient:
 def concurrency_check(api_key_pk: int) -> Check:
     """The tier's concurrency check of one API key, as the policy source builds it."""
     source = engine.get_policy_source()
-    policy = next(p for p in source.tiers["free"] if p.algorithm is Algorithm.CONCURRENCY)  # type: ignore[attr-defined]
+    policy = next(p for p in source.snapshot().tiers["free"] if p.algorithm is Algorithm.CONCURRENCY)
     assert policy.name == "tier:free:concurrency"
     return Check(policy, Subject("api_key", f"ApiKey:{api_key_pk}"))
 
@@ -115,9 +115,9 @@ def test_exactly_n_requests_in_flight_the_rest_429(stack: str, gate: Gate) -> No
             body = answer.json()
             assert body["status"] == 429
             assert body["type"].endswith("#quota-exceeded")
-            assert [v["policy"] for v in body["violated_policies"]] == ["tier:free:concurrency"]
-            assert body["violated_policies"][0]["limit"] == N
-            assert body["violated_policies"][0]["remaining"] == 0
+            assert [v["policy"] for v in body["violated-policies"]] == ["tier:free:concurrency"]
+            assert body["violated-policies"][0]["limit"] == N
+            assert body["violated-policies"][0]["remaining"] == 0
             assert 0 < body["retry_after_ms"] <= 1000
             assert response["RateLimit-Policy"] == f'"tier:free:concurrency";q={N};qu="concurrent-requests"'
             assert response["RateLimit"] == '"tier:free:concurrency";r=0'

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -66,13 +67,25 @@ def test_exempt_endpoint_has_no_checks(settings: Any, rf: RequestFactory) -> Non
     assert policies.checks_for(request, identify(request, endpoint="health")) == []
 
 
-def test_tier_func_picks_tier_and_unknown_tier_is_an_error(settings: Any, rf: RequestFactory) -> None:
+def test_tier_func_picks_tier_and_unknown_tier_gets_the_default_with_a_logged_error(
+    settings: Any, rf: RequestFactory, caplog: pytest.LogCaptureFixture
+) -> None:
     policies = source(settings, TIER_FUNC=lambda request, identity: "pro")
     request = rf.get("/", REMOTE_ADDR="192.0.2.1")
     assert policies.tier_for(request, identify(request, endpoint="x", auth="k")) == "pro"
     policies = source(settings, TIER_FUNC=lambda request, identity: "platinum")
-    with pytest.raises(ConfigurationError, match="unknown tier 'platinum'"):
-        policies.tier_for(request, identify(request, endpoint="x", auth="k"))
+    with caplog.at_level(logging.ERROR, logger="ratelimits"):
+        for _ in range(3):
+            assert policies.tier_for(request, identify(request, endpoint="x", auth="k")) == "free"
+            assert [c.policy.name for c in policies.checks_for(request, identify(request, endpoint="x"))] == [
+                "tier:anon",
+                "ip",
+            ]
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert errors == [  # once per loaded snapshot, not once per request
+        "ratelimits: RATELIMITS['TIER_FUNC'] returned 'platinum', which is not an enabled tier; "
+        "the callers it names get the default tier instead",
+    ]
 
 
 @pytest.mark.parametrize(

@@ -19,14 +19,13 @@ from django.test import Client
 from django.urls import reverse
 
 from ratelimits.models import UsageRecord
-from ratelimits.reports import (
-    MAX_BARS,
+from ratelimits.usage.chart import MAX_BARS, render_chart
+from ratelimits.usage.queries import (
     TABLE_LIMIT,
     TABLES,
     ReportFilters,
     effective_policy_url,
     near_limit,
-    render_chart,
     series_table,
     throttled_endpoints,
     throttled_subjects,

@@ -19,7 +19,7 @@ import redis
 from rest_framework.test import APIClient
 
 from ratelimits.backends.redis import DECIDE_SHA
-from ratelimits.engine import Decision
+from ratelimits.decisions import Decision
 
 from .factories import ApiKeyFactory
 from .redis_server import RedisServer

@@ -18,10 +18,13 @@ from rest_framework.test import APIClient
 from project.payments.models import ApiKey
 from ratelimits import engine
 from ratelimits.backends.memory import MemoryBackend
-from ratelimits.engine import Decision, Verdict
+from ratelimits.decisions import Decision, Verdict
 from ratelimits.identity import identify
 from ratelimits.models import Override, PolicyVersion, Tier
-from ratelimits.sources import DatabasePolicySource, Explained, bump_policy_version
+from ratelimits.policies import Explained
+from ratelimits.policies import source as policy_source
+from ratelimits.policies.database import DatabasePolicySource
+from ratelimits.policies.versioning import bump_policy_version
 
 from .factories import (
     ApiKeyFactory,
@@ -576,7 +579,7 @@ def test_other_workers_use_the_old_snapshot_for_at_most_one_request(
     """A worker that did not make the change learns of it from the version stamp its next decision brings."""
     worker, tier_, client = metered
     with monkeypatch.context() as m:
-        m.setattr(engine, "_source", DatabasePolicySource())  # the admin's save runs in another worker
+        m.setattr(policy_source, "_source", DatabasePolicySource())  # the admin's save runs in another worker
         with transaction.atomic():
             tier_.rate = "2/s"
             tier_.burst = 5

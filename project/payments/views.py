@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import time
 
+from django.core.exceptions import ValidationError as DjangoValidationError
 from rest_framework import serializers, status
+from rest_framework.exceptions import ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from ratelimits.models import validate_endpoint
 from ratelimits.status import current_limits
 
 from .models import ApiKey, Charge, Customer
@@ -74,9 +77,18 @@ class ReportExport(APIView):
 
 
 class RateLimitStatus(APIView):
-    """GET /v1/rate_limit: the caller's current limits; consumes nothing."""
+    """GET /v1/rate_limit?endpoint=charges&method=POST: the caller's current limits; consumes nothing."""
 
     throttle_classes: list[type] = []
+    METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
 
     def get(self, request: Request) -> Response:
-        return Response(current_limits(request, endpoint=request.query_params.get("endpoint", "charges")))
+        endpoint = request.query_params.get("endpoint", "charges")
+        method = request.query_params.get("method", "GET").upper()
+        try:
+            validate_endpoint(endpoint)
+        except DjangoValidationError as exc:
+            raise ValidationError({"endpoint": exc.messages}) from None
+        if method not in self.METHODS:
+            raise ValidationError({"method": f"{method!r} must be one of {', '.join(self.METHODS)}."})
+        return Response(current_limits(request, endpoint=endpoint, method=method))

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
+from django.core.signals import setting_changed
 from django.utils.module_loading import import_string
 
+from ..conf import conf
 from ..exceptions import ConfigurationError
 from .base import Backend
 
-__all__ = ["Backend", "load_backend"]
+__all__ = ["ALIASES", "Backend", "backend_class", "get_backend", "load_backend", "reset_backend"]
 
 ALIASES = {
     "memory": "ratelimits.backends.memory.MemoryBackend",
@@ -15,14 +20,49 @@ ALIASES = {
 }
 
 
-def load_backend(name: str) -> Backend:
-    """Instantiate the backend named by an alias or a dotted path, configured from settings."""
+def backend_class(name: str) -> type[Backend]:
+    """The backend class named by an alias or a dotted path; a :class:`ConfigurationError` if none."""
     path = ALIASES.get(name, name)
     try:
         cls = import_string(path)
     except ImportError as exc:
-        raise ConfigurationError(f"RATELIMITS['BACKEND']: cannot import {name!r}: {exc}") from exc
-    backend = cls.from_settings()
-    if not isinstance(backend, Backend):
-        raise ConfigurationError(f"RATELIMITS['BACKEND']: {name!r} is not a ratelimits Backend")
+        raise ConfigurationError(f"RATELIMITS['BACKEND']: cannot import {name!r}: {exc}", setting="BACKEND") from exc
+    if not isinstance(cls, type) or not issubclass(cls, Backend):
+        raise ConfigurationError(f"RATELIMITS['BACKEND']: {name!r} is not a ratelimits Backend", setting="BACKEND")
+    return cls
+
+
+def load_backend(name: str) -> Backend:
+    """A new instance of the backend named by an alias or a dotted path, configured from settings."""
+    return backend_class(name).from_settings()
+
+
+_backend: Backend | None = None
+_lock = threading.Lock()
+
+
+def get_backend() -> Backend:
+    """The process-wide backend named by ``RATELIMITS['BACKEND']`` (the engine decides on it)."""
+    global _backend
+    backend = _backend
+    if backend is None:
+        with _lock:
+            backend = _backend
+            if backend is None:
+                backend = _backend = load_backend(conf.backend)
     return backend
+
+
+def reset_backend() -> None:
+    """Forget the process's backend: the next use builds it again from the settings."""
+    global _backend
+    with _lock:
+        _backend = None
+
+
+def _on_setting_changed(*, setting: str, **kwargs: Any) -> None:
+    if setting == "RATELIMITS":
+        reset_backend()
+
+
+setting_changed.connect(_on_setting_changed, dispatch_uid="ratelimits.backends.reset")

@@ -8,9 +8,9 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..engine import Decision
-    from ..policies import Check
-    from ..usage import Usage
+    from ..counters import Usage
+    from ..decisions import Decision
+    from ..policies.values import Check
 
 
 class Backend(ABC):

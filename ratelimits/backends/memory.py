@@ -9,9 +9,10 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 
 from ..algorithms import ALGORITHMS, State, slots
-from ..engine import Decision, Result, Verdict
-from ..policies import Check
-from ..usage import Usage
+from ..conf import conf
+from ..counters import ALLOWED, EXTRA_TOKENS, LIMITED, SHED, Usage
+from ..decisions import Decision, Result, Verdict
+from ..policies.values import Check
 from .base import Backend, new_slot, slot_keys
 
 __all__ = ["MemoryBackend"]
@@ -47,8 +48,6 @@ class MemoryBackend(Backend):
 
     @classmethod
     def from_settings(cls) -> MemoryBackend:
-        from ..conf import conf
-
         return cls(prefix=conf.key_prefix)
 
     def decide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
@@ -94,11 +93,11 @@ class MemoryBackend(Backend):
             if consume and usage is not None:
                 counts = self.usage_counts.setdefault(usage.minute, Counter())
                 if decision.allowed:
-                    counts[usage.field + "a"] += 1
+                    counts[usage.field + ALLOWED] += 1
                     if usage.tokens > 1:
-                        counts[usage.field + "x"] += usage.tokens - 1
+                        counts[usage.field + EXTRA_TOKENS] += usage.tokens - 1
                 else:
-                    counts[usage.field + ("s" if decision.verdict is Verdict.SHED else "l")] += 1
+                    counts[usage.field + (SHED if decision.verdict is Verdict.SHED else LIMITED)] += 1
             return decision
 
     def claim_usage(self, before_minute: int) -> list[tuple[str, int, dict[str, int]]]:

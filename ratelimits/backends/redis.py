@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
@@ -20,29 +22,36 @@ try:
 except ImportError:  # optional: redis-py's own packer is used instead
     hiredis = None  # type: ignore[assignment]
 
-from ..engine import Decision, Result
+from ..conf import conf
+from ..counters import Usage
+from ..decisions import Decision, Result
 from ..exceptions import BackendUnavailable
-from ..policies import Check
-from ..usage import Usage
+from ..policies.values import Check
+from . import layout
 from .base import Backend, new_slot, slot_keys
 
-__all__ = ["RedisBackend", "load_script"]
+__all__ = ["DECIDE", "PUBLISH_VERSION", "RELEASE", "RedisBackend", "Script", "make_client"]
 
 
-def load_script(name: str) -> str:
-    """The text of a Lua script shipped in ``ratelimits/lua/``."""
-    return resources.files("ratelimits").joinpath("lua", name).read_text(encoding="utf-8")
+@dataclass(frozen=True, slots=True)
+class Script:
+    """A Lua script shipped in ``ratelimits/lua/``: its text and SHA-1, read once at import."""
+
+    name: str
+    text: str
+    sha: str
+
+    @classmethod
+    def load(cls, name: str) -> Script:
+        text = resources.files("ratelimits").joinpath("lua", name).read_text(encoding="utf-8")
+        return cls(name, text, hashlib.sha1(text.encode()).hexdigest())
 
 
-DECIDE = load_script("decide.lua")
-DECIDE_SHA = hashlib.sha1(DECIDE.encode()).hexdigest()
-#: How long the policy version stamp lives after its last publication. If it expires, workers
-#: see it lag behind their snapshot and publish it again.
-VERSION_TTL_S = 30 * 86_400
-PUBLISH_VERSION = load_script("publish_version.lua")
-RELEASE = load_script("release.lua")
-#: Usage counters nobody drains expire after this (the decide script uses the same figure).
-USAGE_TTL_S = 172_800
+DECIDE = Script.load("decide.lua")
+PUBLISH_VERSION = Script.load("publish_version.lua")
+RELEASE = Script.load("release.lua")
+#: Kept for callers that compare the script cache with it (tests, benchmarks).
+DECIDE_SHA = DECIDE.sha
 
 
 class RedisBackend(Backend):
@@ -64,13 +73,11 @@ class RedisBackend(Backend):
         self.prefix = prefix
         #: ``None`` lets the script read Redis ``TIME``; otherwise integer microseconds.
         self.clock = clock
-        self.version_key = f"{prefix}:policy-version"
+        self.version_key = layout.version_key(prefix)
         self._local = threading.local()
 
     @classmethod
     def from_settings(cls) -> RedisBackend:
-        from ..conf import conf
-
         clock = None if conf.use_redis_time else (lambda: time.time_ns() // 1000)
         return cls(
             make_client(conf.redis_url, conf.redis_socket_timeout, conf.redis_connect_timeout),
@@ -79,7 +86,7 @@ class RedisBackend(Backend):
         )
 
     def decide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
-        keys = [self.version_key]
+        script_keys = [self.version_key]
         slot = new_slot(checks) if consume else None
         args: list[Any] = [
             "" if self.clock is None else self.clock(),
@@ -87,20 +94,22 @@ class RedisBackend(Backend):
             slot or "",
             usage.field if usage else "",
             usage.tokens if usage else 0,
+            layout.USAGE_TTL_S,
         ]
         for check in checks:
-            keys.append(check.key(self.prefix))
+            script_keys.append(check.key(self.prefix))
             args += check.policy.script_args
             args.append(check.cost)
         if usage:
-            keys.append(self.usage_key(usage.minute))
+            script_keys.append(layout.usage_key(self.prefix, usage.minute))
+        held = slot_keys(checks, script_keys[1 : len(checks) + 1]) if slot else ()
         try:
-            reply = self._run(keys, args)
+            reply = self._run(DECIDE, script_keys, args)
         except BackendUnavailable as exc:
             if slot:
                 # A store that timed out may still run the script and take the slot: hand its id
                 # back so the request's end releases it (releasing is idempotent).
-                exc.stray_slot = (slot, slot_keys(checks, keys[1 : len(checks) + 1]))
+                exc.stray_slot = (slot, held)
             raise
         now_us, version = int(reply[0]), reply[1]
         results = [
@@ -112,26 +121,24 @@ class RedisBackend(Backend):
             now_us=now_us,
             policy_version=version.decode() if isinstance(version, bytes) else None,
             slot=slot,
-            slot_keys=slot_keys(checks, keys[1 : len(checks) + 1]) if slot else (),
+            slot_keys=held,
         )
 
     def usage_key(self, minute: int) -> str:
         """The hash of one minute's usage counters."""
-        return f"{self.prefix}:usage:{minute}"
+        return layout.usage_key(self.prefix, minute)
 
     def claim_usage(self, before_minute: int) -> list[tuple[str, int, dict[str, int]]]:
-        live, draining = f"{self.prefix}:usage:", f"{self.prefix}:usage-drain:"
-        try:
+        live, draining = layout.usage_prefix(self.prefix), layout.drain_prefix(self.prefix)
+        batches = []
+        with self._store():
             for key in self.client.scan_iter(match=f"{live}*", count=1000):
                 minute = _minute(key, live)
                 if minute is not None and minute < before_minute:
                     # RENAME is atomic: of two drains racing for a minute, one gets it; the other
                     # sees the key gone. Counts arriving late start a fresh key for that minute.
-                    try:
-                        self.client.rename(key, f"{draining}{minute}:{uuid.uuid4().hex}")
-                    except redis.ResponseError:
-                        continue
-            batches = []
+                    with contextlib.suppress(redis.ResponseError):
+                        self.client.rename(key, layout.drain_key(self.prefix, minute, uuid.uuid4().hex))
             for key in self.client.scan_iter(match=f"{draining}*", count=1000):
                 name = _text(key)
                 minute = _minute(name.rsplit(":", 1)[0], draining)
@@ -142,59 +149,52 @@ class RedisBackend(Backend):
                 # is no longer written to, so the scan sees every field (a repeat is the same value).
                 counts = {_text(f): int(v) for f, v in self.client.hscan_iter(name, count=1000)}
                 batches.append((name, minute, counts))
-        except redis.RedisError as exc:
-            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
         return sorted(batches, key=lambda batch: batch[1])
 
     def finish_usage(self, batch: str) -> None:
-        try:
+        with self._store():
             # UNLINK frees a busy minute's hash off the main thread: a DEL of it would hold up every
             # decision on this Redis (and outlast their socket timeout) while it ran.
             self.client.unlink(batch)
-        except redis.RedisError as exc:
-            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
 
     def add_usage(self, counts: Mapping[tuple[int, str], int]) -> None:
-        try:
-            with self.client.pipeline(transaction=False) as pipe:
-                for (minute, field), count in counts.items():
-                    pipe.hincrby(self.usage_key(minute), field, count)
-                    pipe.expire(self.usage_key(minute), USAGE_TTL_S)
-                pipe.execute()
-        except redis.RedisError as exc:
-            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        with self._store(), self.client.pipeline(transaction=False) as pipe:
+            for (minute, field), count in counts.items():
+                pipe.hincrby(self.usage_key(minute), field, count)
+                pipe.expire(self.usage_key(minute), layout.USAGE_TTL_S)
+            pipe.execute()
 
     def release(self, slot: str, keys: Sequence[str]) -> int:
-        try:
-            return int(self.client.eval(RELEASE, len(keys), *keys, slot))
-        except redis.RedisError as exc:
-            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        return int(self._run(RELEASE, list(keys), [slot]))
 
     def clear(self, checks: Sequence[Check]) -> None:
-        try:
+        with self._store():
             self.client.delete(*[check.key(self.prefix) for check in checks])
-        except redis.RedisError as exc:
-            raise BackendUnavailable(str(exc)) from exc
 
     def publish_version(self, version: int) -> str:
-        try:
-            stored = self.client.eval(PUBLISH_VERSION, 1, self.version_key, version, VERSION_TTL_S)
-        except redis.RedisError as exc:
-            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
-        return str(int(stored))
+        return str(int(self._run(PUBLISH_VERSION, [self.version_key], [version, layout.VERSION_TTL_S])))
 
-    def _run(self, keys: list[str], args: list[Any]) -> Any:
-        connection = self._connection()
+    @contextlib.contextmanager
+    def _store(self) -> Iterator[None]:
+        """The one error boundary: whatever Redis or the socket raises becomes :class:`BackendUnavailable`.
+
+        redis-py drops the connection on timeouts and socket errors (it reconnects on the next
+        use), so a late reply can never be read as the answer to a later request.
+        """
         try:
+            yield
+        except (redis.RedisError, OSError) as exc:
+            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
+
+    def _run(self, script: Script, script_keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """Run ``script`` on this thread's connection: EVALSHA, and EVAL if Redis lost its script cache."""
+        with self._store():
+            connection = self._connection()
             try:
-                return _call(connection, "EVALSHA", DECIDE_SHA, len(keys), *keys, *args)
+                return _call(connection, "EVALSHA", script.sha, len(script_keys), *script_keys, *args)
             except redis.exceptions.NoScriptError:
                 # The script did not run, so sending it again cannot charge twice.
-                return _call(connection, "EVAL", DECIDE, len(keys), *keys, *args)
-        except (redis.RedisError, OSError) as exc:
-            # redis-py drops the connection on timeouts and socket errors (it reconnects on the
-            # next use), so a late reply can never be read as the answer to a later request.
-            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
+                return _call(connection, "EVAL", script.text, len(script_keys), *script_keys, *args)
 
     def _connection(self) -> Any:
         """This thread's own connection to Redis, made with the client's settings.

@@ -1,4 +1,4 @@
--- decide.lua: evaluate every rate check of one request atomically; consume only if all allow.
+-- decide.lua: evaluate every check of one request atomically; consume only if all allow.
 --
 -- Mirrors ratelimits/algorithms.py operation for operation, so both agree to the microsecond.
 --
@@ -6,17 +6,17 @@
 -- KEYS[1 + i]      state key of check i, for i = 1..n
 -- ARGV[1]          now in integer microseconds, or "" to read the Redis server clock (TIME)
 -- ARGV[2]          "1" to consume when every check allows, "0" to only report (peek)
--- ARGV[3]          this request's slot id (for checks of algorithms 4 and 5), or ""
+-- ARGV[3]          this request's slot id (for checks of the slot algorithms), or ""
 -- ARGV[4]          the request's usage field prefix, or "" not to count it; then the last key
 --                  is this minute's usage hash, which gains <prefix>a (allowed), <prefix>l
 --                  (limited, 429), <prefix>s (shed, 503) and <prefix>x (tokens spent beyond one
 --                  per allowed request)
 -- ARGV[5]          the tokens this request spends (its endpoint's cost), for the usage count
--- ARGV[6 + 7(i-1)] check i: algorithm (1 token bucket/GCRA, 2 sliding window, 3 fixed window,
---                  4 slots in flight per subject, 5 slots in the fleet's in-flight set),
---                  limit (requests per period; slots), period (microseconds; a slot's TTL),
---                  burst (GCRA capacity in requests; ignored by the others), state TTL (milliseconds, passed through to PX
---                  as given: converting numbers to strings is the costliest thing a script does),
+-- ARGV[6]          seconds an undrained usage hash lives (ratelimits/backends/layout.py)
+-- ARGV[7 + 7(i-1)] check i: algorithm (one of the codes below), limit (requests per period;
+--                  slots), period (microseconds; a slot's TTL), burst (GCRA capacity in requests;
+--                  ignored by the others), state TTL (milliseconds, passed through to PX as
+--                  given: converting numbers to strings is the costliest thing a script does),
 --                  shadow ("1": reported but never denies), cost (tokens this request spends)
 --
 -- State values (plain strings, every key written with a PX TTL):
@@ -28,6 +28,15 @@
 --
 -- Returns {now_us, version or false, all enforced checks allowed (0/1),
 --          then per check: allowed (0/1), remaining, reset_us, retry_us}.
+
+-- The algorithm codes of ratelimits.algorithms.Algorithm (a test holds the two to the same numbers).
+local TOKEN_BUCKET, SLIDING_WINDOW, FIXED_WINDOW = 1, 2, 3
+-- Slots in flight per subject (429 when full), and in the fleet's in-flight set (503 when full).
+local CONCURRENCY, FLEET = 4, 5
+-- How soon a caller denied a slot should retry (ratelimits.algorithms.SLOT_RETRY_US).
+local SLOT_RETRY_US = 1000000
+-- How many ARGV come before the first check's, and how many each check has.
+local HEADER, PER_CHECK = 6, 7
 
 local now
 if ARGV[1] == '' then
@@ -160,10 +169,10 @@ local function slots(key, limit, ttl, cost)
   local first = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
   local earliest = now + ttl
   if first[2] then earliest = tonumber(first[2]) end
-  return false, max(limit - count, 0), earliest - now, math.min(earliest - now, 1000000), nil
+  return false, max(limit - count, 0), earliest - now, math.min(earliest - now, SLOT_RETRY_US), nil
 end
 
-local algorithms = {token_bucket, sliding_window, fixed_window}
+local algorithms = {[TOKEN_BUCKET] = token_bucket, [SLIDING_WINDOW] = sliding_window, [FIXED_WINDOW] = fixed_window}
 
 -- Phase 1: decide every check against current state. A key named twice sees the pending
 -- value of its earlier check, so duplicates cannot double-spend.
@@ -178,10 +187,11 @@ local limited = false
 local out = 3
 for i = 1, n do
   local key = KEYS[i + 1]
-  local base = 6 + 7 * (i - 1)
+  local base = HEADER + 1 + PER_CHECK * (i - 1)
   local algorithm = tonumber(ARGV[base])
+  local holds_slot = algorithm == CONCURRENCY or algorithm == FLEET
   local allowed, remaining, reset, retry, new_value
-  if algorithm >= 4 then
+  if holds_slot then
     allowed, remaining, reset, retry = slots(key, tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 6]))
   else
     local value = pending[key]
@@ -193,13 +203,14 @@ for i = 1, n do
     pending[key] = new_value
     writes = writes + 1
     write_keys[writes], write_values[writes], write_ttls[writes] = key, new_value, ARGV[base + 4]
-    if algorithm >= 4 then write_slots[writes] = now + tonumber(ARGV[base + 2]) end
+    if holds_slot then write_slots[writes] = now + tonumber(ARGV[base + 2]) end
     reply[out + 1] = 1
   else
     -- A shadow check reports what it would do; only enforced checks can deny the request.
     if ARGV[base + 5] ~= '1' then
       all_allowed = false
-      if algorithm ~= 5 then limited = true end
+      -- Denied only by the fleet is shed (503); by anything else, limited (429).
+      if algorithm ~= FLEET then limited = true end
     end
     reply[out + 1] = 0
   end
@@ -236,7 +247,7 @@ if consume and usage ~= '' then
     metric = 'l'
   end
   if redis.call('HINCRBY', counters, usage .. metric, 1) == 1 then
-    redis.call('EXPIRE', counters, 172800)
+    redis.call('EXPIRE', counters, ARGV[6])
   end
 end
 return reply

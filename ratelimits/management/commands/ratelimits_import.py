@@ -9,7 +9,7 @@ from typing import Any
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from ...portability import SECTIONS, ImportReport, PolicyImportError, import_policies
+from ...policies.portability import SECTIONS, ImportReport, PolicyImportError, import_policies
 
 
 class Command(BaseCommand):

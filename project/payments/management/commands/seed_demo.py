@@ -11,8 +11,8 @@ from django.core.management.base import BaseCommand
 from django.utils import timezone
 
 from project.payments.models import ApiKey, Customer, hash_key
-from ratelimits.audit import audit_context
 from ratelimits.models import EndpointPolicy, FleetSettings, Override, Tier
+from ratelimits.policies.audit import audit_context
 
 # Fixed secrets so the README's curl lines work on every machine. Demo only.
 DEMO_KEYS = [
@@ -74,10 +74,9 @@ class Command(BaseCommand):
         where = settings.RATELIMITS.get("REDIS_URL") if backend == "redis" else "in-process, this server only"
         self.stdout.write(f"  rate limiting backend: {backend} ({where})")
         self.stdout.write(f"  database: {settings.DATABASES['default']['ENGINE'].rsplit('.', 1)[-1]}")
-        if settings.CELERY_BROKER_URL:
-            self.stdout.write(
-                f"  usage reports: drained by Celery ({settings.CELERY_BROKER_URL}); run a worker with beat"
-            )
+        broker = getattr(settings, "CELERY_BROKER_URL", "")
+        if broker:
+            self.stdout.write(f"  usage reports: drained by Celery ({broker}); run a worker with beat")
         else:
             self.stdout.write("  usage reports: no CELERY_BROKER_URL, drained in this process every 30 s")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from django.db import transaction
 from django.utils import timezone
 
+from ..models import Override, SubjectAssignment
 from .audit import audit_context
 
 __all__ = ["expire_policies"]
@@ -12,8 +13,6 @@ __all__ = ["expire_policies"]
 
 def expire_policies() -> int:
     """Delete overrides and subject assignments whose expiry has passed; audited, one transaction."""
-    from .models import Override, SubjectAssignment
-
     now = timezone.now()
     with transaction.atomic(), audit_context(reason="expired"):
         removed = 0

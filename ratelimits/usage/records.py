@@ -1,62 +1,29 @@
-"""Usage counting: per-minute counters written by the decision itself, drained into the database.
+"""Usage records: closed minutes of counters drained into ``UsageRecord`` rows, rolled up, purged.
 
-The decide script increments, in the same round trip, one hash per minute whose fields are
-``<subject, organisation, tier, endpoint><metric>``: allowed, limited (429), shed (503),
-degraded (decided without the store) and tokens spent. A drain moves closed minutes into
-``UsageRecord`` rows exactly once, whatever crashes, retries or duplicate deliveries happen.
+The counters themselves are written by every decision in its own round trip
+(:mod:`ratelimits.counters`). Here they become rows exactly once, whatever crashes, retries or
+duplicate deliveries happen; hours and days are summed from minutes; old minutes are purged.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from datetime import UTC, datetime, timedelta
-from functools import lru_cache
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any
 
+from django.db import IntegrityError, transaction
+from django.db.models import F, Sum
 from django.db.models.functions import Trunc
 
-if TYPE_CHECKING:
-    from .backends.base import Backend
+from ..backends import Backend, get_backend
+from ..counters import METRICS, parse_field
+from ..identity import Identity
+from ..models import UsageBatch, UsageRecord
 
-__all__ = ["METRICS", "Usage", "drain", "purge", "rollup", "usage_for"]
+__all__ = ["MAX_RANGE", "drain", "purge", "rollup", "today_usage"]
 
-#: Field suffix -> UsageRecord column. Tokens are counted as the allowed requests (one each) plus
-#: ``x``, the tokens beyond one that costlier requests spent: one counter less on the hot path.
-METRICS = {"a": "allowed", "l": "throttled", "s": "shed", "d": "degraded", "x": "tokens"}
-
-
-class Usage(NamedTuple):
-    """Where one request's usage is counted: the minute and the field prefix of its subject."""
-
-    minute: int
-    field: str
-    tokens: int
-
-
-def usage_for(kind: str, value: str, organization: str, tier: str, endpoint: str, tokens: int) -> Usage:
-    """The usage of one request made now (minutes since the epoch on this process's clock)."""
-    return Usage(int(time.time() // 60), _field(kind, value, organization, tier, endpoint), tokens)
-
-
-@lru_cache(maxsize=65_536)
-def _field(kind: str, value: str, organization: str, tier: str, endpoint: str) -> str:
-    # JSON, because organisations and endpoints are the host's strings: no separator is safe.
-    return json.dumps([kind, value, organization, tier, endpoint], separators=(",", ":"))
-
-
-def parse_field(field: str) -> tuple[tuple[str, str, str, str, str], str] | None:
-    """``(subject kind, id, organisation, tier, endpoint), metric column`` of a counter field."""
-    metric = METRICS.get(field[-1:])
-    if metric is None:
-        return None
-    try:
-        parts = json.loads(field[:-1])
-    except ValueError:
-        return None
-    if not isinstance(parts, list) or len(parts) != 5 or not all(isinstance(p, str) for p in parts):
-        return None
-    return (parts[0], parts[1], parts[2], parts[3], parts[4]), metric
+#: The longest range one query of usage rows may cover, per granularity (keeps pages and scans bounded).
+MAX_RANGE = {"minute": timedelta(days=2), "hour": timedelta(days=31), "day": timedelta(days=366)}
 
 
 def drain(backend: Backend | None = None, *, now: float | None = None) -> int:
@@ -68,12 +35,7 @@ def drain(backend: Backend | None = None, *, now: float | None = None) -> int:
     double-counts a request: a batch the database already has is simply forgotten again, and
     of two drains applying the same batch the second fails on ``UsageBatch`` and rolls back.
     """
-    from django.db import IntegrityError, transaction
-
-    from .engine import get_limiter
-    from .models import UsageBatch
-
-    backend = backend or get_limiter().backend
+    backend = backend or get_backend()
     current = int((time.time() if now is None else now) // 60)
     applied = 0
     for batch, minute, counts in backend.claim_usage(current):
@@ -93,10 +55,6 @@ def drain(backend: Backend | None = None, *, now: float | None = None) -> int:
 
 def _apply(minute: int, counts: dict[str, int]) -> None:
     """Add one minute's counters to its rows (created as needed)."""
-    from django.db.models import F
-
-    from .models import UsageRecord
-
     start = datetime.fromtimestamp(minute * 60, tz=UTC)
     rows: dict[tuple[str, str, str], dict[str, Any]] = {}
     for field, count in counts.items():
@@ -128,11 +86,6 @@ def rollup(*, now: datetime | None = None, window_hours: int = 48) -> int:
     Every closed hour (and day) of the last ``window_hours`` is recomputed from its parts and
     *set*, not added to, so running it twice, or after late counts arrived, gives the same rows.
     """
-    from django.db import transaction
-    from django.db.models import Sum
-
-    from .models import UsageRecord
-
     now = now or datetime.now(tz=UTC)
     this_hour = now.replace(minute=0, second=0, microsecond=0)
     today = this_hour.replace(hour=0)
@@ -169,8 +122,16 @@ def purge(*, now: datetime | None = None, keep_minutes_for: timedelta = timedelt
     Run it after :func:`rollup`, whose window (48 hours) covers the default retention: every
     minute row deleted here has been summed into its hour first.
     """
-    from .models import UsageRecord
-
     cutoff = (now or datetime.now(tz=UTC)) - keep_minutes_for
     deleted, _ = UsageRecord.objects.filter(granularity="minute", period_start__lt=cutoff).delete()
     return deleted
+
+
+def today_usage(identity: Identity) -> dict[str, int]:
+    """The caller's usage since midnight UTC, as drained so far (the current minute is not in yet)."""
+    midnight = datetime.now(tz=UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    caller = identity.caller
+    sums = UsageRecord.objects.filter(
+        subject_kind=caller.kind, subject_id=caller.value, granularity="minute", period_start__gte=midnight
+    ).aggregate(**{m: Sum(m) for m in METRICS.values()})
+    return {m: int(v or 0) for m, v in sums.items()}

@@ -1,8 +1,8 @@
-"""The audit trail of policy changes, written in the same transaction as the change itself.
+"""The audit trail of policy changes and counter resets, written in the same transaction as the change.
 
 Who and why come from :func:`audit_context` (the admin, the management commands and the import
-set it); the before and after values from the database. Every committed change also bumps the
-policy version stamp, so workers reload their policies on their next request.
+set it); the before and after values from the database. Every committed change also raises the
+policy version (:mod:`.versioning`), so workers reload their policies on their next request.
 """
 
 from __future__ import annotations
@@ -10,16 +10,24 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import models, transaction
+from django.db import models
 from django.db.models.signals import post_delete, post_save, pre_save
 from django.forms.models import model_to_dict
 
-__all__ = ["audit_context", "connect", "record", "record_bulk_update", "snapshot"]
+from ..identity import Subject
+from ..models import AuditEntry, EndpointPolicy, FleetSettings, Override, SubjectAssignment, Tier, rows_updated
+from .values import Check
+from .versioning import advance_on_commit
+
+__all__ = ["AUDITED", "audit_context", "connect", "record", "record_bulk_update", "record_reset", "snapshot"]
+
+#: The policy models whose every change is audited.
+AUDITED: tuple[type[models.Model], ...] = (Tier, SubjectAssignment, EndpointPolicy, Override, FleetSettings)
 
 
 @dataclass(frozen=True)
@@ -35,7 +43,7 @@ _context: contextvars.ContextVar[_Context] = contextvars.ContextVar("ratelimits_
 @contextlib.contextmanager
 def audit_context(actor: Any = None, reason: str = "") -> Iterator[None]:
     """Attribute every policy change made inside the block to ``actor``, for ``reason``."""
-    token = _context.set(_Context(actor if getattr(actor, "pk", None) is not None else None, reason))
+    token = _context.set(_Context(_user(actor), reason))
     try:
         yield
     finally:
@@ -57,10 +65,9 @@ def record(
     reason: str = "",
 ) -> None:
     """Write one audit entry and schedule the version bump for when the transaction commits."""
-    from .models import AuditEntry
-
     context = _context.get()
-    AuditEntry.objects.using(instance._state.db or "default").create(
+    using = instance._state.db or "default"
+    AuditEntry.objects.using(using).create(
         actor=context.actor,
         action=action,
         model=instance._meta.label,
@@ -70,7 +77,7 @@ def record(
         after=after,
         reason=reason or context.reason or getattr(instance, "reason", "") or "",
     )
-    _bump_on_commit(instance._state.db or "default")
+    advance_on_commit(using)
 
 
 def record_bulk_update(model: type[models.Model], before: Iterable[models.Model], changes: dict[str, Any]) -> None:
@@ -85,21 +92,25 @@ def record_bulk_update(model: type[models.Model], before: Iterable[models.Model]
             record(new, "changed", snapshot(old), snapshot(new))
 
 
-def _bump_on_commit(using: str) -> None:
-    """Raise the policy version once per transaction, and publish it when the transaction commits.
+def record_reset(subject: Subject, checks: Sequence[Check], *, actor: Any = None, reason: str) -> AuditEntry:
+    """Audit that the counters of ``checks`` (a subject's own) were cleared in the limiter's store."""
+    return AuditEntry.objects.create(
+        actor=_user(actor) or _context.get().actor,
+        action="reset",
+        model="ratelimits.counters",
+        object_id=f"{subject.kind}:{subject.value}"[:100],
+        object_repr=f"counters of {subject.kind} {subject.value}"[:300],
+        after={
+            "policies": sorted({c.policy.name for c in checks}),
+            "subjects": sorted({str(c.subject.kind) for c in checks}),
+        },
+        reason=reason,
+    )
 
-    However many rows a transaction changes (an import changes many), the version moves once.
-    A pending publication survives whenever this change does: rolling back a savepoint discards
-    the callbacks registered inside it, and any savepoint still open now encloses this change too.
-    """
-    from .models import PolicyVersion
-    from .sources import bump_policy_version
 
-    connection = transaction.get_connection(using)
-    if connection.in_atomic_block and any(entry[1] is bump_policy_version for entry in connection.run_on_commit):
-        return
-    PolicyVersion.advance(using)
-    transaction.on_commit(bump_policy_version, using=using)
+def _user(actor: Any) -> Any:
+    """``actor`` if it is a saved user (an anonymous user or a bare object is nobody)."""
+    return actor if getattr(actor, "pk", None) is not None else None
 
 
 def _before_save(sender: type[models.Model], instance: models.Model, raw: bool = False, **kwargs: Any) -> None:
@@ -123,16 +134,17 @@ def _after_delete(sender: type[models.Model], instance: models.Model, **kwargs: 
     record(instance, "deleted", snapshot(instance), None)
 
 
-def _audited() -> tuple[type[models.Model], ...]:
-    from .models import EndpointPolicy, FleetSettings, Override, SubjectAssignment, Tier
-
-    return (Tier, SubjectAssignment, EndpointPolicy, Override, FleetSettings)
+def _after_bulk_update(
+    sender: type[models.Model], before: list[models.Model], changes: dict[str, Any], **kwargs: Any
+) -> None:
+    record_bulk_update(sender, before, changes)
 
 
 def connect() -> None:
     """Connect the audit signals (called from ``AppConfig.ready``)."""
-    for model in _audited():
+    for model in AUDITED:
         uid = f"ratelimits.audit.{model.__name__}"
         pre_save.connect(_before_save, sender=model, dispatch_uid=f"{uid}.pre_save")
         post_save.connect(_after_save, sender=model, dispatch_uid=f"{uid}.post_save")
         post_delete.connect(_after_delete, sender=model, dispatch_uid=f"{uid}.post_delete")
+        rows_updated.connect(_after_bulk_update, sender=model, dispatch_uid=f"{uid}.rows_updated")

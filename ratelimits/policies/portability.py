@@ -30,8 +30,8 @@ from django.core.exceptions import ValidationError
 from django.db import DatabaseError, models, transaction
 from django.utils.dateparse import parse_datetime
 
+from ..models import EndpointPolicy, FleetSettings, Override, SubjectAssignment, Tier, validate_subject
 from .audit import audit_context
-from .models import EndpointPolicy, FleetSettings, Override, SubjectAssignment, Tier, validate_subject
 
 __all__ = ["FORMAT", "VERSION", "ImportReport", "PolicyImportError", "export_policies", "import_policies"]
 

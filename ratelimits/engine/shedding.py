@@ -9,7 +9,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 
-__all__ = ["WorkerShedder"]
+from ..choices import Priority
+from ..conf import conf
+
+__all__ = ["WorkerShedder", "get_worker_shedder"]
 
 
 class WorkerShedder:
@@ -20,7 +23,7 @@ class WorkerShedder:
     requests are never shed here.
     """
 
-    def __init__(self, capacity: int, thresholds: Mapping[str, int]) -> None:
+    def __init__(self, capacity: int, thresholds: Mapping[Priority, int]) -> None:
         self.capacity = capacity
         self._limits = {klass: max(capacity * percent // 100, 1) for klass, percent in thresholds.items()}
         self._in_flight = 0
@@ -30,7 +33,7 @@ class WorkerShedder:
     def in_flight(self) -> int:
         return self._in_flight
 
-    def admit(self, priority: str) -> bool:
+    def admit(self, priority: Priority) -> bool:
         """Count the request in and return ``True``, or return ``False`` to shed it."""
         with self._lock:
             limit = self._limits.get(priority)
@@ -43,3 +46,27 @@ class WorkerShedder:
         """Count an admitted request out (never below zero)."""
         with self._lock:
             self._in_flight = max(self._in_flight - 1, 0)
+
+
+_shedder: WorkerShedder | None = None
+_built = False
+_lock = threading.Lock()
+
+
+def get_worker_shedder() -> WorkerShedder | None:
+    """This process's utilisation shedder, or ``None`` when ``WORKER_CAPACITY`` is not set."""
+    global _shedder, _built
+    if not _built:
+        with _lock:
+            if not _built:
+                capacity = conf.worker_capacity
+                _shedder = WorkerShedder(capacity, conf.shed_thresholds) if capacity else None
+                _built = True
+    return _shedder
+
+
+def reset_worker_shedder() -> None:
+    """Forget this process's shedder: the next request builds it again from the settings."""
+    global _shedder, _built
+    with _lock:
+        _shedder, _built = None, False

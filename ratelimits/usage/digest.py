@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
-from typing import Any
 
 from django.core.mail import mail_admins
 from django.db.models import Sum
 
-from .conf import conf
-from .exceptions import ConfigurationError
-from .rates import parse_rate
+from ..models import UsageRecord
+from ..policies.source import get_policy_source
+from ..policies.values import Role
 
 __all__ = ["Digest", "near_limit_digest", "send_digest"]
 
@@ -39,8 +38,6 @@ class Digest:
 
 def near_limit_digest(day: date | None = None) -> Digest:
     """Compute the digest for ``day`` (default: yesterday, UTC) from the usage rows."""
-    from .models import UsageRecord
-
     day = day or (datetime.now(tz=UTC) - timedelta(days=1)).date()
     start = datetime(day.year, day.month, day.day, tzinfo=UTC)
     rows = (
@@ -80,21 +77,10 @@ def send_digest(day: date | None = None) -> Digest:
 
 
 def _daily_quotas() -> dict[str, int]:
-    """Each tier's quota scaled to one day, from the admin's tiers or from settings."""
-    quotas: dict[str, Any] = {}
-    if conf.policy_source.endswith("DatabasePolicySource"):
-        from .models import Tier
-
-        quotas = {t.name: t.quota for t in Tier.objects.exclude(quota="")}
-    else:
-        quotas = {name: cfg.get("quota") for name, cfg in conf.get("TIERS").items() if isinstance(cfg, dict)}
+    """Each tier's quota scaled to one day, from the policies the process's source has loaded."""
     daily = {}
-    for name, quota in quotas.items():
-        if not quota:
-            continue
-        try:
-            rate = parse_rate(quota)
-        except ConfigurationError:
-            continue
-        daily[name] = rate.limit * 86_400_000_000 // rate.period_us
+    for name, policies in get_policy_source().snapshot().tiers.items():
+        for policy in policies:
+            if policy.role is Role.QUOTA:
+                daily[name] = policy.rate.limit * 86_400_000_000 // policy.rate.period_us
     return daily

@@ -6,8 +6,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from enum import StrEnum
 
-__all__ = ["CircuitBreaker"]
+__all__ = ["BreakerState", "CircuitBreaker"]
+
+
+class BreakerState(StrEnum):
+    """Whether calls reach the store: all of them, none, or one probe."""
+
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half-open"
 
 
 class CircuitBreaker:
@@ -48,12 +57,11 @@ class CircuitBreaker:
         self._probing = False
 
     @property
-    def state(self) -> str:
-        """``"closed"``, ``"open"`` or ``"half-open"``."""
+    def state(self) -> BreakerState:
         with self._lock:
             if self._opened_at is None:
-                return "closed"
-            return "open" if self._clock() - self._opened_at < self.cooldown else "half-open"
+                return BreakerState.CLOSED
+            return BreakerState.OPEN if self._clock() - self._opened_at < self.cooldown else BreakerState.HALF_OPEN
 
     def allow(self) -> bool:
         """Whether this call may go to the store. A ``True`` in half-open state makes it the probe."""

@@ -1,0 +1,62 @@
+"""The named choices settings, models and policies share: fail modes and priority classes."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from .exceptions import ConfigurationError
+
+__all__ = ["FailMode", "Priority"]
+
+
+class FailMode(StrEnum):
+    """What a policy does when the limiter's store cannot answer in time."""
+
+    #: Allow the request (counted and logged as degraded).
+    OPEN = "open"
+    #: Refuse it with a 503 and a Retry-After: for login or payment-abuse policies.
+    CLOSED = "closed"
+    #: Decide it in this process against the policy scaled to this worker's share.
+    LOCAL = "local"
+
+    @property
+    def description(self) -> str:
+        return _FAIL_MODE_DESCRIPTIONS[self]
+
+    @classmethod
+    def parse(cls, value: object, *, field: str) -> FailMode:
+        """``value`` as a fail mode, or a :class:`ConfigurationError` naming ``field``."""
+        if isinstance(value, str) and value in cls._value2member_map_:
+            return cls(value)
+        raise ConfigurationError(f"{field}: {value!r} must be one of {', '.join(cls)}")
+
+
+_FAIL_MODE_DESCRIPTIONS = {
+    FailMode.OPEN: "open: allow when the limiter is down",
+    FailMode.CLOSED: "closed: 503 when the limiter is down",
+    FailMode.LOCAL: "local: per-process limit when the limiter is down",
+}
+
+
+class Priority(StrEnum):
+    """An endpoint's class for the load shedders, most important first. Critical is never shed."""
+
+    CRITICAL = "critical"
+    HIGH = "high"
+    NORMAL = "normal"
+    LOW = "low"
+
+    @property
+    def sheddable(self) -> bool:
+        return self is not Priority.CRITICAL
+
+    @classmethod
+    def parse(cls, value: object, *, field: str) -> Priority:
+        """``value`` as a priority class, or a :class:`ConfigurationError` naming ``field``."""
+        if isinstance(value, str) and value in cls._value2member_map_:
+            return cls(value)
+        raise ConfigurationError(f"{field}: {value!r} must be one of {', '.join(cls)}")
+
+
+#: The classes the shedders may turn away, lowest first (their thresholds must rise in this order).
+SHEDDABLE = (Priority.LOW, Priority.NORMAL, Priority.HIGH)

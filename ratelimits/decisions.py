@@ -1,0 +1,187 @@
+"""What a backend decides: each check's result, the request's verdict, and what is left (the peek)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from .algorithms import Algorithm
+
+if TYPE_CHECKING:
+    from .policies.values import Check
+
+__all__ = ["Decision", "Peek", "Result", "Verdict", "peek"]
+
+US = 1_000_000
+
+
+class Verdict(StrEnum):
+    """What happens to the request."""
+
+    ALLOW = "allow"
+    #: 429: the caller is over one of its limits.
+    LIMITED = "limited"
+    #: 503: the limiter cannot decide and a policy says to fail closed.
+    UNAVAILABLE = "unavailable"
+    #: 503: the fleet (or this worker) is too busy for this request's priority class.
+    SHED = "shed"
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """One check's part of a decision."""
+
+    check: Check
+    allowed: bool
+    remaining: int
+    reset_us: int
+    retry_us: int
+
+    @property
+    def policy_name(self) -> str:
+        return self.check.policy.name
+
+    @property
+    def limit(self) -> int:
+        return self.check.policy.capacity
+
+    @property
+    def used(self) -> int:
+        return max(self.limit - self.remaining, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Everything decided about one request, as returned by a single backend call."""
+
+    verdict: Verdict
+    results: tuple[Result, ...]
+    #: Exact wait before a retry can succeed, in microseconds; 0 when allowed.
+    retry_after_us: int = 0
+    #: The store's clock when it decided, in microseconds since the epoch.
+    now_us: int = 0
+    #: True when the store could not be reached and a fail mode decided instead.
+    degraded: bool = False
+    policy_version: str | None = None
+    #: The slot this request holds (concurrency, fleet) and the keys it is held under, to be
+    #: released when the response has left the worker. Empty unless admitted and consumed.
+    slot: str | None = None
+    slot_keys: tuple[str, ...] = ()
+    #: A slot the store may have taken although it never answered (it timed out): released in
+    #: the store when the request finishes, whatever the decision was.
+    stray_slot: tuple[str, tuple[str, ...]] | None = None
+
+    @property
+    def allowed(self) -> bool:
+        return self.verdict is Verdict.ALLOW
+
+    @property
+    def retry_after_ms(self) -> int:
+        return math.ceil(self.retry_after_us / 1000)
+
+    @property
+    def violated(self) -> tuple[Result, ...]:
+        """Enforced checks that deny this request."""
+        return tuple(r for r in self.results if not r.allowed and not r.check.policy.shadow)
+
+    @property
+    def shadow_violated(self) -> tuple[Result, ...]:
+        """Shadow checks that would have denied this request had they been enforced."""
+        return tuple(r for r in self.results if not r.allowed and r.check.policy.shadow)
+
+    @property
+    def closest(self) -> Result | None:
+        """The result to describe in headers: the violated one with the longest wait, else the
+        rate policy with the smallest share of its limit left.
+
+        The fleet's in-flight count is the platform's, not the caller's: it is never described.
+        Slots are described when they deny; otherwise one request in flight would make a small
+        concurrency limit look "closest" on every response and hide the rate quota.
+        """
+        violated = [r for r in self.violated if r.check.policy.algorithm is not Algorithm.FLEET]
+        if violated:
+            return max(violated, key=lambda r: r.retry_us)
+        candidates = [r for r in self.results if not r.check.policy.shadow and not r.check.policy.holds_slots]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda r: (r.remaining / r.limit, r.reset_us))
+
+    @classmethod
+    def from_results(
+        cls,
+        results: Sequence[Result],
+        *,
+        now_us: int,
+        policy_version: str | None = None,
+        degraded: bool = False,
+        slot: str | None = None,
+        slot_keys: tuple[str, ...] = (),
+    ) -> Decision:
+        """Combine per-check results: allowed only if every enforced check allows; the wait is the longest.
+
+        A request over one of its own limits is LIMITED (429) even if the fleet is busy too; one
+        denied only by the fleet's in-flight limit is SHED (503).
+        """
+        denied = [r for r in results if not r.allowed and not r.check.policy.shadow]
+        if not denied:
+            verdict = Verdict.ALLOW
+        elif all(r.check.policy.algorithm is Algorithm.FLEET for r in denied):
+            verdict = Verdict.SHED
+        else:
+            verdict = Verdict.LIMITED
+        held = verdict is Verdict.ALLOW and slot is not None
+        return cls(
+            verdict=verdict,
+            results=tuple(results),
+            retry_after_us=max((r.retry_us for r in denied), default=0),
+            now_us=now_us,
+            degraded=degraded,
+            policy_version=policy_version,
+            slot=slot if held else None,
+            slot_keys=slot_keys if held else (),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Peek:
+    """What a subject has left under one check right now, as a consume-nothing decision tells it."""
+
+    limit: int
+    remaining: int
+    used: int
+    #: Microseconds until the limit is whole again if nothing else arrives: 0 when it is whole,
+    #: ``None`` for slots (they come back as requests finish, not at a time anyone can name).
+    reset_after_us: int | None
+    #: That moment in whole seconds since the epoch (``None`` for slots).
+    reset_at: int | None
+
+    @property
+    def reset_after_seconds(self) -> int | None:
+        """The wait rounded up to whole seconds (``None`` for slots)."""
+        return None if self.reset_after_us is None else math.ceil(self.reset_after_us / US)
+
+
+def peek(result: Result, *, now_us: int) -> Peek:
+    """Remaining, used and reset under ``result``, a check of a decision made with ``consume=False``.
+
+    Such a decision looks one request ahead: it reports what would be left *after* a request of
+    the check's cost. The request is added back, so the peek says what is left now. The reset is
+    the time until the limit is whole again: none when nothing is spent; for a bucket, the
+    looked-ahead request's refill is taken off again; a window is whole when it rolls over.
+    """
+    check = result.check
+    policy = check.policy
+    limit = result.limit
+    remaining = min(result.remaining + check.cost if result.allowed else result.remaining, limit)
+    if policy.holds_slots:
+        return Peek(limit, remaining, limit - remaining, None, None)
+    if remaining >= limit:
+        reset_us = 0
+    elif result.allowed and policy.algorithm is Algorithm.TOKEN_BUCKET:
+        reset_us = max(math.ceil(result.reset_us - check.cost * policy.rate.interval_us), 0)
+    else:
+        reset_us = result.reset_us
+    return Peek(limit, remaining, limit - remaining, reset_us, math.ceil((now_us + reset_us) / US))

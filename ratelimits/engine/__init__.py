@@ -1,0 +1,52 @@
+"""The engine: a request's checks decided by the store behind a circuit breaker, with fail modes and shedders.
+
+- :mod:`.evaluation`: one request, from its identity to its decision, and the slots it holds.
+- :mod:`.limiter`: the backend behind the breaker; each policy's fail mode when it cannot answer.
+- :mod:`.breaker`: the per-process circuit breaker.
+- :mod:`.shedding`: the worker utilisation shedder, which needs no store.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.signals import setting_changed
+
+from ..backends import reset_backend
+from ..policies.source import get_policy_source, reset_policy_source
+from .breaker import BreakerState, CircuitBreaker
+from .evaluation import evaluate, release_held, usage_of
+from .limiter import Limiter, get_limiter, reset_limiter
+from .shedding import WorkerShedder, get_worker_shedder, reset_worker_shedder
+
+__all__ = [
+    "BreakerState",
+    "CircuitBreaker",
+    "Limiter",
+    "WorkerShedder",
+    "evaluate",
+    "get_limiter",
+    "get_policy_source",
+    "get_worker_shedder",
+    "release_held",
+    "reset",
+    "usage_of",
+]
+
+
+def reset() -> None:
+    """Forget the process's limiter, backend, policy source and shedder: the next request rebuilds them."""
+    reset_limiter()
+    reset_backend()
+    reset_policy_source()
+    reset_worker_shedder()
+
+
+def _on_setting_changed(*, setting: str, **kwargs: Any) -> None:
+    # The backend and the policy source forget themselves (they live below the engine).
+    if setting == "RATELIMITS":
+        reset_limiter()
+        reset_worker_shedder()
+
+
+setting_changed.connect(_on_setting_changed, dispatch_uid="ratelimits.engine.reset")

@@ -1,0 +1,130 @@
+"""One request through the engine: identify it, resolve its checks, decide them, hold what it takes.
+
+A consuming decision that admits a request holds its slots (and this worker's in-flight count)
+until ``request_finished``, when :func:`release_held` gives them back.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from django.core.signals import request_finished
+
+from ..algorithms import SLOT_RETRY_US
+from ..conf import conf
+from ..counters import Usage, usage_for
+from ..decisions import Decision, Verdict
+from ..identity import Identity, identify
+from ..policies.source import get_policy_source
+from ..policies.values import Check
+from .limiter import Limiter, current_limiter, get_limiter
+from .shedding import WorkerShedder, get_worker_shedder
+
+if TYPE_CHECKING:
+    from django.http import HttpRequest
+
+__all__ = ["evaluate", "release_held", "usage_of"]
+
+logger = logging.getLogger("ratelimits")
+
+#: What the current request holds until it finishes: (limiter, decision, shedder). A context
+#: variable, not a thread-local: under ASGI the decision and request_finished may run in different
+#: threads, and asgiref carries context (and so this list) between them.
+_held: contextvars.ContextVar[list[tuple[Limiter, Decision, WorkerShedder | None]] | None] = contextvars.ContextVar(
+    "ratelimits_held", default=None
+)
+
+
+def evaluate(
+    request: HttpRequest, *, endpoint: str, auth: Any = None, user: Any = None, consume: bool = True
+) -> tuple[Identity, Decision]:
+    """Identify ``request``, collect its checks and decide them in one backend call.
+
+    A consuming decision that admits the request holds its slots (and this worker's in-flight
+    count) until ``request_finished``; see :func:`release_held`.
+    """
+    identity = identify(request, endpoint=endpoint, auth=auth, user=user)
+    source = get_policy_source()
+    shedder = get_worker_shedder() if consume else None
+    if shedder is not None and not shedder.admit(source.endpoint_rule(endpoint, request.method or "GET").priority):
+        return identity, Decision(Verdict.SHED, (), retry_after_us=SLOT_RETRY_US)
+    try:
+        checks = source.checks_for(request, identity)
+        limiter = get_limiter()
+        usage = usage_of(identity, checks) if consume and conf.usage_counting else None
+        decision = limiter.decide(checks, consume=consume, usage=usage)
+    except BaseException:
+        if shedder is not None:
+            shedder.finish()  # counted in above, and nothing is held for request_finished to count out
+        raise
+    if decision.allowed and consume:
+        _hold(limiter, decision, shedder)
+    else:
+        if shedder is not None:
+            shedder.finish()
+        if decision.stray_slot is not None:
+            _hold(limiter, decision, None)
+    # After holding: if observing fails, request_finished still releases what this request holds.
+    source.observe(decision)
+    if decision.shadow_violated:
+        logger.info(
+            "ratelimits: shadow policies would deny %s: %s",
+            identity.caller,
+            ", ".join(r.policy_name for r in decision.shadow_violated),
+        )
+    return identity, decision
+
+
+def usage_of(identity: Identity, checks: Sequence[Check]) -> Usage:
+    """Where a request's usage is counted: its caller, organisation, the caller's tier, its endpoint."""
+    caller = identity.caller
+    tier = ""
+    tokens = 1
+    for check in checks:
+        policy = check.policy
+        if not policy.holds_slots:
+            tokens = check.cost  # every rate check of a request spends the endpoint's cost
+        if policy.tier is not None and (not tier or check.subject == caller):
+            tier = policy.tier
+    organization = identity.organization.value if identity.organization else ""
+    return usage_for(caller.kind, caller.value, organization, tier, identity.endpoint.value, tokens)
+
+
+def _hold(limiter: Limiter, decision: Decision, shedder: WorkerShedder | None) -> None:
+    if decision.slot is None and decision.stray_slot is None and shedder is None:
+        return
+    held = _held.get()
+    if held is None:
+        held = []
+        _held.set(held)
+    held.append((limiter, decision, shedder))
+
+
+def release_held(**kwargs: Any) -> None:
+    """Release what the finished request holds (connected to ``request_finished``).
+
+    The signal is sent when the response has been closed, after a streaming body too, so slots
+    are held exactly as long as the worker is busy with the request. A release that cannot reach
+    the store is retried after later requests (the slot's expiry is the last resort), and usage
+    counted during an outage is added to the store's counters once it answers.
+    """
+    held = _held.get()
+    if held:
+        # Emptied in place: the list is shared with every context copied from the request's.
+        items = list(held)
+        held.clear()
+        for limiter, decision, shedder in items:
+            if shedder is not None:
+                shedder.finish()
+            limiter.release(decision)
+    # After the response, off the decision path: catch up on what an outage left behind.
+    current = current_limiter()
+    if current is not None:
+        current.retry_releases()
+        current.flush_usage()
+
+
+request_finished.connect(release_held, dispatch_uid="ratelimits.engine.release_held")

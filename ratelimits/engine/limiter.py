@@ -1,0 +1,159 @@
+"""The limiter: the store behind a circuit breaker, and each policy's fail mode when it cannot answer."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections import Counter, deque
+from collections.abc import Sequence
+from dataclasses import replace
+
+from ..backends import Backend, get_backend
+from ..backends.memory import MemoryBackend
+from ..choices import FailMode
+from ..conf import conf
+from ..counters import DEGRADED, Usage
+from ..decisions import Decision, Verdict
+from ..exceptions import BackendUnavailable
+from ..policies.values import Check
+from .breaker import BreakerState, CircuitBreaker
+
+__all__ = ["Limiter", "get_limiter", "reset_limiter"]
+
+logger = logging.getLogger("ratelimits")
+
+
+class Limiter:
+    """A backend behind a circuit breaker, with per-policy fail modes when it cannot answer."""
+
+    def __init__(self, backend: Backend, breaker: CircuitBreaker, *, local: Backend, local_share: float) -> None:
+        self.backend = backend
+        self.breaker = breaker
+        self.local = local
+        self.local_share = local_share
+        self.degraded_count = 0
+        self._count_lock = threading.Lock()
+        #: Usage of degraded decisions, per (minute, field), waiting for the store to come back.
+        self._degraded_usage: Counter[tuple[int, str]] = Counter()
+        #: Releases that could not reach the store, oldest first; bounded, since slots expire anyway.
+        self._unreleased: deque[tuple[Backend, str, tuple[str, ...]]] = deque(maxlen=10_000)
+
+    def decide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
+        """Decide ``checks`` in one backend round trip; degrade by fail mode if that fails.
+
+        ``usage`` is counted by the backend in the same call; a degraded decision is counted
+        here and added to the store's counters once it answers again (:meth:`flush_usage`).
+        """
+        if not checks:
+            return Decision(Verdict.ALLOW, ())
+        if self.breaker.allow():
+            try:
+                decision = self.backend.decide(checks, consume=consume, usage=usage)
+            except BackendUnavailable as exc:
+                self.breaker.record_failure()
+                logger.warning("ratelimits: backend unavailable, degrading: %s", exc)
+                if exc.stray_slot is not None:
+                    degraded = self._degraded(checks, consume=consume, usage=usage)
+                    return replace(degraded, stray_slot=exc.stray_slot)
+            except BaseException:
+                # Anything else (a bug, a worker timeout) must still report: a half-open breaker
+                # whose probe never reports would turn every later call away for good.
+                self.breaker.record_failure()
+                raise
+            else:
+                self.breaker.record_success()
+                return decision
+        return self._degraded(checks, consume=consume, usage=usage)
+
+    def flush_usage(self) -> None:
+        """Add the usage counted while the store was unreachable to its counters, once it is back."""
+        if not self._degraded_usage or self.breaker.state is not BreakerState.CLOSED:
+            return
+        with self._count_lock:
+            counts, self._degraded_usage = self._degraded_usage, Counter()
+        try:
+            self.backend.add_usage(counts)
+        except BackendUnavailable:
+            with self._count_lock:
+                self._degraded_usage.update(counts)
+
+    def release(self, decision: Decision) -> None:
+        """Give back the slots ``decision`` holds, in the store that granted them; idempotent."""
+        held = []
+        if decision.slot is not None:
+            held.append((self.local if decision.degraded else self.backend, decision.slot, decision.slot_keys))
+        if decision.stray_slot is not None:
+            held.append((self.backend, *decision.stray_slot))
+        for backend, slot, keys in held:
+            try:
+                backend.release(slot, keys)
+            except BackendUnavailable as exc:
+                # Tried again after later requests; the slot's expiry is the last resort.
+                self._unreleased.append((backend, slot, keys))
+                logger.info("ratelimits: slot release postponed: %s", exc)
+
+    def retry_releases(self) -> None:
+        """Retry releases that failed (the store was slow or down), once it answers again."""
+        while self._unreleased and self.breaker.state is BreakerState.CLOSED:
+            backend, slot, keys = self._unreleased.popleft()
+            try:
+                backend.release(slot, keys)
+            except BackendUnavailable:
+                self._unreleased.appendleft((backend, slot, keys))
+                return
+
+    def _degraded(self, checks: Sequence[Check], *, consume: bool, usage: Usage | None = None) -> Decision:
+        with self._count_lock:
+            self.degraded_count += 1
+            if consume and usage is not None:
+                self._degraded_usage[(usage.minute, usage.field + DEGRADED)] += 1
+        closed = [c for c in checks if c.policy.fail_mode is FailMode.CLOSED]
+        if closed:
+            wait_us = max(math.ceil(self.breaker.retry_after() * 1_000_000), 1_000_000)
+            return Decision(Verdict.UNAVAILABLE, (), retry_after_us=wait_us, degraded=True)
+        local = [
+            Check(c.policy.scaled(self.local_share, at_least=c.cost), c.subject, c.cost)
+            for c in checks
+            if c.policy.fail_mode is FailMode.LOCAL
+        ]
+        if not local:
+            return Decision(Verdict.ALLOW, (), degraded=True)
+        decision = self.local.decide(local, consume=consume)
+        # Keep the local slot: release() gives it back to the local backend when the request ends.
+        return Decision.from_results(
+            decision.results, now_us=decision.now_us, degraded=True, slot=decision.slot, slot_keys=decision.slot_keys
+        )
+
+
+_limiter: Limiter | None = None
+_lock = threading.Lock()
+
+
+def get_limiter() -> Limiter:
+    """The process-wide limiter around the process's backend, built on first use (and after settings change)."""
+    global _limiter
+    limiter = _limiter
+    if limiter is None:
+        with _lock:
+            limiter = _limiter
+            if limiter is None:
+                limiter = _limiter = Limiter(
+                    get_backend(),
+                    CircuitBreaker(**conf.breaker),
+                    local=MemoryBackend(),
+                    local_share=conf.local_fallback_share,
+                )
+    return limiter
+
+
+def current_limiter() -> Limiter | None:
+    """The process's limiter if one was built (``None`` before the first decision)."""
+    return _limiter
+
+
+def reset_limiter() -> None:
+    """Forget the process's limiter: the next decision builds it again from the settings."""
+    global _limiter
+    with _lock:
+        _limiter = None

@@ -1,0 +1,224 @@
+"""Admin-managed policies as a policy source: the policy tables in an in-process snapshot.
+
+Workers answer from a snapshot of the tables: no database query per request in steady state.
+Every committed policy change bumps the policy version (:mod:`.versioning`); every decision brings
+the store's copy of it back in the same round trip, and a worker that sees a newer one reloads
+before its next request. While the store is unreachable, workers reload on a short timer instead.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import time
+from collections import defaultdict
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+from django.db.models import F
+from django.utils import timezone
+
+from ..choices import FailMode
+from ..conf import conf
+from ..exceptions import ConfigurationError
+from ..identity import SubjectKind
+from ..models import EndpointPolicy, FleetSettings, Override, SubjectAssignment, Tier
+from ..rates import parse_rate
+from .settings import dimensions_from_settings, exempt_rules_from_settings
+from .snapshot import (
+    Assignment,
+    OverrideRule,
+    PolicySnapshot,
+    Window,
+    endpoint_key,
+    endpoint_rule,
+    tier_policies,
+)
+from .source import SnapshotPolicySource
+from .values import EndpointRule, Origin, OriginKind, Policy, fleet_checks
+from .versioning import committed_version, publish_version, stamp_version
+
+if TYPE_CHECKING:
+    from ..decisions import Decision
+
+__all__ = ["DatabasePolicySource", "load_snapshot"]
+
+logger = logging.getLogger("ratelimits")
+
+FLEET = Origin(OriginKind.FLEET, "fleet settings")
+
+
+class DatabasePolicySource(SnapshotPolicySource):
+    """Policies from the admin-managed tables (``POLICY_SOURCE`` short name ``"database"``)."""
+
+    def load(self) -> PolicySnapshot:
+        return load_snapshot()
+
+    def observe(self, decision: Decision) -> None:
+        """Reload when the store's version stamp is ahead of the snapshot; repair it when behind.
+
+        While the store is unreachable, reload every ``POLICY_POLL_INTERVAL``. And every
+        ``POLICY_RECHECK_INTERVAL`` compare with the database itself (one query), for changes
+        whose publication nobody saw fail (a command run while only its host lost the store).
+        """
+        snapshot = self._snapshot
+        if snapshot is None:
+            return
+        now = time.monotonic()
+        if decision.degraded:
+            if now - snapshot.loaded_at > conf.policy_poll_interval:
+                self.invalidate()
+            return
+        if not decision.results:
+            # A decision without checks (an exempt endpoint) never reached the store: no stamp.
+            return
+        stamp = stamp_version(decision.policy_version)
+        if stamp > snapshot.version:
+            self.invalidate()
+        elif stamp < snapshot.version:
+            # The store lags behind the database: a publication was lost while it was
+            # unreachable, or the stamp expired or was flushed. Publish again, so workers that
+            # were idle meanwhile reload too.
+            publish_version(snapshot.version)
+        elif now - snapshot.checked_at > conf.policy_recheck_interval:
+            snapshot.checked_at = now
+            if committed_version() > snapshot.version:
+                self.invalidate()
+
+
+def load_snapshot() -> PolicySnapshot:
+    """Read every policy table once and index it for lookups without queries.
+
+    A row that cannot be turned into a policy (saved around the admin's validation) is left
+    out with an error in the log, rather than taking every request down with it.
+    """
+    # Read first: a change committed while the tables are read then shows as a newer version.
+    version = committed_version()
+    now = timezone.now()
+    fleet = FleetSettings.objects.filter(pk=1).select_related("anonymous_tier", "authenticated_tier").first()
+    mode = _fail_mode(fleet)
+    shadow = bool(fleet and fleet.shadow)
+    snapshot = PolicySnapshot(default_fail_mode=mode, version=version, fleet_origin=FLEET)
+    for tier in Tier.objects.filter(enabled=True):
+        try:
+            snapshot.tiers[tier.name] = _tier(tier, mode, shadow)
+        except ConfigurationError as exc:
+            logger.error("ratelimits: tier %s left out: %s", tier.name, exc)
+    _default_tiers(snapshot, fleet)
+    if fleet is not None:
+        snapshot.fleet = fleet_checks(fleet.capacity or None, fleet.shed_thresholds())
+    _assignments(snapshot, now)
+    for row in EndpointPolicy.objects.filter(enabled=True):
+        try:
+            snapshot.endpoints[endpoint_key(str(row))] = _endpoint(row, mode, shadow)
+        except ConfigurationError as exc:
+            logger.error("ratelimits: endpoint policy %s left out: %s", row, exc)
+    snapshot.endpoints.update(exempt_rules_from_settings())
+    _overrides(snapshot, now, shadow)
+    # The fleet's shadow switch means every policy, the settings' static backstops included.
+    snapshot.dimensions = dimensions_from_settings(mode, shadow=shadow)
+    return snapshot
+
+
+def _fail_mode(fleet: FleetSettings | None) -> FailMode:
+    if fleet is None:
+        return conf.default_fail_mode
+    try:
+        return FailMode(fleet.default_fail_mode)
+    except ValueError:
+        logger.error(
+            "ratelimits: fleet settings' fail mode %r is unknown; using the settings'", fleet.default_fail_mode
+        )
+        return conf.default_fail_mode
+
+
+def _tier(tier: Tier, mode: FailMode, shadow: bool) -> tuple[Policy, ...]:
+    config = {
+        "rate": tier.rate,
+        "burst": tier.burst or parse_rate(tier.rate, field=f"tier {tier.name} rate").limit,
+        "algorithm": tier.algorithm,
+        "fail_mode": tier.fail_mode or mode,
+        "quota": tier.quota,
+        "concurrency": tier.concurrency,
+    }
+    return tier_policies(tier.name, config, field=f"tier {tier.name}", fail_mode=mode, shadow=tier.shadow or shadow)
+
+
+def _default_tiers(snapshot: PolicySnapshot, fleet: FleetSettings | None) -> None:
+    """The fleet settings' default tiers, else ``RATELIMITS['DEFAULT_TIERS']`` if it names a tier here."""
+    chosen = {
+        "anonymous": fleet.anonymous_tier if fleet else None,
+        "authenticated": fleet.authenticated_tier if fleet else None,
+    }
+    for kind, row in chosen.items():
+        detail = f"default tier for {kind} callers"
+        if row is not None:  # a disabled tier applies no limits, as assigning one does
+            snapshot.default_tiers[kind] = Assignment(row.name, Origin(OriginKind.TIER, detail))
+            continue
+        name = conf.default_tiers.get(kind)
+        if name in snapshot.tiers:
+            snapshot.default_tiers[kind] = Assignment(str(name), Origin(OriginKind.SETTINGS, detail))
+
+
+def _assignments(snapshot: PolicySnapshot, now: datetime) -> None:
+    assignments: dict[tuple[SubjectKind, str], list[Assignment]] = defaultdict(list)
+    # The newest start first; one without a start began before any other (NULLs sort first
+    # in descending order on PostgreSQL, last on SQLite: say which).
+    live = (
+        SubjectAssignment.objects.select_related("tier")
+        .exclude(expires_at__lte=now)
+        .order_by(F("starts_at").desc(nulls_last=True), "-id")
+    )
+    for row in live:
+        origin = Origin(OriginKind.ASSIGNMENT, f"assignment #{row.pk} ({row.tier.name})")
+        entry = Assignment(row.tier.name, origin, Window(row.starts_at, row.expires_at))
+        if row.subject_kind == SubjectKind.IP:
+            try:
+                snapshot.networks.append((ipaddress.ip_network(row.subject_id, strict=False), entry))
+            except ValueError:
+                logger.error("ratelimits: assignment #%s left out: bad network %r", row.pk, row.subject_id)
+        else:
+            assignments[(SubjectKind(row.subject_kind), row.subject_id)].append(entry)
+    snapshot.assignments = dict(assignments)
+
+
+def _endpoint(row: EndpointPolicy, mode: FailMode, shadow: bool) -> EndpointRule:
+    def limit(rate: str, burst: int | None) -> dict[str, object] | None:
+        return {"rate": rate, **({"burst": burst} if burst else {})} if rate else None
+
+    return endpoint_rule(
+        str(row),
+        field=f"endpoint policy {row}",
+        origin=Origin(OriginKind.ENDPOINT, "endpoint policy"),
+        fail_mode=mode,
+        cost=row.cost,
+        priority=row.priority,
+        per_caller=limit(row.per_caller_rate, row.per_caller_burst),
+        endpoint_wide=limit(row.endpoint_rate, row.endpoint_burst),
+        exempt=row.exempt,
+        shadow=row.shadow or shadow,
+    )
+
+
+def _overrides(snapshot: PolicySnapshot, now: datetime, shadow: bool) -> None:
+    overrides: dict[tuple[SubjectKind, str], list[OverrideRule]] = defaultdict(list)
+    for row in Override.objects.filter(enabled=True, expires_at__gt=now).order_by("-created_at", "-id"):
+        try:
+            rate = parse_rate(row.rate, field=f"override #{row.pk} rate") if row.rate else None
+        except ConfigurationError as exc:
+            logger.error("ratelimits: %s", exc)
+            continue
+        overrides[(SubjectKind(row.subject_kind), row.subject_id)].append(
+            OverrideRule(
+                id=row.pk,
+                endpoint=row.endpoint,
+                window=Window(None, row.expires_at),
+                rate=rate,
+                burst=row.burst,
+                multiplier=float(row.multiplier) if row.multiplier is not None else None,
+                concurrency=row.concurrency,
+                shadow=row.shadow or shadow,
+                origin=Origin(OriginKind.OVERRIDE, f"override #{row.pk}: {row.reason[:80]}"),
+            )
+        )
+    snapshot.overrides = dict(overrides)

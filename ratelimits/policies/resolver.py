@@ -1,0 +1,230 @@
+"""The one resolver: which checks a request is subject to, and where each one's values come from.
+
+Every policy source loads a :class:`~.snapshot.PolicySnapshot`; :func:`explain` reads it for one
+request. So settings and the admin's tables resolve alike, and the throttle, ``GET /rate_limit``,
+the admin's effective policy page and the ``ratelimits_effective`` command all agree.
+
+Resolution, for the endpoint's rule (an exempt endpoint has no checks):
+
+1. Each of the caller's subjects (API key, user, organisation, client IP) that is assigned to a
+   tier gets that tier's policies. The caller (API key, else user, else IP) gets a tier even when
+   nothing assigns one: ``TIER_FUNC``'s, else the default tier of anonymous or authenticated callers.
+2. An override of a subject replaces its tier's rate: one for this endpoint beats a general one.
+   A quota is never overridden; an override's concurrency limit replaces the tier's.
+3. Then the per-dimension backstops, the endpoint's own limits (per caller, all callers), and the
+   fleet's in-flight limit for the endpoint's priority class.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+from django.utils import timezone
+
+from ..conf import conf
+from ..exceptions import ConfigurationError
+from ..identity import Identity, Subject, SubjectKind
+from .snapshot import Assignment, PolicySnapshot
+from .values import Check, Origin, OriginKind, Policy, Role, check_for, concurrency_policy
+
+if TYPE_CHECKING:
+    from django.http import HttpRequest
+
+__all__ = ["Explained", "default_assignment", "explain"]
+
+logger = logging.getLogger("ratelimits")
+
+
+@dataclass(frozen=True, slots=True)
+class Explained:
+    """One check of a request, and where its values come from."""
+
+    check: Check
+    #: In words: ``"override #4: launch week"``, ``"RATELIMITS['DIMENSIONS']['ip']"``.
+    origin: str
+    #: Where it is edited: an admin table, or the settings.
+    kind: OriginKind
+
+
+def explain(
+    snapshot: PolicySnapshot,
+    request: HttpRequest,
+    identity: Identity,
+    *,
+    now: datetime | None = None,
+    method: str | None = None,
+) -> list[Explained]:
+    """Every check ``request`` (made by ``identity``) is subject to, in the order they are decided.
+
+    ``method`` asks about the endpoint called with another method than the request's own.
+    """
+    endpoint = identity.endpoint.value
+    rule = snapshot.endpoint_rule(endpoint, method or request.method or "GET")
+    if rule.exempt:
+        return []
+    if now is None and snapshot.has_windows:
+        now = timezone.now()
+    cost = rule.cost
+    caller = identity.caller
+    found: list[Explained] = []
+    assigned: dict[Subject, Assignment] = {}
+    if now is not None:
+        for subject in (identity.api_key, identity.user, identity.organization, identity.ip):
+            if subject is not None:
+                assignment = _assignment(snapshot, subject, now)
+                if assignment is not None:
+                    assigned[subject] = assignment
+    if caller not in assigned:
+        default = default_assignment(snapshot, request, identity)
+        if default is not None:
+            assigned[caller] = default
+    for subject, assignment in assigned.items():
+        policies = snapshot.tiers.get(assignment.tier, ())
+        for policy in policies:
+            replaced, origin = _overridden(snapshot, subject, endpoint, policy, now, assignment.origin)
+            _add(found, replaced, subject, cost, origin)
+        if not any(p.holds_slots for p in policies):
+            in_flight = _concurrency_override(snapshot, subject, endpoint, now, tier=assignment.tier)
+            if in_flight is not None:
+                _add(found, in_flight[0], subject, cost, in_flight[1])
+    for kind, (policy, origin) in snapshot.dimensions.items():
+        dimension = identity.subject(kind)
+        if dimension is not None:
+            _add(found, policy, dimension, cost, origin)
+    if rule.per_caller is not None and rule.origin is not None:
+        _add(found, rule.per_caller, caller, cost, Origin(rule.origin.kind, f"{rule.origin.detail}, per caller"))
+    if rule.endpoint_wide is not None and rule.origin is not None:
+        _add(
+            found,
+            rule.endpoint_wide,
+            identity.endpoint,
+            cost,
+            Origin(rule.origin.kind, f"{rule.origin.detail}, all callers"),
+        )
+    fleet = snapshot.fleet.get(rule.priority)
+    if fleet is not None and snapshot.fleet_origin is not None:
+        origin = snapshot.fleet_origin
+        found.append(Explained(fleet, f"{origin.detail}: {rule.priority} priority", origin.kind))
+    return found
+
+
+def default_assignment(snapshot: PolicySnapshot, request: HttpRequest, identity: Identity) -> Assignment | None:
+    """The tier of a caller nothing assigns: ``TIER_FUNC``'s if it names a tier here, else the default.
+
+    A name that is not a tier here (a typo, a disabled tier) is logged once per snapshot and the
+    default tier applies: a bad ``TIER_FUNC`` result never takes requests down.
+    """
+    kind = "anonymous" if identity.is_anonymous else "authenticated"
+    default = snapshot.default_tiers.get(kind)
+    func = conf.tier_func
+    if func is not None:
+        name = func(request, identity)
+        if name is not None:
+            if name in snapshot.tiers:
+                # Said as for the default tier, which TIER_FUNC stands in for.
+                origin = default.origin if default else Origin(OriginKind.SETTINGS, f"default tier for {kind} callers")
+                return Assignment(str(name), origin)
+            if name not in snapshot.reported:
+                snapshot.reported.add(name)
+                logger.error(
+                    "ratelimits: RATELIMITS['TIER_FUNC'] returned %r, which is not an enabled tier; "
+                    "the callers it names get the default tier instead",
+                    name,
+                )
+    return default
+
+
+def _assignment(snapshot: PolicySnapshot, subject: Subject, now: datetime) -> Assignment | None:
+    if subject.kind is SubjectKind.IP:
+        address = _address(subject.value)
+        best: tuple[int, Assignment] | None = None
+        if address is not None:
+            for network, assignment in snapshot.networks:
+                if (
+                    address.version == network.version
+                    and address in network
+                    and assignment.window.covers(now)
+                    and (best is None or network.prefixlen > best[0])
+                ):
+                    best = (network.prefixlen, assignment)
+        return best[1] if best else None
+    for assignment in snapshot.assignments.get((subject.kind, subject.value), ()):
+        if assignment.window.covers(now):
+            return assignment
+    return None
+
+
+def _overridden(
+    snapshot: PolicySnapshot, subject: Subject, endpoint: str, policy: Policy, now: datetime | None, origin: Origin
+) -> tuple[Policy, Origin]:
+    """An override for this endpoint beats a general one, which beats the tier (quotas are kept)."""
+    if policy.role is Role.QUOTA or now is None:
+        return policy, origin
+    if policy.holds_slots:
+        in_flight = _concurrency_override(snapshot, subject, endpoint, now, tier=policy.tier, name=policy.name)
+        return in_flight if in_flight is not None else (policy, origin)
+    overrides = [o for o in snapshot.overrides.get((subject.kind, subject.value), ()) if o.window.covers(now)]
+    for wanted, name in ((endpoint, None), ("", policy.name)):
+        for override in overrides:
+            if override.endpoint == wanted:
+                key = (override.id, policy.name)
+                if key not in snapshot.derived:
+                    snapshot.derived[key] = override.apply(
+                        policy, name=name or f"override:{override.id}", fail_mode=snapshot.default_fail_mode
+                    )
+                replaced = snapshot.derived[key]
+                if replaced is not None:
+                    return replaced, override.origin
+    return policy, origin
+
+
+def _concurrency_override(
+    snapshot: PolicySnapshot,
+    subject: Subject,
+    endpoint: str,
+    now: datetime | None,
+    *,
+    tier: str | None,
+    name: str | None = None,
+) -> tuple[Policy, Origin] | None:
+    """The in-flight limit an override gives ``subject`` here (endpoint-specific first), if any."""
+    if now is None:
+        return None
+    overrides = [
+        o
+        for o in snapshot.overrides.get((subject.kind, subject.value), ())
+        if o.concurrency and o.window.covers(now) and o.endpoint in (endpoint, "")
+    ]
+    if not overrides:
+        return None
+    override = min(overrides, key=lambda o: o.endpoint == "")  # this endpoint's beats the general one
+    key = (override.id, name or "concurrency", tier)
+    if key not in snapshot.derived:
+        snapshot.derived[key] = concurrency_policy(
+            name or f"override:{override.id}:concurrency",
+            override.concurrency or 1,
+            fail_mode=snapshot.default_fail_mode,
+            shadow=override.shadow,
+            tier=tier,
+        )
+    policy = snapshot.derived[key]
+    return (policy, override.origin) if policy is not None else None
+
+
+def _add(found: list[Explained], policy: Policy, subject: Subject, cost: int, origin: Origin) -> None:
+    try:
+        found.append(Explained(check_for(policy, subject, cost), origin.detail, origin.kind))
+    except ConfigurationError as exc:
+        # Guardrails refuse such a save; a row written around them must not break requests.
+        logger.error("ratelimits: check skipped: %s", exc)
+
+
+def _address(value: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_network(value, strict=False).network_address
+    except ValueError:
+        return None

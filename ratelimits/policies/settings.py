@@ -1,0 +1,100 @@
+"""Policies from ``settings.RATELIMITS``: tiers, dimensions, endpoints and fleet limits, loaded into a snapshot.
+
+The whole configuration is parsed and validated when the source is built (so ``manage.py check``
+reports a bad value under its setting's id); each request then costs dictionary look-ups only.
+The backstops (``DIMENSIONS``) and exempt endpoints apply under the database source too: its
+loader takes them from here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+
+from ..choices import FailMode
+from ..conf import conf
+from ..exceptions import ConfigurationError, about_setting
+from ..identity import SubjectKind
+from .snapshot import Assignment, PolicySnapshot, check_costs, endpoint_key, endpoint_rule, exempt_rule, tier_policies
+from .source import SnapshotPolicySource
+from .values import EndpointRule, Origin, OriginKind, Policy, Role, fleet_checks, policy_from_config
+
+__all__ = ["SettingsPolicySource", "dimensions_from_settings", "exempt_rules_from_settings"]
+
+_ENDPOINT_KEYS = {"cost", "priority", "rate", "endpoint_rate", "exempt"}
+
+
+class SettingsPolicySource(SnapshotPolicySource):
+    """Policies from ``settings.RATELIMITS`` (the default ``POLICY_SOURCE``, short name ``"settings"``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Loaded now, not on the first request: a bad setting fails where the source is built.
+        self._snapshot = self.load()
+
+    def load(self) -> PolicySnapshot:
+        mode = conf.default_fail_mode
+        snapshot = PolicySnapshot(default_fail_mode=mode)
+        with about_setting("TIERS"):
+            for name, config in conf.tiers.items():
+                snapshot.tiers[name] = tier_policies(
+                    name, config, field=f"RATELIMITS['TIERS']['{name}']", fail_mode=mode
+                )
+        with about_setting("DEFAULT_TIERS"):
+            for kind in ("anonymous", "authenticated"):
+                default = conf.default_tiers.get(kind)
+                if default is None or default not in snapshot.tiers:
+                    raise ConfigurationError(
+                        f"RATELIMITS['DEFAULT_TIERS']['{kind}']: {default!r} is not in RATELIMITS['TIERS']"
+                    )
+                detail = f"default tier for {kind} callers (RATELIMITS['DEFAULT_TIERS'])"
+                snapshot.default_tiers[kind] = Assignment(default, Origin(OriginKind.SETTINGS, detail))
+        snapshot.dimensions = dimensions_from_settings(mode)
+        with about_setting("ENDPOINTS"):
+            for name, config in conf.endpoints.items():
+                snapshot.endpoints[endpoint_key(name)] = _endpoint(name, config, mode)
+        snapshot.endpoints.update(exempt_rules_from_settings())
+        check_costs(snapshot)
+        snapshot.fleet = fleet_checks(conf.fleet_capacity, conf.shed_thresholds)
+        snapshot.fleet_origin = Origin(OriginKind.SETTINGS, "RATELIMITS['FLEET_CAPACITY']")
+        return snapshot
+
+
+def _endpoint(name: str, config: object, mode: FailMode) -> EndpointRule:
+    field = f"RATELIMITS['ENDPOINTS']['{name}']"
+    if not isinstance(config, Mapping):
+        raise ConfigurationError(f"{field}: expected a dict, got {config!r}")
+    unknown = set(config) - _ENDPOINT_KEYS
+    if unknown:
+        raise ConfigurationError(f"{field}: unknown keys {', '.join(sorted(unknown))}")
+    return endpoint_rule(
+        name,
+        field=field,
+        origin=Origin(OriginKind.SETTINGS, field),
+        fail_mode=mode,
+        cost=config.get("cost", 1),
+        priority=config.get("priority", "normal"),
+        per_caller=config.get("rate"),
+        endpoint_wide=config.get("endpoint_rate"),
+        exempt=bool(config.get("exempt", False)),
+    )
+
+
+def dimensions_from_settings(mode: FailMode, *, shadow: bool = False) -> dict[SubjectKind, tuple[Policy, Origin]]:
+    """``RATELIMITS['DIMENSIONS']``: one static backstop per subject kind (all shadowed if ``shadow``)."""
+    dimensions = {}
+    with about_setting("DIMENSIONS"):
+        for kind, config in conf.dimensions.items():
+            field = f"RATELIMITS['DIMENSIONS']['{kind}']"
+            policy = policy_from_config(kind, config, field=field, default_fail_mode=mode, role=Role.DIMENSION)
+            dimensions[SubjectKind(kind)] = (
+                replace(policy, shadow=True) if shadow else policy,
+                Origin(OriginKind.SETTINGS, field),
+            )
+    return dimensions
+
+
+def exempt_rules_from_settings() -> dict[str, EndpointRule]:
+    """``RATELIMITS['EXEMPT_ENDPOINTS']``: endpoints never limited."""
+    origin = Origin(OriginKind.SETTINGS, "RATELIMITS['EXEMPT_ENDPOINTS']")
+    return {endpoint_key(name): exempt_rule(origin) for name in conf.exempt_endpoints}

@@ -1,0 +1,265 @@
+"""The policy snapshot: what both policy sources load, and the builders that fill it in.
+
+Settings and the admin's tables are two ways of writing the same things: tiers, who is on which
+tier, endpoint rules, overrides, per-dimension backstops and the fleet's shedding limits. Each
+source loads them into a :class:`PolicySnapshot`; one resolver (:mod:`.resolver`) turns a
+snapshot and a request into checks, so both sources resolve alike.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+from typing import Any
+
+from ..algorithms import Algorithm
+from ..choices import FailMode, Priority
+from ..exceptions import ConfigurationError
+from ..identity import SubjectKind
+from ..rates import Rate, parse_rate
+from .values import (
+    DEFAULT_RULE,
+    Check,
+    EndpointRule,
+    Origin,
+    Policy,
+    Role,
+    concurrency_policy,
+    policy_from_config,
+    positive_int,
+)
+
+__all__ = [
+    "Assignment",
+    "OverrideRule",
+    "PolicySnapshot",
+    "Window",
+    "endpoint_key",
+    "endpoint_rule",
+    "tier_policies",
+]
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """When an assignment or override applies (``None``: no bound on that side)."""
+
+    starts: datetime | None = None
+    expires: datetime | None = None
+
+    def covers(self, now: datetime) -> bool:
+        return (self.starts is None or self.starts <= now) and (self.expires is None or now < self.expires)
+
+
+ALWAYS = Window()
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """A subject placed on a tier: by an assignment row, by ``TIER_FUNC`` or by default."""
+
+    tier: str
+    origin: Origin
+    window: Window = ALWAYS
+
+
+@dataclass(frozen=True, slots=True)
+class OverrideRule:
+    """Replacement limits (or a multiplier) for one subject, optionally on one endpoint."""
+
+    id: int
+    #: The endpoint it is limited to ("" for every endpoint).
+    endpoint: str
+    window: Window
+    rate: Rate | None
+    burst: int | None
+    multiplier: float | None
+    concurrency: int | None
+    shadow: bool
+    origin: Origin
+
+    def apply(self, base: Policy | None, *, name: str, fail_mode: FailMode) -> Policy | None:
+        """The policy this override makes of ``base`` (``None`` if a multiplier has nothing to scale).
+
+        ``fail_mode`` is used when there is no base to take it from.
+        """
+        if self.rate is not None:
+            return Policy(
+                name,
+                self.rate,
+                self.burst or self.rate.limit,
+                base.algorithm if base else Algorithm.TOKEN_BUCKET,
+                base.fail_mode if base else fail_mode,
+                self.shadow or bool(base and base.shadow),
+                base.tier if base else None,
+                base.role if base else Role.RATE,
+            )
+        if base is None or self.multiplier is None:
+            return None
+        limit = max(round(base.rate.limit * self.multiplier), 1)
+        burst = max(round(base.burst * self.multiplier), 1)
+        return replace(
+            base, name=name, rate=Rate(limit, base.rate.period_us), burst=burst, shadow=self.shadow or base.shadow
+        )
+
+
+@dataclass
+class PolicySnapshot:
+    """Every policy a source knows, indexed for lookups without queries.
+
+    Loaders fill it in once; the resolver reads it on every request. ``derived`` and
+    ``reported`` are caches the resolver keeps while the snapshot lives.
+    """
+
+    #: Each tier's policies: its rate, and if it has them its quota and concurrency limit.
+    tiers: dict[str, tuple[Policy, ...]] = field(default_factory=dict)
+    #: The tier of callers nobody placed, for ``"anonymous"`` and ``"authenticated"`` callers.
+    default_tiers: dict[str, Assignment] = field(default_factory=dict)
+    #: Assignments by (subject kind, id), the first one that covers a moment wins.
+    assignments: dict[tuple[SubjectKind, str], list[Assignment]] = field(default_factory=dict)
+    #: Assignments of IP addresses and networks; the longest prefix that covers an address wins.
+    networks: list[tuple[IPNetwork, Assignment]] = field(default_factory=list)
+    #: Endpoint rules by ``"METHOD endpoint"`` or ``"endpoint"`` (any method).
+    endpoints: dict[str, EndpointRule] = field(default_factory=dict)
+    #: Overrides by (subject kind, id), newest first.
+    overrides: dict[tuple[SubjectKind, str], list[OverrideRule]] = field(default_factory=dict)
+    #: Static backstops per subject kind, with where each is configured.
+    dimensions: dict[SubjectKind, tuple[Policy, Origin]] = field(default_factory=dict)
+    #: The fleet's in-flight check per priority class (empty: no fleet shedding), and its origin.
+    fleet: dict[Priority, Check] = field(default_factory=dict)
+    fleet_origin: Origin | None = None
+    #: The fail mode of policies made with no other to inherit (a concurrency-only override).
+    default_fail_mode: FailMode = FailMode.OPEN
+    #: The policy version the snapshot was read at (0 where there is none, as with settings).
+    version: int = 0
+    #: When it was loaded, and when its version was last compared with the source's (monotonic seconds).
+    loaded_at: float = field(default_factory=time.monotonic)
+    checked_at: float = 0.0
+    #: Policies derived from overrides, built on first use: a Policy validates itself when made.
+    derived: dict[tuple[Any, ...], Policy | None] = field(default_factory=dict)
+    #: Tier names ``TIER_FUNC`` returned that are not tiers here, each logged once.
+    reported: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.checked_at = self.checked_at or self.loaded_at
+
+    def endpoint_rule(self, endpoint: str, method: str) -> EndpointRule:
+        """The rule for ``endpoint`` called with ``method``: a method's own beats any method's."""
+        rules = self.endpoints
+        return rules.get(f"{method.upper()} {endpoint}") or rules.get(endpoint) or DEFAULT_RULE
+
+    @property
+    def has_windows(self) -> bool:
+        """Whether anything here applies only for a while (then resolving needs the time)."""
+        return bool(self.assignments or self.networks or self.overrides)
+
+
+def endpoint_key(name: str) -> str:
+    """How an endpoint rule is indexed: ``"POST charges"`` (method upper-cased) or ``"charges"``."""
+    method, _, rest = name.partition(" ")
+    return f"{method.upper()} {rest.strip()}" if rest else name
+
+
+def endpoint_slug(name: str) -> str:
+    """An endpoint name usable inside a policy name ("POST charges" becomes "POST/charges")."""
+    slug = re.sub(r"[^A-Za-z0-9_.:/-]+", "/", name.strip())
+    return slug[:150] or "endpoint"
+
+
+def tier_policies(
+    name: str, config: Any, *, field: str, fail_mode: FailMode, shadow: bool = False
+) -> tuple[Policy, ...]:
+    """A tier's policies from ``{"rate", "burst", "algorithm", "fail_mode", "quota", "concurrency"}``.
+
+    The rate always; the quota (a fixed window) and the concurrency limit when given. Every one
+    carries the tier's name and its role.
+    """
+    rate = policy_from_config(
+        f"tier:{name}",
+        config,
+        field=field,
+        default_fail_mode=fail_mode,
+        tier=name,
+        extra_keys=frozenset({"quota", "concurrency"}),
+    )
+    rate = replace(rate, shadow=shadow) if shadow else rate
+    policies = [rate]
+    quota = config.get("quota") if isinstance(config, Mapping) else None
+    if quota:
+        limit = parse_rate(quota, field=f"{field}['quota']")
+        policies.append(
+            Policy(
+                f"tier:{name}:quota",
+                limit,
+                limit.limit,
+                Algorithm.FIXED_WINDOW,
+                rate.fail_mode,
+                shadow,
+                name,
+                Role.QUOTA,
+            )
+        )
+    concurrency = config.get("concurrency") if isinstance(config, Mapping) else None
+    if concurrency is not None:
+        in_flight = positive_int(concurrency, field=f"{field}['concurrency']")
+        policies.append(
+            concurrency_policy(
+                f"tier:{name}:concurrency", in_flight, fail_mode=rate.fail_mode, shadow=shadow, tier=name
+            )
+        )
+    return tuple(policies)
+
+
+def endpoint_rule(
+    name: str,
+    *,
+    field: str,
+    origin: Origin,
+    fail_mode: FailMode,
+    cost: Any = 1,
+    priority: Any = Priority.NORMAL,
+    per_caller: Any = None,
+    endpoint_wide: Any = None,
+    exempt: bool = False,
+    shadow: bool = False,
+) -> EndpointRule:
+    """The rule of endpoint ``name``: its cost and priority, and its own limits (configs or ``None``)."""
+    slug = endpoint_slug(name)
+
+    def limit(policy_name: str, config: Any, where: str, role: Role) -> Policy | None:
+        if config is None:
+            return None
+        policy = policy_from_config(policy_name, config, field=where, default_fail_mode=fail_mode, role=role)
+        return replace(policy, shadow=True) if shadow else policy
+
+    return EndpointRule(
+        cost=positive_int(cost, field=f"{field}['cost']"),
+        priority=Priority.parse(priority, field=f"{field}['priority']"),
+        per_caller=limit(f"endpoint:{slug}", per_caller, f"{field}['rate']", Role.ENDPOINT),
+        endpoint_wide=limit(f"endpoint-all:{slug}", endpoint_wide, f"{field}['endpoint_rate']", Role.ENDPOINT_WIDE),
+        exempt=bool(exempt),
+        origin=origin,
+    )
+
+
+def exempt_rule(origin: Origin) -> EndpointRule:
+    return EndpointRule(exempt=True, origin=origin)
+
+
+def check_costs(snapshot: PolicySnapshot) -> None:
+    """Refuse an endpoint cost above a capacity it meets: every such request would be denied."""
+    general = [p for tier in snapshot.tiers.values() for p in tier] + [p for p, _ in snapshot.dimensions.values()]
+    for key, rule in snapshot.endpoints.items():
+        for policy in general + [p for p in (rule.per_caller, rule.endpoint_wide) if p]:
+            if rule.cost > policy.capacity and not policy.holds_slots:
+                raise ConfigurationError(
+                    f"RATELIMITS['ENDPOINTS']['{key}']['cost']: {rule.cost} exceeds the capacity "
+                    f"{policy.capacity} of {policy.name}; every such request would be denied",
+                    setting="ENDPOINTS",
+                )

@@ -1,0 +1,148 @@
+"""Policy sources: what every source offers its callers, the snapshot-backed base, and the process's source."""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from django.core.signals import setting_changed
+from django.utils.module_loading import import_string
+
+from ..conf import conf
+from ..exceptions import ConfigurationError
+from .resolver import Explained, default_assignment, explain
+from .snapshot import PolicySnapshot
+from .values import Check, EndpointRule
+
+if TYPE_CHECKING:
+    from django.http import HttpRequest
+
+    from ..decisions import Decision
+    from ..identity import Identity
+
+__all__ = ["PolicySource", "SnapshotPolicySource", "get_policy_source", "reset_policy_source"]
+
+
+@runtime_checkable
+class PolicySource(Protocol):
+    """Where the checks for a request come from (``RATELIMITS['POLICY_SOURCE']`` names the class).
+
+    Everything the engine, the status API, the admin and the commands ask of a source is here;
+    :class:`SnapshotPolicySource` implements all of it on top of one ``load()``.
+    """
+
+    def snapshot(self) -> PolicySnapshot:
+        """Every policy, as currently loaded."""
+
+    def explain(
+        self, request: HttpRequest, identity: Identity, *, now: datetime | None = None, method: str | None = None
+    ) -> list[Explained]:
+        """Every check that applies to ``request`` (called with ``method``), with where its values come from."""
+
+    def checks_for(self, request: HttpRequest, identity: Identity) -> list[Check]:
+        """Every check that applies to ``request``, each with its cost (what the throttle decides)."""
+
+    def endpoint_rule(self, endpoint: str, method: str) -> EndpointRule:
+        """The rule for an endpoint and HTTP method (a default rule if none is configured)."""
+
+    def observe(self, decision: Decision) -> None:
+        """Called with every decision: a source that caches can notice a new policy version."""
+
+    def invalidate(self) -> None:
+        """Forget what is loaded: the next request loads the policies afresh."""
+
+
+class SnapshotPolicySource(ABC):
+    """A policy source that loads a :class:`PolicySnapshot` and resolves from it with the one resolver.
+
+    Subclasses say how to :meth:`load`; the snapshot is kept until :meth:`invalidate`.
+    """
+
+    def __init__(self) -> None:
+        self._snapshot: PolicySnapshot | None = None
+        self._lock = threading.Lock()
+
+    @abstractmethod
+    def load(self) -> PolicySnapshot:
+        """Read every policy into a new snapshot."""
+
+    def snapshot(self) -> PolicySnapshot:
+        snapshot = self._snapshot
+        if snapshot is None:
+            with self._lock:
+                snapshot = self._snapshot
+                if snapshot is None:
+                    snapshot = self._snapshot = self.load()
+        return snapshot
+
+    def invalidate(self) -> None:
+        self._snapshot = None
+
+    def explain(
+        self, request: HttpRequest, identity: Identity, *, now: datetime | None = None, method: str | None = None
+    ) -> list[Explained]:
+        return explain(self.snapshot(), request, identity, now=now, method=method)
+
+    def checks_for(self, request: HttpRequest, identity: Identity) -> list[Check]:
+        return [explained.check for explained in explain(self.snapshot(), request, identity)]
+
+    def endpoint_rule(self, endpoint: str, method: str) -> EndpointRule:
+        return self.snapshot().endpoint_rule(endpoint, method)
+
+    def tier_for(self, request: HttpRequest, identity: Identity) -> str | None:
+        """The tier of a caller nothing assigns (``TIER_FUNC``'s, else the default); ``None`` if none."""
+        assignment = default_assignment(self.snapshot(), request, identity)
+        return assignment.tier if assignment is not None else None
+
+    def observe(self, decision: Decision) -> None:  # noqa: B027  (a hook; subclasses may leave it alone)
+        """Nothing to notice by default: the snapshot stands until :meth:`invalidate`."""
+
+
+_source: PolicySource | None = None
+_lock = threading.Lock()
+
+
+def get_policy_source() -> PolicySource:
+    """The process-wide policy source named by ``RATELIMITS['POLICY_SOURCE']``."""
+    global _source
+    source = _source
+    if source is None:
+        with _lock:
+            source = _source
+            if source is None:
+                source = _source = build_policy_source()
+    return source
+
+
+def build_policy_source() -> PolicySource:
+    """A new instance of the configured source; a :class:`ConfigurationError` if it is not one."""
+    path = conf.policy_source
+    try:
+        source = import_string(path)()
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"RATELIMITS['POLICY_SOURCE']: cannot import {path!r}: {exc}", setting="POLICY_SOURCE"
+        ) from exc
+    if not isinstance(source, PolicySource):
+        raise ConfigurationError(
+            f"RATELIMITS['POLICY_SOURCE']: {path!r} is not a policy source (see ratelimits.policies.PolicySource)",
+            setting="POLICY_SOURCE",
+        )
+    return source
+
+
+def reset_policy_source() -> None:
+    """Forget the process's source: the next request builds it again from the settings."""
+    global _source
+    with _lock:
+        _source = None
+
+
+def _on_setting_changed(*, setting: str, **kwargs: Any) -> None:
+    if setting == "RATELIMITS":
+        reset_policy_source()
+
+
+setting_changed.connect(_on_setting_changed, dispatch_uid="ratelimits.policies.source.reset")

@@ -1,0 +1,282 @@
+"""What to check: policies, the checks a request is subject to, endpoint rules, and where each came from."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import Any
+
+from ..algorithms import RATE_ALGORITHMS, Algorithm
+from ..choices import SHEDDABLE, FailMode, Priority
+from ..conf import conf
+from ..exceptions import ConfigurationError
+from ..identity import Subject, SubjectKind
+from ..rates import MAX_LIMIT, Rate, parse_rate
+
+__all__ = [
+    "Check",
+    "EndpointRule",
+    "Origin",
+    "OriginKind",
+    "Policy",
+    "Role",
+    "check_for",
+    "concurrency_policy",
+    "fleet_checks",
+    "policy_from_config",
+    "positive_int",
+]
+
+# Policy names appear in Redis keys and headers: keep them to characters that need no quoting
+# and can never form a Redis Cluster hash tag.
+_POLICY_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,200}", re.ASCII)
+
+
+class Role(StrEnum):
+    """What a policy limits, so nobody has to parse its name."""
+
+    #: A request rate: a tier's, an override's replacement, or one given directly.
+    RATE = "rate"
+    #: A tier's long-period quota (a fixed window of, say, a day); overrides leave it alone.
+    QUOTA = "quota"
+    #: Requests in flight per subject.
+    CONCURRENCY = "concurrency"
+    #: A static backstop on one subject kind (``RATELIMITS['DIMENSIONS']``).
+    DIMENSION = "dimension"
+    #: An endpoint's limit per caller.
+    ENDPOINT = "endpoint"
+    #: An endpoint's limit for all callers together.
+    ENDPOINT_WIDE = "endpoint_wide"
+    #: The fleet's in-flight limit for one priority class (the load shedder).
+    FLEET = "fleet"
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """A named limit: ``rate`` with ``burst`` capacity, counted by ``algorithm``."""
+
+    name: str
+    rate: Rate
+    burst: int
+    algorithm: Algorithm = Algorithm.TOKEN_BUCKET
+    fail_mode: FailMode = FailMode.OPEN
+    #: Evaluated and counted, reported when it would deny, but never denies.
+    shadow: bool = False
+    #: The tier this policy belongs to (its rate, quota or concurrency, or an override of them).
+    tier: str | None = None
+    role: Role = Role.RATE
+
+    #: The most a subject can spend at once: the burst for a bucket, the limit for windows.
+    capacity: int = field(init=False, repr=False, compare=False)
+    #: The policy's part of the decide script's ARGV, as strings built once (see ``lua/decide.lua``).
+    script_args: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    #: What follows the subject in this policy's state keys.
+    key_suffix: str = field(init=False, repr=False, compare=False)
+    #: Whether a check of this policy holds a slot until its request finishes (read per request).
+    holds_slots: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not _POLICY_NAME.fullmatch(self.name):
+            raise ConfigurationError(f"policy name {self.name!r} must match {_POLICY_NAME.pattern}")
+        positive_int(self.burst, field=f"{self.name}: burst")
+        if type(self.fail_mode) is not FailMode:
+            object.__setattr__(self, "fail_mode", FailMode.parse(self.fail_mode, field=f"{self.name}: fail_mode"))
+        # Derived once here: all of them are read on every decision.
+        capacity = self.burst if self.algorithm is Algorithm.TOKEN_BUCKET else self.rate.limit
+        object.__setattr__(self, "capacity", capacity)
+        args = (self.algorithm.code, self.rate.limit, self.rate.period_us, self.burst, self.state_ttl_ms)
+        object.__setattr__(self, "script_args", (*(str(arg) for arg in args), "1" if self.shadow else "0"))
+        object.__setattr__(self, "key_suffix", f":{self.name}:{self.algorithm.code}")
+        object.__setattr__(self, "holds_slots", self.algorithm.holds_slots)
+
+    @property
+    def state_ttl_ms(self) -> int:
+        """How long a subject's state is kept after its last admitted request, in milliseconds.
+
+        An upper bound of what the state can still matter for (a full bucket's refill time, or
+        the rest of the current and the next window) plus one second of slack: Redis expires
+        keys in real time, and with the app's clock a slow clock must not drop spent tokens.
+        State kept longer decides exactly like no state.
+        """
+        period = self.rate.period_us
+        if self.algorithm is Algorithm.TOKEN_BUCKET:
+            span = -(-self.burst * period // self.rate.limit)
+        elif self.algorithm is Algorithm.SLIDING_WINDOW:
+            span = 2 * period
+        else:
+            span = period
+        return -(-span // 1000) + 1000
+
+    @property
+    def window_seconds(self) -> int:
+        """Seconds over which ``capacity`` is granted (refill time of a full bucket), rounded up."""
+        if self.algorithm is Algorithm.TOKEN_BUCKET:
+            return max(-(-self.burst * self.rate.period_us // (self.rate.limit * 1_000_000)), 1)
+        return max(-(-self.rate.period_us // 1_000_000), 1)
+
+    def describe(self) -> str:
+        if self.algorithm.holds_slots:
+            return f"{self.rate.limit} in flight"
+        text = self.rate.describe()
+        if self.algorithm is Algorithm.TOKEN_BUCKET:
+            return f"{text}, burst {self.burst}"
+        return f"{text} ({self.algorithm.value.replace('_', ' ')})"
+
+    def scaled(self, share: float, *, at_least: int = 1) -> Policy:
+        """This policy cut down to ``share`` of its rate and burst (for per-process fallback).
+
+        The capacity never drops below ``at_least``: a request whose cost fits the real policy
+        must still fit this worker's share of it, or it could never be admitted.
+        """
+        if share >= 1:
+            return self
+        limit = max(int(self.rate.limit * share), 1)
+        burst = max(int(self.burst * share), 1)
+        if self.algorithm is Algorithm.TOKEN_BUCKET:
+            burst = max(burst, at_least)
+        else:
+            limit = max(limit, at_least)
+        return replace(self, rate=Rate(limit, self.rate.period_us), burst=burst)
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One policy applied to one subject, spending ``cost`` tokens."""
+
+    policy: Policy
+    subject: Subject
+    cost: int = 1
+
+    def __post_init__(self) -> None:
+        if type(self.cost) is int and 0 < self.cost <= self.policy.capacity:
+            return  # the common case, checked in one expression: checks are built per request
+        positive_int(self.cost, field=f"{self.policy.name}: cost")
+        if self.cost > self.policy.capacity:
+            raise ConfigurationError(
+                f"{self.policy.name}: cost {self.cost} exceeds its capacity {self.policy.capacity}; "
+                "such a request could never be admitted"
+            )
+
+    def key(self, prefix: str) -> str:
+        """The state key: hash-tagged by subject, so one subject's keys share a Cluster slot."""
+        return f"{prefix}:{{{self.subject.digest}}}{self.policy.key_suffix}"
+
+
+class OriginKind(StrEnum):
+    """Where a check's values are edited: an admin table, or the settings."""
+
+    TIER = "tier"
+    ASSIGNMENT = "assignment"
+    OVERRIDE = "override"
+    ENDPOINT = "endpoint"
+    FLEET = "fleet"
+    SETTINGS = "settings"
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Where a value comes from: its kind and the row or setting, in words (``"override #4: ..."``)."""
+
+    kind: OriginKind
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointRule:
+    """How one endpoint is treated: its cost, priority and its own limits."""
+
+    cost: int = 1
+    priority: Priority = Priority.NORMAL
+    per_caller: Policy | None = None
+    endpoint_wide: Policy | None = None
+    exempt: bool = False
+    #: The endpoint policy row or setting the rule was made from (none for the default rule).
+    origin: Origin | None = None
+
+
+#: What an endpoint nobody configured gets.
+DEFAULT_RULE = EndpointRule()
+
+
+def check_for(policy: Policy, subject: Subject, cost: int) -> Check:
+    """A check of ``policy`` on ``subject``: a request takes one slot, whatever its cost in tokens."""
+    return Check(policy, subject, 1 if policy.holds_slots else cost)
+
+
+def concurrency_policy(
+    name: str, limit: int, *, fail_mode: FailMode, shadow: bool = False, tier: str | None = None
+) -> Policy:
+    """At most ``limit`` requests of one subject in flight; slots expire after ``SLOT_TTL``."""
+    return Policy(
+        name, Rate(limit, conf.slot_ttl_us), limit, Algorithm.CONCURRENCY, fail_mode, shadow, tier, Role.CONCURRENCY
+    )
+
+
+#: The one subject every fleet check counts under.
+FLEET_SUBJECT = Subject(SubjectKind.FLEET, "in-flight")
+
+
+def fleet_checks(capacity: int | None, thresholds: Mapping[Priority, int]) -> dict[Priority, Check]:
+    """The fleet's in-flight check per priority class: lower classes are shed at a lower share.
+
+    Critical requests are never shed, but still hold a slot: they take capacity too. Without a
+    capacity there is no fleet shedding at all.
+    """
+    if capacity is None:
+        return {}
+    checks = {}
+    for priority in Priority:
+        percent = thresholds.get(priority) if priority in SHEDDABLE else None
+        limit = MAX_LIMIT if percent is None else max(capacity * percent // 100, 1)
+        # Fails open: without Redis the fleet cannot be counted; the worker shedder still works.
+        policy = Policy("fleet", Rate(limit, conf.slot_ttl_us), limit, Algorithm.FLEET, FailMode.OPEN, role=Role.FLEET)
+        checks[priority] = Check(policy, FLEET_SUBJECT, 1)
+    return checks
+
+
+def policy_from_config(
+    name: str,
+    config: Any,
+    *,
+    field: str,
+    default_fail_mode: FailMode,
+    role: Role = Role.RATE,
+    tier: str | None = None,
+    extra_keys: frozenset[str] = frozenset(),
+) -> Policy:
+    """Build a :class:`Policy` from ``{"rate": "100/s", "burst": 200}`` or just ``"100/s"``.
+
+    ``extra_keys`` are keys the caller handles itself (a tier's ``quota``); any other unknown
+    key is an error rather than silently ignored.
+    """
+    rate_field = field if isinstance(config, str) else f"{field}['rate']"
+    if isinstance(config, str):
+        config = {"rate": config}
+    if not isinstance(config, Mapping):
+        raise ConfigurationError(f"{field}: expected a dict with at least 'rate', got {config!r}")
+    unknown = set(config) - {"rate", "burst", "algorithm", "fail_mode"} - extra_keys
+    if unknown:
+        raise ConfigurationError(f"{field}: unknown keys {', '.join(sorted(unknown))}")
+    if "rate" not in config:
+        raise ConfigurationError(f"{field}: 'rate' is required")
+    rate = parse_rate(config["rate"], field=rate_field)
+    burst = positive_int(config.get("burst", rate.limit), field=f"{field}['burst']")
+    algorithm_name = config.get("algorithm", Algorithm.TOKEN_BUCKET.value)
+    if algorithm_name not in [a.value for a in RATE_ALGORITHMS]:
+        names = ", ".join(a.value for a in RATE_ALGORITHMS)
+        raise ConfigurationError(f"{field}['algorithm']: {algorithm_name!r} must be one of {names}")
+    algorithm = Algorithm(algorithm_name)
+    mode = FailMode.parse(config.get("fail_mode", default_fail_mode), field=f"{field}['fail_mode']")
+    try:
+        return Policy(name=name, rate=rate, burst=burst, algorithm=algorithm, fail_mode=mode, tier=tier, role=role)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"{field}: {exc}") from None
+
+
+def positive_int(value: object, *, field: str) -> int:
+    """``value`` if it is an integer of at least 1 (booleans are not integers here)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(f"{field}: {value!r} must be a positive integer")
+    return value

@@ -1,0 +1,13 @@
+"""Usage: what callers did, drained from the decisions' own counters into the database, and reported.
+
+- :mod:`.records`: the exactly-once drain into ``UsageRecord`` rows, roll-ups and retention.
+- :mod:`.digest`: the daily "near limit" digest mailed to the site's admins.
+- :mod:`.queries`, :mod:`.chart` and :mod:`.report`: the admin's usage report.
+
+What a decision counts, and how the counters' fields are named, is :mod:`ratelimits.counters`:
+the store's side, which needs no database.
+"""
+
+from .records import drain, purge, rollup, today_usage
+
+__all__ = ["drain", "purge", "rollup", "today_usage"]

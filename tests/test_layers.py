@@ -1,0 +1,226 @@
+"""The package's layers point one way, and its imports form no circle.
+
+Every import the package's modules make is read with ``ast``, at any depth (inside functions
+too); imports under ``if TYPE_CHECKING:`` are left out, since they never run. Importing
+``a.b.c`` also runs the packages ``a`` and ``a.b``: those count as imported too (unless the
+importer is inside them already, when they have run before it).
+
+The layers, from the bottom (a module may import its own layer and those below):
+
+0. foundation: settings, exceptions, the named choices, rates
+1. values: algorithms, identity, decisions, counters; policies and the settings source
+2. stores: the backends
+3. the policy store: models, the database source, versioning, audit, usage records
+4. the engine
+5. HTTP: throttles, DRF, middleware, headers, problems, views, status
+6. operator surfaces: admin, reports, commands, tasks, checks, the app config
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "ratelimits"
+
+#: Module (or package prefix, ending in ".") -> layer. The longest matching entry wins.
+LAYERS: dict[str, int] = {
+    "ratelimits": 0,
+    "ratelimits.exceptions": 0,
+    "ratelimits.choices": 0,
+    "ratelimits.rates": 0,
+    "ratelimits.conf": 0,
+    "ratelimits.algorithms": 1,
+    "ratelimits.identity": 1,
+    "ratelimits.decisions": 1,
+    "ratelimits.counters": 1,
+    "ratelimits.policies": 1,
+    "ratelimits.policies.values": 1,
+    "ratelimits.policies.snapshot": 1,
+    "ratelimits.policies.resolver": 1,
+    "ratelimits.policies.source": 1,
+    "ratelimits.policies.settings": 1,
+    "ratelimits.backends.": 2,
+    "ratelimits.backends": 2,
+    "ratelimits.models": 3,
+    "ratelimits.migrations.": 3,
+    "ratelimits.migrations": 3,
+    "ratelimits.policies.database": 3,
+    "ratelimits.policies.versioning": 3,
+    "ratelimits.policies.audit": 3,
+    "ratelimits.policies.portability": 3,
+    "ratelimits.policies.expiry": 3,
+    "ratelimits.sources": 3,
+    "ratelimits.usage": 3,
+    "ratelimits.usage.records": 3,
+    "ratelimits.engine.": 4,
+    "ratelimits.engine": 4,
+    "ratelimits.throttles": 5,
+    "ratelimits.drf": 5,
+    "ratelimits.middleware": 5,
+    "ratelimits.headers": 5,
+    "ratelimits.problems": 5,
+    "ratelimits.views": 5,
+    "ratelimits.status": 5,
+    "ratelimits.usage.queries": 6,
+    "ratelimits.usage.text": 6,
+    "ratelimits.usage.chart": 6,
+    "ratelimits.usage.report": 6,
+    "ratelimits.usage.digest": 6,
+    "ratelimits.admin": 6,
+    "ratelimits.autocomplete": 6,
+    "ratelimits.checks": 6,
+    "ratelimits.apps": 6,
+    "ratelimits.tasks": 6,
+    "ratelimits.management.": 6,
+    "ratelimits.management": 6,
+}
+
+#: The only imports of the package's own modules allowed inside a function: those Django's app
+#: loading demands (the models are not importable yet when the importing module is).
+FUNCTION_LEVEL = {
+    ("ratelimits.apps", "ratelimits.checks"),
+    ("ratelimits.apps", "ratelimits.policies"),
+    ("ratelimits.apps", "ratelimits.policies.audit"),
+}
+
+
+@dataclass(frozen=True)
+class Import:
+    importer: str
+    target: str
+    line: int
+    in_function: bool
+    #: The source lines around the import (for the comment a function-level import needs).
+    context: str
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def resolve(importer: str, node: ast.ImportFrom | ast.Import) -> list[str]:
+    """The package modules an import statement runs (own modules only)."""
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            package = importer if MODULES[importer].name == "__init__.py" else importer.rpartition(".")[0]
+            for _ in range(node.level - 1):
+                package = package.rpartition(".")[0]
+            base = f"{package}.{base}" if base else package
+        # "from x import y" runs x, and x.y too when y is a module.
+        names = [base] + [f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in MODULES]
+    # The importer's own packages have run before it: importing from them runs nothing new.
+    own = {importer, *ancestors(importer)}
+    return [name for name in names if (name == "ratelimits" or name.startswith("ratelimits.")) and name not in own]
+
+
+def is_type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def imports_of(name: str) -> list[Import]:
+    source = MODULES[name].read_text()
+    lines = source.splitlines()
+    found: list[Import] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if is_type_checking(child):
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                context = "\n".join(lines[max(child.lineno - 3, 0) : child.lineno])
+                for target in resolve(name, child):
+                    found.append(Import(name, target, child.lineno, in_function, context))
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(ast.parse(source), False)
+    return found
+
+
+def layer(name: str) -> int:
+    matches = [key for key in LAYERS if name == key or (key.endswith(".") and name.startswith(key))]
+    assert matches, f"{name} has no layer: add it to LAYERS in {Path(__file__).name}"
+    return LAYERS[max(matches, key=len)]
+
+
+def ancestors(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+@functools.cache
+def edges() -> dict[str, set[str]]:
+    """Module -> the package modules importing it runs: its targets, and their packages."""
+    graph: dict[str, set[str]] = {name: set() for name in MODULES}
+    for name in MODULES:
+        own = {name, *ancestors(name)}
+        for found in imports_of(name):
+            graph[name].add(found.target)
+            graph[name].update(p for p in ancestors(found.target) if p not in own)
+    return graph
+
+
+def test_every_module_has_a_layer() -> None:
+    for name in MODULES:
+        layer(name)
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_import_reaches_up_a_layer(name: str) -> None:
+    upward = [
+        f"{name} (layer {layer(name)}) imports {target} (layer {layer(target)})"
+        for target in sorted(edges()[name])
+        if layer(target) > layer(name)
+    ]
+    assert upward == []
+
+
+def test_the_imports_form_no_circle() -> None:
+    graph = edges()
+    circles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def walk(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph[node]):
+            if state.get(target) == 1:
+                circles.append([*path[path.index(target) :], target])
+            elif target not in state:
+                walk(target)
+        path.pop()
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            walk(name)
+    assert circles == []
+
+
+def test_own_imports_inside_functions_are_the_few_app_loading_needs() -> None:
+    inside = [found for name in MODULES for found in imports_of(name) if found.in_function]
+    assert {(found.importer, found.target) for found in inside} == FUNCTION_LEVEL
+    for found in inside:
+        assert "#" in found.context, f"{found.importer}:{found.line} must say why it imports inside a function"
+
+
+def test_the_graph_is_read_at_all() -> None:
+    """The walk itself can fail: it sees the imports the engine is known to make."""
+    graph = edges()
+    assert {"ratelimits.backends", "ratelimits.backends.memory", "ratelimits.decisions"} <= graph[
+        "ratelimits.engine.limiter"
+    ]
+    assert "ratelimits.engine" in graph["ratelimits.throttles"]
+    assert "ratelimits.policies" in graph["ratelimits.backends.redis"]  # the package runs before its module

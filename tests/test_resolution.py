@@ -1,0 +1,208 @@
+"""One table of resolution cases, run against both policy sources: settings and the admin's tables.
+
+Each case describes policies once, in the settings' words; the database side writes the same
+policies as rows. Both sources load them into a snapshot that one resolver reads, so for every
+case both must resolve the request into exactly the same checks: policy, subject, cost, limit.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from django.test import RequestFactory
+
+from ratelimits import engine
+from ratelimits.identity import identify
+from ratelimits.models import EndpointPolicy, FleetSettings, Override, SubjectAssignment, Tier
+from ratelimits.policies.audit import audit_context
+from ratelimits.rates import MAX_LIMIT
+
+pytestmark = pytest.mark.django_db
+
+TIERS = {
+    "anon": {"rate": "10/s", "burst": 20},
+    "basic": {"rate": "5/s", "burst": 10, "quota": "1000/d", "concurrency": 2},
+    "pro": {"rate": "100/m", "algorithm": "sliding_window"},
+}
+DEFAULTS = {"anonymous": "anon", "authenticated": "basic"}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    expected: list[tuple[str, str, int, int]]
+    #: The request: an API key (or anonymous), its organisation, the endpoint and method.
+    key: bool = True
+    org: str | None = None
+    endpoint: str = "customers"
+    method: str = "GET"
+    endpoints: dict[str, dict[str, Any]] = field(default_factory=dict)
+    exempt: tuple[str, ...] = ()
+    dimensions: dict[str, Any] = field(default_factory=dict)
+    fleet: tuple[int, dict[str, int]] | None = None
+    tier_func: str | None = None
+
+
+CASES = [
+    Case("anonymous callers get the anonymous tier, on their IP", [("tier:anon", "ip", 1, 20)], key=False),
+    Case(
+        "authenticated callers get the authenticated tier: rate, quota, one slot",
+        [
+            ("tier:basic", "api_key", 1, 10),
+            ("tier:basic:quota", "api_key", 1, 1000),
+            ("tier:basic:concurrency", "api_key", 1, 2),
+        ],
+    ),
+    Case("TIER_FUNC places the caller", [("tier:pro", "api_key", 1, 100)], tier_func="pro"),
+    Case(
+        "a tier TIER_FUNC names that does not exist: the default tier",
+        [
+            ("tier:basic", "api_key", 1, 10),
+            ("tier:basic:quota", "api_key", 1, 1000),
+            ("tier:basic:concurrency", "api_key", 1, 2),
+        ],
+        tier_func="platinum",
+    ),
+    Case(
+        "an endpoint's cost, its own limits per caller and for everyone",
+        [
+            ("tier:pro", "api_key", 10, 100),
+            ("endpoint:reports.export", "api_key", 10, 30),
+            ("endpoint-all:reports.export", "endpoint", 10, 600),
+        ],
+        tier_func="pro",
+        endpoint="reports.export",
+        method="POST",
+        endpoints={"reports.export": {"cost": 10, "priority": "low", "rate": "30/m", "endpoint_rate": "600/m"}},
+    ),
+    Case(
+        "a method's own rule beats the any-method rule",
+        [("tier:pro", "api_key", 3, 100)],
+        tier_func="pro",
+        endpoint="charges",
+        method="POST",
+        endpoints={"POST charges": {"cost": 3}, "charges": {"cost": 2}},
+    ),
+    Case(
+        "other methods get the any-method rule",
+        [("tier:pro", "api_key", 2, 100)],
+        tier_func="pro",
+        endpoint="charges",
+        endpoints={"POST charges": {"cost": 3}, "charges": {"cost": 2}},
+    ),
+    Case("an exempt endpoint has no checks", [], endpoint="health", exempt=("health",)),
+    Case(
+        "dimensions limit every subject of their kind the request has",
+        [("tier:anon", "ip", 1, 20), ("ip", "ip", 1, 300)],
+        key=False,
+        org="acme",
+        dimensions={"ip": "300/s", "api_key": {"rate": "50/s", "burst": 60}},
+    ),
+    Case(
+        "...including the organisation",
+        [
+            ("tier:pro", "api_key", 1, 100),
+            ("ip", "ip", 1, 300),
+            ("org", "org", 1, 100),
+        ],
+        tier_func="pro",
+        org="acme",
+        dimensions={"ip": "300/s", "org": {"rate": "1000/m", "burst": 100}},
+    ),
+    Case(
+        "the fleet's in-flight limit for the endpoint's priority",
+        [("tier:pro", "api_key", 1, 100), ("fleet", "fleet", 1, 6)],
+        tier_func="pro",
+        endpoint="reports.export",
+        endpoints={"reports.export": {"priority": "low"}},
+        fleet=(10, {"low": 60, "normal": 75, "high": 90}),
+    ),
+    Case(
+        "critical requests are never shed, but take a fleet slot",
+        [("tier:pro", "api_key", 1, 100), ("fleet", "fleet", 1, MAX_LIMIT)],
+        tier_func="pro",
+        endpoint="charges",
+        endpoints={"charges": {"priority": "critical"}},
+        fleet=(10, {"low": 60, "normal": 75, "high": 90}),
+    ),
+]
+
+
+def use_settings(settings: Any, case: Case) -> None:
+    settings.RATELIMITS = {
+        **base(case),
+        "TIERS": TIERS,
+        "DEFAULT_TIERS": DEFAULTS,
+        "ENDPOINTS": case.endpoints,
+        "FLEET_CAPACITY": case.fleet[0] if case.fleet else None,
+        **({"SHED_THRESHOLDS": case.fleet[1]} if case.fleet else {}),
+    }
+
+
+def use_database(settings: Any, case: Case) -> None:
+    settings.RATELIMITS = {**base(case), "POLICY_SOURCE": "database"}
+    with audit_context(reason="resolution table"):
+        for model in (Override, SubjectAssignment, EndpointPolicy, FleetSettings, Tier):
+            for row in model.objects.all():
+                row.delete()
+        tiers = {
+            name: Tier.objects.create(
+                name=name,
+                rate=config["rate"],
+                burst=config.get("burst"),
+                quota=config.get("quota", ""),
+                concurrency=config.get("concurrency"),
+                algorithm=config.get("algorithm", "token_bucket"),
+            )
+            for name, config in TIERS.items()
+        }
+        capacity, thresholds = case.fleet or (None, {"low": 60, "normal": 75, "high": 90})
+        FleetSettings.objects.create(
+            anonymous_tier=tiers[DEFAULTS["anonymous"]],
+            authenticated_tier=tiers[DEFAULTS["authenticated"]],
+            capacity=capacity,
+            shed_low_percent=thresholds["low"],
+            shed_normal_percent=thresholds["normal"],
+            shed_high_percent=thresholds["high"],
+        )
+        for name, config in case.endpoints.items():
+            method, _, endpoint = name.rpartition(" ")
+            EndpointPolicy.objects.create(
+                endpoint=endpoint,
+                method=method or "ANY",
+                cost=config.get("cost", 1),
+                priority=config.get("priority", "normal"),
+                per_caller_rate=config.get("rate", ""),
+                endpoint_rate=config.get("endpoint_rate", ""),
+            )
+
+
+def base(case: Case) -> dict[str, Any]:
+    tier = case.tier_func
+    return {
+        "BACKEND": "memory",
+        "DIMENSIONS": case.dimensions,
+        "EXEMPT_ENDPOINTS": list(case.exempt),
+        "TIER_FUNC": (lambda request, identity: tier) if tier else None,
+        "ORGANIZATION_FUNC": lambda request: case.org,
+    }
+
+
+@pytest.mark.parametrize("source", ["settings", "database"])
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_both_sources_resolve_alike(
+    settings: Any, rf: RequestFactory, caplog: pytest.LogCaptureFixture, source: str, case: Case
+) -> None:
+    (use_settings if source == "settings" else use_database)(settings, case)
+    engine.reset()
+    request = rf.generic(case.method, "/", REMOTE_ADDR="198.51.100.7")
+    identity = identify(request, endpoint=case.endpoint, auth="sk_case" if case.key else None)
+    with caplog.at_level(logging.ERROR, logger="ratelimits"):
+        checks = engine.get_policy_source().checks_for(request, identity)
+    resolved = [(c.policy.name, c.subject.kind, c.cost, c.policy.capacity) for c in checks]
+    assert resolved == case.expected
+    unknown_tier = case.tier_func is not None and case.tier_func not in TIERS
+    assert any("not an enabled tier" in r.getMessage() for r in caplog.records) is unknown_tier
