@@ -25,7 +25,7 @@ from typing import Any
 
 import redis
 
-from tests.redis_server import RedisServer
+from tests.support.redis_server import RedisServer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHARED_REDIS_PORT = 6379
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"pinned this process and redis-server pid {pid} to CPU {args.cpu}")
         return run(args, server, started)
     finally:
-        # RedisServer.stop signals only the PID it started (SIGTERM, then SIGKILL after 10 s).
+        # RedisServer.stop signals only the process (group) it started: SIGTERM, then SIGKILL after 10 s.
         stopped = server.process.pid if server.process is not None else None
         server.stop()
         shutil.rmtree(server.dir, ignore_errors=True)

@@ -33,14 +33,16 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from tests.redis_server import RedisServer, free_port
+from tests.support.http import serving
+from tests.support.processes import Service, gunicorn
+from tests.support.redis_server import RedisServer, free_port
 
 from .stats import percentile
 
@@ -97,112 +99,6 @@ _STARTED = time.monotonic()
 
 def log(message: str) -> None:
     print(f"[{time.monotonic() - _STARTED:5.1f} s] {message}", file=sys.stderr, flush=True)
-
-
-# -- processes ---------------------------------------------------------------------------------
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    except OSError:
-        return []
-    return [int(p) for p in text.split()]
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-@dataclass
-class Gunicorn:
-    """One gunicorn master and its workers; stopped by the PIDs it started, never by name."""
-
-    port: int
-    env: dict[str, str]
-    log_path: Path
-    process: subprocess.Popen[bytes] | None = None
-    workers: set[int] = field(default_factory=set)
-
-    def start(self) -> None:
-        gunicorn = Path(sys.executable).parent / "gunicorn"
-        command = [
-            str(gunicorn if gunicorn.exists() else shutil.which("gunicorn") or "gunicorn"),
-            "--worker-class=gthread",
-            f"--workers={WORKERS}",
-            f"--threads={THREADS}",
-            f"--bind=127.0.0.1:{self.port}",
-            "--timeout=60",
-            "--graceful-timeout=10",
-            # Otherwise every gunicorn 27 master binds the same ~/.gunicorn/gunicorn.ctl.
-            "--no-control-socket",
-            "project.wsgi",
-        ]
-        with self.log_path.open("ab") as out:
-            # Its own session: a Ctrl-C in the terminal reaches this process, which stops gunicorn.
-            self.process = subprocess.Popen(
-                command, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-
-    @property
-    def pid(self) -> int:
-        assert self.process is not None
-        return self.process.pid
-
-    def wait_ready(self) -> None:
-        """Until both workers run and the admin login page (no rate-limit decision) answers, bounded."""
-        assert self.process is not None
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                break
-            self.workers.update(_children(self.pid))
-            if len(_children(self.pid)) >= WORKERS:
-                with contextlib.suppress(OSError, http.client.HTTPException):
-                    status, _ = http_request(self.port, "GET", "/admin/login/", timeout=2.0)
-                    if status == 200:
-                        return
-            time.sleep(0.05)
-        raise RuntimeError(f"gunicorn on port {self.port} did not start:\n{self.log_tail()}")
-
-    def stop(self) -> None:
-        """SIGTERM to the master (it stops its workers), SIGKILL after 15 s; then any worker left."""
-        process, self.process = self.process, None
-        if process is None:
-            return
-        self.workers.update(_children(process.pid))
-        if process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(process.pid, signal.SIGKILL)
-                process.wait(timeout=10)
-        deadline = time.monotonic() + 5
-        for pid in sorted(self.workers):
-            while _alive(pid) and "gunicorn" in _cmdline(pid) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if _alive(pid) and "gunicorn" in _cmdline(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-
-    def log_tail(self, chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
 
 
 def setup_database() -> None:
@@ -600,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     workdir = Path(tempfile.mkdtemp(prefix="ratelimits-shedding-"))
     redis_server = RedisServer()
-    servers: list[Gunicorn] = []
+    servers: list[Service] = []
     try:
         if redis_server.port == SHARED_REDIS_PORT:
             raise RuntimeError("refusing to use port 6379 (the shared Redis)")
@@ -611,10 +507,10 @@ def main(argv: list[str] | None = None) -> int:
         report["wall_s"] = round(time.monotonic() - started, 1)
     finally:
         for server in servers:
-            pid = server.process.pid if server.process is not None else None
-            server.stop()
+            pid = server.process.pid if server.running and server.process is not None else None
+            server.stop(grace=15)
             if pid is not None:
-                log(f"stopped gunicorn master pid {pid} (workers {sorted(server.workers)})")
+                log(f"stopped gunicorn master pid {pid} and its workers")
         redis_pid = redis_server.process.pid if redis_server.process is not None else None
         redis_server.stop()
         shutil.rmtree(redis_server.dir, ignore_errors=True)
@@ -628,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run(args: argparse.Namespace, redis_server: RedisServer, workdir: Path, servers: list[Gunicorn]) -> dict[str, Any]:
+def run(args: argparse.Namespace, redis_server: RedisServer, workdir: Path, servers: list[Service]) -> dict[str, Any]:
     durations = QUICK if args.quick else FULL
     base_env = {
         **os.environ,
@@ -677,13 +573,24 @@ def run(args: argparse.Namespace, redis_server: RedisServer, workdir: Path, serv
         admin = redis_server.client()
         admin.flushall()
         admin.close()
-        server = Gunicorn(port, {**base_env, **env}, workdir / f"gunicorn-{shedding}.log")
+        server = gunicorn(
+            f"gunicorn-{shedding}",
+            port=port,
+            logs=workdir,
+            workers=WORKERS,
+            threads=THREADS,
+            timeout=60,
+            worker_class="gthread",
+        )
         servers.append(server)
         t = time.monotonic()
-        server.start()
-        server.wait_ready()
+        server.start({**base_env, **env})
+        server.wait_until(
+            lambda server=server: len(server.children()) >= WORKERS and serving(port), START_TIMEOUT, "workers serving"
+        )
+        workers = sorted(server.children())
         log(
-            f"gunicorn (shedding {shedding}) master pid {server.pid}, workers {sorted(server.workers)} "
+            f"gunicorn (shedding {shedding}) master pid {server.pid}, workers {workers} "
             f"on 127.0.0.1:{port} ({time.monotonic() - t:.1f} s)"
         )
         warm_up(port, durations.warm)
@@ -694,7 +601,7 @@ def run(args: argparse.Namespace, redis_server: RedisServer, workdir: Path, serv
                 duration = durations.unloaded if shedding == "off" else durations.unloaded_on
                 settle = 0.0
             pids = {
-                "gunicorn": [server.pid, *sorted(server.workers)],
+                "gunicorn": [server.pid, *workers],
                 "redis": [redis_server.pid],
                 "generator": [os.getpid()],
             }
@@ -705,9 +612,9 @@ def run(args: argparse.Namespace, redis_server: RedisServer, workdir: Path, serv
             details["fleet_slots_after_flood"] = fleet_slots(redis_server)
             details["export_probe_after_flood"] = probe_exports(port, durations.probe_rounds)
         pid, t = server.pid, time.monotonic()
-        server.stop()
-        log(f"stopped gunicorn master pid {pid} (workers {sorted(server.workers)}) in {time.monotonic() - t:.1f} s")
-        text = server.log_path.read_text(errors="replace")
+        server.stop(grace=15)
+        log(f"stopped gunicorn master pid {pid} (workers {workers}) in {time.monotonic() - t:.1f} s")
+        text = server.log_text()
         details["log"] = log_counts(text)
         details["log_excerpt"] = log_excerpt(text)
         report["servers"][shedding] = details

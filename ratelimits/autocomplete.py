@@ -11,6 +11,7 @@ from django.db.models import Model
 from django.http import HttpRequest, JsonResponse
 
 from .conf import conf
+from .identity import SubjectKind
 
 __all__ = ["subject_suggestions_view"]
 
@@ -29,9 +30,9 @@ def subject_suggestions_view(request: HttpRequest) -> JsonResponse:
         raise PermissionDenied
     kind = request.GET.get("kind", "")
     term = request.GET.get("term", "").strip()[:100]
-    if kind == "user":
+    if kind == SubjectKind.USER:
         model: type[Model] | None = get_user_model()
-    elif kind == "api_key":
+    elif kind == SubjectKind.API_KEY:
         model = conf.api_key_model
     else:
         model = None
@@ -46,6 +47,6 @@ def subject_suggestions_view(request: HttpRequest) -> JsonResponse:
 
 
 def _identifier(kind: str, obj: Any) -> str:
-    if kind == "user":
+    if kind == SubjectKind.USER:
         return str(obj.pk)
     return str(conf.api_key_func(obj) or "")

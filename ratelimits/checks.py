@@ -11,10 +11,12 @@ from typing import Any
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
+from django.utils.module_loading import import_string
 
 from .backends import backend_class
 from .conf import BACKEND, POLICY_SOURCE, SETTINGS, conf
 from .exceptions import ConfigurationError
+from .policies.database import DatabasePolicySource
 from .policies.source import build_policy_source
 
 __all__ = ["E001", "E002", "E003", "SETTING_IDS", "W001", "W002", "W003", "check_deployment", "check_settings"]
@@ -103,6 +105,14 @@ def _known_hint(key: str) -> str | None:
     return f"Did you mean {close[0]!r}?" if close else None
 
 
+def _is_database_source(path: str) -> bool:
+    try:
+        source = import_string(path)
+    except ImportError:
+        return False  # check_settings reports it
+    return isinstance(source, type) and issubclass(source, DatabasePolicySource)
+
+
 @register(Tags.compatibility)
 def check_deployment(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """Warn about set-ups that work in development but not behind several workers."""
@@ -133,7 +143,7 @@ def check_deployment(app_configs: Any = None, **kwargs: Any) -> list[CheckMessag
                 id=W002,
             )
         )
-    if source.endswith(".DatabasePolicySource"):
+    if _is_database_source(source):
         ignored = [name for name in SETTINGS_SOURCE_ONLY if conf.is_set(SETTINGS[name])]
         if ignored:
             messages.append(

@@ -1,4 +1,4 @@
-"""Fixtures: a private Redis per test session, backends on both stores, a controllable clock."""
+"""Fixtures: a private Redis per test session, backends on both stores, a controllable clock, a browser."""
 
 from __future__ import annotations
 
@@ -12,21 +12,10 @@ from ratelimits import engine
 from ratelimits.backends.memory import MemoryBackend
 from ratelimits.backends.redis import RedisBackend, make_client
 
-from .inflight_gate import GATE, Gate
-from .redis_server import RedisServer
-
-
-class FakeClock:
-    """Integer microseconds that only move when a test says so."""
-
-    def __init__(self, start_us: int = 1_700_000_000_000_000) -> None:
-        self.now = start_us
-
-    def __call__(self) -> int:
-        return self.now
-
-    def advance(self, us: int) -> None:
-        self.now += us
+from .support.browser import chromium  # noqa: F401  (a fixture the browser tests use)
+from .support.clock import FakeClock
+from .support.gate import GATE, Gate
+from .support.redis_server import RedisServer
 
 
 @pytest.fixture(scope="session")
@@ -75,7 +64,7 @@ def _fresh_engine() -> Iterator[None]:
 
 @pytest.fixture
 def gate() -> Iterator[Gate]:
-    """The test views' gate (tests/inflight_gate.py), closed; opened and emptied after the test."""
+    """The test views' gate (tests/support/gate.py), closed; opened and emptied after the test."""
     GATE.reset()
     yield GATE
     GATE.open()

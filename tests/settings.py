@@ -1,8 +1,11 @@
 """Settings for the test suite: the demo project's apps, PostgreSQL or SQLite, a private Redis."""
 
 import os
+from pathlib import Path
 
 import dj_database_url
+
+BASE_DIR = Path(__file__).resolve().parent.parent
 
 SECRET_KEY = "tests-only-secret"
 DEBUG = False
@@ -35,6 +38,8 @@ MIDDLEWARE = [
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
+        # The demo project's own templates (its landing page), as in project/settings.py.
+        "DIRS": [BASE_DIR / "templates"],
         "APP_DIRS": True,
         "OPTIONS": {
             "context_processors": [

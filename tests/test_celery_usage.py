@@ -4,7 +4,7 @@ A private Redis, a PostgreSQL database of this module's own (created, migrated w
 ``migrate``, dropped afterwards), and RabbitMQ (``RATELIMITS_TEST_BROKER_URL``, by default
 ``amqp://guest:guest@127.0.0.1:5672//``) on a queue named for this run, so that runs sharing the
 broker's vhost never take each other's tasks. ``celery -A project worker`` and ``celery -A project
-beat`` run with ``tests.celery_settings``: the demo's settings with that queue, and beat draining
+beat`` run with ``tests.support.celery_settings``: the demo's settings with that queue, and beat draining
 every 2 s. This process sends the traffic through the throttle (``/t/ping``, anonymous tier
 10/m) into the shared Redis; the worker drains it into its database, which is read here with
 psycopg. The drain only takes closed minutes, so each part waits for the minute to turn.
@@ -30,10 +30,7 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.parse
@@ -54,17 +51,12 @@ from ratelimits import engine
 from ratelimits.backends.redis import RedisBackend, make_client
 from ratelimits.counters import parse_field, usage_for
 
-from .redis_server import RedisServer
+from .support.postgres import throwaway_database
+from .support.processes import REPO, VENV_BIN, Service, manage
+from .support.redis_server import RedisServer
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
-VENV_BIN = Path(sys.executable).parent
-POSTGRES_URL = (
-    os.environ["DATABASE_URL"]
-    if os.environ.get("DATABASE_URL", "").startswith(("postgres://", "postgresql://"))
-    else "postgres://postgres@127.0.0.1:5432/postgres"
-)
 BROKER_URL = os.environ.get("RATELIMITS_TEST_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")
 DRAIN_EVERY_S = 2.0
 
@@ -76,7 +68,6 @@ TIERS = {"anonymous": {"rate": f"{LIMIT}/m"}, "authenticated": {"rate": f"{LIMIT
 KILL_FILLER = 2000
 DUPLICATE_FILLER = 500
 
-SUBPROCESS_TIMEOUT = 120.0
 START_TIMEOUT = 60.0
 #: A minute turns within 60 s of any traffic; beat's next drain follows within DRAIN_EVERY_S.
 MINUTE_TIMEOUT = 75.0
@@ -96,73 +87,9 @@ Totals = tuple[int, int, int, int, int]
 # -- processes ---------------------------------------------------------------------------------
 
 
-def _exited(pid: int) -> bool:
-    """Whether our child ``pid`` has exited, without reaping it (its PID, and so its group, stay ours)."""
-    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-
-
-@dataclass
-class CeleryProcess:
-    """A ``celery`` command in a session of its own: its PID is the group of its pool children too."""
-
-    name: str
-    argv: list[str]
-    logs: Path
-    process: subprocess.Popen[bytes] | None = None
-    starts: int = 0
-    log: Path | None = None
-
-    def start(self, env: dict[str, str]) -> None:
-        self.starts += 1
-        self.log = self.logs / f"{self.name}-{self.starts}.log"
-        with self.log.open("wb") as log:
-            self.process = subprocess.Popen(
-                [str(VENV_BIN / "celery"), "-A", "project", *self.argv],
-                cwd=REPO,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace") if self.log and self.log.exists() else ""
-
-    def wait_for(self, pattern: str | re.Pattern[str], timeout: float, what: str) -> re.Match[str]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = re.search(pattern, self.log_text())
-            if found:
-                return found
-            assert self.process is not None and self.process.poll() is None, f"{self.name} exited:\n{self.tail()}"
-            time.sleep(0.1)
-        raise AssertionError(f"{self.name}: no {what} within {timeout:g} s:\n{self.tail()}")
-
-    def kill(self) -> None:
-        """SIGKILL to the whole group at once: the main process and every pool child, mid-task."""
-        assert self.process is not None
-        os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait(timeout=10)
-        self.process = None
-
-    def stop(self) -> None:
-        """SIGTERM (warm shutdown), SIGKILL 20 s later; then SIGKILL whatever is left in its group."""
-        process, self.process = self.process, None
-        if process is None or process.returncode is not None:
-            return
-        pid = process.pid
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 20
-        while not _exited(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        with contextlib.suppress(ProcessLookupError):
-            # The main process is exited but unreaped here, so the group can only be its own.
-            os.killpg(pid, signal.SIGKILL)
-        process.wait(timeout=10)
-
-    def tail(self, chars: int = 6000) -> str:
-        return self.log_text()[-chars:]
+def celery(name: str, logs: Path, *argv: str) -> Service:
+    """``celery -A project <argv>`` (the demo's Celery app), its pool children in its process group."""
+    return Service(name, [str(VENV_BIN / "celery"), "-A", "project", *argv], logs)
 
 
 @dataclass
@@ -172,22 +99,17 @@ class Stack:
     env: dict[str, str]
     queue: str
     client: Celery
-    worker: CeleryProcess
-    beat: CeleryProcess
+    worker: Service
+    beat: Service
     #: What every subject did, as this process saw its responses: the totals the drain must reach.
     expected: dict[Key, Totals] = field(default_factory=dict)
 
     def start_worker(self) -> None:
         self.worker.start(self.env)
-        self.worker.wait_for(r"@\S+ ready\.", START_TIMEOUT, "ready line")
+        self.worker.wait_for_log(r"@\S+ ready\.", START_TIMEOUT, "ready line")
 
     def redis_client(self) -> redis.Redis:
         return self.redis_server.client()
-
-
-def _database_url(name: str) -> str:
-    parts = urllib.parse.urlsplit(POSTGRES_URL)
-    return urllib.parse.urlunsplit(parts._replace(path=f"/{name}"))
 
 
 def _broker_reachable() -> bool:
@@ -199,18 +121,6 @@ def _broker_reachable() -> bool:
         return False
 
 
-def run_manage(env: dict[str, str], *args: str) -> None:
-    result = subprocess.run(
-        [sys.executable, "manage.py", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=SUBPROCESS_TIMEOUT,
-    )
-    assert result.returncode == 0, f"manage.py {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}"
-
-
 @pytest.fixture(scope="module")
 def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
     if not _broker_reachable():
@@ -218,25 +128,13 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
     failed_before = request.session.testsfailed
     token = secrets.token_hex(4)
     with contextlib.ExitStack() as cleanup:
-        redis_server = RedisServer()
-        cleanup.callback(redis_server.stop)
-        redis_server.start()
-
-        name = f"ratelimits_celery_{token}"
-        with psycopg.connect(POSTGRES_URL, autocommit=True, connect_timeout=10) as admin:
-            admin.execute(f'CREATE DATABASE "{name}"')
-
-        def drop() -> None:
-            with psycopg.connect(POSTGRES_URL, autocommit=True, connect_timeout=10) as admin:
-                admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-        cleanup.callback(drop)
-        database_url = _database_url(name)
+        redis_server = cleanup.enter_context(RedisServer())
+        database_url = cleanup.enter_context(throwaway_database("ratelimits_celery"))
         queue = f"ratelimits-test-{token}"
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
-            "DJANGO_SETTINGS_MODULE": "tests.celery_settings",
+            "DJANGO_SETTINGS_MODULE": "tests.support.celery_settings",
             "DATABASE_URL": database_url,
             "REDIS_URL": redis_server.url,
             "CELERY_BROKER_URL": BROKER_URL,
@@ -246,7 +144,7 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
             "DEBUG": "0",
             "PYTHONUNBUFFERED": "1",
         }
-        run_manage(env, "migrate", "--noinput", "-v", "0")
+        manage(env, "migrate", "--noinput", "-v", "0")
 
         client = Celery("ratelimits-celery-usage-test", broker=BROKER_URL, set_as_current=False, fixups=[])
         cleanup.callback(client.close)
@@ -261,9 +159,10 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
 
         logs = Path(tempfile.mkdtemp(prefix="ratelimits-celery-"))
         cleanup.callback(shutil.rmtree, logs, ignore_errors=True)
-        worker = CeleryProcess(
+        worker = celery(
             "worker",
-            [
+            logs,
+            *[
                 "worker",
                 "-Q",
                 queue,
@@ -280,21 +179,16 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
                 "-l",
                 "info",
             ],
-            logs,
         )
-        beat = CeleryProcess(
-            "beat",
-            ["beat", "-s", str(logs / "beat-schedule"), "--max-interval", "1", "-l", "info"],
-            logs,
-        )
+        beat = celery("beat", logs, "beat", "-s", str(logs / "beat-schedule"), "--max-interval", "1", "-l", "info")
         stack = Stack(redis_server, database_url, env, queue, client, worker, beat)
         cleanup.callback(worker.stop)
         cleanup.callback(beat.stop)
         stack.start_worker()
         beat.start(env)
-        beat.wait_for("beat: Starting", START_TIMEOUT, "start")
+        beat.wait_for_log("beat: Starting", START_TIMEOUT, "start")
         # Beat's tasks reach the worker through the broker, and the drain runs (on nothing yet).
-        worker.wait_for(SUCCEEDED, START_TIMEOUT, "drain from beat")
+        worker.wait_for_log(SUCCEEDED, START_TIMEOUT, "drain from beat")
         assert store_state(stack) == ([], [])
         yield stack
         if request.session.testsfailed != failed_before:

@@ -23,9 +23,9 @@ from ratelimits.identity import Subject
 from ratelimits.policies import Check, Policy
 from ratelimits.rates import parse_rate
 
-from .conftest import FakeClock
-from .redis_server import RedisServer
-from .storm_worker import StormReport, redis_time_us, run_storm
+from .support.clock import FakeClock
+from .support.redis_server import RedisServer
+from .support.storm import StormReport, redis_time_us, run_storm
 
 pytestmark = pytest.mark.slow
 

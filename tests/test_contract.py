@@ -16,7 +16,7 @@ from ratelimits.identity import Subject
 from ratelimits.policies import Check, Policy
 from ratelimits.rates import parse_rate
 
-from .conftest import FakeClock
+from .support.clock import FakeClock
 
 ALICE = Subject("api_key", "alice")
 BOB = Subject("api_key", "bob")

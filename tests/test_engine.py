@@ -14,7 +14,7 @@ from ratelimits.identity import Subject
 from ratelimits.policies import Check, Policy
 from ratelimits.rates import parse_rate
 
-from .redis_server import free_port
+from .support.redis_server import free_port
 
 ALICE = Subject("api_key", "alice")
 

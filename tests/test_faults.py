@@ -21,7 +21,7 @@ from ratelimits import engine
 from ratelimits.backends.redis import DECIDE_SHA
 
 from .factories import ApiKeyFactory
-from .redis_server import RedisServer
+from .support.redis_server import RedisServer
 
 pytestmark = pytest.mark.django_db
 

@@ -28,12 +28,12 @@ from ratelimits.identity import Subject
 from ratelimits.policies import Check, Policy, concurrency_policy
 from ratelimits.rates import Rate, parse_rate
 
-from .conftest import FakeClock
 from .factories import ApiKeyFactory
-from .inflight_gate import Gate
-from .inflight_support import Burst, in_flight
-from .inflight_worker import hold_slots
-from .redis_server import RedisServer
+from .support.bursts import Burst, in_flight
+from .support.clock import FakeClock
+from .support.gate import Gate
+from .support.redis_server import RedisServer
+from .support.storm import hold_slots
 
 SECOND = 1_000_000
 ALICE = Subject("api_key", "inflight-alice")

@@ -9,7 +9,7 @@ this module and dropped afterwards. The demo's ``migrate`` and ``seed_demo`` run
    ``RateLimit-Policy``, and only a worker's first request after the commit may show the old one.
 2. With Redis killed, changes committed to the database cannot bump the version stamp (one saved
    through the model, whose bump fails, then one by a plain UPDATE); both workers still pick each
-   up within ``POLICY_POLL_INTERVAL`` (1 s in ``tests/propagation_settings.py``), and not before
+   up within ``POLICY_POLL_INTERVAL`` (1 s in ``tests/support/propagation_settings.py``), and not before
    their snapshot is that old: they poll on a timer, they do not reload on every request.
 
 Every wait is a bounded poll of a condition; every process started here is stopped by its PID.
@@ -18,41 +18,27 @@ Every wait is a bounded poll of a condition; every process started here is stopp
 from __future__ import annotations
 
 import contextlib
-import http.client
-import json
 import os
 import re
 import secrets
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
-from html.parser import HTMLParser
-from http.cookies import SimpleCookie
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 
-from .propagation_settings import POLICY_POLL_INTERVAL_S
-from .redis_server import RedisServer, free_port
+from .support.http import AdminSession, Reply, fetch, form_fields, page_errors, serving
+from .support.postgres import throwaway_database
+from .support.processes import Service, gunicorn, manage
+from .support.propagation_settings import POLICY_POLL_INTERVAL_S
+from .support.redis_server import RedisServer, free_port
 
 pytestmark = pytest.mark.slow
-
-REPO = Path(__file__).resolve().parent.parent
-VENV_BIN = Path(sys.executable).parent
-#: The PostgreSQL server to create the module's database on (the suite's, as in the Makefile).
-POSTGRES_URL = (
-    os.environ["DATABASE_URL"]
-    if os.environ.get("DATABASE_URL", "").startswith(("postgres://", "postgresql://"))
-    else "postgres://postgres@127.0.0.1:5432/postgres"
-)
 #: Seeded by ``seed_demo``: Acme's key is on the free tier; Acme's override only covers "customers".
 ACME_KEY = "sk_free_demo_acme_0000000000"
 ADMIN_USER, ADMIN_PASSWORD = "admin", "admin"
@@ -74,204 +60,10 @@ OUTAGE_LIMITS = (12, 14)
 #: older than the interval is still decided on it, the next one reloads, and polls are ~50 ms apart.
 POLL_SLACK_S = 1.5
 
-SUBPROCESS_TIMEOUT = 120.0
 START_TIMEOUT = 30.0
-HTTP_TIMEOUT = 10.0
-
-
-# -- HTTP --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Reply:
-    status: int
-    headers: http.client.HTTPMessage
-    body: bytes
-
-    @property
-    def text(self) -> str:
-        return self.body.decode("utf-8", "replace")
-
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-
-def fetch(
-    port: int, method: str, path: str, *, headers: dict[str, str] | None = None, body: bytes | None = None
-) -> Reply:
-    """One request on a fresh connection (gunicorn's sync worker closes it anyway); no redirects followed."""
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=HTTP_TIMEOUT)
-    try:
-        connection.request(method, path, body=body, headers=headers or {})
-        response = connection.getresponse()
-        return Reply(response.status, response.headers, response.read())
-    finally:
-        connection.close()
-
-
-def api(port: int, path: str) -> Reply:
-    return fetch(port, "GET", path, headers={"Authorization": f"Bearer {ACME_KEY}"})
-
-
-class Browser:
-    """Cookies and form posts, enough for the Django admin."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.cookies: dict[str, str] = {}
-
-    def request(self, method: str, path: str, form: list[tuple[str, str]] | None = None) -> Reply:
-        headers = {}
-        if self.cookies:
-            headers["Cookie"] = "; ".join(f"{name}={value}" for name, value in self.cookies.items())
-        body = None
-        if form is not None:
-            body = urllib.parse.urlencode(form).encode()
-            headers["Content-Type"] = "application/x-www-form-urlencoded"
-        reply = fetch(self.port, method, path, headers=headers, body=body)
-        for header in reply.headers.get_all("Set-Cookie") or []:
-            cookie: SimpleCookie = SimpleCookie()
-            cookie.load(header)
-            self.cookies.update({name: morsel.value for name, morsel in cookie.items()})
-        return reply
-
-
-class FormFields(HTMLParser):
-    """The fields a browser would submit from the form with ``id=form_id`` (submit buttons aside)."""
-
-    def __init__(self, form_id: str) -> None:
-        super().__init__()
-        self.form_id = form_id
-        self.fields: list[tuple[str, str]] = []
-        self._inside = False
-        self._select: str | None = None
-        self._options: list[tuple[str, bool]] = []
-        self._textarea: str | None = None
-        self._text: list[str] = []
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        a = dict(attrs)
-        if tag == "form":
-            self._inside = a.get("id") == self.form_id
-        if not self._inside:
-            return
-        name = a.get("name")
-        if tag == "input" and name:
-            kind = (a.get("type") or "text").lower()
-            if kind in ("submit", "button", "image", "reset", "file"):
-                return
-            if kind in ("checkbox", "radio") and "checked" not in a:
-                return
-            self.fields.append((name, a.get("value") or ("on" if kind == "checkbox" else "")))
-        elif tag == "select" and name:
-            self._select, self._options = name, []
-        elif tag == "option" and self._select is not None:
-            self._options.append((a.get("value") or "", "selected" in a))
-        elif tag == "textarea" and name:
-            self._textarea, self._text = name, []
-
-    def handle_data(self, data: str) -> None:
-        if self._textarea is not None:
-            self._text.append(data)
-
-    def handle_endtag(self, tag: str) -> None:
-        if tag == "form":
-            self._inside = False
-        elif tag == "select" and self._select is not None:
-            chosen = [value for value, selected in self._options if selected] or [v for v, _ in self._options[:1]]
-            self.fields.extend((self._select, value) for value in chosen)
-            self._select = None
-        elif tag == "textarea" and self._textarea is not None:
-            text = "".join(self._text)
-            self.fields.append((self._textarea, text[1:] if text.startswith("\n") else text))
-            self._textarea = None
-
-
-def form_fields(html: str, form_id: str) -> dict[str, str]:
-    parser = FormFields(form_id)
-    parser.feed(html)
-    parser.close()
-    return dict(parser.fields)
-
-
-def page_errors(html: str) -> str:
-    """The admin's error notes and field errors, for assertion messages."""
-    found = re.findall(r'<(?:p class="errornote"|ul class="errorlist[^"]*")[^>]*>(.*?)</(?:p|ul)>', html, re.S)
-    return " | ".join(re.sub(r"<[^>]+>", " ", f).strip() for f in found) or html[:2000]
 
 
 # -- processes ---------------------------------------------------------------------------------
-
-
-def run_manage(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
-        [sys.executable, "manage.py", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=SUBPROCESS_TIMEOUT,
-    )
-    assert result.returncode == 0, f"manage.py {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}"
-    return result
-
-
-@dataclass
-class Worker:
-    """One ``gunicorn --workers 1 --threads 1`` server: a master and its single worker process."""
-
-    name: str
-    port: int
-    log: Path
-    process: subprocess.Popen[bytes] | None = None
-
-    def start(self, env: dict[str, str]) -> None:
-        with self.log.open("wb") as log:
-            self.process = subprocess.Popen(
-                [
-                    str(VENV_BIN / "gunicorn"),
-                    "--workers=1",
-                    "--threads=1",
-                    f"--bind=127.0.0.1:{self.port}",
-                    "--timeout=30",
-                    "--graceful-timeout=5",
-                    # Otherwise every gunicorn 27 master binds the same ~/.gunicorn/gunicorn.ctl.
-                    "--no-control-socket",
-                    "project.wsgi",
-                ],
-                cwd=REPO,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-
-    def wait_ready(self) -> None:
-        """Poll the admin login page (it runs no rate-limit decision) until it answers, bounded."""
-        assert self.process is not None
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                break
-            with contextlib.suppress(OSError, http.client.HTTPException):
-                if fetch(self.port, "GET", "/admin/login/").status == 200:
-                    return
-            time.sleep(0.05)
-        raise RuntimeError(f"worker {self.name} on port {self.port} did not start:\n{self.log_text()}")
-
-    def stop(self) -> None:
-        """SIGTERM to the master (it stops its worker), SIGKILL if it is still there 10 s later."""
-        process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        os.kill(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.kill(process.pid, signal.SIGKILL)
-            process.wait(timeout=10)
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")[-5000:] if self.log.exists() else ""
 
 
 @dataclass
@@ -279,34 +71,17 @@ class Stack:
     redis: RedisServer
     database_url: str
     env: dict[str, str]
-    a: Worker
-    b: Worker
+    a: Service
+    b: Service
     free_tier_id: int
-
-
-def _database_url(name: str) -> str:
-    parts = urllib.parse.urlsplit(POSTGRES_URL)
-    return urllib.parse.urlunsplit(parts._replace(path=f"/{name}"))
 
 
 @pytest.fixture(scope="module")
 def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
     failed_before = request.session.testsfailed
     with contextlib.ExitStack() as cleanup:
-        redis_server = RedisServer()
-        cleanup.callback(redis_server.stop)
-        redis_server.start()
-
-        name = f"ratelimits_propagation_{secrets.token_hex(4)}"
-        with psycopg.connect(POSTGRES_URL, autocommit=True, connect_timeout=10) as admin:
-            admin.execute(f'CREATE DATABASE "{name}"')
-
-        def drop() -> None:
-            with psycopg.connect(POSTGRES_URL, autocommit=True, connect_timeout=10) as admin:
-                admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-        cleanup.callback(drop)
-        database_url = _database_url(name)
+        redis_server = cleanup.enter_context(RedisServer())
+        database_url = cleanup.enter_context(throwaway_database("ratelimits_propagation"))
         env = {
             **os.environ,
             "DJANGO_SETTINGS_MODULE": "project.settings",
@@ -316,8 +91,8 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
             "DEBUG": "0",
             "PYTHONUNBUFFERED": "1",
         }
-        run_manage(env, "migrate", "--noinput", "-v", "0")
-        run_manage(env, "seed_demo")
+        manage(env, "migrate", "--noinput", "-v", "0")
+        manage(env, "seed_demo")
         with psycopg.connect(database_url, connect_timeout=10) as conn:
             row = conn.execute("SELECT id FROM ratelimits_tier WHERE name = 'free'").fetchone()
             assert row is not None, "migration 0002 seeds the free tier"
@@ -327,17 +102,21 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
 
         logs = Path(tempfile.mkdtemp(prefix="ratelimits-propagation-"))
         cleanup.callback(shutil.rmtree, logs, ignore_errors=True)
-        worker_env = {**env, "DJANGO_SETTINGS_MODULE": "tests.propagation_settings"}
-        a, b = Worker("A", free_port(), logs / "a.log"), Worker("B", free_port(), logs / "b.log")
+        worker_env = {**env, "DJANGO_SETTINGS_MODULE": "tests.support.propagation_settings"}
+        a, b = (gunicorn(name, port=free_port(), logs=logs) for name in ("A", "B"))
         for worker in (a, b):
-            cleanup.callback(worker.stop)
+            cleanup.callback(worker.stop, grace=10)
             worker.start(worker_env)
         for worker in (a, b):
-            worker.wait_ready()
+            worker.wait_until(lambda w=worker: serving(w.port), START_TIMEOUT, "answer to GET /admin/login/")
         yield Stack(redis_server, database_url, env, a, b, int(row[0]))
         if request.session.testsfailed != failed_before:
             for worker in (a, b):
-                print(f"\n--- worker {worker.name} log (tail) ---\n{worker.log_text()}")
+                print(f"\n--- worker {worker.name} log (tail) ---\n{worker.tail(5000)}")
+
+
+def api(port: int, path: str) -> Reply:
+    return fetch(port, "GET", path, headers={"Authorization": f"Bearer {ACME_KEY}"})
 
 
 # -- observations ------------------------------------------------------------------------------
@@ -356,7 +135,7 @@ class Seen:
         return f"{self.worker}:{self.status} {self.policy} r={self.remaining}"
 
 
-def charge_list(worker: Worker) -> Seen:
+def charge_list(worker: Service) -> Seen:
     """GET /v1/charges as Acme: a consuming request (cost 1; no override applies to it)."""
     reply = api(worker.port, "/v1/charges")
     assert reply.status in (200, 429), (reply.status, reply.text)
@@ -364,7 +143,7 @@ def charge_list(worker: Worker) -> Seen:
     return Seen(worker.name, reply.status, reply.headers.get("RateLimit-Policy", ""), int(left[1]) if left else None)
 
 
-def free_tier_limits(worker: Worker) -> tuple[bool, dict[str, Any] | None]:
+def free_tier_limits(worker: Service) -> tuple[bool, dict[str, Any] | None]:
     """GET /v1/rate_limit (consumes nothing): whether degraded, and the free tier's entry."""
     reply = api(worker.port, "/v1/rate_limit?endpoint=charges")
     assert reply.status == 200, (reply.status, reply.text)
@@ -382,9 +161,9 @@ def policy_version(stack: Stack) -> int:
     return int(raw or 0)
 
 
-def change_tier_through_admin(worker: Worker, tier_id: int, changes: dict[str, str], reason: str) -> None:
+def change_tier_through_admin(worker: Service, tier_id: int, changes: dict[str, str], reason: str) -> None:
     """Log in, load the tier's change form and post it back with ``changes``, as a browser would."""
-    browser = Browser(worker.port)
+    browser = AdminSession(worker.port)
     login = browser.request("GET", "/admin/login/")
     assert login.status == 200 and "csrftoken" in browser.cookies, login.status
     token = form_fields(login.text, "login-form")["csrfmiddlewaretoken"]
@@ -480,7 +259,7 @@ class Pickup:
     trail: list[int]
 
 
-def poll_until_limit(workers: tuple[Worker, ...], limit: int, since: float) -> dict[str, Pickup]:
+def poll_until_limit(workers: tuple[Service, ...], limit: int, since: float) -> dict[str, Pickup]:
     """Ask each worker for the free tier's limit (degraded) until it reports ``limit``; at most 10 s."""
     found: dict[str, Pickup] = {}
     trails: dict[str, list[int]] = {w.name: [] for w in workers}
@@ -533,7 +312,7 @@ def test_workers_poll_the_database_while_redis_is_down(stack: Stack) -> None:
         "tier.full_clean()\n"
         "tier.save()\n"
     )
-    result = run_manage(stack.env, "shell", "-c", code)
+    result = manage(stack.env, "shell", "-c", code)
     committed = time.monotonic()
     assert "could not publish policy version" in result.stderr, result.stderr
     print(f"\nRedis down; free tier {limit_before} -> {first}, saved by manage.py shell (bump failed):")

@@ -1,6 +1,5 @@
 """The usage report in a real headless browser: Debian's Chromium driven by Playwright.
 
-Chromium is found (or installed) by the ``chromium`` fixture of tests/test_admin_browser.py.
 The page is served by pytest-django's ``live_server``; the screenshot is written to
 test-artifacts/usage-report.png.
 """
@@ -18,9 +17,8 @@ from django.urls import reverse
 
 from ratelimits.models import UsageRecord
 
-from .test_admin_browser import ARTIFACTS, CHROMIUM_ARGS, PASSWORD, chromium  # noqa: F401 - chromium: a fixture
+from .support.browser import PASSWORD, launch, log_in, screenshot_path, watch
 
-SCREENSHOT = ARTIFACTS / "usage-report.png"
 HOURS = range(1, 23)  # hours before the current one: inside the default 24 hours, whenever the test runs
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(900)]
@@ -91,94 +89,67 @@ def bars(page: Any) -> dict[str, int]:
     return counts
 
 
-def test_usage_report_in_chromium(chromium: str, live_server: Any, django_user_model: Any) -> None:  # noqa: F811
-    from playwright.sync_api import sync_playwright
-
+def test_usage_report_in_chromium(chromium: str, live_server: Any, django_user_model: Any) -> None:
     # All database work happens before Playwright starts (its sync API runs an event loop here).
     django_user_model.objects.create_superuser("ops", "ops@example.com", PASSWORD)
     hours_with = seed()
-    ARTIFACTS.mkdir(exist_ok=True)
-    SCREENSHOT.unlink(missing_ok=True)
+    screenshot = screenshot_path("usage-report.png")
     page_url = live_server.url + reverse("admin:ratelimits_usage_report")
-    problems: list[str] = []
 
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
+    with launch(chromium) as browser:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
+        problems = watch(page)
+        requested: list[str] = []
+        page.on("request", lambda req: requested.append(req.url))
+        log_in(page, page_url, "ops")
+        assert page.title().startswith("Usage report")
+        page.wait_for_selector("#usage-chart")
+        chart = page.evaluate(
+            """() => {
+                const svg = document.querySelector('#usage-chart');
+                const box = svg.getBoundingClientRect();
+                return {
+                    role: svg.getAttribute('role'),
+                    label: svg.getAttribute('aria-label'),
+                    title: svg.querySelector('title').textContent,
+                    desc: svg.querySelector('desc').textContent,
+                    width: box.width,
+                    height: box.height,
+                    legend: Array.from(svg.querySelectorAll('.legend text'), t => t.textContent),
+                    xLabels: svg.querySelectorAll('.x-axis text').length,
+                    yLabels: svg.querySelectorAll('.y-axis text').length,
+                    scripts: document.querySelectorAll('#content-main script').length,
+                };
+            }"""
+        )
+        drawn = bars(page)
+        series = table_rows(page, "series")
+        consumers = table_rows(page, "top_consumers")
+        throttled = table_rows(page, "throttled_subjects")
+        endpoints = table_rows(page, "throttled_endpoints")
+        near = table_rows(page, "near_limit")
+        headers = page.eval_on_selector_all(
+            "#table-top_consumers thead th", "ths => ths.map(th => th.textContent.trim())"
+        )
+        page.screenshot(path=str(screenshot), full_page=True)
 
-            def on_console(msg: Any) -> None:
-                # Chromium asks for /favicon.ico by itself; the admin declares none: not the page's fault.
-                if msg.type == "error" and not msg.location.get("url", "").endswith("/favicon.ico"):
-                    problems.append(f"console {msg.type}: {msg.text} at {msg.location}")
+        # The CSV link downloads the table as shown.
+        with page.expect_download() as download_info:
+            page.click("#section-top_consumers a.csv-link")
+        download = download_info.value
+        downloaded = list(csv.reader(io.StringIO(Path(download.path()).read_text())))
 
-            def on_response(response: Any) -> None:
-                if response.status >= 400 and not response.url.endswith("/favicon.ico"):
-                    problems.append(f"HTTP {response.status}: {response.url}")
+        # Narrow the report to one endpoint with the form.
+        page.fill("#id_endpoint", "refunds")
+        page.click("#usage-form input[type=submit]")
+        page.wait_for_url("**endpoint=refunds**")
+        narrowed = bars(page)
+        narrowed_consumers = table_rows(page, "top_consumers")
 
-            page.on("console", on_console)
-            page.on("pageerror", lambda exc: problems.append(f"page error: {exc}"))
-            page.on("requestfailed", lambda req: problems.append(f"request failed: {req.url} {req.failure}"))
-            page.on("response", on_response)
-            requested: list[str] = []
-            page.on("request", lambda req: requested.append(req.url))
-
-            page.goto(page_url)
-            assert "/admin/login/" in page.url
-            page.fill("#id_username", "ops")
-            page.fill("#id_password", PASSWORD)
-            page.click("input[type=submit]")
-            page.wait_for_url(f"{page_url}*")
-            assert page.title().startswith("Usage report")
-            page.wait_for_selector("#usage-chart")
-            chart = page.evaluate(
-                """() => {
-                    const svg = document.querySelector('#usage-chart');
-                    const box = svg.getBoundingClientRect();
-                    return {
-                        role: svg.getAttribute('role'),
-                        label: svg.getAttribute('aria-label'),
-                        title: svg.querySelector('title').textContent,
-                        desc: svg.querySelector('desc').textContent,
-                        width: box.width,
-                        height: box.height,
-                        legend: Array.from(svg.querySelectorAll('.legend text'), t => t.textContent),
-                        xLabels: svg.querySelectorAll('.x-axis text').length,
-                        yLabels: svg.querySelectorAll('.y-axis text').length,
-                        scripts: document.querySelectorAll('#content-main script').length,
-                    };
-                }"""
-            )
-            drawn = bars(page)
-            series = table_rows(page, "series")
-            consumers = table_rows(page, "top_consumers")
-            throttled = table_rows(page, "throttled_subjects")
-            endpoints = table_rows(page, "throttled_endpoints")
-            near = table_rows(page, "near_limit")
-            headers = page.eval_on_selector_all(
-                "#table-top_consumers thead th", "ths => ths.map(th => th.textContent.trim())"
-            )
-            page.screenshot(path=str(SCREENSHOT), full_page=True)
-
-            # The CSV link downloads the table as shown.
-            with page.expect_download() as download_info:
-                page.click("#section-top_consumers a.csv-link")
-            download = download_info.value
-            downloaded = list(csv.reader(io.StringIO(Path(download.path()).read_text())))
-
-            # Narrow the report to one endpoint with the form.
-            page.fill("#id_endpoint", "refunds")
-            page.click("#usage-form input[type=submit]")
-            page.wait_for_url("**endpoint=refunds**")
-            narrowed = bars(page)
-            narrowed_consumers = table_rows(page, "top_consumers")
-
-            # A subject's link opens its effective policy, filled in.
-            page.click("#table-top_consumers tbody a")
-            page.wait_for_url("**/fleetsettings/effective/**")
-            effective = (page.title(), page.input_value("#id_user"), page.input_value("#id_endpoint"))
-        finally:
-            browser.close()
+        # A subject's link opens its effective policy, filled in.
+        page.click("#table-top_consumers tbody a")
+        page.wait_for_url("**/fleetsettings/effective/**")
+        effective = (page.title(), page.input_value("#id_user"), page.input_value("#id_endpoint"))
 
     # Downloads end their navigation as "aborted" in Chromium: that is the download, not a failure.
     problems = [
@@ -186,7 +157,7 @@ def test_usage_report_in_chromium(chromium: str, live_server: Any, django_user_m
     ]
     assert problems == []
     assert all(url.startswith(live_server.url) for url in requested), "something was loaded from elsewhere"
-    assert SCREENSHOT.stat().st_size > 10_000
+    assert screenshot.stat().st_size > 10_000
 
     assert chart["role"] == "img" and chart["label"] == "Requests per hour by outcome" == chart["title"]
     assert chart["desc"].startswith("Stacked bars, 24 periods from ")

@@ -22,7 +22,7 @@ from ratelimits.backends.redis import DECIDE_SHA
 from ratelimits.decisions import Decision
 
 from .factories import ApiKeyFactory
-from .redis_server import RedisServer
+from .support.redis_server import RedisServer
 
 pytestmark = pytest.mark.django_db
 

@@ -19,9 +19,9 @@ from project.payments.views import ReportExport
 from ratelimits import engine
 
 from .factories import ApiKeyFactory
-from .inflight_gate import Gate
-from .inflight_support import Burst, in_flight
-from .redis_server import RedisServer
+from .support.bursts import Burst, in_flight
+from .support.gate import Gate
+from .support.redis_server import RedisServer
 
 REDUCED_CAPACITY = "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity"
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from django.test import Client
 
-from .redis_server import RedisServer
+from .support.redis_server import RedisServer
 
 pytestmark = pytest.mark.django_db
 

@@ -97,7 +97,7 @@ def test_open_minutes_are_not_drained(backend_settings: str) -> None:
 
 
 def test_degraded_decisions_are_counted_and_added_when_the_store_returns(settings: Any) -> None:
-    from .redis_server import RedisServer
+    from .support.redis_server import RedisServer
 
     with RedisServer() as server:
         settings.RATELIMITS = {**LIMITS, "BACKEND": "redis", "REDIS_URL": server.url, "BREAKER_COOLDOWN": "50ms"}

@@ -42,7 +42,7 @@ urlpatterns += [
 
 
 class Gated(APIView):
-    """Held inside until the test opens ``tests.inflight_gate.GATE`` (in-flight limit tests).
+    """Held inside until the test opens ``tests.support.gate.GATE`` (in-flight limit tests).
 
     GET and POST are separate endpoints to ``RATELIMITS['ENDPOINTS']`` ("GET gated", "POST
     gated"), so one view can serve two priority classes.
@@ -57,7 +57,7 @@ class Gated(APIView):
         return self._hold()
 
     def _hold(self) -> Response:
-        from .inflight_gate import GATE
+        from .support.gate import GATE
 
         if not GATE.pass_through():
             return Response({"ok": False, "detail": "the gate never opened"}, status=504)

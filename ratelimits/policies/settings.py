@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
-from ..choices import FailMode
+from ..choices import FailMode, Priority
 from ..conf import conf
 from ..exceptions import ConfigurationError, about_setting
 from ..identity import SubjectKind
@@ -73,7 +73,7 @@ def _endpoint(name: str, config: object, mode: FailMode) -> EndpointRule:
         origin=Origin(OriginKind.SETTINGS, field),
         fail_mode=mode,
         cost=config.get("cost", 1),
-        priority=config.get("priority", "normal"),
+        priority=config.get("priority", Priority.NORMAL),
         per_caller=config.get("rate"),
         endpoint_wide=config.get("endpoint_rate"),
         exempt=bool(config.get("exempt", False)),

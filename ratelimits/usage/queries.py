@@ -18,6 +18,7 @@ from django.db.models import F, FloatField, Q, QuerySet, Sum
 from django.db.models.functions import Cast, NullIf
 from django.urls import reverse
 
+from ..identity import SubjectKind
 from ..models import UsageRecord
 from .records import MAX_RANGE
 from .text import csv_text, display_text
@@ -46,7 +47,7 @@ TOTALS = (*OUTCOMES, "tokens")
 #: Rows per table.
 TABLE_LIMIT = 20
 #: The kinds of subject usage is counted for: the caller (API key, else user, else client IP).
-CALLER_KINDS = ("api_key", "user", "ip")
+CALLER_KINDS = (SubjectKind.API_KEY, SubjectKind.USER, SubjectKind.IP)
 STEPS = {"minute": timedelta(minutes=1), "hour": timedelta(hours=1), "day": timedelta(days=1)}
 DEFAULT_RANGE = timedelta(hours=24)
 
@@ -344,11 +345,11 @@ TABLES: dict[str, Callable[[ReportFilters, str], Table]] = {
 def effective_policy_url(kind: str, value: str, *, endpoint: str = "", organization: str = "") -> str:
     """The effective policy page, filled in for this subject on ``endpoint`` ("" if it cannot be)."""
     params: dict[str, str] = {}
-    if kind == "api_key":
+    if kind == SubjectKind.API_KEY:
         params["api_key"] = value
-    elif kind == "user":
+    elif kind == SubjectKind.USER:
         params["user"] = value
-    elif kind == "ip" and value != "unknown":
+    elif kind == SubjectKind.IP and value != "unknown":
         params["ip"] = value.split("/", 1)[0]  # an aggregated IPv6 network: its address aggregates back to it
     else:
         return ""

@@ -19,7 +19,7 @@ from project.settings import *  # noqa: F403
 
 CELERY_TASK_DEFAULT_QUEUE = os.environ.get("RATELIMITS_TEST_CELERY_QUEUE", "ratelimits-test")
 DRAIN_EVERY_S = float(os.environ.get("RATELIMITS_TEST_DRAIN_EVERY", "2"))
-CELERY_BEAT_SCHEDULER = "tests.celery_settings:FastDrainScheduler"
+CELERY_BEAT_SCHEDULER = "tests.support.celery_settings:FastDrainScheduler"
 
 
 class FastDrainScheduler(PersistentScheduler):  # type: ignore[misc]

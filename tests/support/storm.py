@@ -1,9 +1,11 @@
-"""Storm harness: real processes x threads deciding the same checks against one real Redis.
+"""Worker processes against one real Redis: storms of decisions, and a worker that dies holding slots.
 
-Lives in its own importable module because the ``spawn`` start method re-imports the
-target function in each child. Each child builds its own client (sockets are never
-inherited), every thread waits on cross-process barriers that the parent also joins, and
-every loop is bounded: a fixed number of attempts, barrier and queue waits with timeouts.
+The storm runs processes x threads deciding the same checks; :func:`hold_slots` takes slots and
+hangs until the test kills it. Both live in an importable module because the ``spawn`` start
+method re-imports the target function in each child. Each child builds its own client (sockets
+are never inherited) and needs no Django settings: the checks' subject digests are computed by
+the parent before pickling. Every thread waits on cross-process barriers that the parent also
+joins, and every loop is bounded: a fixed number of attempts, barrier and queue waits with timeouts.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from ratelimits.policies import Check
 #: Seconds any participant waits at the start line or for a child's report before giving up.
 START_TIMEOUT = 60.0
 REPORT_TIMEOUT = 60.0
+#: The longest a slot-holding child hangs if nobody kills it (the test kills it within seconds).
+HANG_TIMEOUT = 60.0
 
 
 @dataclass(frozen=True)
@@ -192,3 +196,14 @@ def run_storm(
         reports.close()
         timer.close()
     return report
+
+
+def hold_slots(url: str, checks: Sequence[Check], count: int, reports: Any) -> None:
+    """Admit ``count`` requests on ``checks`` (Redis server clock), report them, then hang holding them."""
+    backend = RedisBackend(make_client(url, 2.0, 2.0), clock=None)
+    taken = []
+    for _ in range(count):
+        decision = backend.decide(checks)
+        taken.append((decision.allowed, decision.slot, decision.slot_keys, decision.now_us))
+    reports.put((os.getpid(), taken))
+    threading.Event().wait(HANG_TIMEOUT)  # "busy with the requests" until SIGKILL

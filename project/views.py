@@ -1,0 +1,126 @@
+"""The demo's landing page (``/``) and its documentation pages (``/docs/<name>``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from django.conf import settings
+from django.http import Http404, HttpRequest, HttpResponse
+from django.shortcuts import render
+from django.urls import reverse
+
+from project.payments.management.commands.seed_demo import ADMIN, DEMO_KEYS
+from project.payments.models import ApiKey, hash_key
+from ratelimits.engine import get_policy_source
+
+DOCS = Path(settings.BASE_DIR) / "docs"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One endpoint of the demo API, with the policy it is under right now and a curl line to try it."""
+
+    method: str
+    path: str
+    scope: str
+    what: str
+    curl: str
+    priority: str = ""
+    cost: int = 0
+
+
+def _endpoints(base: str, key: str) -> list[Endpoint]:
+    auth = f'-H "Authorization: Bearer {key}"'
+    listed = [
+        Endpoint(
+            "POST",
+            "/v1/charges",
+            "charges",
+            "create a charge",
+            f"curl -i -X POST {auth} -d amount=500 {base}/v1/charges",
+        ),
+        Endpoint("GET", "/v1/customers", "customers", "list customers", f"curl -i {auth} {base}/v1/customers"),
+        Endpoint(
+            "POST",
+            "/v1/reports/export",
+            "reports.export",
+            "export a report (slow: 0.5 s)",
+            f"curl -i -X POST {auth} {base}/v1/reports/export",
+        ),
+    ]
+    source = get_policy_source()
+    rules = [source.endpoint_rule(e.scope, e.method) for e in listed]  # as the admin has them now
+    return [
+        *(replace(e, priority=rule.priority, cost=rule.cost) for e, rule in zip(listed, rules, strict=True)),
+        Endpoint(
+            "GET",
+            "/v1/rate_limit",
+            "",
+            "your limits on an endpoint, what is left; consumes nothing",
+            f'curl -s {auth} "{base}/v1/rate_limit?endpoint=charges&method=POST"',
+        ),
+        Endpoint(
+            "GET",
+            "/v1/usage",
+            "usage",
+            "your own usage, drained every 30 s",
+            f'curl -s {auth} "{base}/v1/usage?granularity=minute"',
+        ),
+    ]
+
+
+def landing(request: HttpRequest) -> HttpResponse:
+    """What a newcomer sees after ``make demo``: the keys, every endpoint with a curl line, the admin, the docs."""
+    base = request.build_absolute_uri("/").rstrip("/")
+    keys = []
+    for name, tier, organization, raw in DEMO_KEYS:
+        stored = ApiKey.objects.filter(key_hash=hash_key(raw)).first()
+        keys.append(
+            {
+                "name": name,
+                "tier": stored.tier if stored else tier,
+                "organization": organization,
+                "raw": raw,
+                "subject": f"ApiKey:{stored.pk}" if stored else None,
+            }
+        )
+    first = keys[0]["raw"]
+    backend = settings.RATELIMITS.get("BACKEND", "memory")
+    context = {
+        "keys": keys,
+        "endpoints": _endpoints(base, first),
+        "admin_user": ADMIN,
+        "backend": backend,
+        "redis_url": settings.RATELIMITS.get("REDIS_URL") if backend == "redis" else None,
+        "broker": getattr(settings, "CELERY_BROKER_URL", ""),
+        "admin_links": [
+            ("Tiers", reverse("admin:ratelimits_tier_changelist")),
+            ("Endpoint policies", reverse("admin:ratelimits_endpointpolicy_changelist")),
+            ("Overrides", reverse("admin:ratelimits_override_changelist")),
+            (
+                "Effective policy of Acme's key on customers",
+                f"{reverse('admin:ratelimits_effective_policy')}?api_key={keys[0]['subject'] or ''}"
+                "&endpoint=customers&method=GET",
+            ),
+            ("Usage report", reverse("admin:ratelimits_usage_report")),
+            ("Audit trail", reverse("admin:ratelimits_auditentry_changelist")),
+        ],
+        "docs": [
+            (path.stem, reverse("demo-doc", args=[path.stem]), _title(path)) for path in sorted(DOCS.glob("*.md"))
+        ],
+    }
+    return render(request, "index.html", context)
+
+
+def doc(request: HttpRequest, name: str) -> HttpResponse:
+    """One of the project's documentation pages, as the Markdown it is written in."""
+    path = DOCS / f"{name}.md"
+    if path.parent != DOCS or not path.is_file():
+        raise Http404(f"no document {name!r}")
+    return HttpResponse(path.read_text(encoding="utf-8"), content_type="text/plain; charset=utf-8")
+
+
+def _title(path: Path) -> str:
+    first = path.read_text(encoding="utf-8").split("\n", 1)[0]
+    return first.lstrip("# ").strip() or path.stem

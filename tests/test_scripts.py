@@ -1,0 +1,61 @@
+"""The Lua scripts and the Python they mirror agree on their numbers, and say what they take."""
+
+from __future__ import annotations
+
+import re
+from importlib import resources
+
+import pytest
+import redis
+
+from ratelimits.algorithms import SLOT_RETRY_US, Algorithm
+from ratelimits.backends import layout
+from ratelimits.backends.redis import DECIDE, RedisBackend, Script, make_client
+from ratelimits.counters import usage_for
+from ratelimits.identity import Subject, SubjectKind
+from ratelimits.policies import Check, Policy
+from ratelimits.rates import parse_rate
+
+from .support.redis_server import RedisServer
+
+SCRIPTS = sorted(p.name for p in resources.files("ratelimits").joinpath("lua").iterdir() if p.name.endswith(".lua"))
+
+
+def lua_constants(script: Script) -> dict[str, int]:
+    """``local A, B = 1, 2`` lines of a script, as ``{"A": 1, "B": 2}``."""
+    found = {}
+    for names, values in re.findall(r"^local ([A-Z_, ]+) = ([0-9, ]+)$", script.text, re.M):
+        found.update(zip((n.strip() for n in names.split(",")), (int(v) for v in values.split(",")), strict=True))
+    return found
+
+
+def test_decide_names_the_algorithm_codes_python_sends() -> None:
+    constants = lua_constants(DECIDE)
+    assert {name: constants[name.upper()] for name in (a.name.lower() for a in Algorithm)} == {
+        a.name.lower(): a.code for a in Algorithm
+    }
+    assert constants["SLOT_RETRY_US"] == SLOT_RETRY_US
+
+
+def test_decide_reads_as_many_arguments_per_check_as_a_policy_sends() -> None:
+    policy = Policy("p", parse_rate("1/s"), 1)
+    assert lua_constants(DECIDE)["PER_CHECK"] == len(policy.script_args) + 1  # and the check's cost
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_script_opens_with_its_contract(name: str) -> None:
+    header = Script.load(name).text.split("\n\n", 1)[0]
+    assert header.startswith(f"-- {name}: ")
+    assert "KEYS[1" in header and "ARGV[1]" in header
+    assert "Returns" in header or "returns" in header.lower()
+
+
+def test_an_undrained_usage_hash_lives_as_long_as_the_layout_says(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    backend = RedisBackend(make_client(redis_server.url, 2.0, 2.0))
+    check = Check(Policy("p", parse_rate("5/s"), 5), Subject(SubjectKind.IP, "198.51.100.1"))
+    usage = usage_for("ip", "198.51.100.1", "", "", "ping", 1)
+    assert backend.decide([check], usage=usage).allowed
+    ttl = redis_client.ttl(layout.usage_key(backend.prefix, usage.minute))
+    assert layout.USAGE_TTL_S - 5 <= ttl <= layout.USAGE_TTL_S
