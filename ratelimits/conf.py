@@ -14,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import re
+import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
@@ -31,7 +33,7 @@ from .rates import parse_duration
 if TYPE_CHECKING:
     from django.db.models import Model
 
-__all__ = ["HEADER_STYLES", "POLICY_SOURCES", "SETTINGS", "Setting", "conf"]
+__all__ = ["HEADER_STYLES", "POLICY_SOURCES", "SETTINGS", "ProcessWide", "Setting", "conf"]
 
 T = TypeVar("T")
 
@@ -529,9 +531,51 @@ class Settings:
 conf = Settings()
 
 
+class ProcessWide(Generic[T]):
+    """One value per process built from the settings on first use, and built again after they change.
+
+    The backend, the policy source, the limiter and the worker shedder are each one of these:
+    shared by every thread of the process, cheap to read, and rebuilt on the next use after a
+    ``setting_changed`` signal for ``RATELIMITS`` (``override_settings`` in tests).
+    """
+
+    _all: weakref.WeakSet[ProcessWide[Any]] = weakref.WeakSet()
+
+    def __init__(self, build: Callable[[], T]) -> None:
+        self._build = build
+        self._value: T | None = None
+        self._built = False
+        self._lock = threading.Lock()
+        ProcessWide._all.add(self)
+
+    def get(self) -> T:
+        if not self._built:
+            with self._lock:
+                if not self._built:
+                    self._value = self._build()
+                    self._built = True
+        return cast(T, self._value)
+
+    def current(self) -> T | None:
+        """The value if it was built, without building it."""
+        return self._value if self._built else None
+
+    def reset(self) -> None:
+        """Forget the value: the next :meth:`get` builds it again."""
+        with self._lock:
+            self._value, self._built = None, False
+
+    @classmethod
+    def reset_all(cls) -> None:
+        for value in list(cls._all):
+            value.reset()
+
+
 def _reset(*, setting: str, **kwargs: Any) -> None:
     if setting in ("RATELIMITS", "SECRET_KEY"):
         conf.clear()
+    if setting == "RATELIMITS":
+        ProcessWide.reset_all()
 
 
 setting_changed.connect(_reset, dispatch_uid="ratelimits.conf.reset")

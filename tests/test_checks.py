@@ -102,6 +102,7 @@ def test_several_bad_settings_are_each_reported(settings: Any) -> None:
     assert ids(check_settings()) == ["ratelimits.E117", "ratelimits.E118", "ratelimits.E127"]
 
 
+@pytest.mark.django_db  # the command runs the models' checks too, which read the database
 def test_a_bad_redis_url_fails_manage_py_check(settings: Any) -> None:
     settings.RATELIMITS = {"BACKEND": "redis", "REDIS_URL": "http://127.0.0.1:6379"}
     with pytest.raises(SystemCheckError, match=r"ratelimits\.E102.*RATELIMITS\['REDIS_URL'\]"):

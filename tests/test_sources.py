@@ -22,6 +22,7 @@ from ratelimits.decisions import Decision, Verdict
 from ratelimits.identity import identify
 from ratelimits.models import Override, PolicyVersion, Tier
 from ratelimits.policies import Explained
+from ratelimits.conf import ProcessWide
 from ratelimits.policies import source as policy_source
 from ratelimits.policies.database import DatabasePolicySource
 from ratelimits.policies.versioning import bump_policy_version
@@ -579,7 +580,8 @@ def test_other_workers_use_the_old_snapshot_for_at_most_one_request(
     """A worker that did not make the change learns of it from the version stamp its next decision brings."""
     worker, tier_, client = metered
     with monkeypatch.context() as m:
-        m.setattr(policy_source, "_source", DatabasePolicySource())  # the admin's save runs in another worker
+        # The admin's save runs in another worker: its process has a source of its own.
+        m.setattr(policy_source, "_source", ProcessWide(DatabasePolicySource))
         with transaction.atomic():
             tier_.rate = "2/s"
             tier_.burst = 5

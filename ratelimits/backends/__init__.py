@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import threading
-from typing import Any
-
-from django.core.signals import setting_changed
 from django.utils.module_loading import import_string
 
-from ..conf import conf
+from ..conf import ProcessWide, conf
 from ..exceptions import ConfigurationError
 from .base import Backend
 
@@ -37,32 +33,14 @@ def load_backend(name: str) -> Backend:
     return backend_class(name).from_settings()
 
 
-_backend: Backend | None = None
-_lock = threading.Lock()
+_backend: ProcessWide[Backend] = ProcessWide(lambda: load_backend(conf.backend))
 
 
 def get_backend() -> Backend:
     """The process-wide backend named by ``RATELIMITS['BACKEND']`` (the engine decides on it)."""
-    global _backend
-    backend = _backend
-    if backend is None:
-        with _lock:
-            backend = _backend
-            if backend is None:
-                backend = _backend = load_backend(conf.backend)
-    return backend
+    return _backend.get()
 
 
 def reset_backend() -> None:
     """Forget the process's backend: the next use builds it again from the settings."""
-    global _backend
-    with _lock:
-        _backend = None
-
-
-def _on_setting_changed(*, setting: str, **kwargs: Any) -> None:
-    if setting == "RATELIMITS":
-        reset_backend()
-
-
-setting_changed.connect(_on_setting_changed, dispatch_uid="ratelimits.backends.reset")
+    _backend.reset()

@@ -8,10 +8,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from django.core.signals import setting_changed
-
 from ..backends import reset_backend
 from ..policies.source import get_policy_source, reset_policy_source
 from .breaker import BreakerState, CircuitBreaker
@@ -40,13 +36,3 @@ def reset() -> None:
     reset_backend()
     reset_policy_source()
     reset_worker_shedder()
-
-
-def _on_setting_changed(*, setting: str, **kwargs: Any) -> None:
-    # The backend and the policy source forget themselves (they live below the engine).
-    if setting == "RATELIMITS":
-        reset_limiter()
-        reset_worker_shedder()
-
-
-setting_changed.connect(_on_setting_changed, dispatch_uid="ratelimits.engine.reset")

@@ -12,7 +12,7 @@ from dataclasses import replace
 from ..backends import Backend, get_backend
 from ..backends.memory import MemoryBackend
 from ..choices import FailMode
-from ..conf import conf
+from ..conf import ProcessWide, conf
 from ..counters import DEGRADED, Usage
 from ..decisions import Decision, Verdict
 from ..exceptions import BackendUnavailable
@@ -126,34 +126,25 @@ class Limiter:
         )
 
 
-_limiter: Limiter | None = None
-_lock = threading.Lock()
+def _build() -> Limiter:
+    return Limiter(
+        get_backend(), CircuitBreaker(**conf.breaker), local=MemoryBackend(), local_share=conf.local_fallback_share
+    )
+
+
+_limiter: ProcessWide[Limiter] = ProcessWide(_build)
 
 
 def get_limiter() -> Limiter:
     """The process-wide limiter around the process's backend, built on first use (and after settings change)."""
-    global _limiter
-    limiter = _limiter
-    if limiter is None:
-        with _lock:
-            limiter = _limiter
-            if limiter is None:
-                limiter = _limiter = Limiter(
-                    get_backend(),
-                    CircuitBreaker(**conf.breaker),
-                    local=MemoryBackend(),
-                    local_share=conf.local_fallback_share,
-                )
-    return limiter
+    return _limiter.get()
 
 
 def current_limiter() -> Limiter | None:
     """The process's limiter if one was built (``None`` before the first decision)."""
-    return _limiter
+    return _limiter.current()
 
 
 def reset_limiter() -> None:
     """Forget the process's limiter: the next decision builds it again from the settings."""
-    global _limiter
-    with _lock:
-        _limiter = None
+    _limiter.reset()

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Mapping
 
 from ..choices import Priority
-from ..conf import conf
+from ..conf import ProcessWide, conf
 
 __all__ = ["WorkerShedder", "get_worker_shedder"]
 
@@ -48,25 +48,19 @@ class WorkerShedder:
             self._in_flight = max(self._in_flight - 1, 0)
 
 
-_shedder: WorkerShedder | None = None
-_built = False
-_lock = threading.Lock()
+def _build() -> WorkerShedder | None:
+    capacity = conf.worker_capacity
+    return WorkerShedder(capacity, conf.shed_thresholds) if capacity else None
+
+
+_shedder: ProcessWide[WorkerShedder | None] = ProcessWide(_build)
 
 
 def get_worker_shedder() -> WorkerShedder | None:
     """This process's utilisation shedder, or ``None`` when ``WORKER_CAPACITY`` is not set."""
-    global _shedder, _built
-    if not _built:
-        with _lock:
-            if not _built:
-                capacity = conf.worker_capacity
-                _shedder = WorkerShedder(capacity, conf.shed_thresholds) if capacity else None
-                _built = True
-    return _shedder
+    return _shedder.get()
 
 
 def reset_worker_shedder() -> None:
     """Forget this process's shedder: the next request builds it again from the settings."""
-    global _shedder, _built
-    with _lock:
-        _shedder, _built = None, False
+    _shedder.reset()

@@ -5,12 +5,11 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from django.core.signals import setting_changed
 from django.utils.module_loading import import_string
 
-from ..conf import conf
+from ..conf import ProcessWide, conf
 from ..exceptions import ConfigurationError
 from .resolver import Explained, default_assignment, explain
 from .snapshot import PolicySnapshot
@@ -100,20 +99,9 @@ class SnapshotPolicySource(ABC):
         """Nothing to notice by default: the snapshot stands until :meth:`invalidate`."""
 
 
-_source: PolicySource | None = None
-_lock = threading.Lock()
-
-
 def get_policy_source() -> PolicySource:
     """The process-wide policy source named by ``RATELIMITS['POLICY_SOURCE']``."""
-    global _source
-    source = _source
-    if source is None:
-        with _lock:
-            source = _source
-            if source is None:
-                source = _source = build_policy_source()
-    return source
+    return _source.get()
 
 
 def build_policy_source() -> PolicySource:
@@ -133,16 +121,9 @@ def build_policy_source() -> PolicySource:
     return source
 
 
+_source: ProcessWide[PolicySource] = ProcessWide(build_policy_source)
+
+
 def reset_policy_source() -> None:
     """Forget the process's source: the next request builds it again from the settings."""
-    global _source
-    with _lock:
-        _source = None
-
-
-def _on_setting_changed(*, setting: str, **kwargs: Any) -> None:
-    if setting == "RATELIMITS":
-        reset_policy_source()
-
-
-setting_changed.connect(_on_setting_changed, dispatch_uid="ratelimits.policies.source.reset")
+    _source.reset()
