@@ -18,11 +18,11 @@ from rest_framework.test import APIClient
 from project.payments.models import ApiKey
 from ratelimits import engine
 from ratelimits.backends.memory import MemoryBackend
+from ratelimits.conf import ProcessWide
 from ratelimits.decisions import Decision, Verdict
 from ratelimits.identity import identify
 from ratelimits.models import Override, PolicyVersion, Tier
 from ratelimits.policies import Explained
-from ratelimits.conf import ProcessWide
 from ratelimits.policies import source as policy_source
 from ratelimits.policies.database import DatabasePolicySource
 from ratelimits.policies.versioning import bump_policy_version
