@@ -25,6 +25,13 @@ def redis_server() -> Iterator[RedisServer]:
 
 
 @pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    """A redis-server of this test's own, to kill, pause or flush: stopped by PID afterwards, whatever happened."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
 def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
     client = redis_server.client()
     client.flushall()

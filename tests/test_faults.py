@@ -1,7 +1,7 @@
 """Fault injection through the real DRF stack: a private redis-server killed, paused and flushed.
 
 Every test starts its own redis-server on a free loopback port and stops it by PID (the session
-server is shared by other tests and is never touched here). Loops are bounded in count and time.
+own_redis is shared by other tests and is never touched here). Loops are bounded in count and time.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import json
 import statistics
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,21 +30,10 @@ COOLDOWN = 0.5
 RECOVERY_BOUND = 5.0
 
 
-@pytest.fixture
-def server() -> Iterator[RedisServer]:
-    """A redis-server of this test's own; stopped by PID (after SIGCONT) whatever happens."""
-    srv = RedisServer()
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
-def configure(settings: Any, server: RedisServer, **overrides: Any) -> None:
+def configure(settings: Any, own_redis: RedisServer, **overrides: Any) -> None:
     settings.RATELIMITS = {
         "BACKEND": "redis",
-        "REDIS_URL": server.url,
+        "REDIS_URL": own_redis.url,
         "REDIS_SOCKET_TIMEOUT": f"{int(SOCKET_TIMEOUT * 1000)}ms",
         "REDIS_CONNECT_TIMEOUT": f"{int(SOCKET_TIMEOUT * 1000)}ms",
         "BREAKER_COOLDOWN": f"{int(COOLDOWN * 1000)}ms",
@@ -103,21 +91,21 @@ def statuses(hits: list[Hit]) -> list[int]:
     return [h.status for h in hits]
 
 
-def test_killed_redis_fails_open_then_limits_return_after_restart(settings: Any, server: RedisServer) -> None:
-    configure(settings, server)
+def test_killed_redis_fails_open_then_limits_return_after_restart(settings: Any, own_redis: RedisServer) -> None:
+    configure(settings, own_redis)
     caller = key("sk_fault_kill")
 
     before = caller.burst(8)
     assert statuses(before) == [200] * 5 + [429] * 3  # Redis enforces 5/m
     assert not any(h.degraded for h in before)
 
-    server.kill()  # SIGKILL with the client's pooled connection open
+    own_redis.kill()  # SIGKILL with the client's pooled connection open
     down = caller.burst(60)
     assert statuses(down) == [200] * 60  # fail open: the over-limit caller is let through...
     assert all(h.degraded for h in down)  # ...and every such response says so
     assert engine.get_limiter().breaker.state == "open"
 
-    server.start()  # the same port
+    own_redis.start()  # the same port
     restarted = time.monotonic()
     after: list[Hit] = []
     while len(after) < 5000 and time.monotonic() - restarted < RECOVERY_BOUND:
@@ -136,9 +124,9 @@ def test_killed_redis_fails_open_then_limits_return_after_restart(settings: Any,
     print(f"\nkill: {len(down)} degraded while down; 429 again {recovery:.3f} s after restart ({len(after)} requests)")
 
 
-def test_concurrent_traffic_survives_kill_and_restart(settings: Any, server: RedisServer) -> None:
+def test_concurrent_traffic_survives_kill_and_restart(settings: Any, own_redis: RedisServer) -> None:
     """Requests in flight on several threads while Redis dies and comes back: never a 500."""
-    configure(settings, server)
+    configure(settings, own_redis)
     threads_n, per_thread_max = 6, 1500
     deadline = time.monotonic() + 20.0
     phase = ["up"]
@@ -176,13 +164,13 @@ def test_concurrent_traffic_survives_kill_and_restart(settings: Any, server: Red
         assert wait_until(lambda: len(all_hits()) >= 60, 10)
         with progress:
             phase[0] = "killing"  # requests finishing now may or may not have reached Redis
-        server.kill()
+        own_redis.kill()
         with progress:
             phase[0] = "down"
         assert wait_until(lambda: sum(p == "down" for p, _, _ in all_hits()) >= 300, 10)
         with progress:
             phase[0] = "restarting"
-        server.start()
+        own_redis.start()
         restarted = time.monotonic()
         with progress:
             phase[0] = "restarted"
@@ -204,12 +192,12 @@ def test_concurrent_traffic_survives_kill_and_restart(settings: Any, server: Red
     print(f"\nconcurrent kill: {len(all_hits())} requests on {threads_n} threads, recovered in {recovery:.3f} s")
 
 
-def test_paused_redis_breaker_keeps_latency_down(settings: Any, server: RedisServer) -> None:
-    configure(settings, server)
+def test_paused_redis_breaker_keeps_latency_down(settings: Any, own_redis: RedisServer) -> None:
+    configure(settings, own_redis)
     caller = Caller(path="/t/ping")  # anonymous, limit far above this traffic
     assert statuses(caller.burst(5)) == [200] * 5
 
-    server.pause()  # SIGSTOP: connections stay open, nothing answers
+    own_redis.pause()  # SIGSTOP: connections stay open, nothing answers
     try:
         paused_at = time.monotonic()
         paused: list[Hit] = []
@@ -217,7 +205,7 @@ def test_paused_redis_breaker_keeps_latency_down(settings: Any, server: RedisSer
             paused.append(caller.get())
         paused_for = time.monotonic() - paused_at
     finally:
-        server.resume()
+        own_redis.resume()
 
     assert 500 not in statuses(paused)
     assert statuses(paused) == [200] * len(paused)
@@ -247,10 +235,10 @@ def test_paused_redis_breaker_keeps_latency_down(settings: Any, server: RedisSer
     assert 500 not in statuses(after)
 
 
-def test_fail_closed_policy_answers_503_problem_with_retry_after(settings: Any, server: RedisServer) -> None:
+def test_fail_closed_policy_answers_503_problem_with_retry_after(settings: Any, own_redis: RedisServer) -> None:
     configure(
         settings,
-        server,
+        own_redis,
         TIERS={"free": {"rate": "100/s", "fail_mode": "closed"}, "anon": {"rate": "100/s"}},
         BREAKER_COOLDOWN="3s",
     )
@@ -258,7 +246,7 @@ def test_fail_closed_policy_answers_503_problem_with_retry_after(settings: Any, 
     anonymous = Caller(path="/t/ping")
     assert closed.get().status == 200 and anonymous.get().status == 200
 
-    server.kill()
+    own_redis.kill()
     hits = closed.burst(10)
     assert statuses(hits) == [503] * 10
     retry_afters = []
@@ -283,17 +271,17 @@ def test_fail_closed_policy_answers_503_problem_with_retry_after(settings: Any, 
     assert anon.status == 200 and anon.degraded
 
 
-def test_fail_local_policy_is_enforced_in_process(settings: Any, server: RedisServer) -> None:
+def test_fail_local_policy_is_enforced_in_process(settings: Any, own_redis: RedisServer) -> None:
     configure(
         settings,
-        server,
+        own_redis,
         TIERS={"free": {"rate": "4/m", "fail_mode": "local"}, "anon": {"rate": "100/s"}},
         LOCAL_FALLBACK_SHARE=0.5,
     )
     first, second = key("sk_fault_local_1"), key("sk_fault_local_2")
     assert first.get().status == 200
 
-    server.kill()
+    own_redis.kill()
     burst = first.burst(8)
     # 4/m scaled by LOCAL_FALLBACK_SHARE 0.5: two admitted, then denied by the in-process limiter.
     assert statuses(burst) == [200, 200] + [429] * 6
@@ -307,39 +295,39 @@ def test_fail_local_policy_is_enforced_in_process(settings: Any, server: RedisSe
     assert statuses(second.burst(3)) == [200, 200, 429]
 
 
-def _eval_calls(server: RedisServer) -> int:
-    stats = server.client().info("commandstats")
+def _eval_calls(own_redis: RedisServer) -> int:
+    stats = own_redis.client().info("commandstats")
     return int(stats.get("cmdstat_eval", {}).get("calls", 0))
 
 
-def test_script_flush_is_transparent(settings: Any, server: RedisServer) -> None:
-    configure(settings, server)
+def test_script_flush_is_transparent(settings: Any, own_redis: RedisServer) -> None:
+    configure(settings, own_redis)
     caller = key("sk_fault_noscript")
     hits = caller.burst(2)
     assert [h.response["X-RateLimit-Remaining"] for h in hits] == ["4", "3"]
-    evals = _eval_calls(server)
+    evals = _eval_calls(own_redis)
 
-    server.client().script_flush()
-    assert server.client().script_exists(DECIDE_SHA) == [False]
+    own_redis.client().script_flush()
+    assert own_redis.client().script_exists(DECIDE_SHA) == [False]
     hit = caller.get()
     assert hit.status == 200 and not hit.degraded
     assert hit.response["X-RateLimit-Remaining"] == "2"  # counted once, on top of the earlier two
-    assert _eval_calls(server) == evals + 1  # NOSCRIPT answered by exactly one EVAL
-    assert server.client().script_exists(DECIDE_SHA) == [True]
+    assert _eval_calls(own_redis) == evals + 1  # NOSCRIPT answered by exactly one EVAL
+    assert own_redis.client().script_exists(DECIDE_SHA) == [True]
     assert statuses(caller.burst(3)) == [200, 200, 429]
     assert engine.get_limiter().breaker.state == "closed"
 
 
-def test_noscript_after_restart_is_transparent(settings: Any, server: RedisServer) -> None:
-    configure(settings, server)
+def test_noscript_after_restart_is_transparent(settings: Any, own_redis: RedisServer) -> None:
+    configure(settings, own_redis)
     caller = key("sk_fault_restart")
     assert statuses(caller.burst(3)) == [200] * 3
 
-    server.kill()
-    server.start()  # same port, empty script cache and no data (no persistence)
-    assert server.client().script_exists(DECIDE_SHA) == [False]
+    own_redis.kill()
+    own_redis.start()  # same port, empty script cache and no data (no persistence)
+    assert own_redis.client().script_exists(DECIDE_SHA) == [False]
     hit = caller.get()
     assert hit.status == 200 and not hit.degraded  # the stale pooled connection and NOSCRIPT both absorbed
     assert hit.response["X-RateLimit-Remaining"] == "4"
-    assert server.client().script_exists(DECIDE_SHA) == [True]
+    assert own_redis.client().script_exists(DECIDE_SHA) == [True]
     assert statuses(caller.burst(5)) == [200] * 4 + [429]

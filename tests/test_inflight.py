@@ -14,7 +14,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -387,25 +386,18 @@ def test_slots_of_a_killed_worker_are_free_within_ttl(
 # -- degraded: the in-process fallback holds and releases slots too ------------------------------
 
 
-@pytest.fixture
-def dead_redis() -> Iterator[RedisServer]:
-    """A redis-server of this test's own, killed before use (stopped by PID afterwards)."""
-    with RedisServer() as server:
-        yield server
-
-
-def test_local_fail_mode_releases_its_slots(settings: Any, dead_redis: RedisServer, gate: Gate) -> None:
+def test_local_fail_mode_releases_its_slots(settings: Any, own_redis: RedisServer, gate: Gate) -> None:
     """With Redis gone, a concurrency limit that fails "local" is held in process, and released."""
     settings.RATELIMITS = {
         "BACKEND": "redis",
-        "REDIS_URL": dead_redis.url,
+        "REDIS_URL": own_redis.url,
         "REDIS_SOCKET_TIMEOUT": "100ms",
         "REDIS_CONNECT_TIMEOUT": "100ms",
         "TIERS": {"anon": {"rate": "1000/s", "burst": 1000, "concurrency": 2, "fail_mode": "local"}},
         "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "anon"},
     }
     engine.reset()
-    dead_redis.kill()
+    own_redis.kill()
 
     def call() -> Any:
         return APIClient(REMOTE_ADDR="198.51.100.61").get("/t/gated")

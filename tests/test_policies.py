@@ -153,3 +153,13 @@ def test_quota_only_belongs_to_tiers(settings: Any) -> None:
 def test_bad_tier_name_names_the_field(settings: Any) -> None:
     with pytest.raises(ConfigurationError, match=r"TIERS'\]\['gold plan'\]: policy name"):
         source(settings, TIERS={**GOOD["TIERS"], "gold plan": {"rate": "1/s"}})
+
+
+def test_a_tier_func_returning_no_name_at_all_never_breaks_a_request(
+    settings: Any, rf: RequestFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    policies = source(settings, TIER_FUNC=lambda request, identity: ["pro"])
+    request = rf.get("/", REMOTE_ADDR="192.0.2.1")
+    with caplog.at_level(logging.ERROR, logger="ratelimits"):
+        assert policies.tier_for(request, identify(request, endpoint="x", auth="k")) == "free"
+    assert "returned ['pro'], which is not an enabled tier" in caplog.text

@@ -215,23 +215,22 @@ WORKER_CAPACITY = 4  # low shed from 2 in flight (60 %), normal and high from 3 
 
 
 @pytest.fixture
-def killed_redis(settings: Any) -> Iterator[RedisServer]:
+def killed_redis(settings: Any, own_redis: RedisServer) -> Iterator[RedisServer]:
     """RATELIMITS on a redis-server of this test's own, which the test kills (stopped by PID after)."""
-    with RedisServer() as server:
-        settings.RATELIMITS = {
-            "BACKEND": "redis",
-            "REDIS_URL": server.url,
-            "REDIS_SOCKET_TIMEOUT": "100ms",
-            "REDIS_CONNECT_TIMEOUT": "100ms",
-            "DEFAULT_FAIL_MODE": "open",
-            "TIERS": {"anon": {"rate": "1000/s", "burst": 1000}},
-            "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "anon"},
-            "WORKER_CAPACITY": WORKER_CAPACITY,
-            "SHED_THRESHOLDS": {"low": 60, "normal": 75, "high": 90},
-            "ENDPOINTS": {"GET gated": {"priority": "low"}, "POST gated": {"priority": "critical"}},
-        }
-        engine.reset()
-        yield server
+    settings.RATELIMITS = {
+        "BACKEND": "redis",
+        "REDIS_URL": own_redis.url,
+        "REDIS_SOCKET_TIMEOUT": "100ms",
+        "REDIS_CONNECT_TIMEOUT": "100ms",
+        "DEFAULT_FAIL_MODE": "open",
+        "TIERS": {"anon": {"rate": "1000/s", "burst": 1000}},
+        "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "anon"},
+        "WORKER_CAPACITY": WORKER_CAPACITY,
+        "SHED_THRESHOLDS": {"low": 60, "normal": 75, "high": 90},
+        "ENDPOINTS": {"GET gated": {"priority": "low"}, "POST gated": {"priority": "critical"}},
+    }
+    engine.reset()
+    yield own_redis
 
 
 def test_worker_shedder_sheds_low_priority_without_redis(killed_redis: RedisServer, gate: Gate) -> None:

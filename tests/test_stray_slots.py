@@ -16,16 +16,15 @@ pytestmark = pytest.mark.django_db
 
 
 @pytest.fixture
-def stalled_redis(settings: Any) -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        settings.RATELIMITS = {
-            **settings.RATELIMITS,
-            "BACKEND": "redis",
-            "REDIS_URL": server.url,
-            "REDIS_SOCKET_TIMEOUT": "50ms",
-            "TIERS": {"anonymous": {"rate": "100/s", "concurrency": 1}, "authenticated": {"rate": "100/s"}},
-        }
-        yield server
+def stalled_redis(settings: Any, own_redis: RedisServer) -> Iterator[RedisServer]:
+    settings.RATELIMITS = {
+        **settings.RATELIMITS,
+        "BACKEND": "redis",
+        "REDIS_URL": own_redis.url,
+        "REDIS_SOCKET_TIMEOUT": "50ms",
+        "TIERS": {"anonymous": {"rate": "100/s", "concurrency": 1}, "authenticated": {"rate": "100/s"}},
+    }
+    yield own_redis
 
 
 STALL_ATTEMPTS = 5
@@ -43,8 +42,8 @@ def pack(*parts: str) -> bytes:
     return b"".join([b"*%d\r\n" % len(encoded), *(b"$%d\r\n%s\r\n" % (len(p), p) for p in encoded)])
 
 
-def wait_until_answering(server: RedisServer, deadline_s: float = 5.0) -> None:
-    client = server.client()
+def wait_until_answering(own_redis: RedisServer, deadline_s: float = 5.0) -> None:
+    client = own_redis.client()
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
         try:
@@ -59,7 +58,7 @@ def test_slot_taken_after_a_timeout_is_released(stalled_redis: RedisServer) -> N
     admin = stalled_redis.client()
     client = Client(REMOTE_ADDR="198.51.100.77")
     assert client.get("/t/ping").status_code == 200  # warm: connection and script cache
-    # Stall the server for 300 ms with a busy script: our decision times out after 50 ms, but
+    # Stall the own_redis for 300 ms with a busy script: our decision times out after 50 ms, but
     # stays queued and runs later, taking the only slot of this caller's concurrency limit.
     # Redis may still serve our decision before it starts the script (the two connections race):
     # then nothing stalled and nothing is left behind, so the stall is tried again (bounded).

@@ -96,24 +96,21 @@ def test_open_minutes_are_not_drained(backend_settings: str) -> None:
     assert drain(now=later()) == 1
 
 
-def test_degraded_decisions_are_counted_and_added_when_the_store_returns(settings: Any) -> None:
-    from .support.redis_server import RedisServer
-
-    with RedisServer() as server:
-        settings.RATELIMITS = {**LIMITS, "BACKEND": "redis", "REDIS_URL": server.url, "BREAKER_COOLDOWN": "50ms"}
-        client = APIClient(REMOTE_ADDR="198.51.100.8")
-        assert client.get("/t/ping").status_code == 200
-        server.kill()
-        assert [client.get("/t/ping")["X-RateLimit-Degraded"] for _ in range(3)] == ["1", "1", "1"]
-        server.start()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and engine.get_limiter().breaker.state != "closed":
-            client.get("/t/ping")  # probes until the breaker closes
-        assert engine.get_limiter().breaker.state == "closed"
-        client.get("/t/ping")  # its end flushes what was counted while Redis was away
-        drain(now=later())
-        counted = totals(subject_id="198.51.100.8")
-        assert counted["degraded"] == 3
+def test_degraded_decisions_are_counted_and_added_when_the_store_returns(settings: Any, own_redis: Any) -> None:
+    settings.RATELIMITS = {**LIMITS, "BACKEND": "redis", "REDIS_URL": own_redis.url, "BREAKER_COOLDOWN": "50ms"}
+    client = APIClient(REMOTE_ADDR="198.51.100.8")
+    assert client.get("/t/ping").status_code == 200
+    own_redis.kill()
+    assert [client.get("/t/ping")["X-RateLimit-Degraded"] for _ in range(3)] == ["1", "1", "1"]
+    own_redis.start()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and engine.get_limiter().breaker.state != "closed":
+        client.get("/t/ping")  # probes until the breaker closes
+    assert engine.get_limiter().breaker.state == "closed"
+    client.get("/t/ping")  # its end flushes what was counted while Redis was away
+    drain(now=later())
+    counted = totals(subject_id="198.51.100.8")
+    assert counted["degraded"] == 3
 
 
 def test_a_drain_killed_after_committing_does_not_count_twice(backend_settings: str) -> None:

@@ -95,9 +95,9 @@ def explain(
         dimension = identity.subject(kind)
         if dimension is not None:
             _add(found, policy, dimension, cost, origin)
-    if rule.per_caller is not None and rule.origin is not None:
+    if rule.per_caller is not None:
         _add(found, rule.per_caller, caller, cost, Origin(rule.origin.kind, f"{rule.origin.detail}, per caller"))
-    if rule.endpoint_wide is not None and rule.origin is not None:
+    if rule.endpoint_wide is not None:
         _add(
             found,
             rule.endpoint_wide,
@@ -106,7 +106,7 @@ def explain(
             Origin(rule.origin.kind, f"{rule.origin.detail}, all callers"),
         )
     fleet = snapshot.fleet.get(rule.priority)
-    if fleet is not None and snapshot.fleet_origin is not None:
+    if fleet is not None:
         origin = snapshot.fleet_origin
         found.append(Explained(fleet, f"{origin.detail}: {rule.priority} priority", origin.kind))
     return found
@@ -124,12 +124,12 @@ def default_assignment(snapshot: PolicySnapshot, request: HttpRequest, identity:
     if func is not None:
         name = func(request, identity)
         if name is not None:
-            if name in snapshot.tiers:
+            if isinstance(name, str) and name in snapshot.tiers:
                 # Said as for the default tier, which TIER_FUNC stands in for.
                 origin = default.origin if default else Origin(OriginKind.SETTINGS, f"default tier for {kind} callers")
-                return Assignment(str(name), origin)
-            if name not in snapshot.reported:
-                snapshot.reported.add(name)
+                return Assignment(name, origin)
+            if repr(name) not in snapshot.reported:
+                snapshot.reported.add(repr(name))
                 logger.error(
                     "ratelimits: RATELIMITS['TIER_FUNC'] returned %r, which is not an enabled tier; "
                     "the callers it names get the default tier instead",

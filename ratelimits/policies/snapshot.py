@@ -26,6 +26,7 @@ from .values import (
     Check,
     EndpointRule,
     Origin,
+    OriginKind,
     Policy,
     Role,
     concurrency_policy,
@@ -133,7 +134,7 @@ class PolicySnapshot:
     dimensions: dict[SubjectKind, tuple[Policy, Origin]] = field(default_factory=dict)
     #: The fleet's in-flight check per priority class (empty: no fleet shedding), and its origin.
     fleet: dict[Priority, Check] = field(default_factory=dict)
-    fleet_origin: Origin | None = None
+    fleet_origin: Origin = Origin(OriginKind.FLEET, "fleet")
     #: The fail mode of policies made with no other to inherit (a concurrency-only override).
     default_fail_mode: FailMode = FailMode.OPEN
     #: The policy version the snapshot was read at (0 where there is none, as with settings).

@@ -192,8 +192,8 @@ class EndpointRule:
     per_caller: Policy | None = None
     endpoint_wide: Policy | None = None
     exempt: bool = False
-    #: The endpoint policy row or setting the rule was made from (none for the default rule).
-    origin: Origin | None = None
+    #: The endpoint policy row or setting the rule was made from.
+    origin: Origin = Origin(OriginKind.ENDPOINT, "endpoint rule")
 
 
 #: What an endpoint nobody configured gets.
