@@ -24,7 +24,7 @@ $(STAMP): requirements/base.txt requirements/ci.txt pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/python manage.py migrate --noinput -v 0
-	$(BIN)/python manage.py seed_demo
+	$(BIN)/python manage.py seed_demo --url http://$(HOST):$(PORT)
 	RATELIMITS_DEMO_TIMER=1 $(BIN)/python manage.py runserver $(HOST):$(PORT)
 
 test: $(STAMP)

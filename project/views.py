@@ -13,6 +13,7 @@ from django.urls import reverse
 from project.payments.management.commands.seed_demo import ADMIN, DEMO_KEYS
 from project.payments.models import ApiKey, hash_key
 from ratelimits.engine import get_policy_source
+from ratelimits.models import Override
 
 DOCS = Path(settings.BASE_DIR) / "docs"
 
@@ -28,6 +29,8 @@ class Endpoint:
     curl: str
     priority: str = ""
     cost: int = 0
+    #: The endpoint's own limits, per caller and for everyone.
+    limits: tuple[str, ...] = ()
 
 
 def _endpoints(base: str, key: str) -> list[Endpoint]:
@@ -52,7 +55,19 @@ def _endpoints(base: str, key: str) -> list[Endpoint]:
     source = get_policy_source()
     rules = [source.endpoint_rule(e.scope, e.method) for e in listed]  # as the admin has them now
     return [
-        *(replace(e, priority=rule.priority, cost=rule.cost) for e, rule in zip(listed, rules, strict=True)),
+        *(
+            replace(
+                e,
+                priority=rule.priority,
+                cost=rule.cost,
+                limits=tuple(
+                    f"{who}: {policy.describe()}"
+                    for who, policy in (("per caller", rule.per_caller), ("all callers", rule.endpoint_wide))
+                    if policy is not None
+                ),
+            )
+            for e, rule in zip(listed, rules, strict=True)
+        ),
         Endpoint(
             "GET",
             "/v1/rate_limit",
@@ -86,10 +101,14 @@ def landing(request: HttpRequest) -> HttpResponse:
             }
         )
     first = keys[0]["raw"]
+    override = Override.objects.filter(
+        subject_kind="api_key", subject_id=keys[0]["subject"] or "", endpoint="customers", enabled=True
+    ).first()
     backend = settings.RATELIMITS.get("BACKEND", "memory")
     context = {
         "keys": keys,
         "endpoints": _endpoints(base, first),
+        "override": override.describe() if override is not None else None,
         "admin_user": ADMIN,
         "backend": backend,
         "redis_url": settings.RATELIMITS.get("REDIS_URL") if backend == "redis" else None,

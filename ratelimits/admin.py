@@ -31,11 +31,11 @@ from .models import (
     Override,
     SubjectAssignment,
     Tier,
+    describe_limit,
     validate_endpoint,
 )
 from .policies.audit import audit_context, record_reset
 from .policies.source import get_policy_source
-from .rates import parse_rate
 from .status import Caller, effective_limits, stand_in
 from .usage.report import usage_report_view
 
@@ -129,16 +129,6 @@ SHADOW_ON = _switch("shadow", True, "Shadow mode on")
 SHADOW_OFF = _switch("shadow", False, "Shadow mode off")
 
 
-def _describe(rate: str, burst: int | None) -> str:
-    if not rate:
-        return "—"
-    try:
-        parsed = parse_rate(rate)
-    except Exception:
-        return rate
-    return f"{parsed.describe()}, burst {burst or parsed.limit}"
-
-
 @admin.register(Tier)
 class TierAdmin(AuditedAdmin):
     list_display = ("name", "limits", "concurrency", "quota", "algorithm", "fail_mode", "enabled", "shadow")
@@ -197,11 +187,11 @@ class EndpointPolicyAdmin(AuditedAdmin):
 
     @admin.display(description="per caller")
     def per_caller(self, obj: EndpointPolicy) -> str:
-        return _describe(obj.per_caller_rate, obj.per_caller_burst)
+        return describe_limit(obj.per_caller_rate, obj.per_caller_burst) if obj.per_caller_rate else "—"
 
     @admin.display(description="all callers")
     def all_callers(self, obj: EndpointPolicy) -> str:
-        return _describe(obj.endpoint_rate, obj.endpoint_burst)
+        return describe_limit(obj.endpoint_rate, obj.endpoint_burst) if obj.endpoint_rate else "—"
 
 
 @admin.register(Override)
@@ -227,7 +217,7 @@ class OverrideAdmin(AuditedAdmin):
 
     @admin.display(description="values")
     def values(self, obj: Override) -> str:
-        return f"x {obj.multiplier}" if obj.multiplier is not None else _describe(obj.rate, obj.burst)
+        return obj.describe()
 
     @admin.display(boolean=True)
     def active(self, obj: Override) -> bool:
@@ -279,8 +269,11 @@ class FleetSettingsAdmin(AuditedAdmin):
         rows: list[dict[str, Any]] = []
         degraded = False
         notes: list[str] = []
+        subjects: list[tuple[str, str]] = []
         if form.is_bound and form.is_valid():
             caller = form.caller()
+            identity = caller.identity
+            subjects = [(s.kind.label, s.value) for s in identity.subjects() if s.kind is not SubjectKind.ENDPOINT]
             if request.method == "POST" and "reset" in request.POST:
                 if not request.user.has_perm("ratelimits.change_tier"):
                     raise PermissionDenied
@@ -311,6 +304,8 @@ class FleetSettingsAdmin(AuditedAdmin):
             "rows": rows,
             "degraded": degraded,
             "notes": notes,
+            "subjects": subjects,
+            "ip_unknown": any(kind == SubjectKind.IP.label and value == "unknown" for kind, value in subjects),
             "submitted": form.is_bound and form.is_valid(),
             "can_reset": request.user.has_perm("ratelimits.change_tier"),
             "opts": self.model._meta,

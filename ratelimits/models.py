@@ -39,6 +39,15 @@ _ENDPOINT = re.compile(r"[A-Za-z0-9_.:-][A-Za-z0-9_.:/-]{0,149}", re.ASCII)
 _IDENTIFIER = re.compile(r"[^\s\x00-\x1f\x7f]{1,200}")
 
 
+def describe_limit(rate: str, burst: int | None) -> str:
+    """``"100 / second, burst 200"`` for a rate and burst as the admin stores them (the text if invalid)."""
+    try:
+        parsed = parse_rate(rate)
+    except ConfigurationError:
+        return rate
+    return f"{parsed.describe()}, burst {burst or parsed.limit}"
+
+
 class ConcurrentEdit(ValidationError):
     """Someone else saved this object since it was loaded; saving would silently undo their change."""
 
@@ -187,11 +196,7 @@ class Tier(Revisioned):
 
     def describe(self) -> str:
         """``"100 / second, burst 200"``."""
-        try:
-            rate = parse_rate(self.rate)
-        except ConfigurationError:
-            return self.rate
-        return f"{rate.describe()}, burst {self.burst or rate.limit}"
+        return describe_limit(self.rate, self.burst)
 
 
 class SubjectAssignment(Revisioned):
@@ -324,6 +329,17 @@ class Override(Revisioned):
     @property
     def is_active(self) -> bool:
         return self.enabled and self.expires_at > timezone.now()
+
+    def describe(self) -> str:
+        """``"2 / second, burst 5"``, ``"x 1.5"``, plus the concurrency limit if it has one."""
+        parts = []
+        if self.multiplier is not None:
+            parts.append(f"x {self.multiplier}")
+        elif self.rate:
+            parts.append(describe_limit(self.rate, self.burst))
+        if self.concurrency:
+            parts.append(f"{self.concurrency} in flight")
+        return "; ".join(parts) or "—"
 
     def clean(self) -> None:
         self.subject_id = validate_subject(self.subject_kind, self.subject_id)

@@ -529,3 +529,17 @@ def test_import_names_the_actor_and_bumps_the_version_on_commit(
     assert get_limiter().backend.publish_version(0) == str(version + 1)  # what every worker now sees
     assert {e.actor_id for e in AuditEntry.objects.filter(reason="with actor")} == {admin.pk}
     assert Override.objects.get(subject_id="a").created_by == admin
+
+
+def test_effective_says_when_its_figures_are_its_own(settings: Any) -> None:
+    """With the memory backend the command counts in its own process: it must not pass for the servers'."""
+    settings.RATELIMITS = {**settings.RATELIMITS, "BACKEND": "memory"}
+    text = run("ratelimits_effective", "--subject", "user:7", "--endpoint", "customers")
+    assert "Limiter store: memory, this command's own: the figures are not the servers'" in text
+    report = json.loads(run("ratelimits_effective", "--subject", "user:7", "--endpoint", "customers", "--json"))
+    assert (report["backend"], report["store_shared"]) == ("memory", False)
+
+
+def test_effective_refuses_a_method_nobody_sends() -> None:
+    with pytest.raises(CommandError, match=r"--method: 'FOO' is not one of GET, HEAD, POST"):
+        run("ratelimits_effective", "--endpoint", "customers", "--method", "FOO")

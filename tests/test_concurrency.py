@@ -31,6 +31,7 @@ pytestmark = pytest.mark.slow
 
 PROCESSES, THREADS, ATTEMPTS = 4, 8, 50
 TOTAL = PROCESSES * THREADS * ATTEMPTS
+STORM_RUNS = 3
 SECOND = 1_000_000
 
 CALLER = Subject("api_key", "storm-caller")
@@ -79,16 +80,34 @@ def windows_spanned(p: Policy, start_us: int, end_us: int) -> int:
     return end_us // p.rate.period_us - start_us // p.rate.period_us + 1
 
 
+def overlapped(report: StormReport) -> bool:
+    """Whether every process was deciding while every other was: the key was hammered at once."""
+    spans = report.spans()
+    return max(first for first, _ in spans.values()) < min(last for _, last in spans.values())
+
+
+def storm(url: str, redis_client: redis.Redis, checks_for: Callable[[int, int], Sequence[Check]]) -> StormReport:
+    """A storm of PROCESSES x THREADS x ATTEMPTS decisions whose processes overlapped in time.
+
+    On a loaded two-core machine the OS may run one process's 400 decisions only after another's
+    (the storm lasts tens of milliseconds): nothing was concurrent then, so such a storm proves
+    nothing and is run again on a flushed Redis, at most STORM_RUNS times.
+    """
+    for _ in range(STORM_RUNS):
+        redis_client.flushall()
+        report = run_storm(url, checks_for, processes=PROCESSES, threads=THREADS, attempts=ATTEMPTS)
+        if report.errors or len(report.pids) != PROCESSES or overlapped(report):
+            return report
+    return report
+
+
 def assert_clean(report: StormReport) -> None:
     """Every worker ran every attempt, and the processes really hammered the key at the same time."""
     assert not report.errors, "\n".join(report.errors)
     assert len(report.pids) == PROCESSES, f"expected {PROCESSES} worker processes, saw {report.pids}"
     assert len(report.attempts) == TOTAL
     assert len({a.worker for a in report.attempts}) == PROCESSES * THREADS
-    spans = report.spans()
-    assert max(first for first, _ in spans.values()) < min(last for _, last in spans.values()), (
-        f"worker processes did not overlap: {spans}"
-    )
+    assert overlapped(report), f"worker processes did not overlap in {STORM_RUNS} storms: {report.spans()}"
     assert all(report.start_us <= a.now_us <= report.end_us for a in report.attempts)
 
 
@@ -108,7 +127,7 @@ def test_storm_token_bucket_admits_exactly_the_burst(redis_server: RedisServer, 
     """1600 concurrent attempts on one bucket of 100: exactly 100 admitted, each token once."""
     bucket = policy("100/h", burst=100)
     check = Check(bucket, CALLER)
-    report = run_storm(redis_server.url, lambda p, t: [check], processes=PROCESSES, threads=THREADS, attempts=ATTEMPTS)
+    report = storm(redis_server.url, redis_client, lambda p, t: [check])
     assert_clean(report)
     bound = token_bucket_bound(bucket, report.elapsed_us)
     print(summary("token bucket 100/h burst 100", report, bound))
@@ -138,13 +157,7 @@ def test_storm_with_costs_never_over_or_under_admits(
     """Threads spending 1, 2, 3 or 4 tokens: admitted cost <= limit, and within max_cost of it."""
     limit = policy("100/h", burst=100, algorithm=algorithm)
     costs = [1, 2, 3, 4]
-    report = run_storm(
-        redis_server.url,
-        lambda p, t: [Check(limit, CALLER, cost=costs[t % len(costs)])],
-        processes=PROCESSES,
-        threads=THREADS,
-        attempts=ATTEMPTS,
-    )
+    report = storm(redis_server.url, redis_client, lambda p, t: [Check(limit, CALLER, cost=costs[t % len(costs)])])
     assert_clean(report)
     if algorithm is Algorithm.TOKEN_BUCKET:
         bound = token_bucket_bound(limit, report.elapsed_us)
@@ -185,7 +198,7 @@ def test_storm_two_checks_is_all_or_nothing(redis_server: RedisServer, redis_cli
     roomy = policy("1000/d", burst=1000, name="roomy")
     tight = policy("100/h", burst=100, name="tight")
     checks = [Check(roomy, ORG), Check(tight, CALLER)]
-    report = run_storm(redis_server.url, lambda p, t: checks, processes=PROCESSES, threads=THREADS, attempts=ATTEMPTS)
+    report = storm(redis_server.url, redis_client, lambda p, t: checks)
     assert_clean(report)
     bound = token_bucket_bound(tight, report.elapsed_us)
     print(summary("two checks: roomy 1000/d + tight 100/h", report, bound))

@@ -90,5 +90,5 @@ class RateLimitStatus(APIView):
         except DjangoValidationError as exc:
             raise ValidationError({"endpoint": exc.messages}) from None
         if method not in self.METHODS:
-            raise ValidationError({"method": f"{method!r} must be one of {', '.join(self.METHODS)}."})
+            raise ValidationError({"method": [f"{method!r} must be one of {', '.join(self.METHODS)}."]})
         return Response(current_limits(request, endpoint=endpoint, method=method))

@@ -45,6 +45,8 @@ __all__ = [
 ]
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+#: Where the fleet's limits come from, for a loader that says nothing more precise.
+FLEET_ORIGIN = Origin(OriginKind.FLEET, "fleet")
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +136,7 @@ class PolicySnapshot:
     dimensions: dict[SubjectKind, tuple[Policy, Origin]] = field(default_factory=dict)
     #: The fleet's in-flight check per priority class (empty: no fleet shedding), and its origin.
     fleet: dict[Priority, Check] = field(default_factory=dict)
-    fleet_origin: Origin = Origin(OriginKind.FLEET, "fleet")
+    fleet_origin: Origin = FLEET_ORIGIN
     #: The fail mode of policies made with no other to inherit (a concurrency-only override).
     default_fail_mode: FailMode = FailMode.OPEN
     #: The policy version the snapshot was read at (0 where there is none, as with settings).

@@ -117,6 +117,8 @@ class Policy:
         return max(-(-self.rate.period_us // 1_000_000), 1)
 
     def describe(self) -> str:
+        if self.algorithm is Algorithm.FLEET and self.rate.limit >= MAX_LIMIT:
+            return "never shed (counted in flight)"
         if self.algorithm.holds_slots:
             return f"{self.rate.limit} in flight"
         text = self.rate.describe()

@@ -8,6 +8,7 @@ from typing import Any
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from ...backends import get_backend
 from ...conf import conf
 from ...exceptions import ConfigurationError
 from ...identity import ASSIGNABLE_KINDS, SubjectKind, normalize_ip
@@ -15,6 +16,7 @@ from ...models import validate_endpoint, validate_subject
 from ...status import EffectiveLimits, effective_limits, stand_in
 
 KINDS = tuple(kind.value for kind in ASSIGNABLE_KINDS)
+METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 _ALIASES = {"organization": "org", "organisation": "org", "key": "api_key"}
 
 
@@ -47,8 +49,8 @@ class Command(BaseCommand):
         except ValidationError as exc:
             raise CommandError(f"--endpoint: {' '.join(exc.messages)}") from None
         method = str(options["method"]).strip().upper()
-        if not method.isascii() or not method.isalpha():
-            raise CommandError(f"--method: {options['method']!r} is not an HTTP method such as GET or POST.")
+        if method not in METHODS:
+            raise CommandError(f"--method: {options['method']!r} is not one of {', '.join(METHODS)}.")
 
         try:
             caller = stand_in(endpoint=endpoint, method=method, **subjects)
@@ -56,7 +58,7 @@ class Command(BaseCommand):
         except ConfigurationError as exc:
             raise CommandError(f"The rate limit configuration is invalid: {exc}") from None
 
-        report = build_report(limits, method)
+        report = build_report(limits, method, shared=get_backend().shared)
         if options["json"]:
             self.stdout.write(json.dumps(report, indent=2))
         else:
@@ -92,8 +94,12 @@ def parse_subjects(values: list[str]) -> dict[str, str]:
     return subjects
 
 
-def build_report(limits: EffectiveLimits, method: str) -> dict[str, Any]:
-    """The effective limits as JSON-safe data (what ``--json`` prints)."""
+def build_report(limits: EffectiveLimits, method: str, *, shared: bool = True) -> dict[str, Any]:
+    """The effective limits as JSON-safe data (what ``--json`` prints).
+
+    ``shared``: whether the limiter's store is shared with the servers (the ``memory`` backend is
+    this process's own, so its figures are not theirs).
+    """
     checks = []
     for entry in limits.checks:
         check, seen = entry.check, entry.peek
@@ -122,6 +128,8 @@ def build_report(limits: EffectiveLimits, method: str) -> dict[str, Any]:
         "method": method,
         "subjects": {s.kind: s.value for s in identity.subjects() if s.kind is not SubjectKind.ENDPOINT},
         "policy_source": conf.policy_source,
+        "backend": conf.backend,
+        "store_shared": shared,
         "degraded": limits.degraded,
         "checks": checks,
     }
@@ -135,6 +143,11 @@ def render(report: dict[str, Any]) -> str:
     ]
     if report["degraded"]:
         lines.append("Limiter store: unreachable (degraded); live values are unknown.")
+    elif not report["store_shared"]:
+        lines.append(
+            f"Limiter store: {report['backend']}, this command's own: the figures are not the servers' "
+            "(with the redis backend they are)."
+        )
     if not report["checks"]:
         lines.append("No limits apply: the endpoint is exempt or no policy covers this caller.")
         return "\n".join(lines)

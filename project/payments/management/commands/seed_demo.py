@@ -7,7 +7,7 @@ from typing import Any
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandParser
 from django.utils import timezone
 
 from project.payments.models import ApiKey, Customer, hash_key
@@ -36,6 +36,9 @@ ADMIN = ("admin", "admin")
 
 class Command(BaseCommand):
     help = "Create the demo API keys, endpoint policies, one override and an admin login, then print them."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--url", default="http://127.0.0.1:8000", help="Where the demo is served (for the banner).")
 
     def handle(self, *args: Any, **options: Any) -> None:
         with audit_context(reason="demo seed"):
@@ -69,7 +72,9 @@ class Command(BaseCommand):
             user_model.objects.create_superuser(ADMIN[0], "admin@example.com", ADMIN[1])
         for key, (name, tier, _, raw) in zip(keys, DEMO_KEYS, strict=True):
             self.stdout.write(f"  {tier:<8} {raw}   ({name}, subject api_key ApiKey:{key.pk})")
-        self.stdout.write(f"  admin    http://127.0.0.1:8000/admin/  user {ADMIN[0]} / password {ADMIN[1]}")
+        url = str(options["url"]).rstrip("/")
+        self.stdout.write(f"  demo     {url}/  (keys, endpoints with curl lines, links to the admin and the docs)")
+        self.stdout.write(f"  admin    {url}/admin/  user {ADMIN[0]} / password {ADMIN[1]}")
         backend = settings.RATELIMITS.get("BACKEND")
         where = settings.RATELIMITS.get("REDIS_URL") if backend == "redis" else "in-process, this server only"
         self.stdout.write(f"  rate limiting backend: {backend} ({where})")
