@@ -292,7 +292,7 @@ class FleetSettingsAdmin(AuditedAdmin):
                         "origin": entry.origin,
                         "shadow": policy.shadow,
                         "fail_mode": policy.fail_mode,
-                        "limit": policy.capacity,
+                        "limit": entry.limit,
                         "remaining": entry.peek.remaining if entry.peek else None,
                         "reset_seconds": entry.peek.reset_after_seconds if entry.peek else None,
                     }

@@ -11,23 +11,22 @@ from typing import Any
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
-from django.utils.module_loading import import_string
 
 from .backends import backend_class
 from .conf import BACKEND, POLICY_SOURCE, SETTINGS, conf
 from .exceptions import ConfigurationError
-from .policies.database import DatabasePolicySource
+from .policies.settings import dimensions_from_settings
 from .policies.source import build_policy_source
 
 __all__ = ["E001", "E002", "E003", "SETTING_IDS", "W001", "W002", "W003", "check_deployment", "check_settings"]
 
 #: Every id these checks report. Tests assert the exact ids a misconfiguration produces.
 E001 = "ratelimits.E001"  # a key of RATELIMITS that is no setting
-E002 = "ratelimits.E002"  # retired in 0.2: any invalid value (each setting has its own id now)
+E002 = "ratelimits.E002"  # retired after 0.1.0: any invalid value (each setting has its own id now)
 E003 = "ratelimits.E003"  # RATELIMITS is not a dict
 W001 = "ratelimits.W001"  # memory backend outside DEBUG
 W002 = "ratelimits.W002"  # throttle installed without the problem+json exception handler
-W003 = "ratelimits.W003"  # a settings-source setting is set, but the database source ignores it
+W003 = "ratelimits.W003"  # a setting is set that the configured policy source does not read
 #: The id of each setting's invalid value. A new setting takes the next free number.
 SETTING_IDS: dict[str, str] = {
     "BACKEND": "ratelimits.E101",
@@ -67,9 +66,6 @@ SETTING_IDS: dict[str, str] = {
     "BREAKER_COOLDOWN": "ratelimits.E135",
 }
 
-#: Settings only the settings source reads: the database source takes these from the admin's tables.
-SETTINGS_SOURCE_ONLY = ("TIERS", "ENDPOINTS", "FLEET_CAPACITY")
-
 
 @register(Tags.compatibility)
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
@@ -92,8 +88,10 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
             invalid.add(name)
             messages.append(Error(str(exc), id=SETTING_IDS[exc.setting or name]))
     if not invalid:
-        # Policies build on the settings above: report them only once those are sound.
+        # Policies build on the settings above: report them only once those are sound. The
+        # backstops apply under any source (the database source loads them on first use).
         try:
+            dimensions_from_settings(conf.default_fail_mode)
             build_policy_source()
         except ConfigurationError as exc:
             messages.append(Error(str(exc), id=SETTING_IDS.get(exc.setting or "", SETTING_IDS[POLICY_SOURCE.name])))
@@ -105,21 +103,13 @@ def _known_hint(key: str) -> str | None:
     return f"Did you mean {close[0]!r}?" if close else None
 
 
-def _is_database_source(path: str) -> bool:
-    try:
-        source = import_string(path)
-    except ImportError:
-        return False  # check_settings reports it
-    return isinstance(source, type) and issubclass(source, DatabasePolicySource)
-
-
 @register(Tags.compatibility)
 def check_deployment(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """Warn about set-ups that work in development but not behind several workers."""
     messages: list[CheckMessage] = []
     try:
         backend = conf.backend
-        source = conf.policy_source
+        source = build_policy_source()
     except ConfigurationError:
         return messages  # check_settings reports it
     if backend == "memory" and not settings.DEBUG:
@@ -143,15 +133,14 @@ def check_deployment(app_configs: Any = None, **kwargs: Any) -> list[CheckMessag
                 id=W002,
             )
         )
-    if _is_database_source(source):
-        ignored = [name for name in SETTINGS_SOURCE_ONLY if conf.is_set(SETTINGS[name])]
-        if ignored:
-            messages.append(
-                Warning(
-                    f"{', '.join(f'RATELIMITS[{n!r}]' for n in ignored)} set, but POLICY_SOURCE is the database "
-                    "source, which reads tiers, endpoint policies and the fleet's capacity from the admin.",
-                    hint="Move them into the admin (ratelimits_import reads a document of them), or remove them.",
-                    id=W003,
-                )
+    ignored = [name for name in source.ignored_settings if name in SETTINGS and conf.is_set(SETTINGS[name])]
+    if ignored:
+        messages.append(
+            Warning(
+                f"{', '.join(f'RATELIMITS[{n!r}]' for n in ignored)} set, but the policy source "
+                f"{type(source).__name__} does not read them.",
+                hint="Configure them where the source reads them (the admin, for the database source), or remove them.",
+                id=W003,
             )
+        )
     return messages

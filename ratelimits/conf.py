@@ -6,7 +6,8 @@ works and a request reads a cached value. The system checks (:mod:`ratelimits.ch
 setting at start-up, so a bad value fails ``manage.py check``, not the first request.
 
 Settings that describe policies (``TIERS``, ``ENDPOINTS``, ...) are checked here for their shape;
-the policy source that reads them checks their contents (rates, costs, references to tiers).
+the checks then build the configured policy source, which checks the contents of those it reads
+(rates, costs, references to tiers), and ``DIMENSIONS``, which every source reads.
 """
 
 from __future__ import annotations
@@ -262,11 +263,11 @@ def _ipv6_prefix(value: object, field: str) -> int:
 
 
 def _hash_key(value: object, field: str) -> bytes:
-    if value is not None and (not isinstance(value, (str, bytes)) or not value):
-        raise ConfigurationError(f"{field}: {value!r} must be a non-empty string or None (then SECRET_KEY is used)")
-    secret = value if value is not None else settings.SECRET_KEY
-    raw = secret if isinstance(secret, bytes) else str(secret).encode()
-    return hashlib.blake2b(raw, digest_size=32, person=b"ratelimits").digest()
+    if value is not None and not isinstance(value, (str, bytes)):
+        raise ConfigurationError(f"{field}: {value!r} must be a string, or None to use SECRET_KEY")
+    # str() of bytes too, and an empty key means SECRET_KEY: as 0.1 derived it, so keys keep their names.
+    secret = value or settings.SECRET_KEY
+    return hashlib.blake2b(str(secret).encode(), digest_size=32, person=b"ratelimits").digest()
 
 
 def _fail_mode(value: object, field: str) -> FailMode:
@@ -543,27 +544,29 @@ class ProcessWide(Generic[T]):
 
     def __init__(self, build: Callable[[], T]) -> None:
         self._build = build
-        self._value: T | None = None
-        self._built = False
+        #: ``(value,)`` once built: a value of ``None`` (no worker shedder) is still built.
+        self._built: tuple[T] | None = None
         self._lock = threading.Lock()
         ProcessWide._all.add(self)
 
     def get(self) -> T:
-        if not self._built:
+        built = self._built  # one read: a reset between two reads cannot hand out nothing
+        if built is None:
             with self._lock:
-                if not self._built:
-                    self._value = self._build()
-                    self._built = True
-        return cast(T, self._value)
+                built = self._built
+                if built is None:
+                    built = self._built = (self._build(),)
+        return built[0]
 
     def current(self) -> T | None:
         """The value if it was built, without building it."""
-        return self._value if self._built else None
+        built = self._built
+        return None if built is None else built[0]
 
     def reset(self) -> None:
         """Forget the value: the next :meth:`get` builds it again."""
         with self._lock:
-            self._value, self._built = None, False
+            self._built = None
 
     @classmethod
     def reset_all(cls) -> None:

@@ -17,7 +17,7 @@ from .conf import conf
 if TYPE_CHECKING:
     from django.http import HttpRequest
 
-__all__ = ["Identity", "Subject", "SubjectKind", "client_ip", "identify", "ip_subject_value", "normalize_ip"]
+__all__ = ["Identity", "Subject", "SubjectKind", "client_ip", "identify", "normalize_ip"]
 
 logger = logging.getLogger(__name__)
 
@@ -226,11 +226,6 @@ def client_ip(request: HttpRequest) -> str:
         if not _in_any(hop, trusted):
             break
     return _aggregate(client, prefix)
-
-
-def ip_subject_value(raw: str) -> str:
-    """The IP subject an address stands for (IPv6 aggregated, IPv4-mapped unwrapped), or ``"unknown"``."""
-    return _subject_of(raw, conf.ipv6_prefix)
 
 
 @_memoize

@@ -32,8 +32,14 @@ _UNAVAILABLE = {
 
 
 def problem_body(decision: Decision) -> dict[str, Any]:
-    """The problem document for a denied decision: every violated policy and the exact wait."""
+    """The problem document for a denied decision: every violated policy and the exact wait.
+
+    ``violated-policies`` is the IETF RateLimit draft's member: the names of the violated
+    policies. ``violations`` says, for each, the subject it limits, what is left and its wait.
+    """
     seconds = decision.retry_after_ms / 1000
+    violated = decision.violated
+    names = {"violated-policies": [r.policy_name for r in violated]} if violated else {}
     if decision.verdict in _UNAVAILABLE:
         title, detail = _UNAVAILABLE[decision.verdict]
         return {
@@ -42,14 +48,16 @@ def problem_body(decision: Decision) -> dict[str, Any]:
             "status": 503,
             "detail": f"{detail}; retry in {seconds:g} s.",
             "retry_after_ms": decision.retry_after_ms,
+            **names,
         }
     return {
         "type": QUOTA_EXCEEDED,
         "title": "Too many requests",
         "status": 429,
-        "detail": f"Over {len(decision.violated)} rate limit(s); retry in {seconds:g} s.",
+        "detail": f"Over {len(violated)} rate limit(s); retry in {seconds:g} s.",
         "retry_after_ms": decision.retry_after_ms,
-        "violated-policies": [
+        **names,
+        "violations": [
             {
                 "policy": r.policy_name,
                 "subject": r.check.subject.kind,
@@ -58,7 +66,7 @@ def problem_body(decision: Decision) -> dict[str, Any]:
                 "window_seconds": r.check.policy.window_seconds,
                 "retry_after_ms": -(-r.retry_us // 1000),
             }
-            for r in decision.violated
+            for r in violated
         ],
     }
 

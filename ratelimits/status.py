@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from django.contrib.auth import get_user_model
+from django.contrib.auth.models import AnonymousUser
 from django.core.exceptions import ValidationError
 from django.db.models import Model
 from django.http import HttpRequest
@@ -40,6 +41,11 @@ class EffectiveCheck:
     kind: OriginKind
     #: ``None`` when the store could not be read (the limiter is degraded).
     peek: Peek | None
+
+    @property
+    def limit(self) -> int:
+        """The capacity the figures are out of: the policy's, or this worker's share of it when decided locally."""
+        return self.peek.limit if self.peek is not None else self.check.policy.capacity
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,9 +73,13 @@ def effective_limits(request: HttpRequest, identity: Identity, *, method: str | 
     return EffectiveLimits(identity, tuple(checks), decision.degraded)
 
 
-def current_limits(request: Request, *, endpoint: str, method: str = "GET") -> dict[str, Any]:
-    """``GET /rate_limit``: every policy that applies to the caller of ``request`` calling ``method endpoint``."""
+def current_limits(request: Request, *, endpoint: str, method: str | None = None) -> dict[str, Any]:
+    """``GET /rate_limit``: every policy that applies to the caller of ``request`` calling ``method endpoint``.
+
+    ``method`` defaults to the request's own.
+    """
     identity = identify(request, endpoint=endpoint, auth=request.auth, user=request.user)
+    method = method or request.method or "GET"
     limits = effective_limits(request, identity, method=method)
     resources = []
     for entry in limits.checks:
@@ -81,7 +91,7 @@ def current_limits(request: Request, *, endpoint: str, method: str = "GET") -> d
                 "subject": entry.check.subject.kind,
                 "description": policy.describe(),
                 "algorithm": policy.algorithm.value,
-                "limit": policy.capacity,
+                "limit": entry.limit,
                 "remaining": seen.remaining if seen else None,
                 "used": seen.used if seen else None,
                 "reset": seen.reset_at if seen else None,
@@ -132,7 +142,7 @@ def stand_in(
     if address is not None:
         request.META["REMOTE_ADDR"] = str(address)
     request.auth = credential  # type: ignore[attr-defined]  # what DRF's authentication sets
-    request.user = user_object  # type: ignore[assignment]
+    request.user = user_object or AnonymousUser()
     identity = identify(request, endpoint=endpoint, auth=credential, user=user_object)
     identity = replace(
         identity,

@@ -8,8 +8,9 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import SystemCheckError
 
-from ratelimits.checks import SETTING_IDS, SETTINGS_SOURCE_ONLY, check_deployment, check_settings
+from ratelimits.checks import SETTING_IDS, check_deployment, check_settings
 from ratelimits.conf import SETTINGS
+from ratelimits.policies.database import DatabasePolicySource
 
 
 def ids(messages: list[Any]) -> list[str]:
@@ -25,7 +26,7 @@ def test_default_configuration_is_clean(settings: Any) -> None:
 def test_every_setting_has_an_id_of_its_own() -> None:
     assert list(SETTING_IDS) == list(SETTINGS)
     assert len(set(SETTING_IDS.values())) == len(SETTING_IDS)
-    assert set(SETTINGS_SOURCE_ONLY) <= set(SETTINGS)
+    assert set(DatabasePolicySource.ignored_settings) <= set(SETTINGS)
 
 
 def test_unknown_key(settings: Any) -> None:
@@ -72,7 +73,7 @@ BAD_VALUES = [
     ("TRUSTED_PROXIES", "10.0.0.1", "ratelimits.E124", "must be a list"),
     ("CLIENT_IP_HEADER", "X-Forwarded-For", "ratelimits.E125", "must be a request.META key"),
     ("IPV6_PREFIX", 0, "ratelimits.E126", "from 1 to 128"),
-    ("HASH_KEY", "", "ratelimits.E127", "must be a non-empty string or None"),
+    ("HASH_KEY", 42, "ratelimits.E127", "must be a string, or None to use SECRET_KEY"),
     ("HEADERS", "fancy", "ratelimits.E128", "must be one of"),
     ("RETRY_AFTER_JITTER", "-1s", "ratelimits.E129", "is not a duration"),
     ("DEFAULT_FAIL_MODE", "sometimes", "ratelimits.E130", "must be one of open, closed, local"),
@@ -132,6 +133,42 @@ def test_settings_the_database_source_ignores_are_named(settings: Any) -> None:
     settings.RATELIMITS = {"BACKEND": "redis", "POLICY_SOURCE": "database", "TIERS": {"x": "1/s"}, "FLEET_CAPACITY": 9}
     messages = check_deployment()
     assert ids(messages) == ["ratelimits.W003"]
-    assert "RATELIMITS['TIERS'], RATELIMITS['FLEET_CAPACITY'] set" in messages[0].msg
+    assert (
+        messages[0].msg
+        == "RATELIMITS['TIERS'], RATELIMITS['FLEET_CAPACITY'] set, but the policy source DatabasePolicySource "
+        "does not read them."
+    )
     settings.RATELIMITS = {"BACKEND": "redis", "POLICY_SOURCE": "database"}
     assert check_deployment() == []
+
+
+def test_the_backstops_are_checked_whatever_the_source(settings: Any) -> None:
+    """The database source reads DIMENSIONS only when it first loads: the checks must not wait for that."""
+    settings.RATELIMITS = {"BACKEND": "redis", "POLICY_SOURCE": "database", "DIMENSIONS": {"ip": "1/fortnight"}}
+    messages = check_settings()
+    assert ids(messages) == ["ratelimits.E113"]
+    assert "RATELIMITS['DIMENSIONS']['ip']: '1/fortnight' has an unknown unit 'fortnight'" in messages[0].msg
+
+
+class LegacySource:
+    """A 0.1 custom source: checks_for, endpoint_rule and observe only."""
+
+    def checks_for(self, request: Any, identity: Any) -> list[Any]:
+        return []
+
+    def endpoint_rule(self, endpoint: str, method: str) -> Any:
+        return None
+
+    def observe(self, decision: Any) -> None:
+        return None
+
+
+def test_a_source_missing_part_of_the_protocol_is_refused_by_name(settings: Any) -> None:
+    settings.RATELIMITS = {"BACKEND": "redis", "POLICY_SOURCE": f"{__name__}.LegacySource"}
+    messages = check_settings()
+    assert ids(messages) == ["ratelimits.E107"]
+    assert (
+        "is not a policy source (see ratelimits.policies.PolicySource): it has no snapshot, explain, "
+        in messages[0].msg
+    )
+    assert "invalidate, ignored_settings. Subclassing ratelimits.policies.SnapshotPolicySource" in messages[0].msg

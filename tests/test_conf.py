@@ -78,3 +78,14 @@ def test_the_hash_key_follows_hash_key_else_secret_key(settings: Any) -> None:
     assert Subject(SubjectKind.IP, subject.value).digest == pinned
     assert len({first, second, pinned}) == 3
     assert subject.value not in pinned and len(pinned) == 16
+
+
+def test_the_hash_key_is_derived_as_0_1_derived_it(settings: Any) -> None:
+    """Key names must survive the upgrade: an empty HASH_KEY is SECRET_KEY, bytes are hashed as str() says."""
+    import hashlib
+
+    settings.SECRET_KEY = "s3cret"
+    settings.RATELIMITS = {"HASH_KEY": ""}
+    assert conf.hash_key == hashlib.blake2b(b"s3cret", digest_size=32, person=b"ratelimits").digest()
+    settings.RATELIMITS = {"HASH_KEY": b"raw"}
+    assert conf.hash_key == hashlib.blake2b(b"b'raw'", digest_size=32, person=b"ratelimits").digest()

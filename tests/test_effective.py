@@ -125,3 +125,24 @@ def test_a_key_the_admin_cannot_find_is_said_so(demo: dict[str, tuple[str, ApiKe
         "A request made with the key may be placed differently."
     ]
     assert "saw no credential" in response.content.decode()
+
+
+def test_while_degraded_a_local_policy_is_reported_out_of_this_workers_share(
+    settings: Any, own_redis: Any, client: Client
+) -> None:
+    """Fail mode local decides in process against the policy scaled down: the figures say so consistently."""
+    settings.RATELIMITS = {
+        "BACKEND": "redis",
+        "REDIS_URL": own_redis.url,
+        "REDIS_SOCKET_TIMEOUT": "100ms",
+        "REDIS_CONNECT_TIMEOUT": "100ms",
+        "LOCAL_FALLBACK_SHARE": 0.25,
+        "TIERS": {"anon": {"rate": "100/h", "burst": 100, "fail_mode": "local"}, "auth": "10/s"},
+        "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "auth"},
+        "DIMENSIONS": {"ip": {"rate": "50/h", "fail_mode": "open"}},
+    }
+    own_redis.kill()
+    body = client.get("/v1/rate_limit", {"endpoint": "customers"}).json()
+    assert body["degraded"] is True
+    rows = {r["policy"]: (r["limit"], r["remaining"], r["used"]) for r in body["resources"]}
+    assert rows == {"tier:anon": (25, 25, 0), "ip": (50, None, None)}

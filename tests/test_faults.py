@@ -1,7 +1,7 @@
 """Fault injection through the real DRF stack: a private redis-server killed, paused and flushed.
 
 Every test starts its own redis-server on a free loopback port and stops it by PID (the session
-own_redis is shared by other tests and is never touched here). Loops are bounded in count and time.
+server is shared by other tests and is never touched here). Loops are bounded in count and time.
 """
 
 from __future__ import annotations

@@ -114,9 +114,9 @@ def test_exactly_n_requests_in_flight_the_rest_429(stack: str, gate: Gate) -> No
             body = answer.json()
             assert body["status"] == 429
             assert body["type"].endswith("#quota-exceeded")
-            assert [v["policy"] for v in body["violated-policies"]] == ["tier:free:concurrency"]
-            assert body["violated-policies"][0]["limit"] == N
-            assert body["violated-policies"][0]["remaining"] == 0
+            assert [v["policy"] for v in body["violations"]] == ["tier:free:concurrency"]
+            assert body["violations"][0]["limit"] == N
+            assert body["violations"][0]["remaining"] == 0
             assert 0 < body["retry_after_ms"] <= 1000
             assert response["RateLimit-Policy"] == f'"tier:free:concurrency";q={N};qu="concurrent-requests"'
             assert response["RateLimit"] == '"tier:free:concurrency";r=0'

@@ -163,3 +163,9 @@ def test_a_tier_func_returning_no_name_at_all_never_breaks_a_request(
     with caplog.at_level(logging.ERROR, logger="ratelimits"):
         assert policies.tier_for(request, identify(request, endpoint="x", auth="k")) == "free"
     assert "returned ['pro'], which is not an enabled tier" in caplog.text
+
+
+def test_the_protocol_names_its_members_for_the_checks() -> None:
+    from ratelimits.policies.source import _MEMBERS, PolicySource
+
+    assert set(_MEMBERS) == {name for name in dir(PolicySource) if not name.startswith("_")}

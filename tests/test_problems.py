@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 
+from ratelimits.choices import Priority
 from ratelimits.decisions import Decision, Result, Verdict
 from ratelimits.identity import Subject, SubjectKind
-from ratelimits.policies import Check, Policy
+from ratelimits.policies import Check, Policy, fleet_checks
 from ratelimits.problems import CONTENT_TYPE, QUOTA_EXCEEDED, REDUCED_CAPACITY, problem_body, problem_response
 from ratelimits.rates import parse_rate
 
@@ -32,7 +33,8 @@ def test_429_names_every_violated_policy_with_the_exact_wait() -> None:
     assert body["type"] == QUOTA_EXCEEDED and body["status"] == 429 and body["title"] == "Too many requests"
     assert body["retry_after_ms"] == 36_001  # the longest wait, rounded up to the millisecond
     assert body["detail"] == "Over 2 rate limit(s); retry in 36.001 s."
-    assert body["violated-policies"] == [
+    assert body["violated-policies"] == ["fast", "slow"]  # the IETF draft's member: the names
+    assert body["violations"] == [
         {
             "policy": "fast",
             "subject": "api_key",
@@ -50,11 +52,11 @@ def test_429_names_every_violated_policy_with_the_exact_wait() -> None:
             "retry_after_ms": 36_001,
         },
     ]
-    assert "violated_policies" not in body  # the IETF draft's member name, with a hyphen
+    assert "violated_policies" not in body  # 0.1's name for the details
 
 
 def test_503_bodies_say_which_kind_of_overload() -> None:
-    shed = problem_body(Decision(Verdict.SHED, (), retry_after_us=1_000_000))
+    shed = problem_body(Decision(Verdict.SHED, (), retry_after_us=1_000_000))  # the worker shedder: no policy
     down = problem_body(Decision(Verdict.UNAVAILABLE, (), retry_after_us=2_500_000, degraded=True))
     assert (shed["type"], shed["status"], down["type"], down["status"]) == (
         REDUCED_CAPACITY,
@@ -66,6 +68,10 @@ def test_503_bodies_say_which_kind_of_overload() -> None:
     assert down["title"] == "Service temporarily unable to accept this request"
     assert shed["detail"].endswith("retry in 1 s.") and down["detail"].endswith("retry in 2.5 s.")
     assert "violated-policies" not in shed and "violated-policies" not in down
+    fleet = fleet_checks(10, {Priority.LOW: 60})[Priority.LOW]
+    by_fleet = Decision.from_results([Result(fleet, False, 0, 60_000_000, 1_000_000)], now_us=1)
+    assert by_fleet.verdict is Verdict.SHED
+    assert problem_body(by_fleet)["violated-policies"] == ["fleet"]
 
 
 def test_responses_carry_status_type_retry_after_and_rate_limit_headers() -> None:

@@ -180,7 +180,7 @@ def test_caller_over_its_own_limit_on_a_shed_class_gets_429(small_fleet: Gate) -
     assert over.status_code == 429
     body = json.loads(over.content)
     assert body["type"].endswith("#quota-exceeded")
-    assert "tier:anon" in [v["policy"] for v in body["violated-policies"]]
+    assert "tier:anon" in [v["policy"] for v in body["violations"]]
     assert int(over["Retry-After"]) > 1  # the caller's own wait (~1 h), not the shedder's 1 s
 
     assert_shed(fresh.get("/t/gated"))  # a caller with tokens left is shed instead...

@@ -58,7 +58,7 @@ def test_slot_taken_after_a_timeout_is_released(stalled_redis: RedisServer) -> N
     admin = stalled_redis.client()
     client = Client(REMOTE_ADDR="198.51.100.77")
     assert client.get("/t/ping").status_code == 200  # warm: connection and script cache
-    # Stall the own_redis for 300 ms with a busy script: our decision times out after 50 ms, but
+    # Stall the server for 300 ms with a busy script: our decision times out after 50 ms, but
     # stays queued and runs later, taking the only slot of this caller's concurrency limit.
     # Redis may still serve our decision before it starts the script (the two connections race):
     # then nothing stalled and nothing is left behind, so the stall is tried again (bounded).

@@ -60,8 +60,8 @@ def test_429_contract(limits: Any) -> None:
     assert body["status"] == 429
     assert body["type"].endswith("#quota-exceeded")
     assert 0 < body["retry_after_ms"] <= 334
-    assert [v["policy"] for v in body["violated-policies"]] == ["tier:free"]
-    assert body["violated-policies"][0]["subject"] == "api_key"
+    assert [v["policy"] for v in body["violations"]] == ["tier:free"] == body["violated-policies"]
+    assert body["violations"][0]["subject"] == "api_key"
     assert response["Retry-After"] == str(max(math.ceil(body["retry_after_ms"] / 1000), 1))
     assert response["RateLimit"].startswith('"tier:free";r=0;')
     assert response["X-RateLimit-Remaining"] == "0"

@@ -8,7 +8,7 @@ from ..conf import ProcessWide, conf
 from ..exceptions import ConfigurationError
 from .base import Backend
 
-__all__ = ["ALIASES", "Backend", "backend_class", "get_backend", "load_backend", "reset_backend"]
+__all__ = ["ALIASES", "Backend", "backend_class", "get_backend", "load_backend"]
 
 ALIASES = {
     "memory": "ratelimits.backends.memory.MemoryBackend",
@@ -39,8 +39,3 @@ _backend: ProcessWide[Backend] = ProcessWide(lambda: load_backend(conf.backend))
 def get_backend() -> Backend:
     """The process-wide backend named by ``RATELIMITS['BACKEND']`` (the engine decides on it)."""
     return _backend.get()
-
-
-def reset_backend() -> None:
-    """Forget the process's backend: the next use builds it again from the settings."""
-    _backend.reset()

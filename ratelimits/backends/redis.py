@@ -50,7 +50,7 @@ class Script:
 DECIDE = Script.load("decide.lua")
 PUBLISH_VERSION = Script.load("publish_version.lua")
 RELEASE = Script.load("release.lua")
-#: Kept for callers that compare the script cache with it (tests, benchmarks).
+#: What a script cache holds the decide script under (tests look for it there).
 DECIDE_SHA = DECIDE.sha
 
 
@@ -124,10 +124,6 @@ class RedisBackend(Backend):
             slot_keys=held,
         )
 
-    def usage_key(self, minute: int) -> str:
-        """The hash of one minute's usage counters."""
-        return layout.usage_key(self.prefix, minute)
-
     def claim_usage(self, before_minute: int) -> list[tuple[str, int, dict[str, int]]]:
         live, draining = layout.usage_prefix(self.prefix), layout.drain_prefix(self.prefix)
         batches = []
@@ -160,8 +156,9 @@ class RedisBackend(Backend):
     def add_usage(self, counts: Mapping[tuple[int, str], int]) -> None:
         with self._store(), self.client.pipeline(transaction=False) as pipe:
             for (minute, field), count in counts.items():
-                pipe.hincrby(self.usage_key(minute), field, count)
-                pipe.expire(self.usage_key(minute), layout.USAGE_TTL_S)
+                key = layout.usage_key(self.prefix, minute)
+                pipe.hincrby(key, field, count)
+                pipe.expire(key, layout.USAGE_TTL_S)
             pipe.execute()
 
     def release(self, slot: str, keys: Sequence[str]) -> int:

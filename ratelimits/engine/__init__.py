@@ -8,12 +8,12 @@
 
 from __future__ import annotations
 
-from ..backends import reset_backend
-from ..policies.source import get_policy_source, reset_policy_source
+from ..conf import ProcessWide
+from ..policies.source import get_policy_source
 from .breaker import BreakerState, CircuitBreaker
 from .evaluation import evaluate, release_held, usage_of
-from .limiter import Limiter, get_limiter, reset_limiter
-from .shedding import WorkerShedder, get_worker_shedder, reset_worker_shedder
+from .limiter import Limiter, get_limiter
+from .shedding import WorkerShedder, get_worker_shedder
 
 __all__ = [
     "BreakerState",
@@ -31,8 +31,9 @@ __all__ = [
 
 
 def reset() -> None:
-    """Forget the process's limiter, backend, policy source and shedder: the next request rebuilds them."""
-    reset_limiter()
-    reset_backend()
-    reset_policy_source()
-    reset_worker_shedder()
+    """Forget the process's limiter, backend, policy source and shedder: the next request rebuilds them.
+
+    All together, always (as a change of the settings does): the limiter holds the backend, so
+    forgetting one alone would leave two backends in the process.
+    """
+    ProcessWide.reset_all()

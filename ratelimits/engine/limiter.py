@@ -19,7 +19,7 @@ from ..exceptions import BackendUnavailable
 from ..policies.values import Check
 from .breaker import BreakerState, CircuitBreaker
 
-__all__ = ["Limiter", "get_limiter", "reset_limiter"]
+__all__ = ["Limiter", "get_limiter"]
 
 logger = logging.getLogger("ratelimits")
 
@@ -143,8 +143,3 @@ def get_limiter() -> Limiter:
 def current_limiter() -> Limiter | None:
     """The process's limiter if one was built (``None`` before the first decision)."""
     return _limiter.current()
-
-
-def reset_limiter() -> None:
-    """Forget the process's limiter: the next decision builds it again from the settings."""
-    _limiter.reset()

@@ -59,8 +59,3 @@ _shedder: ProcessWide[WorkerShedder | None] = ProcessWide(_build)
 def get_worker_shedder() -> WorkerShedder | None:
     """This process's utilisation shedder, or ``None`` when ``WORKER_CAPACITY`` is not set."""
     return _shedder.get()
-
-
-def reset_worker_shedder() -> None:
-    """Forget this process's shedder: the next request builds it again from the settings."""
-    _shedder.reset()

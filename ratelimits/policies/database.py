@@ -51,6 +51,9 @@ FLEET = Origin(OriginKind.FLEET, "fleet settings")
 class DatabasePolicySource(SnapshotPolicySource):
     """Policies from the admin-managed tables (``POLICY_SOURCE`` short name ``"database"``)."""
 
+    #: Tiers, endpoint policies and the fleet's capacity are rows here, not settings.
+    ignored_settings = ("TIERS", "ENDPOINTS", "FLEET_CAPACITY")
+
     def load(self) -> PolicySnapshot:
         return load_snapshot()
 
@@ -98,7 +101,9 @@ def load_snapshot() -> PolicySnapshot:
     fleet = FleetSettings.objects.filter(pk=1).select_related("anonymous_tier", "authenticated_tier").first()
     mode = _fail_mode(fleet)
     shadow = bool(fleet and fleet.shadow)
-    snapshot = PolicySnapshot(default_fail_mode=mode, version=version, fleet_origin=FLEET)
+    # A policy made from an override alone (a concurrency limit where the tier has none) takes the
+    # settings' fail mode, not the fleet settings': what 0.1 did, kept by the redesign.
+    snapshot = PolicySnapshot(default_fail_mode=conf.default_fail_mode, version=version, fleet_origin=FLEET)
     for tier in Tier.objects.filter(enabled=True):
         try:
             snapshot.tiers[tier.name] = _tier(tier, mode, shadow)
@@ -138,8 +143,8 @@ def _tier(tier: Tier, mode: FailMode, shadow: bool) -> tuple[Policy, ...]:
         "burst": tier.burst or parse_rate(tier.rate, field=f"tier {tier.name} rate").limit,
         "algorithm": tier.algorithm,
         "fail_mode": tier.fail_mode or mode,
-        "quota": tier.quota,
-        "concurrency": tier.concurrency,
+        "quota": tier.quota or None,
+        "concurrency": tier.concurrency or None,  # the admin stores "none" as empty, never as 0
     }
     return tier_policies(tier.name, config, field=f"tier {tier.name}", fail_mode=mode, shadow=tier.shadow or shadow)
 
@@ -172,14 +177,24 @@ def _assignments(snapshot: PolicySnapshot, now: datetime) -> None:
     for row in live:
         origin = Origin(OriginKind.ASSIGNMENT, f"assignment #{row.pk} ({row.tier.name})")
         entry = Assignment(row.tier.name, origin, Window(row.starts_at, row.expires_at))
-        if row.subject_kind == SubjectKind.IP:
+        kind = _kind(row, "assignment")
+        if kind is SubjectKind.IP:
             try:
                 snapshot.networks.append((ipaddress.ip_network(row.subject_id, strict=False), entry))
             except ValueError:
                 logger.error("ratelimits: assignment #%s left out: bad network %r", row.pk, row.subject_id)
-        else:
-            assignments[(SubjectKind(row.subject_kind), row.subject_id)].append(entry)
+        elif kind is not None:
+            assignments[(kind, row.subject_id)].append(entry)
     snapshot.assignments = dict(assignments)
+
+
+def _kind(row: SubjectAssignment | Override, what: str) -> SubjectKind | None:
+    """The row's subject kind, or ``None`` (logged) for one saved around the admin's validation."""
+    try:
+        return SubjectKind(row.subject_kind)
+    except ValueError:
+        logger.error("ratelimits: %s #%s left out: unknown subject kind %r", what, row.pk, row.subject_kind)
+        return None
 
 
 def _endpoint(row: EndpointPolicy, mode: FailMode, shadow: bool) -> EndpointRule:
@@ -203,12 +218,15 @@ def _endpoint(row: EndpointPolicy, mode: FailMode, shadow: bool) -> EndpointRule
 def _overrides(snapshot: PolicySnapshot, now: datetime, shadow: bool) -> None:
     overrides: dict[tuple[SubjectKind, str], list[OverrideRule]] = defaultdict(list)
     for row in Override.objects.filter(enabled=True, expires_at__gt=now).order_by("-created_at", "-id"):
+        kind = _kind(row, "override")
         try:
             rate = parse_rate(row.rate, field=f"override #{row.pk} rate") if row.rate else None
         except ConfigurationError as exc:
             logger.error("ratelimits: %s", exc)
             continue
-        overrides[(SubjectKind(row.subject_kind), row.subject_id)].append(
+        if kind is None:
+            continue
+        overrides[(kind, row.subject_id)].append(
             OverrideRule(
                 id=row.pk,
                 endpoint=row.endpoint,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from dataclasses import dataclass
+from collections.abc import Iterable
 from datetime import datetime
 from typing import TYPE_CHECKING
 
@@ -29,25 +29,21 @@ from ..conf import conf
 from ..exceptions import ConfigurationError
 from ..identity import Identity, Subject, SubjectKind
 from .snapshot import Assignment, PolicySnapshot
-from .values import Check, Origin, OriginKind, Policy, Role, check_for, concurrency_policy
+from .values import Check, Explained, Origin, OriginKind, Policy, Role, concurrency_policy
 
 if TYPE_CHECKING:
     from django.http import HttpRequest
 
-__all__ = ["Explained", "default_assignment", "explain"]
+__all__ = ["default_assignment", "explain", "resolve"]
+
+#: One check and where its values come from, as the resolver collects them (a plain tuple: it is
+#: built for every check of every request).
+Resolved = tuple[Check, Origin]
 
 logger = logging.getLogger("ratelimits")
 
-
-@dataclass(frozen=True, slots=True)
-class Explained:
-    """One check of a request, and where its values come from."""
-
-    check: Check
-    #: In words: ``"override #4: launch week"``, ``"RATELIMITS['DIMENSIONS']['ip']"``.
-    origin: str
-    #: Where it is edited: an admin table, or the settings.
-    kind: OriginKind
+#: Distinct unknown tier names logged per snapshot: a TIER_FUNC echoing client input must not grow it for ever.
+REPORTED_NAMES = 100
 
 
 def explain(
@@ -62,6 +58,19 @@ def explain(
 
     ``method`` asks about the endpoint called with another method than the request's own.
     """
+    found = resolve(snapshot, request, identity, now=now, method=method)
+    return [Explained(check, origin.detail, origin.kind) for check, origin in found]
+
+
+def resolve(
+    snapshot: PolicySnapshot,
+    request: HttpRequest,
+    identity: Identity,
+    *,
+    now: datetime | None = None,
+    method: str | None = None,
+) -> list[Resolved]:
+    """What :func:`explain` says, as ``(check, origin)`` pairs: what ``checks_for`` reads per request."""
     endpoint = identity.endpoint.value
     rule = snapshot.endpoint_rule(endpoint, method or request.method or "GET")
     if rule.exempt:
@@ -70,46 +79,51 @@ def explain(
         now = timezone.now()
     cost = rule.cost
     caller = identity.caller
-    found: list[Explained] = []
+    found: list[Resolved] = []
+    for subject, assignment in _placements(snapshot, request, identity, now):
+        policies = snapshot.tiers.get(assignment.tier, ())
+        for policy in policies:
+            if now is None:  # nothing can override it
+                _add(found, policy, assignment.origin, subject, cost)
+            else:
+                _add(found, *_overridden(snapshot, subject, endpoint, policy, now, assignment.origin), subject, cost)
+        if now is not None and not any(p.holds_slots for p in policies):
+            in_flight = _concurrency_override(snapshot, subject, endpoint, now, tier=assignment.tier)
+            if in_flight is not None:
+                _add(found, *in_flight, subject, cost)
+    for kind, (policy, origin) in snapshot.dimensions.items():
+        dimension = identity.subject(kind)
+        if dimension is not None:
+            _add(found, policy, origin, dimension, cost)
+    if rule.per_caller is not None:
+        _add(found, rule.per_caller, rule.per_caller_origin, caller, cost)
+    if rule.endpoint_wide is not None:
+        _add(found, rule.endpoint_wide, rule.endpoint_wide_origin, identity.endpoint, cost)
+    fleet = snapshot.fleet_resolved.get(rule.priority)
+    if fleet is not None:
+        found.append(fleet)
+    return found
+
+
+def _placements(
+    snapshot: PolicySnapshot, request: HttpRequest, identity: Identity, now: datetime | None
+) -> Iterable[tuple[Subject, Assignment]]:
+    """Each subject of the request that is on a tier, with its assignment; the caller always is, if it can be."""
+    caller = identity.caller
+    if now is None:  # nothing is assigned for a while only, so nothing is assigned at all: the fast path
+        default = default_assignment(snapshot, request, identity)
+        return () if default is None else ((caller, default),)
     assigned: dict[Subject, Assignment] = {}
-    if now is not None:
-        for subject in (identity.api_key, identity.user, identity.organization, identity.ip):
-            if subject is not None:
-                assignment = _assignment(snapshot, subject, now)
-                if assignment is not None:
-                    assigned[subject] = assignment
+    for subject in (identity.api_key, identity.user, identity.organization, identity.ip):
+        if subject is not None:
+            assignment = _assignment(snapshot, subject, now)
+            if assignment is not None:
+                assigned[subject] = assignment
     if caller not in assigned:
         default = default_assignment(snapshot, request, identity)
         if default is not None:
             assigned[caller] = default
-    for subject, assignment in assigned.items():
-        policies = snapshot.tiers.get(assignment.tier, ())
-        for policy in policies:
-            replaced, origin = _overridden(snapshot, subject, endpoint, policy, now, assignment.origin)
-            _add(found, replaced, subject, cost, origin)
-        if not any(p.holds_slots for p in policies):
-            in_flight = _concurrency_override(snapshot, subject, endpoint, now, tier=assignment.tier)
-            if in_flight is not None:
-                _add(found, in_flight[0], subject, cost, in_flight[1])
-    for kind, (policy, origin) in snapshot.dimensions.items():
-        dimension = identity.subject(kind)
-        if dimension is not None:
-            _add(found, policy, dimension, cost, origin)
-    if rule.per_caller is not None:
-        _add(found, rule.per_caller, caller, cost, Origin(rule.origin.kind, f"{rule.origin.detail}, per caller"))
-    if rule.endpoint_wide is not None:
-        _add(
-            found,
-            rule.endpoint_wide,
-            identity.endpoint,
-            cost,
-            Origin(rule.origin.kind, f"{rule.origin.detail}, all callers"),
-        )
-    fleet = snapshot.fleet.get(rule.priority)
-    if fleet is not None:
-        origin = snapshot.fleet_origin
-        found.append(Explained(fleet, f"{origin.detail}: {rule.priority} priority", origin.kind))
-    return found
+    return assigned.items()
 
 
 def default_assignment(snapshot: PolicySnapshot, request: HttpRequest, identity: Identity) -> Assignment | None:
@@ -128,7 +142,7 @@ def default_assignment(snapshot: PolicySnapshot, request: HttpRequest, identity:
                 # Said as for the default tier, which TIER_FUNC stands in for.
                 origin = default.origin if default else Origin(OriginKind.SETTINGS, f"default tier for {kind} callers")
                 return Assignment(name, origin)
-            if repr(name) not in snapshot.reported:
+            if repr(name) not in snapshot.reported and len(snapshot.reported) < REPORTED_NAMES:
                 snapshot.reported.add(repr(name))
                 logger.error(
                     "ratelimits: RATELIMITS['TIER_FUNC'] returned %r, which is not an enabled tier; "
@@ -215,9 +229,9 @@ def _concurrency_override(
     return (policy, override.origin) if policy is not None else None
 
 
-def _add(found: list[Explained], policy: Policy, subject: Subject, cost: int, origin: Origin) -> None:
+def _add(found: list[Resolved], policy: Policy, origin: Origin, subject: Subject, cost: int) -> None:
     try:
-        found.append(Explained(check_for(policy, subject, cost), origin.detail, origin.kind))
+        found.append((Check(policy, subject, 1 if policy.holds_slots else cost), origin))  # as check_for does
     except ConfigurationError as exc:
         # Guardrails refuse such a save; a row written around them must not break requests.
         logger.error("ratelimits: check skipped: %s", exc)

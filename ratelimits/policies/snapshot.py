@@ -146,11 +146,23 @@ class PolicySnapshot:
     checked_at: float = 0.0
     #: Policies derived from overrides, built on first use: a Policy validates itself when made.
     derived: dict[tuple[Any, ...], Policy | None] = field(default_factory=dict)
-    #: Tier names ``TIER_FUNC`` returned that are not tiers here, each logged once.
+    #: Tier names ``TIER_FUNC`` returned that are not tiers here, each logged once (up to a bound).
     reported: set[str] = field(default_factory=set)
+    _fleet_resolved: dict[Priority, tuple[Check, Origin]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.checked_at = self.checked_at or self.loaded_at
+
+    @property
+    def fleet_resolved(self) -> dict[Priority, tuple[Check, Origin]]:
+        """The fleet's check per priority class with its origin: the same for every request, so built once."""
+        if self._fleet_resolved is None:
+            origin = self.fleet_origin
+            self._fleet_resolved = {
+                priority: (check, Origin(origin.kind, f"{origin.detail}: {priority} priority"))
+                for priority, check in self.fleet.items()
+            }
+        return self._fleet_resolved
 
     def endpoint_rule(self, endpoint: str, method: str) -> EndpointRule:
         """The rule for ``endpoint`` called with ``method``: a method's own beats any method's."""
@@ -194,7 +206,7 @@ def tier_policies(
     rate = replace(rate, shadow=shadow) if shadow else rate
     policies = [rate]
     quota = config.get("quota") if isinstance(config, Mapping) else None
-    if quota:
+    if quota is not None:
         limit = parse_rate(quota, field=f"{field}['quota']")
         policies.append(
             Policy(

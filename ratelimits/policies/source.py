@@ -11,9 +11,9 @@ from django.utils.module_loading import import_string
 
 from ..conf import ProcessWide, conf
 from ..exceptions import ConfigurationError
-from .resolver import Explained, default_assignment, explain
+from .resolver import default_assignment, explain, resolve
 from .snapshot import PolicySnapshot
-from .values import Check, EndpointRule
+from .values import Check, EndpointRule, Explained
 
 if TYPE_CHECKING:
     from django.http import HttpRequest
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from ..decisions import Decision
     from ..identity import Identity
 
-__all__ = ["PolicySource", "SnapshotPolicySource", "get_policy_source", "reset_policy_source"]
+__all__ = ["PolicySource", "SnapshotPolicySource", "get_policy_source"]
 
 
 @runtime_checkable
@@ -52,12 +52,22 @@ class PolicySource(Protocol):
     def invalidate(self) -> None:
         """Forget what is loaded: the next request loads the policies afresh."""
 
+    @property
+    def ignored_settings(self) -> tuple[str, ...]:
+        """``RATELIMITS`` keys that describe policies this source does not read (the checks warn if set)."""
+
+
+_MEMBERS = ("snapshot", "explain", "checks_for", "endpoint_rule", "observe", "invalidate", "ignored_settings")
+
 
 class SnapshotPolicySource(ABC):
     """A policy source that loads a :class:`PolicySnapshot` and resolves from it with the one resolver.
 
     Subclasses say how to :meth:`load`; the snapshot is kept until :meth:`invalidate`.
     """
+
+    #: See :attr:`PolicySource.ignored_settings`.
+    ignored_settings: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         self._snapshot: PolicySnapshot | None = None
@@ -85,7 +95,7 @@ class SnapshotPolicySource(ABC):
         return explain(self.snapshot(), request, identity, now=now, method=method)
 
     def checks_for(self, request: HttpRequest, identity: Identity) -> list[Check]:
-        return [explained.check for explained in explain(self.snapshot(), request, identity)]
+        return [check for check, _ in resolve(self.snapshot(), request, identity)]
 
     def endpoint_rule(self, endpoint: str, method: str) -> EndpointRule:
         return self.snapshot().endpoint_rule(endpoint, method)
@@ -114,16 +124,14 @@ def build_policy_source() -> PolicySource:
             f"RATELIMITS['POLICY_SOURCE']: cannot import {path!r}: {exc}", setting="POLICY_SOURCE"
         ) from exc
     if not isinstance(source, PolicySource):
+        missing = ", ".join(name for name in _MEMBERS if not hasattr(source, name))
         raise ConfigurationError(
-            f"RATELIMITS['POLICY_SOURCE']: {path!r} is not a policy source (see ratelimits.policies.PolicySource)",
+            f"RATELIMITS['POLICY_SOURCE']: {path!r} is not a policy source (see ratelimits.policies.PolicySource): "
+            f"it has no {missing}. Subclassing ratelimits.policies.SnapshotPolicySource and writing load() gives "
+            "it all of them.",
             setting="POLICY_SOURCE",
         )
     return source
 
 
 _source: ProcessWide[PolicySource] = ProcessWide(build_policy_source)
-
-
-def reset_policy_source() -> None:
-    """Forget the process's source: the next request builds it again from the settings."""
-    _source.reset()

@@ -6,7 +6,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..algorithms import RATE_ALGORITHMS, Algorithm
 from ..choices import SHEDDABLE, FailMode, Priority
@@ -18,6 +18,7 @@ from ..rates import MAX_LIMIT, Rate, parse_rate
 __all__ = [
     "Check",
     "EndpointRule",
+    "Explained",
     "Origin",
     "OriginKind",
     "Policy",
@@ -196,6 +197,24 @@ class EndpointRule:
     exempt: bool = False
     #: The endpoint policy row or setting the rule was made from.
     origin: Origin = Origin(OriginKind.ENDPOINT, "endpoint rule")
+    #: Where the per-caller and the all-callers limit come from, said once here, not per request.
+    per_caller_origin: Origin = field(init=False, repr=False, compare=False)
+    endpoint_wide_origin: Origin = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        kind, detail = self.origin.kind, self.origin.detail
+        object.__setattr__(self, "per_caller_origin", Origin(kind, f"{detail}, per caller"))
+        object.__setattr__(self, "endpoint_wide_origin", Origin(kind, f"{detail}, all callers"))
+
+
+class Explained(NamedTuple):
+    """One check of a request, and where its values come from."""
+
+    check: Check
+    #: In words: ``"override #4: launch week"``, ``"RATELIMITS['DIMENSIONS']['ip']"``.
+    origin: str
+    #: Where it is edited: an admin table, or the settings.
+    kind: OriginKind
 
 
 #: What an endpoint nobody configured gets.

@@ -9,7 +9,7 @@ from django.core.mail import mail_admins
 from django.db.models import Sum
 
 from ..models import UsageRecord
-from ..policies.source import get_policy_source
+from ..policies.source import build_policy_source
 from ..policies.values import Role
 
 __all__ = ["Digest", "near_limit_digest", "send_digest"]
@@ -77,9 +77,13 @@ def send_digest(day: date | None = None) -> Digest:
 
 
 def _daily_quotas() -> dict[str, int]:
-    """Each tier's quota scaled to one day, from the policies the process's source has loaded."""
+    """Each enabled tier's quota scaled to one day, as the policies stand now.
+
+    Read from a source of its own: the process's snapshot may be a day old in a Celery worker,
+    which decides nothing and so never hears that policies changed.
+    """
     daily = {}
-    for name, policies in get_policy_source().snapshot().tiers.items():
+    for name, policies in build_policy_source().snapshot().tiers.items():
         for policy in policies:
             if policy.role is Role.QUOTA:
                 daily[name] = policy.rate.limit * 86_400_000_000 // policy.rate.period_us

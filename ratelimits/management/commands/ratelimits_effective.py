@@ -116,7 +116,7 @@ def build_report(limits: EffectiveLimits, method: str, *, shared: bool = True) -
                 "origin_detail": entry.origin,
                 "shadow": policy.shadow,
                 "algorithm": policy.algorithm.value,
-                "limit": policy.capacity,
+                "limit": entry.limit,
                 "remaining": seen.remaining if seen else None,
                 "reset": seen.reset_at if seen else None,
                 "reset_after_seconds": reset_after,
