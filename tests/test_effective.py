@@ -146,3 +146,20 @@ def test_while_degraded_a_local_policy_is_reported_out_of_this_workers_share(
     assert body["degraded"] is True
     rows = {r["policy"]: (r["limit"], r["remaining"], r["used"]) for r in body["resources"]}
     assert rows == {"tier:anon": (25, 25, 0), "ip": (50, None, None)}
+
+
+def reads_the_user(request: Any, identity: Any) -> str | None:
+    """A TIER_FUNC as hosts write them: it asks the request's user first."""
+    return "auth" if request.user.is_authenticated else None
+
+
+def test_a_stand_in_request_carries_a_user_a_tier_func_can_ask(settings: Any, admin_client: Client) -> None:
+    settings.RATELIMITS = {
+        "TIERS": {"anon": "10/s", "auth": "20/s"},
+        "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "anon"},
+        "TIER_FUNC": reads_the_user,
+    }
+    query = {"api_key": "ApiKey:5", "endpoint": "customers", "method": "GET"}
+    response = admin_client.get(reverse("admin:ratelimits_effective_policy"), query)
+    assert response.status_code == 200
+    assert [row["policy"] for row in response.context["rows"]] == ["tier:anon"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -252,6 +253,27 @@ def test_assignment_to_a_disabled_tier_applies_no_tier_limits(source: DatabasePo
     SubjectAssignmentFactory(subject_id=key_subject(key), tier=TierFactory(rate="1/s", enabled=False))
     assert explain(source, key=key) == []
     assert "tier-" not in "".join(source.snapshot().tiers)
+
+
+def test_rows_saved_around_validation_are_left_out_not_fatal(
+    source: DatabasePolicySource, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A row the admin would refuse (written by a plain UPDATE) costs itself, never every request."""
+    key = ApiKeyFactory()
+    good = SubjectAssignmentFactory(subject_id=key_subject(key), tier=tier("enterprise"))
+    bad = SubjectAssignmentFactory(subject_id="somebody", tier=tier("enterprise"))
+    override = OverrideFactory(subject_id="somebody", rate="1/s")
+    Override.objects.filter(pk=override.pk).update(subject_kind="team")
+    type(bad).objects.filter(pk=bad.pk).update(subject_kind="team")
+    Tier.objects.filter(name="free").update(concurrency=0)  # the admin stores "none" as empty
+    source.invalidate()
+    with caplog.at_level(logging.ERROR, logger="ratelimits"):
+        explained = explain(source, key=key)
+    assert checks(explained) == {("tier:enterprise", "api_key")}
+    assert explained[0].origin == f"assignment #{good.pk} (enterprise)"
+    assert f"assignment #{bad.pk} left out: unknown subject kind 'team'" in caplog.text
+    assert f"override #{override.pk} left out: unknown subject kind 'team'" in caplog.text
+    assert [p.name for p in source.snapshot().tiers["free"]] == ["tier:free", "tier:free:quota"]
 
 
 # -- endpoints -----------------------------------------------------------------------------------
