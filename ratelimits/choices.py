@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Self
 
 from .exceptions import ConfigurationError
 
-__all__ = ["FailMode", "Priority"]
+__all__ = ["SHEDDABLE", "FailMode", "Priority"]
 
 
-class FailMode(StrEnum):
+class Choice(StrEnum):
+    """A choice written as a string in settings and tables (it compares equal to that string)."""
+
+    @classmethod
+    def parse(cls, value: object, *, field: str) -> Self:
+        """``value`` as one of the choices, or a :class:`ConfigurationError` naming ``field``."""
+        if isinstance(value, str) and value in cls._value2member_map_:
+            return cls(value)
+        raise ConfigurationError(f"{field}: {value!r} must be one of {', '.join(cls)}")
+
+
+class FailMode(Choice):
     """What a policy does when the limiter's store cannot answer in time."""
 
     #: Allow the request (counted and logged as degraded).
@@ -23,13 +35,6 @@ class FailMode(StrEnum):
     def description(self) -> str:
         return _FAIL_MODE_DESCRIPTIONS[self]
 
-    @classmethod
-    def parse(cls, value: object, *, field: str) -> FailMode:
-        """``value`` as a fail mode, or a :class:`ConfigurationError` naming ``field``."""
-        if isinstance(value, str) and value in cls._value2member_map_:
-            return cls(value)
-        raise ConfigurationError(f"{field}: {value!r} must be one of {', '.join(cls)}")
-
 
 _FAIL_MODE_DESCRIPTIONS = {
     FailMode.OPEN: "open: allow when the limiter is down",
@@ -38,24 +43,13 @@ _FAIL_MODE_DESCRIPTIONS = {
 }
 
 
-class Priority(StrEnum):
+class Priority(Choice):
     """An endpoint's class for the load shedders, most important first. Critical is never shed."""
 
     CRITICAL = "critical"
     HIGH = "high"
     NORMAL = "normal"
     LOW = "low"
-
-    @property
-    def sheddable(self) -> bool:
-        return self is not Priority.CRITICAL
-
-    @classmethod
-    def parse(cls, value: object, *, field: str) -> Priority:
-        """``value`` as a priority class, or a :class:`ConfigurationError` naming ``field``."""
-        if isinstance(value, str) and value in cls._value2member_map_:
-            return cls(value)
-        raise ConfigurationError(f"{field}: {value!r} must be one of {', '.join(cls)}")
 
 
 #: The classes the shedders may turn away, lowest first (their thresholds must rise in this order).
