@@ -50,6 +50,8 @@ class EffectiveCheck:
 
 @dataclass(frozen=True, slots=True)
 class EffectiveLimits:
+    """Every check of one caller on one endpoint, as :func:`effective_limits` found them."""
+
     identity: Identity
     checks: tuple[EffectiveCheck, ...]
     #: The store could not be read: the checks are listed, what is left is not known.

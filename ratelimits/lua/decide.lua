@@ -31,7 +31,8 @@
 
 -- The algorithm codes of ratelimits.algorithms.Algorithm (a test holds the two to the same numbers).
 local TOKEN_BUCKET, SLIDING_WINDOW, FIXED_WINDOW = 1, 2, 3
--- Slots in flight per subject (429 when full), and in the fleet's in-flight set (503 when full).
+-- Slots in flight per subject (429 when full), and in the fleet's in-flight set (503 when full):
+-- the codes after the rate algorithms'.
 local CONCURRENCY, FLEET = 4, 5
 -- How soon a caller denied a slot should retry (ratelimits.algorithms.SLOT_RETRY_US).
 local SLOT_RETRY_US = 1000000
@@ -172,7 +173,9 @@ local function slots(key, limit, ttl, cost)
   return false, max(limit - count, 0), earliest - now, math.min(earliest - now, SLOT_RETRY_US), nil
 end
 
-local algorithms = {[TOKEN_BUCKET] = token_bucket, [SLIDING_WINDOW] = sliding_window, [FIXED_WINDOW] = fixed_window}
+-- Indexed by code, so in code order: TOKEN_BUCKET, SLIDING_WINDOW, FIXED_WINDOW (a table constructor
+-- with keys would put them in the table's slower hash part).
+local algorithms = {token_bucket, sliding_window, fixed_window}
 
 -- Phase 1: decide every check against current state. A key named twice sees the pending
 -- value of its earlier check, so duplicates cannot double-spend.
@@ -189,7 +192,7 @@ for i = 1, n do
   local key = KEYS[i + 1]
   local base = HEADER + 1 + PER_CHECK * (i - 1)
   local algorithm = tonumber(ARGV[base])
-  local holds_slot = algorithm == CONCURRENCY or algorithm == FLEET
+  local holds_slot = algorithm >= CONCURRENCY  -- CONCURRENCY and FLEET, the codes after the rate algorithms
   local allowed, remaining, reset, retry, new_value
   if holds_slot then
     allowed, remaining, reset, retry = slots(key, tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 6]))
