@@ -52,6 +52,8 @@ PUBLISH_VERSION = Script.load("publish_version.lua")
 RELEASE = Script.load("release.lua")
 #: What a script cache holds the decide script under (tests look for it there).
 DECIDE_SHA = DECIDE.sha
+#: The usage hashes' TTL as the decide script is passed it, converted once.
+_USAGE_TTL = str(layout.USAGE_TTL_S)
 
 
 class RedisBackend(Backend):
@@ -94,7 +96,7 @@ class RedisBackend(Backend):
             slot or "",
             usage.field if usage else "",
             usage.tokens if usage else 0,
-            layout.USAGE_TTL_S,
+            _USAGE_TTL,
         ]
         for check in checks:
             script_keys.append(check.key(self.prefix))

@@ -87,7 +87,7 @@ def usage_of(identity: Identity, checks: Sequence[Check]) -> Usage:
         policy = check.policy
         if not policy.holds_slots:
             tokens = check.cost  # every rate check of a request spends the endpoint's cost
-        if policy.tier is not None and (not tier or check.subject == caller):
+        if policy.tier is not None and (not tier or check.subject is caller):  # the resolver's own object
             tier = policy.tier
     organization = identity.organization.value if identity.organization else ""
     return usage_for(caller.kind, caller.value, organization, tier, identity.endpoint.value, tokens)

@@ -139,9 +139,14 @@ def default_assignment(snapshot: PolicySnapshot, request: HttpRequest, identity:
         name = func(request, identity)
         if name is not None:
             if isinstance(name, str) and name in snapshot.tiers:
-                # Said as for the default tier, which TIER_FUNC stands in for.
-                origin = default.origin if default else Origin(OriginKind.SETTINGS, f"default tier for {kind} callers")
-                return Assignment(name, origin)
+                placed = snapshot.placed.get((name, kind))
+                if placed is None:  # built once per snapshot: TIER_FUNC names the same few tiers all day
+                    # Said as for the default tier, which TIER_FUNC stands in for.
+                    origin = (
+                        default.origin if default else Origin(OriginKind.SETTINGS, f"default tier for {kind} callers")
+                    )
+                    placed = snapshot.placed[(name, kind)] = Assignment(name, origin)
+                return placed
             if repr(name) not in snapshot.reported and len(snapshot.reported) < REPORTED_NAMES:
                 snapshot.reported.add(repr(name))
                 logger.error(

@@ -146,6 +146,8 @@ class PolicySnapshot:
     checked_at: float = 0.0
     #: Policies derived from overrides, built on first use: a Policy validates itself when made.
     derived: dict[tuple[Any, ...], Policy | None] = field(default_factory=dict)
+    #: Where ``TIER_FUNC`` placed callers, by (tier, anonymous or authenticated), built on first use.
+    placed: dict[tuple[str, str], Assignment] = field(default_factory=dict)
     #: Tier names ``TIER_FUNC`` returned that are not tiers here, each logged once (up to a bound).
     reported: set[str] = field(default_factory=set)
     _fleet_resolved: dict[Priority, tuple[Check, Origin]] | None = field(default=None, repr=False)
