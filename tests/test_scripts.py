@@ -62,7 +62,7 @@ def test_an_undrained_usage_hash_lives_as_long_as_the_layout_says(
 
 
 def test_the_codes_are_ordered_as_the_script_indexes_them() -> None:
-    """The script looks the rate algorithms up by code in a plain array, and takes codes from CONCURRENCY on as slots."""
+    """The script looks rate algorithms up by code in a plain array, and takes codes from CONCURRENCY on as slots."""
     rates = [Algorithm.TOKEN_BUCKET, Algorithm.SLIDING_WINDOW, Algorithm.FIXED_WINDOW]
     assert [a.code for a in rates] == [1, 2, 3]
     assert all(a.holds_slots == (a.code >= lua_constants(DECIDE)["CONCURRENCY"]) for a in Algorithm)
