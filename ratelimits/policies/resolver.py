@@ -178,10 +178,10 @@ def _assignment(snapshot: PolicySnapshot, subject: Subject, now: datetime) -> As
 
 
 def _overridden(
-    snapshot: PolicySnapshot, subject: Subject, endpoint: str, policy: Policy, now: datetime | None, origin: Origin
+    snapshot: PolicySnapshot, subject: Subject, endpoint: str, policy: Policy, now: datetime, origin: Origin
 ) -> tuple[Policy, Origin]:
     """An override for this endpoint beats a general one, which beats the tier (quotas are kept)."""
-    if policy.role is Role.QUOTA or now is None:
+    if policy.role is Role.QUOTA:
         return policy, origin
     if policy.holds_slots:
         in_flight = _concurrency_override(snapshot, subject, endpoint, now, tier=policy.tier, name=policy.name)
@@ -205,14 +205,12 @@ def _concurrency_override(
     snapshot: PolicySnapshot,
     subject: Subject,
     endpoint: str,
-    now: datetime | None,
+    now: datetime,
     *,
     tier: str | None,
     name: str | None = None,
 ) -> tuple[Policy, Origin] | None:
     """The in-flight limit an override gives ``subject`` here (endpoint-specific first), if any."""
-    if now is None:
-        return None
     overrides = [
         o
         for o in snapshot.overrides.get((subject.kind, subject.value), ())
