@@ -270,10 +270,12 @@ class FleetSettingsAdmin(AuditedAdmin):
         degraded = False
         notes: list[str] = []
         subjects: list[tuple[str, str]] = []
+        ip_unknown = False
         if form.is_bound and form.is_valid():
             caller = form.caller()
             identity = caller.identity
             subjects = [(s.kind.label, s.value) for s in identity.subjects() if s.kind is not SubjectKind.ENDPOINT]
+            ip_unknown = identity.ip.value == "unknown"
             if request.method == "POST" and "reset" in request.POST:
                 if not request.user.has_perm("ratelimits.change_tier"):
                     raise PermissionDenied
@@ -305,7 +307,7 @@ class FleetSettingsAdmin(AuditedAdmin):
             "degraded": degraded,
             "notes": notes,
             "subjects": subjects,
-            "ip_unknown": any(kind == SubjectKind.IP.label and value == "unknown" for kind, value in subjects),
+            "ip_unknown": ip_unknown,
             "submitted": form.is_bound and form.is_valid(),
             "can_reset": request.user.has_perm("ratelimits.change_tier"),
             "opts": self.model._meta,

@@ -481,6 +481,10 @@ def test_effective_policy_shows_checks_origins_and_live_remaining(
     assert html.count('id="id_api_key"') == 1  # the reset form's copies carry no duplicate ids
     assert f'<input type="hidden" name="api_key" value="{API_KEY}">' in html
     assert '<input type="hidden" name="method" value="GET">' in html
+    assert "no client IP was given" in html  # EFFECTIVE names no address
+    with_ip = admin_client.get(url("effective_policy"), {**EFFECTIVE, "ip": "203.0.113.7"})
+    assert with_ip.context["ip_unknown"] is False
+    assert "no client IP was given" not in with_ip.content.decode()
 
 
 def test_effective_policy_reset_clears_counters_and_is_audited(
