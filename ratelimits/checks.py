@@ -16,7 +16,7 @@ from .backends import backend_class
 from .conf import BACKEND, POLICY_SOURCE, SETTINGS, conf
 from .exceptions import ConfigurationError
 from .policies.settings import dimensions_from_settings
-from .policies.source import build_policy_source
+from .policies.source import get_policy_source
 
 __all__ = ["E001", "E002", "E003", "SETTING_IDS", "W001", "W002", "W003", "check_deployment", "check_settings"]
 
@@ -89,10 +89,11 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
             messages.append(Error(str(exc), id=SETTING_IDS[exc.setting or name]))
     if not invalid:
         # Policies build on the settings above: report them only once those are sound. The
-        # backstops apply under any source (the database source loads them on first use).
+        # backstops apply under any source (the database source loads them on first use). The
+        # source built is the process's own: its first request finds it built.
         try:
             dimensions_from_settings(conf.default_fail_mode)
-            build_policy_source()
+            get_policy_source()
         except ConfigurationError as exc:
             messages.append(Error(str(exc), id=SETTING_IDS.get(exc.setting or "", SETTING_IDS[POLICY_SOURCE.name])))
     return messages
@@ -109,7 +110,7 @@ def check_deployment(app_configs: Any = None, **kwargs: Any) -> list[CheckMessag
     messages: list[CheckMessage] = []
     try:
         backend = conf.backend
-        source = build_policy_source()
+        source = get_policy_source()
     except ConfigurationError:
         return messages  # check_settings reports it
     if backend == "memory" and not settings.DEBUG:
