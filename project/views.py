@@ -12,6 +12,7 @@ from django.urls import reverse
 
 from project.payments.management.commands.seed_demo import ADMIN, DEMO_KEYS
 from project.payments.models import ApiKey, hash_key
+from ratelimits.conf import conf
 from ratelimits.engine import get_policy_source
 from ratelimits.models import Override
 
@@ -104,14 +105,13 @@ def landing(request: HttpRequest) -> HttpResponse:
     override = Override.objects.filter(
         subject_kind="api_key", subject_id=keys[0]["subject"] or "", endpoint="customers", enabled=True
     ).first()
-    backend = settings.RATELIMITS.get("BACKEND", "memory")
     context = {
         "keys": keys,
         "endpoints": _endpoints(base, first),
         "override": override.describe() if override is not None else None,
         "admin_user": ADMIN,
-        "backend": backend,
-        "redis_url": settings.RATELIMITS.get("REDIS_URL") if backend == "redis" else None,
+        "backend": conf.backend,
+        "redis_url": conf.redis_url if conf.backend == "redis" else None,
         "broker": getattr(settings, "CELERY_BROKER_URL", ""),
         "admin_links": [
             ("Tiers", reverse("admin:ratelimits_tier_changelist")),

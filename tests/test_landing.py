@@ -80,3 +80,10 @@ def test_only_the_docs_are_served(client: Client) -> None:
     assert client.get("/docs/nowhere").status_code == 404
     assert client.get("/docs/../settings").status_code == 404
     assert client.get("/docs/%2e%2e%2fREADME").status_code == 404
+
+
+def test_the_page_names_the_redis_server_limits_are_kept_in(settings: Any, client: Client) -> None:
+    # Rendering reads the settings only: no connection to this address is made.
+    settings.RATELIMITS = {**DEMO_RATELIMITS, "BACKEND": "redis", "REDIS_URL": "redis://127.0.0.1:6399/3"}
+    html = client.get("/").content.decode()
+    assert '<code id="backend">redis</code> (<code>redis://127.0.0.1:6399/3</code>)' in html
