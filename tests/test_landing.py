@@ -87,3 +87,13 @@ def test_the_page_names_the_redis_server_limits_are_kept_in(settings: Any, clien
     settings.RATELIMITS = {**DEMO_RATELIMITS, "BACKEND": "redis", "REDIS_URL": "redis://127.0.0.1:6399/3"}
     html = client.get("/").content.decode()
     assert '<code id="backend">redis</code> (<code>redis://127.0.0.1:6399/3</code>)' in html
+
+
+@pytest.mark.parametrize(
+    ("backend", "where"), [("memory", "in-process, this server only"), ("redis", "redis://127.0.0.1:6399/3")]
+)
+def test_seeding_prints_where_limits_are_kept(settings: Any, backend: str, where: str) -> None:
+    settings.RATELIMITS = {**DEMO_RATELIMITS, "BACKEND": backend, "REDIS_URL": "redis://127.0.0.1:6399/3"}
+    out = StringIO()
+    call_command("seed_demo", stdout=out)
+    assert f"  rate limiting backend: {backend} ({where})\n" in out.getvalue()

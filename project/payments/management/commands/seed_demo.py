@@ -11,6 +11,7 @@ from django.core.management.base import BaseCommand, CommandParser
 from django.utils import timezone
 
 from project.payments.models import ApiKey, Customer, hash_key
+from ratelimits.conf import conf
 from ratelimits.models import EndpointPolicy, FleetSettings, Override, Tier
 from ratelimits.policies.audit import audit_context
 
@@ -75,9 +76,8 @@ class Command(BaseCommand):
         url = str(options["url"]).rstrip("/")
         self.stdout.write(f"  demo     {url}/  (keys, endpoints with curl lines, links to the admin and the docs)")
         self.stdout.write(f"  admin    {url}/admin/  user {ADMIN[0]} / password {ADMIN[1]}")
-        backend = settings.RATELIMITS.get("BACKEND")
-        where = settings.RATELIMITS.get("REDIS_URL") if backend == "redis" else "in-process, this server only"
-        self.stdout.write(f"  rate limiting backend: {backend} ({where})")
+        where = conf.redis_url if conf.backend == "redis" else "in-process, this server only"
+        self.stdout.write(f"  rate limiting backend: {conf.backend} ({where})")
         self.stdout.write(f"  database: {settings.DATABASES['default']['ENGINE'].rsplit('.', 1)[-1]}")
         broker = getattr(settings, "CELERY_BROKER_URL", "")
         if broker:
