@@ -23,7 +23,7 @@ from .algorithms import RATE_ALGORITHMS, Algorithm
 from .choices import SHEDDABLE, FailMode, Priority
 from .exceptions import ConfigurationError
 from .identity import ASSIGNABLE_KINDS, SubjectKind
-from .rates import parse_rate
+from .rates import MAX_LIMIT, check_burst, parse_rate
 
 ALGORITHM_CHOICES = [(a.value, a.value.replace("_", " ")) for a in RATE_ALGORITHMS]
 FAIL_MODE_CHOICES = [("", "fleet default"), *((mode.value, mode.description) for mode in FailMode)]
@@ -86,6 +86,33 @@ def validate_subject(kind: str, identifier: str) -> str:
     if kind == SubjectKind.USER and not identifier.isdigit():
         raise ValidationError({"subject_id": "A user is identified by its primary key (a number)."})
     return identifier
+
+
+def validate_storable(
+    instance: models.Model, *, rates: tuple[tuple[str, str | None], ...] = (), counts: tuple[str, ...] = ()
+) -> None:
+    """Refuse values the limiter's store cannot carry (the bounds in :mod:`ratelimits.rates`), by field.
+
+    ``rates`` pairs a rate field with its burst field (or ``None``); ``counts`` are limits on
+    requests in flight, costs or capacities, each at most ``MAX_LIMIT``.
+    """
+    errors: dict[str, str] = {}
+    for rate_field, burst_field in rates:
+        try:
+            rate = parse_rate(getattr(instance, rate_field))
+        except ConfigurationError:
+            continue  # blank, or the field's own validator reports it
+        burst = getattr(instance, burst_field) if burst_field else None
+        try:
+            check_burst(rate, burst or rate.limit)
+        except ConfigurationError as exc:
+            errors[burst_field or rate_field] = str(exc).removeprefix("burst: ")
+    for count_field in counts:
+        value = getattr(instance, count_field)
+        if value is not None and value > MAX_LIMIT:
+            errors[count_field] = f"{value} is too large; at most {MAX_LIMIT:,} can be counted."
+    if errors:
+        raise ValidationError(errors)
 
 
 class RevisionedQuerySet(models.QuerySet):  # type: ignore[type-arg]
@@ -178,7 +205,8 @@ class Tier(Revisioned):
         return (self.burst or rate.limit) if self.algorithm == Algorithm.TOKEN_BUCKET.value else rate.limit
 
     def clean(self) -> None:
-        """Refuse limits under which every request of some endpoint from this tier would be denied."""
+        """Refuse limits the store cannot carry, or under which every request of some endpoint would be denied."""
+        validate_storable(self, rates=(("rate", "burst"),), counts=("concurrency",))
         capacity = self.capacity
         if capacity is None or not self.enabled:
             return  # the field validator reports a bad rate; a disabled tier limits nothing
@@ -257,6 +285,9 @@ class EndpointPolicy(Revisioned):
         return self.endpoint if self.method == "ANY" else f"{self.method} {self.endpoint}"
 
     def clean(self) -> None:
+        validate_storable(
+            self, rates=(("per_caller_rate", "per_caller_burst"), ("endpoint_rate", "endpoint_burst")), counts=("cost",)
+        )
         if self.enabled and not self.exempt and self.cost:
             for tier in Tier.objects.filter(enabled=True):
                 capacity = tier.capacity
@@ -351,6 +382,7 @@ class Override(Revisioned):
             raise ValidationError({"burst": "A burst needs a rate."})
         if self.multiplier is None and not self.rate and not self.concurrency:
             raise ValidationError("Give a replacement rate, a multiplier, or a concurrency limit.")
+        validate_storable(self, rates=(("rate", "burst"),), counts=("concurrency",))
 
 
 class FleetSettings(Revisioned):
@@ -387,6 +419,7 @@ class FleetSettings(Revisioned):
         return "Fleet settings"
 
     def clean(self) -> None:
+        validate_storable(self, counts=("capacity",))
         if not self.shed_low_percent <= self.shed_normal_percent <= self.shed_high_percent:
             raise ValidationError("Shedding thresholds must rise with priority: low ≤ normal ≤ high.")
 

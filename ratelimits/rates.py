@@ -7,7 +7,17 @@ from dataclasses import dataclass
 
 from .exceptions import ConfigurationError
 
-__all__ = ["UNITS_US", "Rate", "parse_duration", "parse_rate"]
+__all__ = [
+    "MAX_BURST",
+    "MAX_LIMIT",
+    "MAX_PERIOD_US",
+    "MAX_REFILL_US",
+    "UNITS_US",
+    "Rate",
+    "check_burst",
+    "parse_duration",
+    "parse_rate",
+]
 
 #: Microseconds per unit. Long and short spellings are both accepted.
 UNITS_US: dict[str, int] = {
@@ -29,9 +39,21 @@ UNITS_US: dict[str, int] = {
 _RATE = re.compile(r"(?P<limit>[0-9]+)/(?P<period>[0-9]*)(?P<unit>[a-z]+)", re.ASCII)
 _DURATION = re.compile(r"(?P<count>[0-9]+)(?P<unit>[a-z]+)", re.ASCII)
 
-#: Upper bounds that keep arithmetic exact in Lua's doubles (2**53) and keys' TTLs sane.
+# What the store can carry: every numeric bound the decide script relies on, in one place. Every
+# policy is checked against them when it is made (settings, admin forms, import, the loaders), so
+# no accepted policy can make the script fail (tests/test_bounds.py tries the whole ranges).
+
+#: The largest limit (and slot count): counts stay exact in Lua's doubles, which hold integers to 2**53.
 MAX_LIMIT = 1_000_000_000
+#: The longest period: a window's index and a slot's expiry stay far inside the doubles' exact range.
 MAX_PERIOD_US = 366 * 86_400_000_000
+#: The largest burst: the same ceiling as a limit.
+MAX_BURST = MAX_LIMIT
+#: The longest a full bucket may take to refill (burst x period / limit). The token bucket keeps a
+#: timestamp up to that far ahead of now, in microseconds, and its key lives that long (Redis PX,
+#: in milliseconds): a century keeps the timestamp below 2**53 µs (the year 2255) and the TTL
+#: far inside what PX accepts. ``1/366d`` with a burst of 2**31 - 1 would need 2 billion years.
+MAX_REFILL_US = 100 * 365 * 86_400_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +88,24 @@ class Rate:
         name = names[unit]
         period = name if count == 1 else f"{count} {name}s"
         return f"{self.limit} / {period}"
+
+
+def check_burst(rate: Rate, burst: object, *, field: str = "burst") -> int:
+    """``burst`` if a bucket of ``rate`` can hold it in the store; a :class:`ConfigurationError` naming ``field``.
+
+    A positive integer of at most :data:`MAX_BURST`, which refills within :data:`MAX_REFILL_US`.
+    """
+    if isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
+        raise ConfigurationError(f"{field}: {burst!r} must be a positive integer")
+    if burst > MAX_BURST:
+        raise ConfigurationError(f"{field}: {burst} is too large; a burst must be at most {MAX_BURST}")
+    if burst * rate.period_us > MAX_REFILL_US * rate.limit:
+        years = burst * rate.period_us / rate.limit / (365 * 86_400_000_000)
+        raise ConfigurationError(
+            f"{field}: a burst of {burst} at {rate} takes {years:,.0f} years to refill; "
+            f"at most {MAX_REFILL_US // (365 * 86_400_000_000)} years (burst x period / limit) can be stored"
+        )
+    return burst
 
 
 def parse_rate(value: object, *, field: str = "rate") -> Rate:

@@ -23,7 +23,7 @@ from ..conf import conf
 from ..exceptions import ConfigurationError
 from ..identity import SubjectKind
 from ..models import EndpointPolicy, FleetSettings, Override, SubjectAssignment, Tier
-from ..rates import parse_rate
+from ..rates import MAX_LIMIT, check_burst, parse_rate
 from .settings import dimensions_from_settings, exempt_rules_from_settings
 from .snapshot import (
     Assignment,
@@ -221,6 +221,10 @@ def _overrides(snapshot: PolicySnapshot, now: datetime, shadow: bool) -> None:
         kind = _kind(row, "override")
         try:
             rate = parse_rate(row.rate, field=f"override #{row.pk} rate") if row.rate else None
+            if rate is not None:
+                check_burst(rate, row.burst or rate.limit, field=f"override #{row.pk} burst")
+            if row.concurrency is not None and row.concurrency > MAX_LIMIT:
+                raise ConfigurationError(f"override #{row.pk} concurrency: {row.concurrency} is too large")
         except ConfigurationError as exc:
             logger.error("ratelimits: %s", exc)
             continue

@@ -20,7 +20,7 @@ from ..algorithms import Algorithm
 from ..choices import FailMode, Priority
 from ..exceptions import ConfigurationError
 from ..identity import SubjectKind
-from ..rates import Rate, parse_rate
+from ..rates import MAX_BURST, MAX_LIMIT, MAX_REFILL_US, Rate, parse_rate
 from .values import (
     DEFAULT_RULE,
     Check,
@@ -105,8 +105,10 @@ class OverrideRule:
             )
         if base is None or self.multiplier is None:
             return None
-        limit = max(round(base.rate.limit * self.multiplier), 1)
-        burst = max(round(base.burst * self.multiplier), 1)
+        # Scaled within what the store can carry: a multiplier is checked against no tier when saved.
+        limit = min(max(round(base.rate.limit * self.multiplier), 1), MAX_LIMIT)
+        burst = min(max(round(base.burst * self.multiplier), 1), MAX_BURST)
+        burst = min(burst, MAX_REFILL_US * limit // base.rate.period_us)  # rounding can stretch the refill
         return replace(
             base, name=name, rate=Rate(limit, base.rate.period_us), burst=burst, shadow=self.shadow or base.shadow
         )

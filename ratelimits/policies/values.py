@@ -13,7 +13,7 @@ from ..choices import SHEDDABLE, FailMode, Priority
 from ..conf import conf
 from ..exceptions import ConfigurationError
 from ..identity import Subject, SubjectKind
-from ..rates import MAX_LIMIT, Rate, parse_rate
+from ..rates import MAX_LIMIT, Rate, check_burst, parse_rate
 
 __all__ = [
     "Check",
@@ -81,7 +81,7 @@ class Policy:
     def __post_init__(self) -> None:
         if not _POLICY_NAME.fullmatch(self.name):
             raise ConfigurationError(f"policy name {self.name!r} must match {_POLICY_NAME.pattern}")
-        positive_int(self.burst, field=f"{self.name}: burst")
+        check_burst(self.rate, self.burst, field=f"{self.name}: burst")  # every policy fits the store
         if type(self.fail_mode) is not FailMode:
             object.__setattr__(self, "fail_mode", FailMode.parse(self.fail_mode, field=f"{self.name}: fail_mode"))
         # Derived once here: all of them are read on every decision.
@@ -250,7 +250,7 @@ def fleet_checks(capacity: int | None, thresholds: Mapping[Priority, int]) -> di
     checks = {}
     for priority in Priority:
         percent = thresholds.get(priority) if priority in SHEDDABLE else None
-        limit = MAX_LIMIT if percent is None else max(capacity * percent // 100, 1)
+        limit = MAX_LIMIT if percent is None else min(max(capacity * percent // 100, 1), MAX_LIMIT)
         # Fails open: without Redis the fleet cannot be counted; the worker shedder still works.
         policy = Policy("fleet", Rate(limit, conf.slot_ttl_us), limit, Algorithm.FLEET, FailMode.OPEN, role=Role.FLEET)
         checks[priority] = Check(policy, FLEET_SUBJECT, 1)
@@ -283,7 +283,7 @@ def policy_from_config(
     if "rate" not in config:
         raise ConfigurationError(f"{field}: 'rate' is required")
     rate = parse_rate(config["rate"], field=rate_field)
-    burst = positive_int(config.get("burst", rate.limit), field=f"{field}['burst']")
+    burst = check_burst(rate, config.get("burst", rate.limit), field=f"{field}['burst']")
     algorithm_name = config.get("algorithm", Algorithm.TOKEN_BUCKET.value)
     if algorithm_name not in [a.value for a in RATE_ALGORITHMS]:
         names = ", ".join(a.value for a in RATE_ALGORITHMS)
