@@ -98,7 +98,7 @@ def check_burst(rate: Rate, burst: object, *, field: str = "burst") -> int:
     if isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
         raise ConfigurationError(f"{field}: {burst!r} must be a positive integer")
     if burst > MAX_BURST:
-        raise ConfigurationError(f"{field}: {burst} is too large; a burst must be at most {MAX_BURST}")
+        raise ConfigurationError(f"{field}: {burst} is too large; a burst must be at most {MAX_BURST:,}")
     if burst * rate.period_us > MAX_REFILL_US * rate.limit:
         years = burst * rate.period_us / rate.limit / (365 * 86_400_000_000)
         raise ConfigurationError(

@@ -25,7 +25,7 @@ except ImportError:  # optional: redis-py's own packer is used instead
 from ..conf import conf
 from ..counters import Usage
 from ..decisions import Decision, Result
-from ..exceptions import BackendUnavailable
+from ..exceptions import BackendUnavailable, PolicyFailed
 from ..policies.values import Check
 from . import layout
 from .base import Backend, new_slot, slot_keys
@@ -52,6 +52,8 @@ PUBLISH_VERSION = Script.load("publish_version.lua")
 RELEASE = Script.load("release.lua")
 #: What a script cache holds the decide script under (tests look for it there).
 DECIDE_SHA = DECIDE.sha
+#: What the decide script answers for a check it could not decide (see ``lua/decide.lua``).
+_FAILED = 2
 #: The usage hashes' TTL as the decide script is passed it, converted once.
 _USAGE_TTL = str(layout.USAGE_TTL_S)
 
@@ -107,6 +109,9 @@ class RedisBackend(Backend):
         held = slot_keys(checks, script_keys[1 : len(checks) + 1]) if slot else ()
         try:
             reply = self._run(DECIDE, script_keys, args)
+        except PolicyFailed as exc:
+            exc.checks = tuple(checks)  # the script failed outside any one check: every check is suspect
+            raise
         except BackendUnavailable as exc:
             if slot:
                 # A store that timed out may still run the script and take the slot: hand its id
@@ -114,6 +119,10 @@ class RedisBackend(Backend):
                 exc.stray_slot = (slot, held)
             raise
         now_us, version = int(reply[0]), reply[1]
+        failed = tuple(check for i, check in enumerate(checks) if reply[3 + 4 * i] == _FAILED)
+        if failed:
+            names = ", ".join(check.policy.name for check in failed)
+            raise PolicyFailed(f"the store could not decide {names} (its state or arguments)", failed)
         results = [
             Result(check, bool(reply[3 + 4 * i]), int(reply[4 + 4 * i]), int(reply[5 + 4 * i]), int(reply[6 + 4 * i]))
             for i, check in enumerate(checks)
@@ -194,6 +203,10 @@ class RedisBackend(Backend):
             except redis.exceptions.NoScriptError:
                 # The script did not run, so sending it again cannot charge twice.
                 return _call(connection, "EVAL", script.text, len(script_keys), *script_keys, *args)
+        except redis.ResponseError as exc:
+            if script_failed(exc):
+                raise PolicyFailed(f"{script.name} failed: {exc}", ()) from exc
+            raise unavailable(exc) from exc
         except STORE_ERRORS as exc:
             raise unavailable(exc) from exc
 
@@ -223,9 +236,24 @@ class RedisBackend(Backend):
 
 
 #: What means the store could not answer: Redis' errors (timeouts, refused connections, a read-only
-#: replica, a script error) and the socket's. redis-py drops the connection on timeouts and socket
-#: errors (it reconnects on the next use), so a late reply is never read as a later call's answer.
+#: replica; a script's own error is told apart: :func:`script_failed`) and the socket's. redis-py
+#: drops the connection on timeouts and socket errors (it reconnects on the next use), so a late
+#: reply is never read as a later call's answer.
 STORE_ERRORS = (redis.RedisError, OSError)
+
+
+def script_failed(exc: redis.ResponseError) -> bool:
+    """Whether a script's error is its own (a key of another type, a bad value, a Lua error).
+
+    Redis suffixes every error raised inside a script with ``@user_script``; redis-py gives the
+    store's own conditions (OOM, READONLY, NOPERM, MASTERDOWN, ...) their own classes, and the
+    rest (BUSY, MISCONF, NOREPLICAS, ...) their own codes: all of those still mean the store
+    cannot answer now.
+    """
+    message = str(exc)
+    if type(exc) is not redis.ResponseError or "user_script" not in message:
+        return False
+    return message.startswith(("ERR ", "WRONGTYPE ", "user_script:"))
 
 
 def unavailable(exc: BaseException) -> BackendUnavailable:

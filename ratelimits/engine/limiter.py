@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import replace
@@ -15,7 +16,7 @@ from ..choices import FailMode
 from ..conf import ProcessWide, conf
 from ..counters import DEGRADED, Usage
 from ..decisions import Decision, Verdict
-from ..exceptions import BackendUnavailable
+from ..exceptions import BackendUnavailable, PolicyFailed
 from ..policies.values import Check
 from .breaker import BreakerState, CircuitBreaker
 
@@ -36,6 +37,8 @@ class Limiter:
         self._count_lock = threading.Lock()
         #: Usage of degraded decisions, per (minute, field), waiting for the store to come back.
         self._degraded_usage: Counter[tuple[int, str]] = Counter()
+        #: When each failed policy was last logged (monotonic seconds): once a minute is enough.
+        self._failures_logged: dict[str, float] = {}
         #: Releases that could not reach the store, oldest first; bounded, since slots expire anyway.
         self._unreleased: deque[tuple[Backend, str, tuple[str, ...]]] = deque(maxlen=10_000)
 
@@ -50,6 +53,11 @@ class Limiter:
         if self.breaker.allow():
             try:
                 decision = self.backend.decide(checks, consume=consume, usage=usage)
+            except PolicyFailed as exc:
+                # The store answered: a bad policy or key is not an outage, and must not open the
+                # breaker for every tenant of this process.
+                self.breaker.record_success()
+                return self._without(exc, checks, consume=consume, usage=usage)
             except BackendUnavailable as exc:
                 self.breaker.record_failure()
                 logger.warning("ratelimits: backend unavailable, degrading: %s", exc)
@@ -102,6 +110,45 @@ class Limiter:
             except BackendUnavailable:
                 self._unreleased.appendleft((backend, slot, keys))
                 return
+
+    def _without(
+        self, failure: PolicyFailed, checks: Sequence[Check], *, consume: bool, usage: Usage | None
+    ) -> Decision:
+        """Decide ``checks`` again without those the store could not decide; those go by their fail modes.
+
+        The store consumed nothing for the failed call. A failed check that fails closed refuses the
+        request (503); one that fails locally is decided in-process first; one that fails open is
+        left out. The rest are decided by the store as usual, in a second round trip.
+        """
+        self._log_failure(failure)
+        failed = set(failure.checks)
+        fallback = self._degraded([c for c in checks if c in failed], consume=consume)
+        rest = [c for c in checks if c not in failed]
+        if not fallback.allowed or not rest:
+            if consume and usage is not None:
+                with self._count_lock:  # decided without the store after all: counted as degraded
+                    self._degraded_usage[(usage.minute, usage.field + DEGRADED)] += 1
+            return fallback
+        decision = self.decide(rest, consume=consume, usage=usage)
+        if fallback.slot is not None:
+            # A decision holds slots in one store; the failed check's local slot is given back at once.
+            self.local.release(fallback.slot, fallback.slot_keys)
+        return replace(decision, results=decision.results + fallback.results)
+
+    def _log_failure(self, failure: PolicyFailed) -> None:
+        now = time.monotonic()
+        names = sorted({check.policy.name for check in failure.checks})
+        due = [name for name in names if now - self._failures_logged.get(name, -math.inf) >= 60]
+        if not due:
+            return
+        if len(self._failures_logged) > 1_000:
+            self._failures_logged.clear()
+        self._failures_logged.update(dict.fromkeys(due, now))
+        logger.error(
+            "ratelimits: policy error in %s: %s; those checks are decided by their fail mode (logged once a minute)",
+            ", ".join(due),
+            failure,
+        )
 
     def _degraded(self, checks: Sequence[Check], *, consume: bool, usage: Usage | None = None) -> Decision:
         with self._count_lock:

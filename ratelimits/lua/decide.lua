@@ -27,7 +27,7 @@
 --                  before counting, so a worker killed while holding slots loses them on its own
 --
 -- Returns {now_us, version or false, all enforced checks allowed (0/1),
---          then per check: allowed (0/1), remaining, reset_us, retry_us}.
+--          then per check: allowed (0/1, or 2: failed, see phase 1), remaining, reset_us, retry_us}.
 
 -- The algorithm codes of ratelimits.algorithms.Algorithm (a test holds the two to the same numbers).
 local TOKEN_BUCKET, SLIDING_WINDOW, FIXED_WINDOW = 1, 2, 3
@@ -177,6 +177,13 @@ end
 -- with keys would put them in the table's slower hash part).
 local algorithms = {token_bucket, sliding_window, fixed_window}
 
+-- Errors a check's own state or arguments cause (a key of another type, a value out of range),
+-- as opposed to the store's trouble (READONLY, OOM, BUSY, ...), which fails the whole call.
+local function check_error(err)
+  local code = string.match(err or '', '^(%u+)')
+  return code == 'WRONGTYPE' or code == 'ERR'
+end
+
 -- Phase 1: decide every check against current state. A key named twice sees the pending
 -- value of its earlier check, so duplicates cannot double-spend.
 -- One MGET reads the version stamp and every state: each redis.call costs more than the Lua
@@ -187,22 +194,32 @@ local pending = {}
 local write_keys, write_values, write_ttls, write_slots, writes = {}, {}, {}, {}, 0
 local all_allowed = true
 local limited = false
+local failed = false
 local out = 3
 for i = 1, n do
   local key = KEYS[i + 1]
   local base = HEADER + 1 + PER_CHECK * (i - 1)
   local algorithm = tonumber(ARGV[base])
   local holds_slot = algorithm >= CONCURRENCY  -- CONCURRENCY and FLEET, the codes after the rate algorithms
-  local allowed, remaining, reset, retry, new_value
+  local ok, allowed, remaining, reset, retry, new_value
   if holds_slot then
-    allowed, remaining, reset, retry = slots(key, tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 6]))
+    ok, allowed, remaining, reset, retry = pcall(
+      slots, key, tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 6]))
   else
     local value = pending[key]
     if value == nil then value = stored[i + 1] end
-    allowed, remaining, reset, retry, new_value = algorithms[algorithm](
+    ok, allowed, remaining, reset, retry, new_value = pcall(algorithms[algorithm],
       value, tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3]), tonumber(ARGV[base + 6]))
   end
-  if allowed then
+  if not ok then
+    -- This check cannot be decided: its key holds another type, or its arguments are out of range.
+    -- (The store's own errors, READONLY, OOM and the like, fail the whole call as ever.) The check
+    -- is reported as failed (allowed = 2) and the request denied without consuming anything: the
+    -- engine decides it again without that check, by the check's fail mode; other subjects go on.
+    if type(allowed) == 'table' and not check_error(allowed.err) then return allowed end
+    all_allowed, failed = false, true
+    reply[out + 1], remaining, reset, retry = 2, 0, 0, 0
+  elseif allowed then
     pending[key] = new_value
     writes = writes + 1
     write_keys[writes], write_values[writes], write_ttls[writes] = key, new_value, ARGV[base + 4]
@@ -240,7 +257,8 @@ end
 -- Usage counters for the roll-up, in this same round trip. One call in the common case: tokens
 -- beyond one per request are counted only for costlier endpoints, and the hash's expiry (if
 -- nothing drains it) is set when a field is first created, not on every request.
-if consume and usage ~= '' then
+-- A failed check's request is decided again without it, and counted then.
+if consume and usage ~= '' and not failed then
   local counters = KEYS[#KEYS]
   local metric = 's'
   if all_allowed then
