@@ -285,6 +285,7 @@ CLOCK = Setting("CLOCK", "redis", _choice(("redis", "app")))
 POLICY_SOURCE = Setting("POLICY_SOURCE", "settings", _policy_source)
 POLICY_POLL_INTERVAL = Setting("POLICY_POLL_INTERVAL", "5s", _seconds)
 POLICY_RECHECK_INTERVAL = Setting("POLICY_RECHECK_INTERVAL", "60s", _seconds)
+POLICY_LOAD_TIMEOUT = Setting("POLICY_LOAD_TIMEOUT", "100ms", _seconds)
 TIERS = Setting(
     "TIERS",
     {"anonymous": {"rate": "20/s", "burst": 40}, "authenticated": {"rate": "100/s", "burst": 200}},
@@ -329,6 +330,7 @@ SETTINGS: dict[str, Setting[Any]] = {
         POLICY_SOURCE,
         POLICY_POLL_INTERVAL,
         POLICY_RECHECK_INTERVAL,
+        POLICY_LOAD_TIMEOUT,
         TIERS,
         DEFAULT_TIERS,
         TIER_FUNC,
@@ -428,6 +430,10 @@ class Settings:
     @property
     def policy_recheck_interval(self) -> float:
         return self.value(POLICY_RECHECK_INTERVAL)
+
+    @property
+    def policy_load_timeout(self) -> float:
+        return self.value(POLICY_LOAD_TIMEOUT)
 
     @property
     def tiers(self) -> dict[str, Any]:

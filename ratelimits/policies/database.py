@@ -8,13 +8,16 @@ before its next request. While the store is unreachable, workers reload on a sho
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from datetime import datetime
 from typing import TYPE_CHECKING
 
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -55,7 +58,11 @@ class DatabasePolicySource(SnapshotPolicySource):
     ignored_settings = ("TIERS", "ENDPOINTS", "FLEET_CAPACITY")
 
     def load(self) -> PolicySnapshot:
-        return load_snapshot()
+        with bounded_waits(conf.policy_load_timeout):
+            return load_snapshot()
+
+    def finish_thread(self) -> None:
+        connections.close_all()  # the background retry's own connections, not a request's
 
     def observe(self, decision: Decision) -> None:
         """Reload when the store's version stamp is ahead of the snapshot; repair it when behind.
@@ -87,6 +94,47 @@ class DatabasePolicySource(SnapshotPolicySource):
             snapshot.checked_at = now
             if committed_version() > snapshot.version:
                 self.invalidate()
+
+
+@contextlib.contextmanager
+def bounded_waits(seconds: float, using: str = DEFAULT_DB_ALIAS) -> Iterator[None]:
+    """Let no statement inside wait on a lock, or run, longer than ``seconds``; a ``DatabaseError`` if one does.
+
+    Policies are reloaded on the request path: a table locked by a migration or a long
+    transaction must not hold every worker. PostgreSQL gets ``lock_timeout`` and
+    ``statement_timeout`` for this transaction only (restored if an outer one goes on); SQLite its
+    busy timeout. Other databases keep their own lock timeouts.
+    """
+    connection = connections[using]
+    milliseconds = max(int(seconds * 1000), 1)
+    with transaction.atomic(using=using):
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT current_setting('lock_timeout'), current_setting('statement_timeout'), "
+                    "set_config('lock_timeout', %s, true), set_config('statement_timeout', %s, true)",
+                    [f"{milliseconds}ms", f"{milliseconds}ms"],
+                )
+                lock_timeout, statement_timeout, *_ = cursor.fetchone()
+            yield
+            if connection.in_atomic_block:  # an outer transaction goes on: give it its own timeouts back
+                with connection.cursor() as cursor:
+                    cursor.execute(
+                        "SELECT set_config('lock_timeout', %s, true), set_config('statement_timeout', %s, true)",
+                        [lock_timeout, statement_timeout],
+                    )
+        elif connection.vendor == "sqlite":
+            with connection.cursor() as cursor:
+                cursor.execute("PRAGMA busy_timeout")
+                (busy_timeout,) = cursor.fetchone()
+                cursor.execute(f"PRAGMA busy_timeout = {milliseconds}")
+            try:
+                yield
+            finally:
+                with connection.cursor() as cursor:
+                    cursor.execute(f"PRAGMA busy_timeout = {int(busy_timeout)}")
+        else:
+            yield
 
 
 def load_snapshot() -> PolicySnapshot:

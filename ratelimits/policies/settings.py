@@ -30,7 +30,7 @@ class SettingsPolicySource(SnapshotPolicySource):
     def __init__(self) -> None:
         super().__init__()
         # Loaded now, not on the first request: a bad setting fails where the source is built.
-        self._snapshot = self.load()
+        self._snapshot = self._last_good = self.load()
 
     def load(self) -> PolicySnapshot:
         mode = conf.default_fail_mode

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from abc import ABC, abstractmethod
 from datetime import datetime
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -22,6 +24,8 @@ if TYPE_CHECKING:
     from ..identity import Identity
 
 __all__ = ["PolicySource", "SnapshotPolicySource", "get_policy_source"]
+
+logger = logging.getLogger("ratelimits")
 
 
 @runtime_checkable
@@ -63,15 +67,24 @@ _MEMBERS = ("snapshot", "explain", "checks_for", "endpoint_rule", "observe", "in
 class SnapshotPolicySource(ABC):
     """A policy source that loads a :class:`PolicySnapshot` and resolves from it with the one resolver.
 
-    Subclasses say how to :meth:`load`; the snapshot is kept until :meth:`invalidate`.
+    Subclasses say how to :meth:`load`; the snapshot is kept until :meth:`invalidate`. Loading
+    never holds requests up for long: once a snapshot is in hand, a reload that fails (a locked
+    or slow table, a database restart) is logged once and retried off the request path with
+    backoff, while requests are decided on the last snapshot that loaded. Requests that arrive
+    while another thread reloads use it too, rather than queue behind the reload.
     """
 
     #: See :attr:`PolicySource.ignored_settings`.
     ignored_settings: tuple[str, ...] = ()
+    #: Seconds between background reload attempts after a failure: doubled each time, up to the cap.
+    retry_backoff: tuple[float, float] = (0.25, 5.0)
 
     def __init__(self) -> None:
         self._snapshot: PolicySnapshot | None = None
+        #: The newest snapshot that loaded, served while a reload fails or runs.
+        self._last_good: PolicySnapshot | None = None
         self._lock = threading.Lock()
+        self._retrying = False
 
     @abstractmethod
     def load(self) -> PolicySnapshot:
@@ -80,14 +93,65 @@ class SnapshotPolicySource(ABC):
     def snapshot(self) -> PolicySnapshot:
         snapshot = self._snapshot
         if snapshot is None:
-            with self._lock:
-                snapshot = self._snapshot
-                if snapshot is None:
-                    snapshot = self._snapshot = self.load()
+            snapshot = self._reload()
         return snapshot
 
     def invalidate(self) -> None:
         self._snapshot = None
+
+    def _reload(self) -> PolicySnapshot:
+        last = self._last_good
+        if last is None:
+            self._lock.acquire()  # nothing to serve yet: wait for the first load
+        elif self._retrying or not self._lock.acquire(blocking=False):
+            return last  # the background retry, or another request, is loading: decide on what is in hand
+        try:
+            snapshot = self._snapshot
+            if snapshot is not None:
+                return snapshot
+            try:
+                snapshot = self.load()
+            except Exception:
+                if last is None:
+                    raise  # no policies at all: nothing to fall back on
+                logger.exception(
+                    "ratelimits: reloading the policies failed; serving those of version %s until a reload "
+                    "succeeds (retried in the background)",
+                    last.version,
+                )
+                self._retrying = True
+                threading.Thread(target=self._retry, name="ratelimits-policy-reload", daemon=True).start()
+                return last
+            self._snapshot = self._last_good = snapshot
+            return snapshot
+        finally:
+            self._lock.release()
+
+    def _retry(self) -> None:
+        """Reload with backoff until it works, or until this source is no longer the process's."""
+        delay, cap = self.retry_backoff
+        attempts = 1
+        try:
+            while self._snapshot is None and _source.current() is self:
+                time.sleep(delay)  # backoff between attempts, off the request path
+                attempts += 1
+                try:
+                    snapshot = self.load()
+                except Exception as exc:
+                    logger.debug("ratelimits: policy reload attempt %s failed: %s", attempts, exc)
+                    delay = min(delay * 2, cap)
+                    continue
+                with self._lock:
+                    if self._snapshot is None:
+                        self._snapshot = self._last_good = snapshot
+                logger.warning("ratelimits: policies reloaded (version %s), attempt %s", snapshot.version, attempts)
+                return
+        finally:
+            self._retrying = False
+            self.finish_thread()
+
+    def finish_thread(self) -> None:  # noqa: B027  (a hook; subclasses may leave it alone)
+        """Called when the background retry's thread ends: a source may close what it opened there."""
 
     def explain(
         self, request: HttpRequest, identity: Identity, *, now: datetime | None = None, method: str | None = None

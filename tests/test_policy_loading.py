@@ -1,0 +1,120 @@
+"""Policy loading never blocks requests: bounded waits on the database, the last good snapshot, a background retry.
+
+The finding: with ``ratelimits_tier`` held under ``LOCK TABLE ... ACCESS EXCLUSIVE`` and an
+unrelated policy saved, every worker's reload waited on the lock, and no request completed for
+8.2 s. These tests hold the same lock on PostgreSQL (the database CI runs first); the whole stack
+under gunicorn is ``test_policy_lock.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from django.db import OperationalError, connection, transaction
+
+from ratelimits import engine
+from ratelimits.policies.database import DatabasePolicySource, bounded_waits
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.skipif(connection.vendor != "postgresql", reason="LOCK TABLE needs PostgreSQL"),
+]
+
+#: Bound on how long a reload that meets the lock may take: the 100 ms lock timeout, plus slack.
+REACTION_BOUND_S = 1.0
+
+
+def other_connection() -> psycopg.Connection[Any]:
+    """A second connection to the test database, as another process would hold it."""
+    params = connection.get_connection_params()
+    return psycopg.connect(
+        dbname=params["dbname"], user=params.get("user"), host=params.get("host"), port=params.get("port")
+    )
+
+
+@contextlib.contextmanager
+def locked() -> Iterator[psycopg.Connection[Any]]:
+    """``ratelimits_tier`` under ACCESS EXCLUSIVE in another connection, until the test commits it."""
+    locker = other_connection()
+    locker.execute("LOCK TABLE ratelimits_tier IN ACCESS EXCLUSIVE MODE")
+    try:
+        yield locker
+    finally:
+        locker.rollback()
+        locker.close()
+
+
+@pytest.fixture
+def source(settings: Any) -> DatabasePolicySource:
+    settings.RATELIMITS = {**settings.RATELIMITS, "POLICY_SOURCE": "database", "POLICY_LOAD_TIMEOUT": "100ms"}
+    engine.reset()
+    built = engine.get_policy_source()
+    assert isinstance(built, DatabasePolicySource)
+    built.retry_backoff = (0.05, 0.2)  # quick retries, so the test's bounded wait can be short
+    return built
+
+
+def wait_until(condition: Any, bound: float) -> bool:
+    deadline = time.monotonic() + bound
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)  # polling a condition with a deadline, not synchronising on a guess
+    return bool(condition())
+
+
+def test_a_reload_that_meets_the_lock_serves_the_last_snapshot_and_applies_the_change_after(
+    source: DatabasePolicySource,
+) -> None:
+    first = source.snapshot()
+    assert first.tiers["standard"][0].rate.limit == 100
+    with locked() as locker:
+        source.invalidate()
+        held(source, first, locker)
+    assert wait_until(lambda: source.snapshot().tiers["standard"][0].rate.limit == 7, 5.0)
+
+
+def held(source: DatabasePolicySource, first: Any, locker: psycopg.Connection[Any]) -> None:
+
+    start = time.monotonic()
+    served = source.snapshot()
+    assert time.monotonic() - start < REACTION_BOUND_S
+    assert served is first  # the last good snapshot, not a stall
+
+    # More requests while the lock holds: each answered at once from the snapshot in hand.
+    for _ in range(20):
+        start = time.monotonic()
+        assert source.snapshot() is first
+        assert time.monotonic() - start < 0.05
+
+    # The locker changes the tier and commits: the lock goes, and the background retry loads it.
+    locker.execute("UPDATE ratelimits_tier SET rate = '7/s', burst = 7 WHERE name = 'standard'")
+    locker.commit()
+
+
+def test_the_first_load_has_nothing_to_fall_back_on(source: DatabasePolicySource) -> None:
+    start = time.monotonic()
+    with locked(), pytest.raises(OperationalError, match="timeout"):
+        source.snapshot()
+    assert time.monotonic() - start < REACTION_BOUND_S
+
+
+def test_bounded_waits_leave_an_outer_transaction_its_own_timeouts() -> None:
+    def timeouts() -> tuple[str, str]:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT current_setting('lock_timeout'), current_setting('statement_timeout')")
+            row = cursor.fetchone()
+        return row[0], row[1]
+
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("SET LOCAL lock_timeout = '7s'")
+        before = timeouts()
+        with bounded_waits(0.25):
+            assert timeouts() == ("250ms", "250ms")
+        assert timeouts() == before == ("7s", "0")
