@@ -33,6 +33,8 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # First: a client guessing keys is refused before sessions or API keys are looked up.
+    "ratelimits.middleware.FailedAuthenticationMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -89,6 +91,8 @@ RATELIMITS = {
         "ip": {"rate": "300/s", "burst": 300},
         "org": {"rate": "500/s", "burst": 500},
     },
+    # 20 failed authentications at once per client IP (and per key prefix), then 10 a minute.
+    "FAILED_AUTH": {"rate": "10/m", "burst": 20},
 }
 
 LOGGING = {

@@ -18,7 +18,18 @@ from .exceptions import ConfigurationError
 from .policies.settings import dimensions_from_settings
 from .policies.source import get_policy_source
 
-__all__ = ["E001", "E002", "E003", "SETTING_IDS", "W001", "W002", "W003", "check_deployment", "check_settings"]
+__all__ = [
+    "E001",
+    "E002",
+    "E003",
+    "SETTING_IDS",
+    "W001",
+    "W002",
+    "W003",
+    "W005",
+    "check_deployment",
+    "check_settings",
+]
 
 #: Every id these checks report. Tests assert the exact ids a misconfiguration produces.
 E001 = "ratelimits.E001"  # a key of RATELIMITS that is no setting
@@ -27,6 +38,7 @@ E003 = "ratelimits.E003"  # RATELIMITS is not a dict
 W001 = "ratelimits.W001"  # memory backend outside DEBUG
 W002 = "ratelimits.W002"  # throttle installed without the problem+json exception handler
 W003 = "ratelimits.W003"  # a setting is set that the configured policy source does not read
+W005 = "ratelimits.W005"  # FAILED_AUTH is set but its middleware is not installed
 #: The id of each setting's invalid value. A new setting takes the next free number.
 SETTING_IDS: dict[str, str] = {
     "BACKEND": "ratelimits.E101",
@@ -38,6 +50,7 @@ SETTING_IDS: dict[str, str] = {
     "POLICY_SOURCE": "ratelimits.E107",
     "POLICY_POLL_INTERVAL": "ratelimits.E108",
     "POLICY_RECHECK_INTERVAL": "ratelimits.E109",
+    "POLICY_LOAD_TIMEOUT": "ratelimits.E136",
     "TIERS": "ratelimits.E110",
     "DEFAULT_TIERS": "ratelimits.E111",
     "TIER_FUNC": "ratelimits.E112",
@@ -64,7 +77,7 @@ SETTING_IDS: dict[str, str] = {
     "BREAKER_MIN_CALLS": "ratelimits.E133",
     "BREAKER_FAILURE_RATE": "ratelimits.E134",
     "BREAKER_COOLDOWN": "ratelimits.E135",
-    "POLICY_LOAD_TIMEOUT": "ratelimits.E136",
+    "FAILED_AUTH": "ratelimits.E137",
 }
 
 
@@ -112,6 +125,7 @@ def check_deployment(app_configs: Any = None, **kwargs: Any) -> list[CheckMessag
     try:
         backend = conf.backend
         source = get_policy_source()
+        failed_auth = conf.failed_auth
     except ConfigurationError:
         return messages  # check_settings reports it
     if backend == "memory" and not settings.DEBUG:
@@ -133,6 +147,15 @@ def check_deployment(app_configs: Any = None, **kwargs: Any) -> list[CheckMessag
                 "RateLimitThrottle is installed but 429 bodies will be DRF's default JSON, not problem+json.",
                 hint="Set REST_FRAMEWORK['EXCEPTION_HANDLER'] = 'ratelimits.drf.exception_handler'.",
                 id=W002,
+            )
+        )
+    middleware = "ratelimits.middleware.FailedAuthenticationMiddleware"
+    if failed_auth is not None and middleware not in settings.MIDDLEWARE:
+        messages.append(
+            Warning(
+                "RATELIMITS['FAILED_AUTH'] is set, but nothing counts failed authentication.",
+                hint=f"Add {middleware!r} to MIDDLEWARE, first (before sessions and authentication).",
+                id=W005,
             )
         )
     ignored = [name for name in source.ignored_settings if name in SETTINGS and conf.is_set(SETTINGS[name])]

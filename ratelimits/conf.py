@@ -19,7 +19,7 @@ import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar, cast
 
 from django.apps import apps
 from django.conf import settings
@@ -29,12 +29,12 @@ from redis.connection import parse_url
 
 from .choices import SHEDDABLE, FailMode, Priority
 from .exceptions import ConfigurationError
-from .rates import parse_duration
+from .rates import Rate, check_burst, parse_duration, parse_rate
 
 if TYPE_CHECKING:
     from django.db.models import Model
 
-__all__ = ["HEADER_STYLES", "POLICY_SOURCES", "SETTINGS", "ProcessWide", "Setting", "conf"]
+__all__ = ["HEADER_STYLES", "POLICY_SOURCES", "SETTINGS", "FailedAuthLimit", "ProcessWide", "Setting", "conf"]
 
 T = TypeVar("T")
 
@@ -270,6 +270,32 @@ def _hash_key(value: object, field: str) -> bytes:
     return hashlib.blake2b(str(secret).encode(), digest_size=32, person=b"ratelimits").digest()
 
 
+class FailedAuthLimit(NamedTuple):
+    """``FAILED_AUTH``: failed authentications allowed per client IP and per credential prefix."""
+
+    rate: Rate
+    burst: int
+    #: How many leading characters of a presented credential are counted together (0: IPs only).
+    prefix_length: int
+
+
+def _failed_auth(value: object, field: str) -> FailedAuthLimit | None:
+    if value is None:
+        return None
+    config = _mapping(value, field)
+    unknown = set(config) - {"rate", "burst", "prefix_length"}
+    if unknown:
+        raise ConfigurationError(f"{field}: unknown keys {', '.join(sorted(unknown))}; use rate, burst, prefix_length")
+    if "rate" not in config:
+        raise ConfigurationError(f"{field}: 'rate' is required, e.g. {{'rate': '10/m', 'burst': 20}}")
+    rate = parse_rate(config["rate"], field=f"{field}['rate']")
+    burst = check_burst(rate, config.get("burst", rate.limit), field=f"{field}['burst']")
+    length = config.get("prefix_length", 12)
+    if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= 200:
+        raise ConfigurationError(f"{field}['prefix_length']: {length!r} must be an integer from 0 to 200")
+    return FailedAuthLimit(rate, burst, length)
+
+
 def _fail_mode(value: object, field: str) -> FailMode:
     return FailMode.parse(value, field=field)
 
@@ -286,6 +312,7 @@ POLICY_SOURCE = Setting("POLICY_SOURCE", "settings", _policy_source)
 POLICY_POLL_INTERVAL = Setting("POLICY_POLL_INTERVAL", "5s", _seconds)
 POLICY_RECHECK_INTERVAL = Setting("POLICY_RECHECK_INTERVAL", "60s", _seconds)
 POLICY_LOAD_TIMEOUT = Setting("POLICY_LOAD_TIMEOUT", "100ms", _seconds)
+FAILED_AUTH = Setting("FAILED_AUTH", None, _failed_auth)
 TIERS = Setting(
     "TIERS",
     {"anonymous": {"rate": "20/s", "burst": 40}, "authenticated": {"rate": "100/s", "burst": 200}},
@@ -357,6 +384,7 @@ SETTINGS: dict[str, Setting[Any]] = {
         BREAKER_MIN_CALLS,
         BREAKER_FAILURE_RATE,
         BREAKER_COOLDOWN,
+        FAILED_AUTH,
     )
 }
 
@@ -522,6 +550,10 @@ class Settings:
     @property
     def local_fallback_share(self) -> float:
         return self.value(LOCAL_FALLBACK_SHARE)
+
+    @property
+    def failed_auth(self) -> FailedAuthLimit | None:
+        return self.value(FAILED_AUTH)
 
     @property
     def breaker(self) -> dict[str, Any]:

@@ -70,6 +70,8 @@ class SubjectKind(StrEnum):
     ENDPOINT = "endpoint"
     #: The whole fleet: what the load shedder's in-flight set counts.
     FLEET = "fleet"
+    #: The first characters of a presented credential: what the failed-authentication limit counts.
+    CREDENTIAL = "credential"
 
     @property
     def label(self) -> str:
@@ -83,6 +85,7 @@ _KIND_LABELS = {
     SubjectKind.IP: "IP address or network",
     SubjectKind.ENDPOINT: "endpoint",
     SubjectKind.FLEET: "fleet",
+    SubjectKind.CREDENTIAL: "credential prefix",
 }
 #: The kinds a tier can be assigned to and an override can name (the callers' identities).
 ASSIGNABLE_KINDS = (SubjectKind.API_KEY, SubjectKind.USER, SubjectKind.ORG, SubjectKind.IP)

@@ -10,10 +10,11 @@ from django.http import HttpRequest, HttpResponse
 
 from .decisions import Decision
 from .engine import evaluate
+from .engine.failed_auth import get_failed_authentication
 from .headers import rate_limit_headers
 from .problems import problem_response
 
-__all__ = ["RateLimitMiddleware", "ratelimit", "ratelimit_exempt"]
+__all__ = ["FailedAuthenticationMiddleware", "RateLimitMiddleware", "ratelimit", "ratelimit_exempt"]
 
 View = TypeVar("View", bound=Callable[..., Any])
 
@@ -70,6 +71,39 @@ class RateLimitMiddleware:
         if isinstance(getattr(request, "ratelimit", None), Decision):
             return None  # already decided by the decorator
         return _limit(request, _endpoint(request, view_func))
+
+
+class FailedAuthenticationMiddleware:
+    """Limit failed authentication per client IP and credential prefix (``RATELIMITS['FAILED_AUTH']``).
+
+    Put it first in ``MIDDLEWARE``, before the session and authentication middleware: a client
+    over the limit is then answered 429 before anything reads a session or looks a key up. A
+    401 counts as a failure when the request presented an ``Authorization`` header; it carries
+    the limit's headers, and once the limit is spent it becomes the 429 itself, so at most the
+    burst of failures per subject ever reach a 401. Without ``FAILED_AUTH`` it does nothing.
+    """
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        limit = get_failed_authentication()
+        if limit is None:
+            return self.get_response(request)
+        refused = limit.refused(request)
+        if refused is not None:
+            return problem_response(refused)
+        response = self.get_response(request)
+        if response.status_code != 401:
+            return response
+        decision = limit.failed(request)
+        if decision is None:
+            return response
+        if not decision.allowed:
+            return problem_response(decision)
+        for name, value in rate_limit_headers(decision).items():
+            response.setdefault(name, value)
+        return response
 
 
 def ratelimit(scope: str | None = None) -> Callable[[View], View]:

@@ -51,6 +51,7 @@ BAD_VALUES = [
     ("POLICY_SOURCE", "ratelimits.conf.Settings", "ratelimits.E107", "is not a policy source"),
     ("POLICY_POLL_INTERVAL", "soon", "ratelimits.E108", "is not a duration"),
     ("POLICY_RECHECK_INTERVAL", 0, "ratelimits.E109", "must be a positive number"),
+    ("POLICY_LOAD_TIMEOUT", "soon", "ratelimits.E136", "is not a duration"),
     ("TIERS", {"a": {"rate": "0/s"}}, "ratelimits.E110", "RATELIMITS['TIERS']['a']['rate']: '0/s'"),
     ("TIERS", [], "ratelimits.E110", "expected a dict"),
     ("DEFAULT_TIERS", {"anonymous": "gold"}, "ratelimits.E111", "'gold' is not in RATELIMITS['TIERS']"),
@@ -82,6 +83,8 @@ BAD_VALUES = [
     ("BREAKER_MIN_CALLS", 2.5, "ratelimits.E133", "must be a positive integer"),
     ("BREAKER_FAILURE_RATE", 2, "ratelimits.E134", "must be a number in (0, 1]"),
     ("BREAKER_COOLDOWN", "a while", "ratelimits.E135", "is not a duration"),
+    ("FAILED_AUTH", {"rate": "10/m", "burst": 0}, "ratelimits.E137", "['burst']: 0 must be a positive integer"),
+    ("FAILED_AUTH", "10/m", "ratelimits.E137", "expected a dict"),
 ]
 
 

@@ -52,6 +52,8 @@ class Role(StrEnum):
     ENDPOINT_WIDE = "endpoint_wide"
     #: The fleet's in-flight limit for one priority class (the load shedder).
     FLEET = "fleet"
+    #: Failed authentications per client IP or credential prefix (``RATELIMITS['FAILED_AUTH']``).
+    FAILED_AUTH = "failed_auth"
 
 
 @dataclass(frozen=True, slots=True)
