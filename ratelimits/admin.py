@@ -19,6 +19,7 @@ from django.utils import timezone
 
 from .autocomplete import subject_suggestions_view
 from .backends import get_backend
+from .choices import HTTP_METHODS
 from .conf import conf
 from .exceptions import BackendUnavailable
 from .identity import SubjectKind, normalize_ip
@@ -357,7 +358,7 @@ class EffectivePolicyForm(forms.Form):
     org = forms.CharField(required=False, label="Organisation")
     ip = forms.CharField(required=False, label="Client IP")
     endpoint = forms.CharField(validators=[validate_endpoint], help_text="throttle_scope or route name")
-    method = forms.ChoiceField(choices=[(m, m) for m in ("GET", "POST", "PUT", "PATCH", "DELETE")], initial="GET")
+    method = forms.ChoiceField(choices=[(m, m) for m in HTTP_METHODS], initial="GET")
 
     def clean_ip(self) -> str:
         raw = str(self.cleaned_data["ip"]).strip()

@@ -20,7 +20,7 @@ from django.dispatch import Signal
 from django.utils import timezone
 
 from .algorithms import RATE_ALGORITHMS, Algorithm
-from .choices import SHEDDABLE, FailMode, Priority
+from .choices import HTTP_METHODS, SHEDDABLE, FailMode, Priority
 from .exceptions import ConfigurationError
 from .identity import ASSIGNABLE_KINDS, SubjectKind
 from .rates import parse_rate
@@ -28,7 +28,7 @@ from .rates import parse_rate
 ALGORITHM_CHOICES = [(a.value, a.value.replace("_", " ")) for a in RATE_ALGORITHMS]
 FAIL_MODE_CHOICES = [("", "fleet default"), *((mode.value, mode.description) for mode in FailMode)]
 PRIORITY_CHOICES = [(p.value, p.value) for p in Priority]
-METHOD_CHOICES = [(m, m) for m in ("ANY", "GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")]
+METHOD_CHOICES = [(m, m) for m in ("ANY", *HTTP_METHODS)]
 SUBJECT_KINDS = [(kind.value, kind.label) for kind in ASSIGNABLE_KINDS]
 
 #: Sent by a policy queryset's ``update()`` with the rows as they were (``before``) and the
