@@ -7,6 +7,7 @@ stamp in Redis so every worker reloads its in-process copy on its next request
 
 from __future__ import annotations
 
+import datetime as dt
 import ipaddress
 import re
 from decimal import Decimal
@@ -86,6 +87,15 @@ def validate_subject(kind: str, identifier: str) -> str:
     if kind == SubjectKind.USER and not identifier.isdigit():
         raise ValidationError({"subject_id": "A user is identified by its primary key (a number)."})
     return identifier
+
+
+def expired(expires_at: dt.datetime | None, *, now: dt.datetime) -> bool:
+    """Whether a row with this expiry (an override's, an assignment's) has stopped applying: it applies until then.
+
+    Not a reason for the model to refuse the row: every row expires in time and stays valid. Only
+    saving an expiry that has already passed is questioned, by the admin and by an import.
+    """
+    return expires_at is not None and expires_at <= now
 
 
 class RevisionedQuerySet(models.QuerySet):  # type: ignore[type-arg]
@@ -328,7 +338,7 @@ class Override(Revisioned):
 
     @property
     def is_active(self) -> bool:
-        return self.enabled and self.expires_at > timezone.now()
+        return self.enabled and not expired(self.expires_at, now=timezone.now())
 
     def describe(self) -> str:
         """``"2 / second, burst 5"``, ``"x 1.5"``, plus the concurrency limit if it has one."""

@@ -33,6 +33,7 @@ from ratelimits.policies.portability import PolicyImportError, export_policies, 
 pytestmark = pytest.mark.django_db
 
 LATER = datetime(2099, 1, 1, tzinfo=UTC)
+PAST = "2020-01-31T12:00:00Z"
 
 
 def run(*args: Any, **options: Any) -> str:
@@ -543,3 +544,36 @@ def test_effective_says_when_its_figures_are_its_own(settings: Any) -> None:
 def test_effective_refuses_a_method_nobody_sends() -> None:
     with pytest.raises(CommandError, match=r"--method: 'FOO' is not one of GET, HEAD, POST"):
         run("ratelimits_effective", "--endpoint", "customers", "--method", "FOO")
+
+
+def test_import_refuses_an_expiry_that_has_passed(tmp_path: Path) -> None:
+    document = policies()
+    bad = copy.deepcopy(document)
+    bad["overrides"][0]["expires_at"] = "2020-01-31T12:00:00+01:00"
+    bad["assignments"].append({"subject_kind": "org", "subject_id": "late", "tier": "gold", "expires_at": PAST})
+    with pytest.raises(PolicyImportError) as error:
+        import_policies(bad, reason="should fail")
+    assert error.value.errors == [
+        f"assignments[2].expires_at: {PAST} has already passed: the assignment would never apply. "
+        "Give a later expiry, or leave it out.",
+        "overrides[0].expires_at: 2020-01-31T11:00:00Z has already passed: the override would never apply. "
+        "Give a later expiry, or leave it out.",
+    ]
+    path = tmp_path / "late.json"
+    path.write_text(json.dumps(bad))
+    with pytest.raises(CommandError, match=r"Nothing was imported.*\n  assignments\[2\]\.expires_at: 2020-01-31"):
+        run("ratelimits_import", str(path), reason="should fail")
+    assert export_policies() == document
+
+
+def test_an_expired_row_that_is_already_stored_is_left_alone() -> None:
+    """Not a new expiry: the row stopped applying on its own, and the import does not write it."""
+    Override.objects.create(
+        subject_kind="org", subject_id="old", rate="1/s", reason="r", expires_at=datetime(2020, 1, 1, tzinfo=UTC)
+    )
+    document = export_policies()
+    report = import_policies(document, reason="same again", replace=True)
+    assert not report.changed and report.unchanged["overrides"] == 1
+    document["overrides"][0]["reason"] = "edited"
+    with pytest.raises(PolicyImportError, match=r"overrides\[0\]\.expires_at: 2020-01-01T00:00:00Z has already passed"):
+        import_policies(document, reason="an edit saves it again")

@@ -28,9 +28,10 @@ from typing import Any
 
 from django.core.exceptions import ValidationError
 from django.db import DatabaseError, models, transaction
+from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from ..models import EndpointPolicy, FleetSettings, Override, SubjectAssignment, Tier, validate_subject
+from ..models import EndpointPolicy, FleetSettings, Override, SubjectAssignment, Tier, expired, validate_subject
 from .audit import audit_context
 
 __all__ = ["FORMAT", "VERSION", "ImportReport", "PolicyImportError", "export_policies", "import_policies"]
@@ -317,6 +318,7 @@ def _plan(data: Any, *, replace: bool) -> _Plan:
             raise ValidationError(f"{name!r} is not a tier in {where}.")
         return name
 
+    now = timezone.now()
     for section in SECTIONS:
         if section not in data:
             continue
@@ -334,6 +336,7 @@ def _plan(data: Any, *, replace: bool) -> _Plan:
             first_seen.setdefault(item.key, label)
             candidates = rows.get(item.key)
             _match(item, candidates.pop(0) if candidates else None)
+            plan.errors.extend(_passed_expiry(item, now))
             plan.items[section].append(item)
         if replace:
             plan.deletions[section] = [row for matches in rows.values() for row in matches]
@@ -450,6 +453,21 @@ def _match(item: _Item, stored: models.Model | None) -> None:
             setattr(stored, f.attname, getattr(item.instance, f.attname))
     item.instance = stored
     item.action = "unchanged" if before == after else "update"
+
+
+def _passed_expiry(item: _Item, now: dt.datetime) -> list[str]:
+    """The error of an item that would save an expiry that has already passed, as the admin asks to confirm.
+
+    An import cannot ask, so it refuses. A stored row the document leaves unchanged is not saved,
+    so an export of rows that have since expired imports again as it is.
+    """
+    expires_at = getattr(item.instance, "expires_at", None)
+    if item.action == "unchanged" or expires_at is None or not expired(expires_at, now=now):
+        return []
+    return [
+        f"{item.label}.expires_at: {_format_datetime(expires_at)} has already passed: the "
+        f"{_NOUNS[item.section]} would never apply. Give a later expiry, or leave it out."
+    ]
 
 
 def _apply(plan: _Plan, actor: Any) -> list[str]:
