@@ -64,6 +64,7 @@ SETTING_IDS: dict[str, str] = {
     "BREAKER_MIN_CALLS": "ratelimits.E133",
     "BREAKER_FAILURE_RATE": "ratelimits.E134",
     "BREAKER_COOLDOWN": "ratelimits.E135",
+    "IMPORT_MAX_SIZE": "ratelimits.E136",
 }
 
 

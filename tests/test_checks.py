@@ -82,6 +82,8 @@ BAD_VALUES = [
     ("BREAKER_MIN_CALLS", 2.5, "ratelimits.E133", "must be a positive integer"),
     ("BREAKER_FAILURE_RATE", 2, "ratelimits.E134", "must be a number in (0, 1]"),
     ("BREAKER_COOLDOWN", "a while", "ratelimits.E135", "is not a duration"),
+    ("IMPORT_MAX_SIZE", "10 megabytes", "ratelimits.E136", "must be a number of bytes or a size like '10MB'"),
+    ("IMPORT_MAX_SIZE", 0, "ratelimits.E136", "must be a number of bytes"),
 ]
 
 
