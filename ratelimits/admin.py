@@ -19,6 +19,7 @@ from django.utils import timezone
 
 from .autocomplete import subject_suggestions_view
 from .backends import get_backend
+from .choices import HTTP_METHODS
 from .conf import conf
 from .exceptions import BackendUnavailable
 from .identity import SubjectKind, normalize_ip
@@ -32,6 +33,7 @@ from .models import (
     SubjectAssignment,
     Tier,
     describe_limit,
+    expired,
     validate_endpoint,
 )
 from .policies.audit import audit_context, record_reset
@@ -85,6 +87,34 @@ class SubjectForm(RevisionedForm):
                     "placeholder": "type a name to search users and API keys",
                 }
             )
+
+
+class ExpiringForm(SubjectForm):
+    """An override's or assignment's form: an expiry that has already passed is saved only once confirmed.
+
+    Such a row never applies, which is rarely what was meant (a mistyped year, a form copied from an
+    old incident), so it is not saved without a word. The tick box comes with the error, and stays
+    while the expiry is past; a later expiry needs nothing more.
+    """
+
+    CONFIRM = "Save with this past expiry"
+
+    confirm_expired = forms.BooleanField(
+        required=False, widget=forms.HiddenInput, label=CONFIRM, help_text="It is kept, but never applies."
+    )
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean()
+        if expired(cleaned.get("expires_at"), now=timezone.now()):
+            self.fields["confirm_expired"].widget = forms.CheckboxInput()
+            if not cleaned.get("confirm_expired"):
+                noun = self._meta.model._meta.verbose_name
+                self.add_error(
+                    "expires_at",
+                    f"This expiry has already passed: the {noun} would never apply. "
+                    f"Give a later one, or tick “{self.CONFIRM}” to save it anyway.",
+                )
+        return cleaned
 
 
 class AuditedAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
@@ -155,17 +185,25 @@ class TierAdmin(AuditedAdmin):
 
 @admin.register(SubjectAssignment)
 class SubjectAssignmentAdmin(AuditedAdmin):
-    form = SubjectForm
+    form = ExpiringForm
     list_display = ("subject_kind", "subject_id", "tier", "starts_at", "expires_at", "active")
     list_filter = ("subject_kind", "tier")
     search_fields = ("subject_id", "note")
     autocomplete_fields = ("tier",)
-    fields = (("subject_kind", "subject_id"), "tier", ("starts_at", "expires_at"), "note", "change_reason", "revision")
+    fields = (
+        ("subject_kind", "subject_id"),
+        "tier",
+        ("starts_at", "expires_at"),
+        "confirm_expired",
+        "note",
+        "change_reason",
+        "revision",
+    )
 
     @admin.display(boolean=True)
     def active(self, obj: SubjectAssignment) -> bool:
         now = timezone.now()
-        return (obj.starts_at is None or obj.starts_at <= now) and (obj.expires_at is None or now < obj.expires_at)
+        return (obj.starts_at is None or obj.starts_at <= now) and not expired(obj.expires_at, now=now)
 
 
 @admin.register(EndpointPolicy)
@@ -196,7 +234,7 @@ class EndpointPolicyAdmin(AuditedAdmin):
 
 @admin.register(Override)
 class OverrideAdmin(AuditedAdmin):
-    form = SubjectForm
+    form = ExpiringForm
     list_display = ("__str__", "values", "expires_at", "active", "created_by", "short_reason", "shadow")
     list_filter = ("subject_kind", "enabled", "shadow")
     search_fields = ("subject_id", "endpoint", "reason")
@@ -210,6 +248,7 @@ class OverrideAdmin(AuditedAdmin):
         "concurrency",
         "reason",
         "expires_at",
+        "confirm_expired",
         ("enabled", "shadow"),
         ("created_by", "created_at"),
         "revision",
@@ -357,7 +396,7 @@ class EffectivePolicyForm(forms.Form):
     org = forms.CharField(required=False, label="Organisation")
     ip = forms.CharField(required=False, label="Client IP")
     endpoint = forms.CharField(validators=[validate_endpoint], help_text="throttle_scope or route name")
-    method = forms.ChoiceField(choices=[(m, m) for m in ("GET", "POST", "PUT", "PATCH", "DELETE")], initial="GET")
+    method = forms.ChoiceField(choices=[(m, m) for m in HTTP_METHODS], initial="GET")
 
     def clean_ip(self) -> str:
         raw = str(self.cleaned_data["ip"]).strip()

@@ -78,6 +78,7 @@ SETTING_IDS: dict[str, str] = {
     "BREAKER_FAILURE_RATE": "ratelimits.E134",
     "BREAKER_COOLDOWN": "ratelimits.E135",
     "FAILED_AUTH": "ratelimits.E137",
+    "IMPORT_MAX_SIZE": "ratelimits.E138",
 }
 
 

@@ -1,4 +1,4 @@
-"""The named choices settings, models and policies share: fail modes and priority classes."""
+"""The named choices settings, models and policies share: fail modes, priority classes, HTTP methods."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Self
 
 from .exceptions import ConfigurationError
 
-__all__ = ["SHEDDABLE", "FailMode", "Priority"]
+__all__ = ["HTTP_METHODS", "SHEDDABLE", "FailMode", "Priority"]
 
 
 class Choice(StrEnum):
@@ -54,3 +54,7 @@ class Priority(Choice):
 
 #: The classes the shedders may turn away, lowest first (their thresholds must rise in this order).
 SHEDDABLE = (Priority.LOW, Priority.NORMAL, Priority.HIGH)
+
+#: The methods an endpoint policy may name (besides ``ANY``), and so the methods the effective
+#: limits can be asked about: the admin page, ``ratelimits_effective`` and a status endpoint.
+HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")

@@ -34,7 +34,16 @@ from .rates import Rate, check_burst, parse_duration, parse_rate
 if TYPE_CHECKING:
     from django.db.models import Model
 
-__all__ = ["HEADER_STYLES", "POLICY_SOURCES", "SETTINGS", "FailedAuthLimit", "ProcessWide", "Setting", "conf"]
+__all__ = [
+    "HEADER_STYLES",
+    "POLICY_SOURCES",
+    "SETTINGS",
+    "SIZE_UNITS",
+    "FailedAuthLimit",
+    "ProcessWide",
+    "Setting",
+    "conf",
+]
 
 T = TypeVar("T")
 
@@ -300,6 +309,22 @@ def _fail_mode(value: object, field: str) -> FailMode:
     return FailMode.parse(value, field=field)
 
 
+#: The units a size may be written in (``"10MB"``): multiples of 1024, as file sizes are counted.
+SIZE_UNITS = {"b": 1, "kb": 1024, "mb": 1024**2, "gb": 1024**3}
+_SIZE = re.compile(r"(?P<count>[0-9]+)(?P<unit>[a-z]+)", re.ASCII)
+
+
+def _size(value: object, field: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    match = _SIZE.fullmatch(value.strip().lower()) if isinstance(value, str) else None
+    if match is None or match["unit"] not in SIZE_UNITS or int(match["count"]) == 0:
+        raise ConfigurationError(
+            f"{field}: {value!r} must be a number of bytes or a size like '10MB' (B, KB, MB or GB, multiples of 1024)"
+        )
+    return int(match["count"]) * SIZE_UNITS[match["unit"]]
+
+
 # -- the settings -------------------------------------------------------------------------------
 
 BACKEND = Setting("BACKEND", "memory", _text)
@@ -343,6 +368,7 @@ BREAKER_WINDOW = Setting("BREAKER_WINDOW", 20, _positive_int)
 BREAKER_MIN_CALLS = Setting("BREAKER_MIN_CALLS", 5, _positive_int)
 BREAKER_FAILURE_RATE = Setting("BREAKER_FAILURE_RATE", 0.5, _share)
 BREAKER_COOLDOWN = Setting("BREAKER_COOLDOWN", "2s", _seconds)
+IMPORT_MAX_SIZE = Setting("IMPORT_MAX_SIZE", "10MB", _size)
 
 #: Every setting, by name, in the order docs/configuration.md lists them.
 SETTINGS: dict[str, Setting[Any]] = {
@@ -385,6 +411,7 @@ SETTINGS: dict[str, Setting[Any]] = {
         BREAKER_FAILURE_RATE,
         BREAKER_COOLDOWN,
         FAILED_AUTH,
+        IMPORT_MAX_SIZE,
     )
 }
 
@@ -565,6 +592,11 @@ class Settings:
             "failure_rate": self.value(BREAKER_FAILURE_RATE),
             "cooldown": self.value(BREAKER_COOLDOWN),
         }
+
+    @property
+    def import_max_size(self) -> int:
+        """The largest document ``ratelimits_import`` reads, in bytes."""
+        return self.value(IMPORT_MAX_SIZE)
 
 
 conf = Settings()

@@ -7,6 +7,7 @@ stamp in Redis so every worker reloads its in-process copy on its next request
 
 from __future__ import annotations
 
+import datetime as dt
 import ipaddress
 import re
 from decimal import Decimal
@@ -20,7 +21,7 @@ from django.dispatch import Signal
 from django.utils import timezone
 
 from .algorithms import RATE_ALGORITHMS, Algorithm
-from .choices import SHEDDABLE, FailMode, Priority
+from .choices import HTTP_METHODS, SHEDDABLE, FailMode, Priority
 from .exceptions import ConfigurationError
 from .identity import ASSIGNABLE_KINDS, SubjectKind
 from .rates import MAX_LIMIT, check_burst, parse_rate
@@ -28,7 +29,7 @@ from .rates import MAX_LIMIT, check_burst, parse_rate
 ALGORITHM_CHOICES = [(a.value, a.value.replace("_", " ")) for a in RATE_ALGORITHMS]
 FAIL_MODE_CHOICES = [("", "fleet default"), *((mode.value, mode.description) for mode in FailMode)]
 PRIORITY_CHOICES = [(p.value, p.value) for p in Priority]
-METHOD_CHOICES = [(m, m) for m in ("ANY", "GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")]
+METHOD_CHOICES = [(m, m) for m in ("ANY", *HTTP_METHODS)]
 SUBJECT_KINDS = [(kind.value, kind.label) for kind in ASSIGNABLE_KINDS]
 
 #: Sent by a policy queryset's ``update()`` with the rows as they were (``before``) and the
@@ -113,6 +114,15 @@ def validate_storable(
             errors[count_field] = f"{value} is too large; at most {MAX_LIMIT:,} can be counted."
     if errors:
         raise ValidationError(errors)
+
+
+def expired(expires_at: dt.datetime | None, *, now: dt.datetime) -> bool:
+    """Whether a row with this expiry (an override's, an assignment's) has stopped applying: it applies until then.
+
+    Not a reason for the model to refuse the row: every row expires in time and stays valid. Only
+    saving an expiry that has already passed is questioned, by the admin and by an import.
+    """
+    return expires_at is not None and expires_at <= now
 
 
 class RevisionedQuerySet(models.QuerySet):  # type: ignore[type-arg]
@@ -359,7 +369,7 @@ class Override(Revisioned):
 
     @property
     def is_active(self) -> bool:
-        return self.enabled and self.expires_at > timezone.now()
+        return self.enabled and not expired(self.expires_at, now=timezone.now())
 
     def describe(self) -> str:
         """``"2 / second, burst 5"``, ``"x 1.5"``, plus the concurrency limit if it has one."""

@@ -272,6 +272,47 @@ def test_override_without_reason_is_refused(admin_client: Client) -> None:
     assert not Override.objects.exists()
 
 
+CONFIRM_BOX = '<input type="checkbox" name="confirm_expired"'
+
+
+@pytest.mark.parametrize("model", [Override, SubjectAssignment])
+def test_an_expiry_that_has_passed_is_saved_only_once_confirmed(
+    admin_client: Client, model: type[Override | SubjectAssignment]
+) -> None:
+    name = model._meta.model_name
+    page = admin_client.get(url(f"{name}_add"))
+    assert CONFIRM_BOX not in page.content.decode()  # nothing to confirm yet
+    data = form_data(page)
+    data.update(subject_kind="org", subject_id="acme", expires_at_0="2020-01-31", expires_at_1="12:00:00")
+    if model is Override:
+        data.update(rate="5/s", reason="incident 9")
+    else:
+        data.update(tier=str(Tier.objects.get(name="free").pk))
+    noun = model._meta.verbose_name
+
+    response = admin_client.post(url(f"{name}_add"), data)
+    assert form_errors(response) == {
+        "expires_at": [
+            f"This expiry has already passed: the {noun} would never apply. "
+            "Give a later one, or tick “Save with this past expiry” to save it anyway."
+        ]
+    }
+    assert CONFIRM_BOX in response.content.decode()  # offered with the error
+    assert not model.objects.exists()
+
+    data["confirm_expired"] = "on"
+    response = admin_client.post(url(f"{name}_add"), data)
+    assert response.status_code == 302, form_errors(response)
+    row = model.objects.get()
+    assert row.expires_at is not None and row.expires_at < timezone.now()
+
+    # Changing the expired row asks again; a later expiry needs no confirmation.
+    data = form_data(admin_client.get(url(f"{name}_change", row.pk)))
+    assert "expires_at" in form_errors(admin_client.post(url(f"{name}_change", row.pk), data))
+    data.update(expires_at_0=str(expires().date()))
+    assert admin_client.post(url(f"{name}_change", row.pk), data).status_code == 302
+
+
 # -- concurrent edits -------------------------------------------------------------------------------
 
 

@@ -85,6 +85,8 @@ BAD_VALUES = [
     ("BREAKER_COOLDOWN", "a while", "ratelimits.E135", "is not a duration"),
     ("FAILED_AUTH", {"rate": "10/m", "burst": 0}, "ratelimits.E137", "['burst']: 0 must be a positive integer"),
     ("FAILED_AUTH", "10/m", "ratelimits.E137", "expected a dict"),
+    ("IMPORT_MAX_SIZE", "10 megabytes", "ratelimits.E138", "must be a number of bytes or a size like '10MB'"),
+    ("IMPORT_MAX_SIZE", 0, "ratelimits.E138", "must be a number of bytes"),
 ]
 
 

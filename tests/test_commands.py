@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import io
 import json
 import re
+import sys
 from datetime import UTC, datetime
 from decimal import Decimal
 from io import StringIO
@@ -28,11 +30,18 @@ from ratelimits.models import (
     validate_subject,
 )
 from ratelimits.policies.audit import audit_context
-from ratelimits.policies.portability import PolicyImportError, export_policies, import_policies
+from ratelimits.policies.portability import (
+    MAX_DEPTH,
+    PolicyImportError,
+    export_policies,
+    import_policies,
+    load_document,
+)
 
 pytestmark = pytest.mark.django_db
 
 LATER = datetime(2099, 1, 1, tzinfo=UTC)
+PAST = "2020-01-31T12:00:00Z"
 
 
 def run(*args: Any, **options: Any) -> str:
@@ -543,3 +552,86 @@ def test_effective_says_when_its_figures_are_its_own(settings: Any) -> None:
 def test_effective_refuses_a_method_nobody_sends() -> None:
     with pytest.raises(CommandError, match=r"--method: 'FOO' is not one of GET, HEAD, POST"):
         run("ratelimits_effective", "--endpoint", "customers", "--method", "FOO")
+
+
+def test_import_refuses_an_expiry_that_has_passed(tmp_path: Path) -> None:
+    document = policies()
+    bad = copy.deepcopy(document)
+    bad["overrides"][0]["expires_at"] = "2020-01-31T12:00:00+01:00"
+    bad["assignments"].append({"subject_kind": "org", "subject_id": "late", "tier": "gold", "expires_at": PAST})
+    with pytest.raises(PolicyImportError) as error:
+        import_policies(bad, reason="should fail")
+    assert error.value.errors == [
+        f"assignments[2].expires_at: {PAST} has already passed: the assignment would never apply. "
+        "Give a later expiry, or leave it out.",
+        "overrides[0].expires_at: 2020-01-31T11:00:00Z has already passed: the override would never apply. "
+        "Give a later expiry, or leave it out.",
+    ]
+    path = tmp_path / "late.json"
+    path.write_text(json.dumps(bad))
+    with pytest.raises(CommandError, match=r"Nothing was imported.*\n  assignments\[2\]\.expires_at: 2020-01-31"):
+        run("ratelimits_import", str(path), reason="should fail")
+    assert export_policies() == document
+
+
+def test_an_expired_row_that_is_already_stored_is_left_alone() -> None:
+    """Not a new expiry: the row stopped applying on its own, and the import does not write it."""
+    Override.objects.create(
+        subject_kind="org", subject_id="old", rate="1/s", reason="r", expires_at=datetime(2020, 1, 1, tzinfo=UTC)
+    )
+    document = export_policies()
+    report = import_policies(document, reason="same again", replace=True)
+    assert not report.changed and report.unchanged["overrides"] == 1
+    document["overrides"][0]["reason"] = "edited"
+    with pytest.raises(PolicyImportError, match=r"overrides\[0\]\.expires_at: 2020-01-01T00:00:00Z has already passed"):
+        import_policies(document, reason="an edit saves it again")
+
+
+def test_import_refuses_a_file_over_the_size_limit(settings: Any, tmp_path: Path) -> None:
+    settings.RATELIMITS = {**settings.RATELIMITS, "IMPORT_MAX_SIZE": "1KB"}
+    document = export_policies()
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps({**document, "tiers": [{"name": "big", "rate": "1/s", "description": "x" * 2000}]}))
+    size = path.stat().st_size
+    with pytest.raises(CommandError) as error:
+        run("ratelimits_import", str(path), reason="too big")
+    assert str(error.value) == f"{path} is {size:,} bytes, over the 1 KB RATELIMITS['IMPORT_MAX_SIZE'] allows."
+    assert export_policies() == document
+
+
+def test_import_reads_no_more_of_a_stream_than_the_limit(settings: Any, monkeypatch: Any) -> None:
+    """A pipe has no size to ask for: it is read up to the limit, and refused past it."""
+    settings.RATELIMITS = {**settings.RATELIMITS, "IMPORT_MAX_SIZE": 1024}
+    stream = io.BytesIO(b" " * 1025 + b"{}")
+    with pytest.raises(PolicyImportError, match=r"^stdin is over the 1 KB RATELIMITS\['IMPORT_MAX_SIZE'\] allows\.$"):
+        load_document(stream, name="stdin")
+    assert stream.tell() == 1025  # the limit and one byte more, never the rest
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b" " * 1025 + b"{}")))
+    with pytest.raises(CommandError, match=r"^stdin is over the 1 KB"):
+        run("ratelimits_import", "-", reason="too big")
+    document = export_policies()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(json.dumps(document).encode()[:1024])))
+    with pytest.raises(CommandError, match=r"^stdin is not a JSON document"):
+        run("ratelimits_import", "-", reason="cut short")
+
+
+def test_import_refuses_a_document_nested_too_deep(tmp_path: Path) -> None:
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)  # what made json's recursive parser raise RecursionError
+    with pytest.raises(CommandError) as error:
+        run("ratelimits_import", str(path), reason="deep")
+    assert str(error.value) == f"{path} nests deeper than {MAX_DEPTH} levels; a ratelimits export nests 3."
+    assert load_document(io.BytesIO(b"[" * MAX_DEPTH + b"]" * MAX_DEPTH), name="x") is not None
+    with pytest.raises(PolicyImportError, match="nests deeper"):
+        load_document(io.BytesIO(b"{" + b'"a": [' * MAX_DEPTH + b"]" * MAX_DEPTH + b"}"), name="x")
+
+
+def test_brackets_inside_strings_are_text_not_nesting(tmp_path: Path) -> None:
+    wipe()
+    description = '[{ "quoted \\" [[[ ' + "[" * 100 + " } ]\\\\"
+    document = export_policies()
+    document["tiers"] = [{"name": "brackets", "rate": "1/s", "description": description}]
+    path = tmp_path / "brackets.json"
+    path.write_text(json.dumps(document))
+    run("ratelimits_import", str(path), reason="brackets in text")
+    assert Tier.objects.get(name="brackets").description == description

@@ -89,3 +89,15 @@ def test_the_hash_key_is_derived_as_0_1_derived_it(settings: Any) -> None:
     assert conf.hash_key == hashlib.blake2b(b"s3cret", digest_size=32, person=b"ratelimits").digest()
     settings.RATELIMITS = {"HASH_KEY": b"raw"}
     assert conf.hash_key == hashlib.blake2b(b"b'raw'", digest_size=32, person=b"ratelimits").digest()
+
+
+def test_sizes_are_bytes_or_binary_multiples(settings: Any) -> None:
+    settings.RATELIMITS = {}
+    assert conf.import_max_size == 10 * 1024 * 1024
+    for written, size in (("512KB", 512 * 1024), ("1gb", 1024**3), ("20B", 20), (2048, 2048)):
+        settings.RATELIMITS = {"IMPORT_MAX_SIZE": written}
+        assert conf.import_max_size == size, written
+    for bad in ("1.5MB", "10 MB", "MB", "-1KB", True, 0):
+        settings.RATELIMITS = {"IMPORT_MAX_SIZE": bad}
+        with pytest.raises(ConfigurationError, match=r"RATELIMITS\['IMPORT_MAX_SIZE'\]"):
+            conf.import_max_size  # noqa: B018

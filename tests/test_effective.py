@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from django.core.management import call_command
+from django.core.management.base import CommandError
 from django.test import Client
 from django.urls import reverse
 from rest_framework.test import APIClient
@@ -22,7 +23,7 @@ from rest_framework.test import APIClient
 from project.payments.management.commands.seed_demo import DEMO_KEYS
 from project.payments.models import ApiKey, hash_key
 from project.settings import RATELIMITS as DEMO_RATELIMITS
-from ratelimits.models import Override
+from ratelimits.models import EndpointPolicy, Override
 
 pytestmark = pytest.mark.django_db
 
@@ -163,3 +164,29 @@ def test_a_stand_in_request_carries_a_user_a_tier_func_can_ask(settings: Any, ad
     response = admin_client.get(reverse("admin:ratelimits_effective_policy"), query)
     assert response.status_code == 200
     assert [row["policy"] for row in response.context["rows"]] == ["tier:anon"]
+
+
+def test_every_method_a_rule_can_name_is_explained_by_the_three(
+    demo: dict[str, tuple[str, ApiKey]], admin_client: Client
+) -> None:
+    """A rule the admin can save for a method, each of the three can explain; a method no rule names, none takes."""
+    raw, key = demo["free"]
+    methods = [value for value, _ in EndpointPolicy._meta.get_field("method").choices if value != "ANY"]
+    for method in methods:
+        EndpointPolicy.objects.update_or_create(endpoint="customers", method=method, defaults={"cost": 2})
+    for method in methods:
+        status = from_status(raw, "customers", method)
+        assert ("ip", "ip", 2) in [row[:3] for row in status], method  # the method's own rule
+        assert from_admin(admin_client, key, "customers", method) == status
+        assert from_command(key, "customers", method) == status
+
+    response = APIClient().get(
+        "/v1/rate_limit", {"endpoint": "customers", "method": "FOO"}, HTTP_AUTHORIZATION=f"Bearer {raw}"
+    )
+    assert response.status_code == 400
+    assert response.json() == {"method": [f"'FOO' must be one of {', '.join(methods)}."]}
+    query = {"api_key": f"ApiKey:{key.pk}", "endpoint": "customers", "method": "FOO"}
+    page = admin_client.get(reverse("admin:ratelimits_effective_policy"), query)
+    assert list(page.context["form"].errors) == ["method"]
+    with pytest.raises(CommandError, match=f"--method: 'FOO' is not one of {', '.join(methods)}."):
+        from_command(key, "customers", "FOO")

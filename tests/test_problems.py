@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 from ratelimits.choices import Priority
 from ratelimits.decisions import Decision, Result, Verdict
@@ -83,3 +85,44 @@ def test_responses_carry_status_type_retry_after_and_rate_limit_headers() -> Non
     assert json.loads(response.content)["status"] == 429
     unavailable = problem_response(Decision(Verdict.UNAVAILABLE, (), retry_after_us=1, degraded=True))
     assert (unavailable.status_code, unavailable["Retry-After"], unavailable["X-RateLimit-Degraded"]) == (503, "1", "1")
+
+
+ROOT = Path(__file__).resolve().parent.parent
+#: A problem body as the docs show one: type, title and status in that order, then perhaps the detail.
+SHOWN = re.compile(
+    r'"type":\s*"(?P<type>[^"]*)",\s*"title":\s*"(?P<title>[^"]*)",\s*"status":\s*(?P<status>\d+)'
+    r'(?:,\s*"detail":\s*"(?P<detail>[^"]*)")?'
+)
+
+
+def shape(detail: str) -> str:
+    """A detail with its figures left out: ``"Over N rate limit(s); retry in N s."``."""
+    return re.sub(r"\d+(?:\.\d+)?", "N", detail)
+
+
+def sent() -> dict[tuple[str, str, int], str]:
+    """The type, title and status of each problem body problems.py sends (a 429, both 503s), and its detail's shape."""
+    bodies = [
+        problem_body(limited()),
+        problem_body(Decision(Verdict.SHED, (), retry_after_us=1)),
+        problem_body(Decision(Verdict.UNAVAILABLE, (), retry_after_us=1, degraded=True)),
+    ]
+    return {(body["type"], body["title"], body["status"]): shape(body["detail"]) for body in bodies}
+
+
+def test_the_docs_show_the_problem_bodies_that_are_sent() -> None:
+    """Every body the docs show has the type, title, status and detail a response has; the contract shows all."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    real = sent()
+    assert len(real) == 3
+    for page in pages:
+        text = page.read_text()
+        shown = list(SHOWN.finditer(text))
+        assert len(shown) == text.count('"title"'), f"{page.name}: a title not shown as type, title, status"
+        for body in shown:
+            key = (body["type"], body["title"], int(body["status"]))
+            assert key in real, f"{page.name} shows {key}; problems.py sends {list(real)}"
+            if body["detail"] not in (None, "..."):
+                assert shape(body["detail"]) == real[key], f"{page.name}: the detail of {key[1]!r}"
+    contract = (ROOT / "docs" / "contract.md").read_text()
+    assert {(m["type"], m["title"], int(m["status"])) for m in SHOWN.finditer(contract)} == set(real)

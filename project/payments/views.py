@@ -11,6 +11,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from ratelimits.choices import HTTP_METHODS
 from ratelimits.models import validate_endpoint
 from ratelimits.status import current_limits
 
@@ -80,7 +81,6 @@ class RateLimitStatus(APIView):
     """GET /v1/rate_limit?endpoint=charges&method=POST: the caller's current limits; consumes nothing."""
 
     throttle_classes: list[type] = []
-    METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
 
     def get(self, request: Request) -> Response:
         endpoint = request.query_params.get("endpoint", "charges")
@@ -89,6 +89,6 @@ class RateLimitStatus(APIView):
             validate_endpoint(endpoint)
         except DjangoValidationError as exc:
             raise ValidationError({"endpoint": exc.messages}) from None
-        if method not in self.METHODS:
-            raise ValidationError({"method": [f"{method!r} must be one of {', '.join(self.METHODS)}."]})
+        if method not in HTTP_METHODS:
+            raise ValidationError({"method": [f"{method!r} must be one of {', '.join(HTTP_METHODS)}."]})
         return Response(current_limits(request, endpoint=endpoint, method=method))

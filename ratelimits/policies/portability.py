@@ -15,28 +15,52 @@ are written and every created or changed row gets its model's ``full_clean()`` a
 resulting state, so a guardrail that compares rows (a tier's capacity against endpoint costs)
 sees the policies as they will be. Any error rolls the whole import back. A dry run goes through
 the same steps and always rolls back.
+
+A document is read with :func:`load_document`, which refuses one larger than ``IMPORT_MAX_SIZE``
+before reading it and one nested deeper than :data:`MAX_DEPTH` before parsing it.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import json
+import os
+import re
+import stat
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any
+from itertools import accumulate
+from typing import IO, Any
 
 from django.core.exceptions import ValidationError
 from django.db import DatabaseError, models, transaction
+from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from ..models import EndpointPolicy, FleetSettings, Override, SubjectAssignment, Tier, validate_subject
+from ..conf import SIZE_UNITS, conf
+from ..models import EndpointPolicy, FleetSettings, Override, SubjectAssignment, Tier, expired, validate_subject
 from .audit import audit_context
 
-__all__ = ["FORMAT", "VERSION", "ImportReport", "PolicyImportError", "export_policies", "import_policies"]
+__all__ = [
+    "FORMAT",
+    "MAX_DEPTH",
+    "VERSION",
+    "ImportReport",
+    "PolicyImportError",
+    "export_policies",
+    "import_policies",
+    "load_document",
+]
 
 FORMAT = "ratelimits-policies"
 VERSION = 1
+
+#: How deep a document may nest. An export nests three levels (the document, a section, an item);
+#: a value of the wrong shape, a level or two more, still gets an error naming its field. Far
+#: deeper is no export, and would make json's recursive parser raise RecursionError.
+MAX_DEPTH = 16
 
 #: The list sections, in the order they are applied; ``fleet`` (one object or null) comes after tiers.
 SECTIONS: tuple[str, ...] = ("tiers", "assignments", "endpoints", "overrides")
@@ -194,6 +218,72 @@ def _describe_key(section: str, key: tuple[Any, ...]) -> str:
     return "fleet settings"
 
 
+# -- reading a document --------------------------------------------------------------------------
+
+#: A JSON string, escapes included (in UTF-8: no byte of a multi-byte character is ASCII).
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
+_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
+
+
+def load_document(stream: IO[bytes], *, name: str) -> Any:
+    """The JSON document in ``stream`` (called ``name`` in errors), or a :class:`PolicyImportError` saying why not.
+
+    A document larger than ``RATELIMITS['IMPORT_MAX_SIZE']`` is refused before it is read: a file
+    by its size, a pipe once the limit is read and one byte more. One nested deeper than
+    :data:`MAX_DEPTH` is refused before it is parsed.
+    """
+    limit = conf.import_max_size
+    allowed = f"the {_describe_size(limit)} RATELIMITS['IMPORT_MAX_SIZE'] allows"
+    size = _file_size(stream)
+    if size is not None and size > limit:
+        raise PolicyImportError([f"{name} is {size:,} bytes, over {allowed}."])
+    raw = stream.read(limit + 1)
+    if len(raw) > limit:
+        raise PolicyImportError([f"{name} is over {allowed}."])
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PolicyImportError([f"{name} is not UTF-8 text: {exc}"]) from None
+    if _nests_deeper(raw, MAX_DEPTH):
+        raise PolicyImportError([f"{name} nests deeper than {MAX_DEPTH} levels; a ratelimits export nests 3."])
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise PolicyImportError([f"{name} is not a JSON document: {exc}"]) from None
+
+
+def _file_size(stream: IO[bytes]) -> int | None:
+    """The size of the regular file behind ``stream``, unread; ``None`` for a pipe or a stream in memory."""
+    try:
+        status = os.fstat(stream.fileno())
+    except (OSError, ValueError):  # no file descriptor (io.UnsupportedOperation is both)
+        return None
+    return status.st_size if stat.S_ISREG(status.st_mode) else None
+
+
+def _nests_deeper(raw: bytes, limit: int) -> bool:
+    """Whether the JSON in ``raw`` (UTF-8) opens more than ``limit`` arrays and objects inside one another.
+
+    Counted on the bytes, before parsing, because json's parser recurses once per level and only
+    the interpreter's recursion limit stops it (a RecursionError from deep inside). Strings go
+    first, so brackets inside them are text; a quote left over opens a string that never ends,
+    where the parser refuses the document before nesting any deeper. Every step runs in C
+    (``re``, ``bytes.translate``, ``accumulate``, ``max``): 10 MB take well under a second.
+    """
+    outside = _STRING.sub(b"", raw).partition(b'"')[0]
+    brackets = outside.translate(None, _NOT_BRACKETS)
+    return max(accumulate(map(_STEP.__getitem__, brackets)), default=0) > limit
+
+
+def _describe_size(size: int) -> str:
+    """``"10 MB"`` for a size that is a whole number of a unit, else its bytes."""
+    for unit in ("gb", "mb", "kb"):
+        if size % SIZE_UNITS[unit] == 0:
+            return f"{size // SIZE_UNITS[unit]} {unit.upper()}"
+    return f"{size:,} bytes"
+
+
 # -- import --------------------------------------------------------------------------------------
 
 
@@ -317,6 +407,7 @@ def _plan(data: Any, *, replace: bool) -> _Plan:
             raise ValidationError(f"{name!r} is not a tier in {where}.")
         return name
 
+    now = timezone.now()
     for section in SECTIONS:
         if section not in data:
             continue
@@ -334,6 +425,7 @@ def _plan(data: Any, *, replace: bool) -> _Plan:
             first_seen.setdefault(item.key, label)
             candidates = rows.get(item.key)
             _match(item, candidates.pop(0) if candidates else None)
+            plan.errors.extend(_passed_expiry(item, now))
             plan.items[section].append(item)
         if replace:
             plan.deletions[section] = [row for matches in rows.values() for row in matches]
@@ -450,6 +542,21 @@ def _match(item: _Item, stored: models.Model | None) -> None:
             setattr(stored, f.attname, getattr(item.instance, f.attname))
     item.instance = stored
     item.action = "unchanged" if before == after else "update"
+
+
+def _passed_expiry(item: _Item, now: dt.datetime) -> list[str]:
+    """The error of an item that would save an expiry that has already passed, as the admin asks to confirm.
+
+    An import cannot ask, so it refuses. A stored row the document leaves unchanged is not saved,
+    so an export of rows that have since expired imports again as it is.
+    """
+    expires_at = getattr(item.instance, "expires_at", None)
+    if item.action == "unchanged" or expires_at is None or not expired(expires_at, now=now):
+        return []
+    return [
+        f"{item.label}.expires_at: {_format_datetime(expires_at)} has already passed: the "
+        f"{_NOUNS[item.section]} would never apply. Give a later expiry, or leave it out."
+    ]
 
 
 def _apply(plan: _Plan, actor: Any) -> list[str]:

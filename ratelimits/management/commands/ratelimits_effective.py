@@ -9,6 +9,7 @@ from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from ...backends import get_backend
+from ...choices import HTTP_METHODS
 from ...conf import conf
 from ...exceptions import ConfigurationError
 from ...identity import ASSIGNABLE_KINDS, SubjectKind, normalize_ip
@@ -16,7 +17,6 @@ from ...models import validate_endpoint, validate_subject
 from ...status import EffectiveLimits, effective_limits, stand_in
 
 KINDS = tuple(kind.value for kind in ASSIGNABLE_KINDS)
-METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 _ALIASES = {"organization": "org", "organisation": "org", "key": "api_key"}
 
 
@@ -38,7 +38,9 @@ class Command(BaseCommand):
             ),
         )
         parser.add_argument("--endpoint", required=True, help="The endpoint name (the view's throttle_scope).")
-        parser.add_argument("--method", default="GET", help="The HTTP method (default GET).")
+        parser.add_argument(
+            "--method", default="GET", help=f"The HTTP method: {', '.join(HTTP_METHODS)} (default GET)."
+        )
         parser.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -49,8 +51,8 @@ class Command(BaseCommand):
         except ValidationError as exc:
             raise CommandError(f"--endpoint: {' '.join(exc.messages)}") from None
         method = str(options["method"]).strip().upper()
-        if method not in METHODS:
-            raise CommandError(f"--method: {options['method']!r} is not one of {', '.join(METHODS)}.")
+        if method not in HTTP_METHODS:
+            raise CommandError(f"--method: {options['method']!r} is not one of {', '.join(HTTP_METHODS)}.")
 
         try:
             caller = stand_in(endpoint=endpoint, method=method, **subjects)

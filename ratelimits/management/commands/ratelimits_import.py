@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any
 
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from ...policies.portability import SECTIONS, ImportReport, PolicyImportError, import_policies
+from ...policies.portability import SECTIONS, ImportReport, PolicyImportError, import_policies, load_document
 
 
 class Command(BaseCommand):
@@ -19,7 +18,11 @@ class Command(BaseCommand):
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("file", metavar="FILE", help="A ratelimits_export document ('-' for stdin).")
+        parser.add_argument(
+            "file",
+            metavar="FILE",
+            help="A ratelimits_export document ('-' for stdin), at most RATELIMITS['IMPORT_MAX_SIZE'] (default 10 MB).",
+        )
         parser.add_argument("--reason", required=True, help="Why: recorded on every audit entry of the import.")
         parser.add_argument(
             "--replace", action="store_true", help="Also delete policies that are not in FILE (make the tables match)."
@@ -47,13 +50,13 @@ class Command(BaseCommand):
     def _read(self, path: str) -> Any:
         try:
             if path == "-":
-                return json.load(sys.stdin)
-            with open(path, encoding="utf-8") as handle:
-                return json.load(handle)
+                return load_document(sys.stdin.buffer, name="stdin")
+            with open(path, "rb") as handle:
+                return load_document(handle, name=path)
         except OSError as exc:
             raise CommandError(f"Cannot read {path}: {exc.strerror or exc}") from None
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise CommandError(f"{path} is not a JSON document: {exc}") from None
+        except PolicyImportError as exc:
+            raise CommandError(str(exc)) from None
 
     def _actor(self, username: str | None) -> Any:
         if not username:
