@@ -12,24 +12,16 @@ Every wait is a bounded poll; every process started here is stopped by its PID.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import secrets
-import shutil
 import statistics
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import psycopg
 import pytest
 
-from .support.http import fetch, serving
-from .support.postgres import throwaway_database
-from .support.processes import gunicorn, manage
-from .support.redis_server import RedisServer, free_port
+from .support.demo import Demo, demo_server
+from .support.http import fetch
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +33,6 @@ BASELINE_S, WARM_UP_S = 6.0, 2.0
 LOCK_S = 10.0
 #: What the change makes of the customers endpoint: a per-caller limit the headers then show.
 NEW_LIMIT = '"endpoint:customers";q=7;w=60'
-START_TIMEOUT = 30.0
 
 
 def p99(samples: list[float]) -> float:
@@ -81,34 +72,13 @@ class Traffic:
 
 
 @pytest.fixture
-def demo(tmp_path: Path) -> Iterator[tuple[int, str, RedisServer]]:
-    with contextlib.ExitStack() as cleanup:
-        redis_server = cleanup.enter_context(RedisServer())
-        database_url = cleanup.enter_context(throwaway_database("ratelimits_lock"))
-        env = {
-            **os.environ,
-            "DJANGO_SETTINGS_MODULE": "project.settings",
-            "DATABASE_URL": database_url,
-            "REDIS_URL": redis_server.url,
-            "SECRET_KEY": "lock-test-" + secrets.token_hex(8),
-            "DEBUG": "0",
-            "PYTHONUNBUFFERED": "1",
-        }
-        manage(env, "migrate", "--noinput", "-v", "0")
-        manage(env, "seed_demo")
-        logs = Path(tempfile.mkdtemp(prefix="ratelimits-lock-"))
-        cleanup.callback(shutil.rmtree, logs, ignore_errors=True)
-        server = gunicorn("lock", port=free_port(), logs=logs, workers=2, threads=4)
-        cleanup.callback(server.stop, grace=10)
-        server.start(env)
-        server.wait_until(lambda: serving(server.port), START_TIMEOUT, "answer to GET /admin/login/")
-        yield server.port, database_url, redis_server
+def demo() -> Iterator[Demo]:
+    with demo_server("lock", workers=2, threads=4) as server:
+        yield server
 
 
-def test_a_locked_tier_table_keeps_latency_and_the_change_applies_after(
-    demo: tuple[int, str, RedisServer],
-) -> None:
-    port, database_url, redis_server = demo
+def test_a_locked_tier_table_keeps_latency_and_the_change_applies_after(demo: Demo) -> None:
+    port, database_url, redis_server = demo.port, demo.database_url, demo.redis
     with Traffic(port) as traffic:
         time.sleep(BASELINE_S)  # the baseline's length: traffic runs meanwhile
         locked_at = time.monotonic()
