@@ -121,8 +121,8 @@ class RedisBackend(Backend):
         now_us, version = int(reply[0]), reply[1]
         failed = tuple(check for i, check in enumerate(checks) if reply[3 + 4 * i] == _FAILED)
         if failed:
-            names = ", ".join(check.policy.name for check in failed)
-            raise PolicyFailed(f"the store could not decide {names} (its state or arguments)", failed)
+            names = ", ".join(f"{check.policy.name} of {check.subject}" for check in failed)
+            raise PolicyFailed(f"the store could not decide {names} (a key of another type, or bad arguments)", failed)
         results = [
             Result(check, bool(reply[3 + 4 * i]), int(reply[4 + 4 * i]), int(reply[5 + 4 * i]), int(reply[6 + 4 * i]))
             for i, check in enumerate(checks)

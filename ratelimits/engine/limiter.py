@@ -122,7 +122,8 @@ class Limiter:
         """
         self._log_failure(failure)
         failed = set(failure.checks)
-        fallback = self._degraded([c for c in checks if c in failed], consume=consume)
+        # A shadow check never denies, whatever its fail mode: a failed one is simply left out.
+        fallback = self._degraded([c for c in checks if c in failed and not c.policy.shadow], consume=consume)
         rest = [c for c in checks if c not in failed]
         if not fallback.allowed or not rest:
             if consume and usage is not None:
