@@ -18,6 +18,7 @@ import pytest
 from django.db import OperationalError, connection, transaction
 
 from ratelimits import engine
+from ratelimits.models import Tier
 from ratelimits.policies.database import DatabasePolicySource, bounded_waits
 
 pytestmark = [
@@ -71,12 +72,14 @@ def wait_until(condition: Any, bound: float) -> bool:
 def test_a_reload_that_meets_the_lock_serves_the_last_snapshot_and_applies_the_change_after(
     source: DatabasePolicySource,
 ) -> None:
+    # A tier of the test's own: a transactional test before this one may have flushed the seeded ones.
+    Tier.objects.update_or_create(name="lockable", defaults={"rate": "100/s", "burst": 100})
     first = source.snapshot()
-    assert first.tiers["standard"][0].rate.limit == 100
+    assert first.tiers["lockable"][0].rate.limit == 100
     with locked() as locker:
         source.invalidate()
         held(source, first, locker)
-    assert wait_until(lambda: source.snapshot().tiers["standard"][0].rate.limit == 7, 5.0)
+    assert wait_until(lambda: source.snapshot().tiers["lockable"][0].rate.limit == 7, 5.0)
 
 
 def held(source: DatabasePolicySource, first: Any, locker: psycopg.Connection[Any]) -> None:
@@ -93,7 +96,7 @@ def held(source: DatabasePolicySource, first: Any, locker: psycopg.Connection[An
         assert time.monotonic() - start < 0.05
 
     # The locker changes the tier and commits: the lock goes, and the background retry loads it.
-    locker.execute("UPDATE ratelimits_tier SET rate = '7/s', burst = 7 WHERE name = 'standard'")
+    locker.execute("UPDATE ratelimits_tier SET rate = '7/s', burst = 7 WHERE name = 'lockable'")
     locker.commit()
 
 

@@ -114,4 +114,5 @@ def test_a_locked_tier_table_keeps_latency_and_the_change_applies_after(demo: De
     assert p99(during) <= 2 * p99(baseline)
     assert applied and min(applied) >= released_at - 0.5  # not before the lock went (the reload needs it)
     assert min(applied) - released_at < 6  # the background retry's backoff caps at 5 s
-    assert {status for _, _, status, _ in traffic.samples} <= {200, 429}
+    # The demo's fleet sheds "normal" requests above 4 in flight: a 503 now and then is the shedder.
+    assert {status for _, _, status, _ in traffic.samples} <= {200, 429, 503}
