@@ -12,12 +12,18 @@ from typing import Any
 
 import pytest
 import redis
+from rest_framework.test import APIClient
 
+from ratelimits import engine
 from ratelimits.backends import get_backend
+from ratelimits.backends.layout import version_key
 from ratelimits.backends.redis import RedisBackend, make_client
 from ratelimits.checks import I001, W004, check_store
 from ratelimits.identity import Subject, SubjectKind
+from ratelimits.models import PolicyVersion
+from ratelimits.policies.database import DatabasePolicySource
 from ratelimits.policies.values import Check, Policy
+from ratelimits.policies.versioning import bump_policy_version
 from ratelimits.rates import parse_rate
 
 from .support.redis_server import RedisServer, free_port
@@ -155,3 +161,66 @@ def test_an_evicted_bucket_restarts_full(start: Any) -> None:
     fill_until_evicted(server, gone=check.key(backend.prefix))
     again = [backend.decide([check]) for _ in range(21)]
     assert [d.allowed for d in again] == [True] * 20 + [False]  # twenty more within the same minute
+
+
+# -- the policy version stamp, evicted -----------------------------------------------------------
+
+
+def script_calls(server: RedisServer) -> int:
+    client = server.client()
+    try:
+        stats = client.info("commandstats")
+    finally:
+        client.close()
+    return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("evalsha", "eval"))
+
+
+@pytest.mark.django_db
+def test_an_evicted_stamp_is_republished_at_most_once_per_interval(settings: Any, start: Any) -> None:
+    """A stamp that keeps vanishing must not cost every decision a second script call (and a warning)."""
+    server = start(*EVICTING)
+    limit_with(settings, server, POLICY_SOURCE="database", POLICY_POLL_INTERVAL="60s")
+    PolicyVersion.advance()  # a policy change committed...
+    bump_policy_version()  # ...and published: its version in the database and the store
+    source = engine.get_policy_source()
+    assert isinstance(source, DatabasePolicySource)
+    client = APIClient(REMOTE_ADDR="198.51.100.9")
+    for _ in range(2):  # the first loads the snapshot and learns the stamp; the second runs on it
+        assert client.get("/t/ping").status_code == 200
+    assert source.snapshot().version >= 1
+    store = server.client()
+    store.config_resetstat()
+    requests = 20
+    for _ in range(requests):
+        store.delete(version_key("rl"))  # evicted between two decisions, as a full allkeys-lru store does
+        assert client.get("/t/ping").status_code in (200, 429)  # decided either way
+    # One decide per request, and one republication in the interval (not one per request).
+    assert script_calls(server) == requests + 1
+    assert int(store.get(version_key("rl")) or 0) == 0  # deleted once more after it was published
+    store.close()
+
+
+@pytest.mark.django_db
+def test_a_lagging_stamp_is_republished_again_after_the_interval(settings: Any, start: Any) -> None:
+    server = start()
+    limit_with(settings, server, POLICY_SOURCE="database", POLICY_POLL_INTERVAL="60s")
+    PolicyVersion.advance()
+    bump_policy_version()
+    source = engine.get_policy_source()
+    assert isinstance(source, DatabasePolicySource)
+    client = APIClient(REMOTE_ADDR="198.51.100.10")
+    for _ in range(2):
+        client.get("/t/ping")
+    version = source.snapshot().version
+    assert version >= 1
+    store = server.client()
+    store.delete(version_key("rl"))
+    client.get("/t/ping")
+    assert int(store.get(version_key("rl")) or 0) == version  # published again at once
+    store.delete(version_key("rl"))
+    client.get("/t/ping")
+    assert store.get(version_key("rl")) is None  # within the interval: not again
+    source._republished_at -= 61  # the interval has passed
+    client.get("/t/ping")
+    assert int(store.get(version_key("rl")) or 0) == version
+    store.close()
