@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 import redis
+from django.test import Client
+from django.urls import reverse
 from rest_framework.test import APIClient
 
 from ratelimits import engine
@@ -147,6 +149,32 @@ def test_store_health_counts_real_evictions(settings: Any, start: Any) -> None:
     evicted = fill_until_evicted(server)
     after = get_backend().store_health()
     assert after is not None and after.evicted_keys == evicted > 0
+
+
+@pytest.mark.django_db
+def test_the_fleet_page_shows_the_eviction_policy_and_evicted_keys(
+    settings: Any, start: Any, admin_client: Client
+) -> None:
+    server = start(*EVICTING)
+    limit_with(settings, server)
+    evicted = fill_until_evicted(server)
+    page = admin_client.get(reverse("admin:ratelimits_fleetsettings_changelist"))
+    assert page.status_code == 200
+    store = page.context["store"]
+    # A full server goes on evicting a little (a new connection's buffers take memory too).
+    assert store.maxmemory_policy == "allkeys-lru" and store.evicted_keys >= evicted > 0
+    html = page.content.decode()
+    assert "<td>allkeys-lru</td>" in html
+    assert f"<td>{store.evicted_keys}</td>" in html
+    assert "restarts full" in html  # says what it costs, not only the figure
+
+
+@pytest.mark.django_db
+def test_the_fleet_page_says_when_the_store_cannot_be_read(settings: Any, admin_client: Client) -> None:
+    settings.RATELIMITS = {**settings.RATELIMITS, "BACKEND": "redis", "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    page = admin_client.get(reverse("admin:ratelimits_fleetsettings_changelist"))
+    assert page.status_code == 200
+    assert "could not be read" in page.content.decode()
 
 
 # -- what eviction costs -------------------------------------------------------------------------
