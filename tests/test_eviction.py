@@ -191,6 +191,24 @@ def test_an_evicted_bucket_restarts_full(start: Any) -> None:
     assert [d.allowed for d in again] == [True] * 20 + [False]  # twenty more within the same minute
 
 
+@pytest.mark.django_db
+def test_a_full_noeviction_store_degrades_loudly(settings: Any, start: Any) -> None:
+    """What the recommended set-up does when memory runs out: writes fail, decisions degrade, visibly."""
+    server = start("--maxmemory", MAXMEMORY, "--maxmemory-policy", "noeviction")
+    limit_with(settings, server)
+    client = server.client()
+    with pytest.raises(redis.exceptions.OutOfMemoryError):  # bounded: at most ~200 MB written
+        for batch in range(1000):
+            with client.pipeline(transaction=False) as pipe:
+                for i in range(200):
+                    pipe.set(f"junk:{batch}:{i}", "x" * 1000)
+                pipe.execute()
+    client.close()
+    response = APIClient(REMOTE_ADDR="198.51.100.11").get("/t/ping")
+    assert response.status_code == 200  # fail mode open: admitted, and said so
+    assert response["X-RateLimit-Degraded"] == "1"
+
+
 # -- the policy version stamp, evicted -----------------------------------------------------------
 
 
