@@ -52,6 +52,13 @@ def _endpoints(base: str, key: str) -> list[Endpoint]:
             "export a report (slow: 0.5 s)",
             f"curl -i -X POST {auth} {base}/v1/reports/export",
         ),
+        Endpoint(
+            "GET",
+            "/v1/rate_limit",
+            "rate_limit",
+            "your limits on an endpoint, what is left; spends none of them, it has a limit of its own",
+            f'curl -s {auth} "{base}/v1/rate_limit?endpoint=charges&method=POST"',
+        ),
     ]
     source = get_policy_source()
     rules = [source.endpoint_rule(e.scope, e.method) for e in listed]  # as the admin has them now
@@ -68,13 +75,6 @@ def _endpoints(base: str, key: str) -> list[Endpoint]:
                 ),
             )
             for e, rule in zip(listed, rules, strict=True)
-        ),
-        Endpoint(
-            "GET",
-            "/v1/rate_limit",
-            "",
-            "your limits on an endpoint, what is left; consumes nothing",
-            f'curl -s {auth} "{base}/v1/rate_limit?endpoint=charges&method=POST"',
         ),
         Endpoint(
             "GET",

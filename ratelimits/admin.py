@@ -18,7 +18,7 @@ from django.urls import path, reverse
 from django.utils import timezone
 
 from .autocomplete import subject_suggestions_view
-from .backends import get_backend
+from .backends import StoreHealth, get_backend
 from .choices import HTTP_METHODS
 from .conf import conf
 from .exceptions import BackendUnavailable
@@ -290,6 +290,16 @@ class FleetSettingsAdmin(AuditedAdmin):
 
     def has_delete_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
         return False
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        """The fleet's page also says whether the limiter's store evicts its keys, and how many it has."""
+        try:
+            store: StoreHealth | None = get_backend().store_health()
+            store_error = ""
+        except BackendUnavailable as exc:
+            store, store_error = None, str(exc)
+        context = {"store": store, "store_error": store_error, "backend": conf.backend, **(extra_context or {})}
+        return super().changelist_view(request, context)
 
     def get_urls(self) -> list[Any]:
         view = self.admin_site.admin_view

@@ -10,11 +10,12 @@ import difflib
 from typing import Any
 
 from django.conf import settings
-from django.core.checks import CheckMessage, Error, Tags, Warning, register
+from django.core.checks import CheckMessage, Error, Info, Tags, Warning, register
 
-from .backends import backend_class
+from .backends import backend_class, get_backend
+from .backends.redis import RedisBackend
 from .conf import BACKEND, POLICY_SOURCE, SETTINGS, conf
-from .exceptions import ConfigurationError
+from .exceptions import BackendUnavailable, ConfigurationError
 from .policies.settings import dimensions_from_settings
 from .policies.source import get_policy_source
 
@@ -22,13 +23,16 @@ __all__ = [
     "E001",
     "E002",
     "E003",
+    "I001",
     "SETTING_IDS",
     "W001",
     "W002",
     "W003",
+    "W004",
     "W005",
     "check_deployment",
     "check_settings",
+    "check_store",
 ]
 
 #: Every id these checks report. Tests assert the exact ids a misconfiguration produces.
@@ -38,7 +42,9 @@ E003 = "ratelimits.E003"  # RATELIMITS is not a dict
 W001 = "ratelimits.W001"  # memory backend outside DEBUG
 W002 = "ratelimits.W002"  # throttle installed without the problem+json exception handler
 W003 = "ratelimits.W003"  # a setting is set that the configured policy source does not read
+W004 = "ratelimits.W004"  # the limiter's Redis may evict its keys (a maxmemory-policy other than noeviction)
 W005 = "ratelimits.W005"  # FAILED_AUTH is set but its middleware is not installed
+I001 = "ratelimits.I001"  # the limiter's Redis answers but will not say its maxmemory-policy
 #: The id of each setting's invalid value. A new setting takes the next free number.
 SETTING_IDS: dict[str, str] = {
     "BACKEND": "ratelimits.E101",
@@ -170,3 +176,40 @@ def check_deployment(app_configs: Any = None, **kwargs: Any) -> list[CheckMessag
             )
         )
     return messages
+
+
+@register(Tags.compatibility)
+def check_store(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Warn when the limiter's Redis may evict its keys: an evicted bucket restarts full, unseen.
+
+    Best effort, within the client's own tight timeouts: a store that cannot be reached now says
+    nothing here (the first request degrades and logs it), and one that will not say its policy
+    gets a note, never an error.
+    """
+    try:
+        if not issubclass(backend_class(conf.backend), RedisBackend):
+            return []
+        health = get_backend().store_health()
+    except ConfigurationError:
+        return []  # check_settings reports it
+    except BackendUnavailable:
+        return []
+    if health is None or health.evicts is False:
+        return []
+    if health.evicts is None:
+        return [
+            Info(
+                "The limiter's Redis did not say its maxmemory-policy (CONFIG and INFO refused).",
+                hint="Make sure it is noeviction: see docs/failure-modes.md.",
+                id=I001,
+            )
+        ]
+    return [
+        Warning(
+            f"The limiter's Redis has maxmemory-policy {health.maxmemory_policy!r}: when its memory is full it "
+            "evicts the limiter's keys, an evicted bucket restarts full, and callers get past their limits unseen.",
+            hint="Give the limiter a Redis of its own with maxmemory-policy noeviction and maxmemory sized for its "
+            "keys: see docs/failure-modes.md.",
+            id=W004,
+        )
+    ]

@@ -4,6 +4,9 @@ All three read :func:`effective_limits`: the policy source explains the request'
 consume-nothing decision reads what is left, and :func:`~ratelimits.decisions.peek` turns each
 result into remaining, used and reset. So they list the same checks with the same figures.
 
+A call of ``GET /rate_limit`` itself is limited by :func:`limit_status_call`: by limits of its own,
+never by the caller's, which it reports.
+
 The admin page and the ``ratelimits_effective`` command have no request of the caller's: they
 build one (:func:`stand_in`) carrying the credential and user objects a real request would, so
 ``TIER_FUNC`` and ``ORGANIZATION_FUNC`` place the caller as they would place its requests.
@@ -11,6 +14,7 @@ build one (:func:`stand_in`) carrying the credential and user objects a real req
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -21,15 +25,25 @@ from django.db.models import Model
 from django.http import HttpRequest
 from rest_framework.request import Request
 
+from .choices import FailMode
 from .conf import conf
-from .decisions import Peek, peek
+from .decisions import Decision, Peek, peek
 from .engine import get_limiter
 from .identity import Identity, Subject, SubjectKind, identify, normalize_ip
+from .policies.snapshot import endpoint_slug
 from .policies.source import get_policy_source
-from .policies.values import Check, OriginKind
+from .policies.values import Check, OriginKind, Policy, Role, policy_from_config
 from .usage import today_usage
 
-__all__ = ["Caller", "EffectiveCheck", "EffectiveLimits", "current_limits", "effective_limits", "stand_in"]
+__all__ = [
+    "Caller",
+    "EffectiveCheck",
+    "EffectiveLimits",
+    "current_limits",
+    "effective_limits",
+    "limit_status_call",
+    "stand_in",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +122,37 @@ def current_limits(request: Request, *, endpoint: str, method: str | None = None
         "resources": resources,
         "today": today_usage(identity),
     }
+
+
+def limit_status_call(request: Request, *, endpoint: str, rate: str, burst: int) -> Decision:
+    """Decide a call of the status endpoint ``endpoint`` against its own limits only; consume from them.
+
+    Asking what is left must not spend it (GitHub's ``GET /rate_limit`` does not count either), so
+    the caller's tiers, overrides and backstops are left alone. Yet each call costs a store round
+    trip and a database sum: it is limited per caller by its endpoint policy's per-caller limit, or
+    by ``rate`` and ``burst`` when that gives none, and by the policy's all-callers limit if it has
+    one. An exempt endpoint policy exempts it. Not counted in usage: it reads usage, it is not use.
+    """
+    identity = identify(request, endpoint=endpoint, auth=request.auth, user=request.user)
+    source = get_policy_source()
+    rule = source.endpoint_rule(endpoint, request.method or "GET")
+    checks = []
+    if not rule.exempt:
+        own = rule.per_caller or _status_policy(endpoint, rate, max(burst, rule.cost), conf.default_fail_mode)
+        checks.append(Check(own, identity.caller, rule.cost))
+        if rule.endpoint_wide is not None:
+            checks.append(Check(rule.endpoint_wide, identity.endpoint, rule.cost))
+    decision = get_limiter().decide(checks)
+    source.observe(decision)
+    return decision
+
+
+@functools.lru_cache(maxsize=16)
+def _status_policy(endpoint: str, rate: str, burst: int, fail_mode: FailMode) -> Policy:
+    """The built-in per-caller limit, named as an endpoint policy's would be: built once, not per call."""
+    config = {"rate": rate, "burst": burst}
+    name = f"endpoint:{endpoint_slug(endpoint)}"
+    return policy_from_config(name, config, field=f"{name} (built in)", default_fail_mode=fail_mode, role=Role.ENDPOINT)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,8 +11,9 @@ from .decisions import Decision, Verdict
 from .drf import RateLimitUnavailable, endpoint_name
 from .engine import evaluate
 from .headers import rate_limit_headers
+from .status import limit_status_call
 
-__all__ = ["RateLimitThrottle"]
+__all__ = ["RateLimitStatusThrottle", "RateLimitThrottle"]
 
 
 class RateLimitThrottle(BaseThrottle):
@@ -28,7 +29,7 @@ class RateLimitThrottle(BaseThrottle):
         self.decision: Decision | None = None
 
     def allow_request(self, request: Request, view: Any) -> bool:
-        _, decision = evaluate(request, endpoint=endpoint_name(request, view), auth=request.auth, user=request.user)
+        decision = self.decide(request, view)
         self.decision = decision
         request._request.ratelimit = decision  # type: ignore[attr-defined]
         view.headers.update(rate_limit_headers(decision))
@@ -36,8 +37,26 @@ class RateLimitThrottle(BaseThrottle):
             raise RateLimitUnavailable(decision)
         return decision.allowed
 
+    def decide(self, request: Request, view: Any) -> Decision:
+        """Every policy that applies to the request, decided (and consumed from) in one round trip."""
+        _, decision = evaluate(request, endpoint=endpoint_name(request, view), auth=request.auth, user=request.user)
+        return decision
+
     def wait(self) -> float | None:
         """Seconds until the request would be admitted (exact, not rounded); ``None`` if allowed."""
         if self.decision is None or self.decision.allowed:
             return None
         return self.decision.retry_after_us / 1_000_000
+
+
+class RateLimitStatusThrottle(RateLimitThrottle):
+    """The status endpoint's throttle: its own limits only, never the caller's (which it reports).
+
+    The view's ``status_rate`` and ``status_burst`` are its per-caller limit when its endpoint
+    policy gives none (see :func:`~ratelimits.status.limit_status_call`).
+    """
+
+    def decide(self, request: Request, view: Any) -> Decision:
+        return limit_status_call(
+            request, endpoint=endpoint_name(request, view), rate=view.status_rate, burst=view.status_burst
+        )

@@ -1,23 +1,33 @@
-"""Customer-facing usage API: a caller reads its own usage, never anyone else's."""
+"""Customer-facing API: a caller reads its own usage and its current limits, never anyone else's."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from django.core.exceptions import ValidationError as DjangoValidationError
 from django.utils.dateparse import parse_datetime
 from rest_framework import serializers
 from rest_framework.exceptions import ValidationError
 from rest_framework.generics import ListAPIView
 from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
 
+from .choices import HTTP_METHODS
 from .counters import METRICS
+from .endpoints import is_known_endpoint
 from .identity import identify
-from .models import UsageRecord
+from .models import UsageRecord, validate_endpoint
+from .status import current_limits
+from .throttles import RateLimitStatusThrottle
 from .usage.records import MAX_RANGE
 
-__all__ = ["UsageView"]
+__all__ = ["RateLimitStatusView", "UsageView"]
+
+#: The longest endpoint name there is (``ratelimits.models.validate_endpoint``).
+MAX_ENDPOINT = 150
 
 
 class UsageSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
@@ -83,3 +93,45 @@ def _moment(raw: str | None, field: str, default: datetime) -> datetime:
             {field: f"{raw!r} is not an ISO 8601 datetime with an offset, e.g. 2026-11-30T00:00:00Z."}
         )
     return moment
+
+
+class RateLimitStatusView(APIView):
+    """``GET /rate_limit?endpoint=charges&method=POST``: the caller's current limits there, spending none.
+
+    Route to it, or subclass it (``default_endpoint``, ``throttle_scope``, the built-in limit).
+    ``endpoint`` must name an endpoint of this project: a route's ``throttle_scope`` or name, or
+    one an endpoint policy names; anything else is a 400 naming the parameter.
+
+    It is limited as the endpoint ``throttle_scope`` by its own policy (an endpoint policy's
+    per-caller and all-callers limits; ``status_rate`` and ``status_burst`` per caller when none
+    gives one), never by the caller's limits it reports, and its responses carry the headers.
+    """
+
+    throttle_scope = "rate_limit"
+    throttle_classes = [RateLimitStatusThrottle]
+    #: The per-caller limit of status calls when no endpoint policy of ``throttle_scope`` sets one.
+    status_rate = "1/s"
+    status_burst = 20
+    #: The endpoint asked about when the request names none (``None``: ``endpoint`` is required).
+    default_endpoint: str | None = None
+
+    def get(self, request: Request) -> Response:
+        endpoint = request.query_params.get("endpoint", self.default_endpoint)
+        method = request.query_params.get("method", "GET").upper()
+        if endpoint is None:
+            raise ValidationError({"endpoint": ["This parameter is required: an endpoint name such as a route's."]})
+        if len(endpoint) > MAX_ENDPOINT:
+            raise ValidationError(
+                {"endpoint": [f"An endpoint name has at most {MAX_ENDPOINT} characters, not {len(endpoint)}."]}
+            )
+        try:
+            validate_endpoint(endpoint)
+        except DjangoValidationError as exc:
+            raise ValidationError({"endpoint": exc.messages}) from None
+        if not is_known_endpoint(endpoint):
+            raise ValidationError(
+                {"endpoint": [f"{endpoint!r} is not an endpoint of this API: name a route or its throttle_scope."]}
+            )
+        if method not in HTTP_METHODS:
+            raise ValidationError({"method": [f"{method[:20]!r} must be one of {', '.join(HTTP_METHODS)}."]})
+        return Response(current_limits(request, endpoint=endpoint, method=method))

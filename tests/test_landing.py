@@ -53,6 +53,7 @@ def test_the_page_shows_the_keys_endpoints_admin_and_docs(demo: None, client: Cl
         r"<tr>\s*<td><code>(\w+ [^<]+)</code>.*?<td>(?:<span[^>]*>(\w+)</span>)?</td>\s*<td>(\d*)</td>", html, re.S
     )
     assert ("POST /v1/charges", "critical", "1") in rows and ("POST /v1/reports/export", "low", "10") in rows
+    assert "per caller: 60 / minute, burst 20" in text  # the status endpoint's own limit, as seeded
     assert '<code id="backend">memory</code>' in html
 
     admin = links(html, "admin-links")

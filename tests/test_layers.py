@@ -65,6 +65,7 @@ LAYERS: dict[str, int] = {
     "ratelimits.headers": 5,
     "ratelimits.problems": 5,
     "ratelimits.views": 5,
+    "ratelimits.endpoints": 5,
     "ratelimits.status": 5,
     "ratelimits.usage.queries": 6,
     "ratelimits.usage.text": 6,

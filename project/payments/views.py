@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import time
 
-from django.core.exceptions import ValidationError as DjangoValidationError
 from rest_framework import serializers, status
-from rest_framework.exceptions import ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from ratelimits.choices import HTTP_METHODS
-from ratelimits.models import validate_endpoint
-from ratelimits.status import current_limits
+from ratelimits.views import RateLimitStatusView
 
 from .models import ApiKey, Charge, Customer
 
@@ -77,18 +73,7 @@ class ReportExport(APIView):
         return Response({"rows": owner.charges.count(), "format": "csv"})
 
 
-class RateLimitStatus(APIView):
-    """GET /v1/rate_limit?endpoint=charges&method=POST: the caller's current limits; consumes nothing."""
+class RateLimitStatus(RateLimitStatusView):
+    """GET /v1/rate_limit?endpoint=charges&method=POST: the caller's current limits; consumes none of them."""
 
-    throttle_classes: list[type] = []
-
-    def get(self, request: Request) -> Response:
-        endpoint = request.query_params.get("endpoint", "charges")
-        method = request.query_params.get("method", "GET").upper()
-        try:
-            validate_endpoint(endpoint)
-        except DjangoValidationError as exc:
-            raise ValidationError({"endpoint": exc.messages}) from None
-        if method not in HTTP_METHODS:
-            raise ValidationError({"method": [f"{method!r} must be one of {', '.join(HTTP_METHODS)}."]})
-        return Response(current_limits(request, endpoint=endpoint, method=method))
+    default_endpoint = "charges"

@@ -6,9 +6,9 @@ from django.utils.module_loading import import_string
 
 from ..conf import ProcessWide, conf
 from ..exceptions import ConfigurationError
-from .base import Backend
+from .base import Backend, StoreHealth
 
-__all__ = ["ALIASES", "Backend", "backend_class", "get_backend", "load_backend"]
+__all__ = ["ALIASES", "Backend", "StoreHealth", "backend_class", "get_backend", "load_backend"]
 
 ALIASES = {
     "memory": "ratelimits.backends.memory.MemoryBackend",

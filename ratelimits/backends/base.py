@@ -5,12 +5,35 @@ from __future__ import annotations
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ..counters import Usage
     from ..decisions import Decision
     from ..policies.values import Check
+
+
+@dataclass(frozen=True, slots=True)
+class StoreHealth:
+    """What a shared store says about keeping the limiter's keys; ``None`` where it would not say.
+
+    A state key the store evicts before its TTL is indistinguishable from a subject never seen:
+    its bucket restarts full, and the limit is not enforced. Nothing else shows it happening.
+    """
+
+    #: Redis' ``maxmemory-policy``: anything but ``noeviction`` may evict the limiter's keys.
+    maxmemory_policy: str | None
+    #: The memory limit in bytes (0: none, so nothing is evicted until one is set).
+    maxmemory: int | None
+    used_memory: int | None
+    #: Keys evicted since the server started (``INFO stats``): the figure to alert on when it grows.
+    evicted_keys: int | None
+
+    @property
+    def evicts(self) -> bool | None:
+        """Whether the store may evict the limiter's keys (``volatile-*`` too: every key has a TTL)."""
+        return None if self.maxmemory_policy is None else self.maxmemory_policy != "noeviction"
 
 
 class Backend(ABC):
@@ -66,6 +89,14 @@ class Backend(ABC):
 
         Never lowers it (two publishers may race); returns the stamp now stored.
         """
+
+    def store_health(self) -> StoreHealth | None:
+        """Whether the store may evict the limiter's keys, and how many it has; ``None``: nothing to report.
+
+        A backend whose state lives in the process (``memory``) evicts nothing. One that cannot
+        reach its store raises :class:`~ratelimits.exceptions.BackendUnavailable`.
+        """
+        return None
 
 
 def new_slot(checks: Sequence[Check]) -> str | None:

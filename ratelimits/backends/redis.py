@@ -28,7 +28,7 @@ from ..decisions import Decision, Result
 from ..exceptions import BackendUnavailable, PolicyFailed
 from ..policies.values import Check
 from . import layout
-from .base import Backend, new_slot, slot_keys
+from .base import Backend, StoreHealth, new_slot, slot_keys
 
 __all__ = ["DECIDE", "PUBLISH_VERSION", "RELEASE", "RedisBackend", "Script", "make_client"]
 
@@ -182,6 +182,22 @@ class RedisBackend(Backend):
     def publish_version(self, version: int) -> str:
         return str(int(self._run(PUBLISH_VERSION, [self.version_key], [version, layout.VERSION_TTL_S])))
 
+    def store_health(self) -> StoreHealth:
+        """The eviction policy (``CONFIG GET``, else ``INFO memory``, which managed Redis allows more
+        often) and ``INFO stats``' ``evicted_keys``. A figure the server refuses to give is ``None``.
+        """
+        with self._store():
+            policy = _refused_is_none(lambda: self.client.config_get("maxmemory-policy").get("maxmemory-policy"))
+            memory = _refused_is_none(lambda: self.client.info("memory")) or {}
+            stats = _refused_is_none(lambda: self.client.info("stats")) or {}
+        policy = policy or memory.get("maxmemory_policy")
+        return StoreHealth(
+            maxmemory_policy=str(policy) if policy else None,
+            maxmemory=_int(memory.get("maxmemory")),
+            used_memory=_int(memory.get("used_memory")),
+            evicted_keys=_int(stats.get("evicted_keys")),
+        )
+
     @contextlib.contextmanager
     def _store(self) -> Iterator[None]:
         """The error boundary of every call but the scripts': see :data:`STORE_ERRORS`."""
@@ -270,6 +286,18 @@ def _pack(connection: Any, command: tuple[Any, ...]) -> list[bytes]:
     if hiredis is not None:
         return [hiredis.pack_command(command)]
     return list(connection.pack_command(*command))
+
+
+def _refused_is_none(command: Callable[[], Any]) -> Any:
+    """``command()``, or ``None`` if the server refuses it (renamed away, or denied by an ACL)."""
+    try:
+        return command()
+    except redis.ResponseError:
+        return None
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _text(value: bytes | str) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import logging
+import math
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -56,6 +57,8 @@ class DatabasePolicySource(SnapshotPolicySource):
 
     #: Tiers, endpoint policies and the fleet's capacity are rows here, not settings.
     ignored_settings = ("TIERS", "ENDPOINTS", "FLEET_CAPACITY")
+    #: When this process last published a lagging stamp again (monotonic seconds; never, at first).
+    _republished_at = -math.inf
 
     def load(self) -> PolicySnapshot:
         with bounded_waits(conf.policy_load_timeout):
@@ -87,9 +90,13 @@ class DatabasePolicySource(SnapshotPolicySource):
             self.invalidate()
         elif stamp < snapshot.version:
             # The store lags behind the database: a publication was lost while it was
-            # unreachable, or the stamp expired or was flushed. Publish again, so workers that
-            # were idle meanwhile reload too.
-            publish_version(snapshot.version)
+            # unreachable, or the stamp expired, was flushed or evicted. Publish again, so workers
+            # that were idle meanwhile reload too; but at most once per POLICY_POLL_INTERVAL: a
+            # store that keeps evicting the stamp (or refusing the write) would otherwise cost
+            # every decision a second script call, and a warning each time it fails.
+            if now - self._republished_at >= conf.policy_poll_interval:
+                self._republished_at = now
+                publish_version(snapshot.version)
         elif now - snapshot.checked_at > conf.policy_recheck_interval:
             snapshot.checked_at = now
             if committed_version() > snapshot.version:

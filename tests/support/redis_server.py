@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
@@ -25,14 +26,15 @@ class RedisServer:
     """Starts ``redis-server`` on a free loopback port; stops it by PID, never anything else.
 
     It keeps nothing on disk, so a restart starts empty; it may be killed, paused and flushed
-    freely: the machine's own Redis is never touched.
+    freely: the machine's own Redis is never touched. ``config`` is more of redis-server's
+    arguments, e.g. ``("--maxmemory-policy", "allkeys-lru")``.
     """
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, *, config: Sequence[str] = ()) -> None:
         self.port = port or free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="ratelimits-redis-"))
         argv = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1"]
-        argv += ["--save", "", "--appendonly", "no", "--dir", str(self.dir)]
+        argv += ["--save", "", "--appendonly", "no", "--dir", str(self.dir), *config]
         self.service = Service("redis", argv, self.dir)
 
     @property

@@ -31,6 +31,8 @@ ENDPOINTS = [
         "per_caller_rate": "600/m",
         "endpoint_rate": "6000/m",
     },
+    # GET /v1/rate_limit is limited by this alone: asking what is left spends none of the caller's.
+    {"endpoint": "rate_limit", "method": "ANY", "per_caller_rate": "60/m", "per_caller_burst": 20},
 ]
 ADMIN = ("admin", "admin")
 

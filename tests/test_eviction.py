@@ -1,0 +1,272 @@
+"""A Redis that evicts the limiter's keys turns limiting off quietly: it is detected, shown and said.
+
+Every server here is a private redis-server started with the configuration under test (an evicting
+``maxmemory-policy``, ``noeviction``, ``CONFIG`` renamed away) and filled for real until it evicts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from django.test import Client
+from django.urls import reverse
+from rest_framework.test import APIClient
+
+from ratelimits import engine
+from ratelimits.backends import get_backend
+from ratelimits.backends.layout import version_key
+from ratelimits.backends.redis import RedisBackend, make_client
+from ratelimits.checks import I001, W004, check_store
+from ratelimits.identity import Subject, SubjectKind
+from ratelimits.models import PolicyVersion
+from ratelimits.policies.database import DatabasePolicySource
+from ratelimits.policies.values import Check, Policy
+from ratelimits.policies.versioning import bump_policy_version
+from ratelimits.rates import parse_rate
+
+from .support.redis_server import RedisServer, free_port
+
+#: Small enough to fill in a moment, above what an empty redis-server uses on its own.
+MAXMEMORY = "4mb"
+EVICTING = ("--maxmemory", MAXMEMORY, "--maxmemory-policy", "allkeys-lru")
+#: Managed Redis often refuses CONFIG: the server here has none at all.
+NO_CONFIG = ("--rename-command", "CONFIG", "")
+NO_INFO = ("--rename-command", "INFO", "")
+
+
+@pytest.fixture
+def start() -> Iterator[Any]:
+    """Start private servers with extra configuration; each is stopped by PID afterwards."""
+    servers: list[RedisServer] = []
+
+    def run(*config: str) -> RedisServer:
+        server = RedisServer(config=config)
+        servers.append(server)
+        server.start()
+        return server
+
+    yield run
+    for server in servers:
+        server.stop()
+
+
+def limit_with(settings: Any, server: RedisServer, **extra: Any) -> None:
+    settings.RATELIMITS = {**settings.RATELIMITS, "BACKEND": "redis", "REDIS_URL": server.url, **extra}
+
+
+def fill_until_evicted(server: RedisServer, gone: str | None = None) -> int:
+    """Write junk until the server has evicted keys (and ``gone``, if given, is among them): evicted_keys."""
+    client = server.client()
+    try:
+        for batch in range(1000):  # at most ~200 MB written: bounded, and far past any MAXMEMORY here
+            with client.pipeline(transaction=False) as pipe:
+                for i in range(200):
+                    pipe.set(f"junk:{batch}:{i}", "x" * 1000, ex=3600)
+                pipe.execute()
+            evicted = int(client.info("stats")["evicted_keys"])
+            if evicted and (gone is None or not client.exists(gone)):
+                return evicted
+        raise AssertionError(f"the server never evicted {gone or 'anything'}")
+    finally:
+        client.close()
+
+
+# -- the system check ----------------------------------------------------------------------------
+
+
+def test_an_evicting_redis_is_warned_about(settings: Any, start: Any) -> None:
+    limit_with(settings, start(*EVICTING))
+    messages = check_store()
+    assert [m.id for m in messages] == [W004]
+    assert "'allkeys-lru'" in messages[0].msg
+    assert "noeviction" in (messages[0].hint or "")
+
+
+def test_volatile_policies_evict_the_limiters_keys_too(settings: Any, start: Any) -> None:
+    """Every key the limiter writes has a TTL, so ``volatile-*`` policies may evict any of them."""
+    limit_with(settings, start("--maxmemory-policy", "volatile-ttl"))
+    assert [m.id for m in check_store()] == [W004]
+
+
+def test_noeviction_is_clean(settings: Any, start: Any) -> None:
+    limit_with(settings, start("--maxmemory", MAXMEMORY, "--maxmemory-policy", "noeviction"))
+    assert check_store() == []
+
+
+def test_without_config_the_policy_is_read_from_info(settings: Any, start: Any) -> None:
+    server = start(*EVICTING, *NO_CONFIG)
+    with pytest.raises(redis.ResponseError):
+        server.client().config_get("maxmemory-policy")  # the server really refuses it
+    limit_with(settings, server)
+    assert [m.id for m in check_store()] == [W004]
+
+
+def test_a_store_that_will_not_say_gets_a_note_not_an_error(settings: Any, start: Any) -> None:
+    limit_with(settings, start(*EVICTING, *NO_CONFIG, *NO_INFO))
+    messages = check_store()
+    assert [(m.id, m.level) for m in messages] == [(I001, 20)]  # checks.INFO
+    assert "maxmemory-policy" in messages[0].msg
+
+
+def test_an_unreachable_redis_says_nothing_and_does_not_hang(settings: Any) -> None:
+    settings.RATELIMITS = {**settings.RATELIMITS, "BACKEND": "redis", "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    began = time.monotonic()
+    assert check_store() == []
+    assert time.monotonic() - began < 2
+
+
+def test_a_stalled_redis_does_not_hang_the_check(settings: Any, own_redis: RedisServer) -> None:
+    limit_with(settings, own_redis)
+    own_redis.pause()  # accepts connections, never answers
+    try:
+        began = time.monotonic()
+        assert check_store() == []
+        assert time.monotonic() - began < 2
+    finally:
+        own_redis.resume()
+
+
+def test_only_the_redis_backend_is_asked(settings: Any) -> None:
+    settings.RATELIMITS = {"BACKEND": "memory", "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    assert check_store() == []
+    assert get_backend().store_health() is None  # nothing to evict: state lives in the process
+
+
+# -- the figure to alert on ----------------------------------------------------------------------
+
+
+def test_store_health_counts_real_evictions(settings: Any, start: Any) -> None:
+    server = start(*EVICTING)
+    limit_with(settings, server)
+    before = get_backend().store_health()
+    assert before is not None
+    assert (before.maxmemory_policy, before.evicted_keys, before.evicts) == ("allkeys-lru", 0, True)
+    assert before.maxmemory == 4 * 1024 * 1024
+    evicted = fill_until_evicted(server)
+    after = get_backend().store_health()
+    assert after is not None and after.evicted_keys == evicted > 0
+
+
+@pytest.mark.django_db
+def test_the_fleet_page_shows_the_eviction_policy_and_evicted_keys(
+    settings: Any, start: Any, admin_client: Client
+) -> None:
+    server = start(*EVICTING)
+    limit_with(settings, server)
+    evicted = fill_until_evicted(server)
+    page = admin_client.get(reverse("admin:ratelimits_fleetsettings_changelist"))
+    assert page.status_code == 200
+    store = page.context["store"]
+    # A full server goes on evicting a little (a new connection's buffers take memory too).
+    assert store.maxmemory_policy == "allkeys-lru" and store.evicted_keys >= evicted > 0
+    html = page.content.decode()
+    assert "<td>allkeys-lru</td>" in html
+    assert f"<td>{store.evicted_keys}</td>" in html
+    assert "restarts full" in html  # says what it costs, not only the figure
+
+
+@pytest.mark.django_db
+def test_the_fleet_page_says_when_the_store_cannot_be_read(settings: Any, admin_client: Client) -> None:
+    settings.RATELIMITS = {**settings.RATELIMITS, "BACKEND": "redis", "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    page = admin_client.get(reverse("admin:ratelimits_fleetsettings_changelist"))
+    assert page.status_code == 200
+    assert "could not be read" in page.content.decode()
+
+
+# -- what eviction costs -------------------------------------------------------------------------
+
+
+def test_an_evicted_bucket_restarts_full(start: Any) -> None:
+    """The cost of eviction: a state key gone before its TTL is a new subject with a full bucket."""
+    server = start(*EVICTING)
+    backend = RedisBackend(make_client(server.url, 2.0, 2.0))
+    check = Check(Policy("tier:small", parse_rate("20/m"), 20), Subject(SubjectKind.API_KEY, "k"))
+    assert [backend.decide([check]).allowed for _ in range(21)] == [True] * 20 + [False]
+    fill_until_evicted(server, gone=check.key(backend.prefix))
+    again = [backend.decide([check]) for _ in range(21)]
+    assert [d.allowed for d in again] == [True] * 20 + [False]  # twenty more within the same minute
+
+
+@pytest.mark.django_db
+def test_a_full_noeviction_store_degrades_loudly(settings: Any, start: Any) -> None:
+    """What the recommended set-up does when memory runs out: writes fail, decisions degrade, visibly."""
+    server = start("--maxmemory", MAXMEMORY, "--maxmemory-policy", "noeviction")
+    limit_with(settings, server)
+    client = server.client()
+    with pytest.raises(redis.exceptions.OutOfMemoryError):  # bounded: at most ~200 MB written
+        for batch in range(1000):
+            with client.pipeline(transaction=False) as pipe:
+                for i in range(200):
+                    pipe.set(f"junk:{batch}:{i}", "x" * 1000)
+                pipe.execute()
+    client.close()
+    response = APIClient(REMOTE_ADDR="198.51.100.11").get("/t/ping")
+    assert response.status_code == 200  # fail mode open: admitted, and said so
+    assert response["X-RateLimit-Degraded"] == "1"
+
+
+# -- the policy version stamp, evicted -----------------------------------------------------------
+
+
+def script_calls(server: RedisServer) -> int:
+    client = server.client()
+    try:
+        stats = client.info("commandstats")
+    finally:
+        client.close()
+    return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("evalsha", "eval"))
+
+
+@pytest.mark.django_db
+def test_an_evicted_stamp_is_republished_at_most_once_per_interval(settings: Any, start: Any) -> None:
+    """A stamp that keeps vanishing must not cost every decision a second script call (and a warning)."""
+    server = start(*EVICTING)
+    limit_with(settings, server, POLICY_SOURCE="database", POLICY_POLL_INTERVAL="60s")
+    PolicyVersion.advance()  # a policy change committed...
+    bump_policy_version()  # ...and published: its version in the database and the store
+    source = engine.get_policy_source()
+    assert isinstance(source, DatabasePolicySource)
+    client = APIClient(REMOTE_ADDR="198.51.100.9")
+    for _ in range(2):  # the first loads the snapshot and learns the stamp; the second runs on it
+        assert client.get("/t/ping").status_code == 200
+    assert source.snapshot().version >= 1
+    store = server.client()
+    store.config_resetstat()
+    requests = 20
+    for _ in range(requests):
+        store.delete(version_key("rl"))  # evicted between two decisions, as a full allkeys-lru store does
+        assert client.get("/t/ping").status_code in (200, 429)  # decided either way
+    # One decide per request, and one republication in the interval (not one per request).
+    assert script_calls(server) == requests + 1
+    assert int(store.get(version_key("rl")) or 0) == 0  # deleted once more after it was published
+    store.close()
+
+
+@pytest.mark.django_db
+def test_a_lagging_stamp_is_republished_again_after_the_interval(settings: Any, start: Any) -> None:
+    server = start()
+    limit_with(settings, server, POLICY_SOURCE="database", POLICY_POLL_INTERVAL="60s")
+    PolicyVersion.advance()
+    bump_policy_version()
+    source = engine.get_policy_source()
+    assert isinstance(source, DatabasePolicySource)
+    client = APIClient(REMOTE_ADDR="198.51.100.10")
+    for _ in range(2):
+        client.get("/t/ping")
+    version = source.snapshot().version
+    assert version >= 1
+    store = server.client()
+    store.delete(version_key("rl"))
+    client.get("/t/ping")
+    assert int(store.get(version_key("rl")) or 0) == version  # published again at once
+    store.delete(version_key("rl"))
+    client.get("/t/ping")
+    assert store.get(version_key("rl")) is None  # within the interval: not again
+    source._republished_at -= 61  # the interval has passed
+    client.get("/t/ping")
+    assert int(store.get(version_key("rl")) or 0) == version
+    store.close()
