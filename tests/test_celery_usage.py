@@ -7,7 +7,9 @@ broker's vhost never take each other's tasks. ``celery -A project worker`` and `
 beat`` run with ``tests.support.celery_settings``: the demo's settings with that queue, and beat draining
 every 2 s. This process sends the traffic through the throttle (``/t/ping``, anonymous tier
 10/m) into the shared Redis; the worker drains it into its database, which is read here with
-psycopg. The drain only takes closed minutes, so each part waits for the minute to turn.
+psycopg. The drain only takes closed minutes, so each part waits for the minute to turn. The
+counters name subjects by digest: the labels this process writes (into its own test database) are
+copied into the worker's, where web workers sharing the worker's database would have written them.
 
 1. Known traffic (10 admitted, 5 turned away) is drained by beat's tasks to exact totals, and
    later drains add nothing.
@@ -50,6 +52,10 @@ from rest_framework.test import APIClient
 from ratelimits import engine
 from ratelimits.backends.redis import RedisBackend, make_client
 from ratelimits.counters import parse_field, usage_for
+from ratelimits.identity import Subject, SubjectKind
+from ratelimits.models import UsageSubject
+from ratelimits.usage.records import GRACE_S
+from ratelimits.usage.subjects import write_pending
 
 from .support.postgres import throwaway_database
 from .support.processes import REPO, VENV_BIN, Service, manage
@@ -200,7 +206,7 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
 
 
 @pytest.fixture
-def limits(settings: Any, stack: Stack) -> Stack:
+def limits(settings: Any, stack: Stack, db: None) -> Stack:
     """This process's limiter on the stack's Redis: its decisions count usage where the worker drains."""
     settings.RATELIMITS = {
         **settings.RATELIMITS,
@@ -229,6 +235,25 @@ def known_traffic(stack: Stack, ip: str, filler: int, filler_net: int) -> None:
     assert send(stack, ip, REQUESTS) == [200] * LIMIT + [429] * (REQUESTS - LIMIT)
     for i in range(filler):
         assert send(stack, f"10.{filler_net}.{i // 256}.{i % 256}", 1) == [200]
+    copy_labels(stack)
+
+
+def copy_labels(stack: Stack) -> None:
+    """The subjects' labels, as this process wrote them into its database, into the worker's."""
+    write_pending()  # those not due yet: a later request's end would write them
+    labels = list(UsageSubject.objects.values_list("digest", "kind", "value"))
+    with psycopg.connect(stack.database_url, connect_timeout=10) as conn, conn.cursor() as cursor:
+        cursor.executemany(
+            "INSERT INTO ratelimits_usagesubject (digest, kind, value, first_seen, last_seen) "
+            "VALUES (%s, %s, %s, now(), now()) ON CONFLICT (digest) DO NOTHING",
+            labels,
+        )
+
+
+def labels(stack: Stack) -> dict[str, str]:
+    """Digest -> label, as the worker's drain finds them."""
+    with psycopg.connect(stack.database_url, connect_timeout=10) as conn:
+        return dict(conn.execute("SELECT digest, value FROM ratelimits_usagesubject").fetchall())
 
 
 def recorded(stack: Stack) -> dict[Key, Totals]:
@@ -278,6 +303,7 @@ def not_yet_applied(stack: Stack) -> dict[Key, Totals]:
         applied = {row[0] for row in conn.execute("SELECT batch FROM ratelimits_usagebatch")}
     client = stack.redis_client()
     sums: dict[Key, list[int]] = {}
+    labelled = labels(stack)
     try:
         keys = [k.decode() for k in client.scan_iter(match="rl:usage*")]
         for key in keys:
@@ -286,8 +312,8 @@ def not_yet_applied(stack: Stack) -> dict[Key, Totals]:
             for raw, count in client.hgetall(key).items():
                 parsed = parse_field(raw.decode() if isinstance(raw, bytes) else raw)
                 assert parsed is not None, raw
-                (kind, value, _, _, endpoint), metric = parsed
-                sums.setdefault((kind, value, endpoint), [0] * 5)[COLUMNS.index(metric)] += int(count)
+                (kind, digest, _, _, endpoint), metric = parsed
+                sums.setdefault((kind, labelled[digest], endpoint), [0] * 5)[COLUMNS.index(metric)] += int(count)
     finally:
         client.close()
     # Counters hold the tokens beyond one per allowed request ("x"); each allowed request spent one.
@@ -307,9 +333,10 @@ def start_traffic_early_in_a_minute() -> None:
         time.sleep(0.1)
 
 
-def wait_for_minute_to_close(minute: int) -> None:
+def wait_until_drainable(minute: int) -> None:
+    """Until ``minute`` has closed and the drain's grace after it has passed: the next drain takes it."""
     deadline = time.monotonic() + MINUTE_TIMEOUT
-    while minute_now() <= minute:
+    while time.time() < (minute + 1) * 60 + GRACE_S:
         assert time.monotonic() < deadline, f"minute {minute} still open"
         time.sleep(0.05)
 
@@ -382,7 +409,7 @@ def test_beat_and_worker_drain_known_traffic_to_exact_totals(limits: Stack) -> N
     assert live, "the decisions counted usage in Redis"
     # Nothing is drained while the minute is open...
     assert recorded(stack) == {}
-    wait_for_minute_to_close(max(live))
+    wait_until_drainable(max(live))
     # ...and beat's next drains bring it in, exactly, and add nothing after.
     wait_settled(stack)
     got = assert_stays_exact(stack)
@@ -396,7 +423,7 @@ def test_a_worker_killed_mid_drain_leaves_exact_totals_after_it_restarts(limits:
     start_traffic_early_in_a_minute()
     known_traffic(stack, "198.51.100.20", filler=KILL_FILLER, filler_net=20)
     live, _ = store_state(stack)
-    wait_for_minute_to_close(max(live))
+    wait_until_drainable(max(live))
 
     # Mid-drain: a batch is claimed in Redis and the drain's transaction has written rows that
     # are not committed yet (it holds a transaction id). Kill the worker, pool and all, right then.
@@ -461,7 +488,7 @@ def test_one_drain_task_delivered_twice_counts_once(limits: Stack) -> None:
     known_traffic(stack, "198.51.100.30", filler=DUPLICATE_FILLER, filler_net=30)
     live, claimed = store_state(stack)
     assert len(live) == 1 and not claimed, (live, claimed)
-    wait_for_minute_to_close(max(live))
+    wait_until_drainable(max(live))
     assert store_state(stack) == (live, []), "nothing drains while beat is stopped"
 
     # The same task, id and all, published twice: as a broker redelivers a message, or a client retries.
@@ -502,7 +529,8 @@ def test_a_busy_minute_is_claimed_and_forgotten_within_the_limiters_timeouts(
         for start in range(0, BUSY_MINUTE_SUBJECTS, 5000):
             fields: dict[Any, Any] = {}
             for i in range(start, min(start + 5000, BUSY_MINUTE_SUBJECTS)):
-                prefix = usage_for("ip", f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}", "", "anonymous", "ping", 1).field
+                ip = Subject(SubjectKind.IP, f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}")
+                prefix = usage_for(ip, None, "anonymous", "ping", 1).field
                 fields[prefix + "a"] = 1
                 fields[prefix + "x"] = 1  # an extra token: a cost-2 request
             pipe.hset(key, mapping=fields)

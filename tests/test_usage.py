@@ -108,6 +108,11 @@ def test_degraded_decisions_are_counted_and_added_when_the_store_returns(setting
         client.get("/t/ping")  # probes until the breaker closes
     assert engine.get_limiter().breaker.state == "closed"
     client.get("/t/ping")  # its end flushes what was counted while Redis was away
+    stored = own_redis.client()
+    fields = [field for key in stored.scan_iter(match="rl:usage:*") for field in stored.hkeys(key)]
+    stored.close()
+    assert any(field.endswith(b"d") for field in fields)
+    assert not [field for field in fields if b"198.51.100.8" in field]  # named by digest, as decisions count
     drain(now=later())
     counted = totals(subject_id="198.51.100.8")
     assert counted["degraded"] == 3

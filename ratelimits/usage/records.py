@@ -1,12 +1,15 @@
 """Usage records: closed minutes of counters drained into ``UsageRecord`` rows, rolled up, purged.
 
 The counters themselves are written by every decision in its own round trip
-(:mod:`ratelimits.counters`). Here they become rows exactly once, whatever crashes, retries or
-duplicate deliveries happen; hours and days are summed from minutes; old minutes are purged.
+(:mod:`ratelimits.counters`), naming subjects by digest. Here they become rows exactly once,
+whatever crashes, retries or duplicate deliveries happen, their digests turned back into the
+labels the workers wrote (:mod:`.subjects`); hours and days are summed from minutes; old minutes
+are purged.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -19,11 +22,19 @@ from ..backends import Backend, get_backend
 from ..counters import METRICS, parse_field
 from ..identity import Identity
 from ..models import UsageBatch, UsageRecord
+from . import subjects
 
-__all__ = ["MAX_RANGE", "drain", "purge", "rollup", "today_usage"]
+__all__ = ["GRACE_S", "MAX_RANGE", "UNRESOLVED", "drain", "purge", "rollup", "today_usage"]
+
+logger = logging.getLogger("ratelimits")
 
 #: The longest range one query of usage rows may cover, per granularity (keeps pages and scans bounded).
 MAX_RANGE = {"minute": timedelta(days=2), "hour": timedelta(days=31), "day": timedelta(days=366)}
+#: A minute is drained this long after it closed, not before: the labels of its last subjects,
+#: written about a second after their requests (:mod:`.subjects`), are in by then.
+GRACE_S = 5.0
+#: What a subject without a label is recorded as: its digest, after this.
+UNRESOLVED = "digest:"
 
 
 def drain(backend: Backend | None = None, *, now: float | None = None) -> int:
@@ -36,9 +47,9 @@ def drain(backend: Backend | None = None, *, now: float | None = None) -> int:
     of two drains applying the same batch the second fails on ``UsageBatch`` and rolls back.
     """
     backend = backend or get_backend()
-    current = int((time.time() if now is None else now) // 60)
+    closed_before = int(((time.time() if now is None else now) - GRACE_S) // 60)
     applied = 0
-    for batch, minute, counts in backend.claim_usage(current):
+    for batch, minute, counts in backend.claim_usage(closed_before):
         try:
             with transaction.atomic():
                 if not UsageBatch.objects.filter(batch=batch).exists():
@@ -54,30 +65,51 @@ def drain(backend: Backend | None = None, *, now: float | None = None) -> int:
 
 
 def _apply(minute: int, counts: dict[str, int]) -> None:
-    """Add one minute's counters to its rows (created as needed)."""
+    """Add one minute's counters to its rows (created as needed), the digests resolved to their labels."""
     start = datetime.fromtimestamp(minute * 60, tz=UTC)
     rows: dict[tuple[str, str, str], dict[str, Any]] = {}
     for field, count in counts.items():
         parsed = parse_field(field)
         if parsed is None or count <= 0:
             continue
-        (kind, value, organization, tier, endpoint), metric = parsed
-        row = rows.setdefault((kind, value, endpoint), {"organization": organization, "tier": tier})
+        (kind, subject, organization, tier, endpoint), metric = parsed
+        row = rows.setdefault((kind, subject, endpoint), {"organization": organization, "tier": tier})
         row[metric] = row.get(metric, 0) + count
-    for (kind, value, endpoint), row in rows.items():
+    digests = {subject for _, subject, _ in rows}
+    digests.update(row["organization"] for row in rows.values() if row["organization"])
+    labels = {digest: value for digest, (_, value) in subjects.resolve(digests).items()}
+    unresolved = digests - labels.keys()
+    if unresolved:
+        logger.warning(
+            "ratelimits: %d subjects of usage minute %d have no label; recorded as %s<their digest>",
+            len(unresolved),
+            minute,
+            UNRESOLVED,
+        )
+    for (kind, subject, endpoint), row in rows.items():
         if "allowed" in row:  # each allowed request spent one token, plus the extra counted apart
             row["tokens"] = row.get("tokens", 0) + row["allowed"]
-        where = {"granularity": "minute", "period_start": start, "subject_kind": kind, "subject_id": value}
+        organization = _label(row["organization"], labels) if row["organization"] else ""
+        where = {
+            "granularity": "minute",
+            "period_start": start,
+            "subject_kind": kind,
+            "subject_id": _label(subject, labels),
+        }
         increments = {metric: row[metric] for metric in METRICS.values() if metric in row}
         updated = UsageRecord.objects.filter(**where, endpoint=endpoint).update(
-            organization=row["organization"],
+            organization=organization,
             tier=row["tier"],
             **{metric: F(metric) + n for metric, n in increments.items()},
         )
         if not updated:
             UsageRecord.objects.create(
-                **where, endpoint=endpoint, organization=row["organization"], tier=row["tier"], **increments
+                **where, endpoint=endpoint, organization=organization, tier=row["tier"], **increments
             )
+
+
+def _label(digest: str, labels: dict[str, str]) -> str:
+    return labels.get(digest) or f"{UNRESOLVED}{digest}"
 
 
 def rollup(*, now: datetime | None = None, window_hours: int = 48) -> int:
