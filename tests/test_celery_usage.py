@@ -15,7 +15,8 @@ copied into the worker's, where web workers sharing the worker's database would 
    later drains add nothing.
 2. The worker (main process and pool children) is SIGKILLed in the middle of a drain: after the
    batch was claimed and rows written, before the commit. A new worker gets the unacknowledged
-   task again (``acks_late``) and the totals are exact.
+   task again (``acks_late``), takes the batch once the killed drain's lease ran out, and the
+   totals are exact.
 3. With beat stopped, one drain task is published twice with the same id; the worker's two pool
    processes run both at once. The totals are exact and the minute's batches are applied once.
 
@@ -40,6 +41,7 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +56,7 @@ from ratelimits.backends.redis import RedisBackend, make_client
 from ratelimits.counters import parse_field, usage_for
 from ratelimits.identity import Subject, SubjectKind
 from ratelimits.models import UsageSubject
-from ratelimits.usage.records import GRACE_S
+from ratelimits.usage.records import GRACE_S, LEASE_S
 from ratelimits.usage.subjects import write_pending
 
 from .support.postgres import throwaway_database
@@ -70,8 +72,9 @@ DRAIN_EVERY_S = 2.0
 LIMIT = 10
 REQUESTS = 15
 TIERS = {"anonymous": {"rate": f"{LIMIT}/m"}, "authenticated": {"rate": f"{LIMIT}/m"}}
-#: Each subject one row of its minute: enough of them to make a drain take a while.
-KILL_FILLER = 2000
+#: Each subject one row of its minute. The kill needs a drain that takes a while (a bulk drain
+#: applies thousands of rows in milliseconds): its filler is written straight into the counters.
+KILL_FILLER = 30_000
 DUPLICATE_FILLER = 500
 
 START_TIMEOUT = 60.0
@@ -238,6 +241,30 @@ def known_traffic(stack: Stack, ip: str, filler: int, filler_net: int) -> None:
     copy_labels(stack)
 
 
+def counted_filler(stack: Stack, minute: int, filler: int, filler_net: int) -> None:
+    """One allowed request from each of ``filler`` IPs, written into ``minute``'s counters as decisions
+    write them, and their labels into the worker's database: rows enough for a drain to take a while."""
+    subjects = [Subject(SubjectKind.IP, f"10.{filler_net}.{i >> 8}.{i & 255}") for i in range(filler)]
+    client = stack.redis_client()
+    try:
+        with client.pipeline(transaction=False) as pipe:
+            for start in range(0, filler, 5000):
+                fields: dict[Any, Any] = {}
+                for subject in subjects[start : start + 5000]:
+                    fields[usage_for(subject, None, "anonymous", "ping", 1).field + "a"] = 1
+                pipe.hset(f"rl:usage:{minute}", mapping=fields)
+            pipe.execute()
+    finally:
+        client.close()
+    copy_rows = "COPY ratelimits_usagesubject (digest, kind, value, first_seen, last_seen) FROM STDIN"
+    now = datetime.now(tz=UTC)
+    with psycopg.connect(stack.database_url, connect_timeout=10) as conn, conn.cursor().copy(copy_rows) as copy:
+        for subject in subjects:
+            copy.write_row((subject.digest, "ip", subject.value, now, now))
+    for subject in subjects:
+        stack.expected[("ip", subject.value, "ping")] = (1, 0, 0, 0, 1)
+
+
 def copy_labels(stack: Stack) -> None:
     """The subjects' labels, as this process wrote them into its database, into the worker's."""
     write_pending()  # those not due yet: a later request's end would write them
@@ -305,7 +332,9 @@ def not_yet_applied(stack: Stack) -> dict[Key, Totals]:
     sums: dict[Key, list[int]] = {}
     labelled = labels(stack)
     try:
-        keys = [k.decode() for k in client.scan_iter(match="rl:usage*")]
+        keys = [k.decode() for k in client.scan_iter(match="rl:usage:*")] + [
+            k.decode() for k in client.scan_iter(match="rl:usage-drain:*")
+        ]
         for key in keys:
             if key in applied:
                 continue
@@ -421,8 +450,9 @@ def test_a_worker_killed_mid_drain_leaves_exact_totals_after_it_restarts(limits:
     stack, started = limits, time.monotonic()
     before = wait_settled(stack)
     start_traffic_early_in_a_minute()
-    known_traffic(stack, "198.51.100.20", filler=KILL_FILLER, filler_net=20)
+    known_traffic(stack, "198.51.100.20", filler=0, filler_net=20)
     live, _ = store_state(stack)
+    counted_filler(stack, max(live), KILL_FILLER, filler_net=20)
     wait_until_drainable(max(live))
 
     # Mid-drain: a batch is claimed in Redis and the drain's transaction has written rows that
@@ -458,9 +488,10 @@ def test_a_worker_killed_mid_drain_leaves_exact_totals_after_it_restarts(limits:
     in_sum = add(at_kill, not_yet_applied(stack))
     assert in_sum == stack.expected, diff(stack.expected, in_sum)
 
-    # Restarted, the worker gets the unacknowledged task again, and the totals are exact.
+    # Restarted, the worker gets the unacknowledged task again and, once the killed drain's lease
+    # on its batch ran out, applies it: the totals are exact.
     stack.start_worker()
-    got = wait_settled(stack)
+    got = wait_settled(stack, SETTLE_TIMEOUT + LEASE_S)
     redelivered = set(RECEIVED.findall(stack.worker.log_text())) & in_flight
     assert redelivered, f"none of {in_flight} was delivered again:\n{stack.worker.tail()}"
     got = assert_stays_exact(stack)
@@ -536,8 +567,10 @@ def test_a_busy_minute_is_claimed_and_forgotten_within_the_limiters_timeouts(
             pipe.hset(key, mapping=fields)
         pipe.execute()
     started = time.monotonic()
-    ((batch, claimed_minute, counts),) = backend.claim_usage(minute + 1)
+    ((batch, claimed_minute),) = backend.claim_usage(minute + 1)
+    counts = backend.lease_usage(batch, 30)
     claimed_in = time.monotonic() - started
+    assert counts is not None
     assert claimed_minute == minute
     assert len(counts) == 2 * BUSY_MINUTE_SUBJECTS and set(counts.values()) == {1}
     backend.finish_usage(batch)

@@ -43,6 +43,8 @@ class MemoryBackend(Backend):
         #: Usage counters per minute, drained like Redis' (see ``ratelimits.usage``).
         self.usage_counts: dict[int, Counter[str]] = {}
         self._claimed: dict[str, tuple[int, dict[str, int]]] = {}
+        #: Claimed batch -> until when (``clock``) a drain holds it.
+        self._leases: dict[str, int] = {}
         self._lock = threading.Lock()
         self._writes = 0
 
@@ -100,15 +102,24 @@ class MemoryBackend(Backend):
                     counts[usage.field + (SHED if decision.verdict is Verdict.SHED else LIMITED)] += 1
             return decision
 
-    def claim_usage(self, before_minute: int) -> list[tuple[str, int, dict[str, int]]]:
+    def claim_usage(self, before_minute: int) -> list[tuple[str, int]]:
         with self._lock:
             for minute in [m for m in self.usage_counts if m < before_minute]:
                 self._claimed[f"memory:{minute}:{uuid.uuid4().hex}"] = (minute, dict(self.usage_counts.pop(minute)))
-            return [(batch, minute, dict(counts)) for batch, (minute, counts) in self._claimed.items()]
+            return sorted(((batch, minute) for batch, (minute, _) in self._claimed.items()), key=lambda b: b[1])
+
+    def lease_usage(self, batch: str, seconds: float) -> dict[str, int] | None:
+        with self._lock:
+            now = self.clock()
+            if batch not in self._claimed or self._leases.get(batch, now) > now:
+                return None
+            self._leases[batch] = now + max(int(seconds * 1_000_000), 1)
+            return dict(self._claimed[batch][1])
 
     def finish_usage(self, batch: str) -> None:
         with self._lock:
             self._claimed.pop(batch, None)
+            self._leases.pop(batch, None)
 
     def add_usage(self, counts: Mapping[tuple[int, str], int]) -> None:
         with self._lock:

@@ -126,7 +126,7 @@ class RedisBackend(Backend):
             slot_keys=held,
         )
 
-    def claim_usage(self, before_minute: int) -> list[tuple[str, int, dict[str, int]]]:
+    def claim_usage(self, before_minute: int) -> list[tuple[str, int]]:
         live, draining = layout.usage_prefix(self.prefix), layout.drain_prefix(self.prefix)
         batches = []
         with self._store():
@@ -140,20 +140,31 @@ class RedisBackend(Backend):
             for key in self.client.scan_iter(match=f"{draining}*", count=1000):
                 name = _text(key)
                 minute = _minute(name.rsplit(":", 1)[0], draining)
-                if minute is None:
-                    continue
-                # HSCAN, not HGETALL: a busy minute's hash can take longer than the limiter's tight
-                # socket timeout to send in one reply, and would then never drain. A claimed batch
-                # is no longer written to, so the scan sees every field (a repeat is the same value).
-                counts = {_text(f): int(v) for f, v in self.client.hscan_iter(name, count=1000)}
-                batches.append((name, minute, counts))
+                if minute is not None:
+                    batches.append((name, minute))
         return sorted(batches, key=lambda batch: batch[1])
 
-    def finish_usage(self, batch: str) -> None:
+    def lease_usage(self, batch: str, seconds: float) -> dict[str, int] | None:
+        lease = layout.lease_key(self.prefix, batch)
         with self._store():
+            if not self.client.set(lease, "1", nx=True, px=max(int(seconds * 1000), 1)):
+                return None
+            # HSCAN, not HGETALL: a busy minute's hash can take longer than the limiter's tight
+            # socket timeout to send in one reply, and would then never drain. A claimed batch
+            # is no longer written to, so the scan sees every field (a repeat is the same value).
+            counts = {_text(f): int(v) for f, v in self.client.hscan_iter(batch, count=1000)}
+            if not counts:  # finished by another drain since it was claimed: nothing to hold
+                self.client.delete(lease)
+                return None
+        return counts
+
+    def finish_usage(self, batch: str) -> None:
+        with self._store(), self.client.pipeline(transaction=False) as pipe:
             # UNLINK frees a busy minute's hash off the main thread: a DEL of it would hold up every
             # decision on this Redis (and outlast their socket timeout) while it ran.
-            self.client.unlink(batch)
+            pipe.unlink(batch)
+            pipe.delete(layout.lease_key(self.prefix, batch))
+            pipe.execute()
 
     def add_usage(self, counts: Mapping[tuple[int, str], int]) -> None:
         with self._store(), self.client.pipeline(transaction=False) as pipe:
