@@ -11,6 +11,9 @@ digests' labels are noted here (:class:`SubjectLabels`) and written to the datab
 decision path (:mod:`ratelimits.usage.subjects`), where the drain (:mod:`ratelimits.usage`) finds
 them when it moves closed minutes into ``UsageRecord`` rows.
 
+A minute counts at most ``USAGE_MAX_SUBJECTS`` rows: a new row beyond them is counted in the
+overflow row of its caller kind and endpoint instead. :func:`count` is that rule as the memory
+backend runs it; the decide script (``lua/decide.lua``) and ``lua/add_usage.lua`` mirror it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -31,10 +34,14 @@ __all__ = [
     "EXTRA_TOKENS",
     "LIMITED",
     "METRICS",
+    "OVERFLOW",
+    "ROWS",
     "SHED",
     "Row",
     "SubjectLabels",
     "Usage",
+    "count",
+    "overflow_of",
     "parse_field",
     "parse_row",
     "subject_labels",
@@ -46,22 +53,30 @@ ALLOWED, LIMITED, SHED, DEGRADED, EXTRA_TOKENS = "a", "l", "s", "d", "x"
 #: Field suffix -> UsageRecord column. Tokens are counted as the allowed requests (one each) plus
 #: ``x``, the tokens beyond one that costlier requests spent: one counter less on the hot path.
 METRICS = {ALLOWED: "allowed", LIMITED: "throttled", SHED: "shed", DEGRADED: "degraded", EXTRA_TOKENS: "tokens"}
+#: The field counting a minute's rows. Each counted row also has a field of its own, the row
+#: itself (no metric), set when it is first counted: what tells a new row from a new metric.
+#: Neither ends in a metric, so :func:`parse_field` passes over both.
+ROWS = "#"
+#: The kind of the overflow rows (what no caller kind is); their subject is the callers' kind.
+OVERFLOW = "overflow"
 
 
 class Usage(NamedTuple):
-    """Where one request's usage is counted: the minute and its row."""
+    """Where one request's usage is counted: the minute, its row, and the row it overflows into."""
 
     minute: int
     #: The row: what each field of this request's counters starts with.
     field: str
     tokens: int
+    #: The overflow row of the caller's kind on this endpoint, counted in if the minute is full.
+    overflow: str
 
 
 class Row(NamedTuple):
     """A counter row as :func:`parse_field` reads it back."""
 
     kind: str
-    #: The caller's digest.
+    #: The caller's digest (an overflow row: the callers' kind).
     subject: str
     #: The organisation's digest, or "".
     organization: str
@@ -79,13 +94,24 @@ def usage_for(caller: Subject, organization: Subject | None, tier: str, endpoint
     if organization is not None:
         labels.note(organization)
     row = _row(caller.kind, caller.digest, organization.digest if organization else "", tier, endpoint)
-    return Usage(int(time.time() // 60), row, tokens)
+    return Usage(int(time.time() // 60), row, tokens, _overflow(caller.kind, endpoint))
 
 
 @lru_cache(maxsize=65_536)
 def _row(kind: str, subject: str, organization: str, tier: str, endpoint: str) -> str:
     # JSON, because tiers and endpoints are the host's strings: no separator is safe.
     return json.dumps([kind, subject, organization, tier, endpoint], separators=(",", ":"))
+
+
+@lru_cache(maxsize=4096)
+def _overflow(kind: str, endpoint: str) -> str:
+    return _row(OVERFLOW, kind, "", "", endpoint)
+
+
+def overflow_of(field: str) -> str | None:
+    """The overflow row of a counter field's row (``None`` if the field is no counter's)."""
+    parsed = parse_field(field)
+    return None if parsed is None else _overflow(parsed[0].kind, parsed[0].endpoint)
 
 
 def parse_field(field: str) -> tuple[Row, str] | None:
@@ -106,6 +132,25 @@ def parse_row(row: str) -> Row | None:
     if not isinstance(parts, list) or len(parts) != 5 or not all(isinstance(p, str) for p in parts):
         return None
     return Row(*parts)
+
+
+def count(counts: MutableMapping[str, int], row: str, overflow: str, metric: str, n: int, cap: int) -> str:
+    """Add ``n`` to ``metric`` of ``row`` in one minute's ``counts``; return the row counted in.
+
+    The store's rule, step for step as the scripts run it: a field that is new may be the first
+    of a new row; a new row beyond ``cap`` is taken out again and ``n`` counted in ``overflow``.
+    Only a new field costs more than the one increment.
+    """
+    field = row + metric
+    total = counts[field] = counts.get(field, 0) + n
+    if total == n and row not in counts:
+        counts[row] = 1
+        rows = counts[ROWS] = counts.get(ROWS, 0) + 1
+        if rows > cap:
+            del counts[field], counts[row]
+            row = overflow
+            counts[row + metric] = counts.get(row + metric, 0) + n
+    return row
 
 
 class SubjectLabels:

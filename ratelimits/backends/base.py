@@ -38,7 +38,10 @@ class Backend(ABC):
 
     @abstractmethod
     def add_usage(self, counts: Mapping[tuple[int, str], int]) -> None:
-        """Add counts made without the store (degraded decisions) to the usage counters."""
+        """Add counts made without the store (degraded decisions) to the usage counters.
+
+        ``counts`` maps ``(minute, field)`` to a count; each new row is capped as a decision's is.
+        """
 
     @abstractmethod
     def claim_usage(self, before_minute: int) -> list[tuple[str, int]]:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from ..algorithms import ALGORITHMS, State, slots
 from ..conf import conf
-from ..counters import ALLOWED, EXTRA_TOKENS, LIMITED, SHED, Usage
+from ..counters import ALLOWED, EXTRA_TOKENS, LIMITED, SHED, Usage, count, overflow_of
 from ..decisions import Decision, Result, Verdict
 from ..policies.values import Check
 from .base import Backend, new_slot, slot_keys
@@ -34,9 +34,13 @@ class MemoryBackend(Backend):
     #: Expired entries are swept after this many writes, bounding memory for idle subjects.
     SWEEP_EVERY = 10_000
 
-    def __init__(self, *, clock: Callable[[], int] = _wall_clock_us, prefix: str = "rl") -> None:
+    def __init__(
+        self, *, clock: Callable[[], int] = _wall_clock_us, prefix: str = "rl", usage_cap: int | None = None
+    ) -> None:
         self.clock = clock
         self.prefix = prefix
+        #: The most rows a minute of usage counts (``USAGE_MAX_SUBJECTS``).
+        self.usage_cap = conf.usage_max_subjects if usage_cap is None else usage_cap
         self.version: str | None = None
         self._state: dict[str, tuple[State, int]] = {}
         self._slots: dict[str, dict[str, int]] = {}
@@ -95,11 +99,12 @@ class MemoryBackend(Backend):
             if consume and usage is not None:
                 counts = self.usage_counts.setdefault(usage.minute, Counter())
                 if decision.allowed:
-                    counts[usage.field + ALLOWED] += 1
-                    if usage.tokens > 1:
-                        counts[usage.field + EXTRA_TOKENS] += usage.tokens - 1
+                    row = count(counts, usage.field, usage.overflow, ALLOWED, 1, self.usage_cap)
+                    if usage.tokens != 1:
+                        counts[row + EXTRA_TOKENS] += usage.tokens - 1
                 else:
-                    counts[usage.field + (SHED if decision.verdict is Verdict.SHED else LIMITED)] += 1
+                    metric = SHED if decision.verdict is Verdict.SHED else LIMITED
+                    count(counts, usage.field, usage.overflow, metric, 1, self.usage_cap)
             return decision
 
     def claim_usage(self, before_minute: int) -> list[tuple[str, int]]:
@@ -123,8 +128,11 @@ class MemoryBackend(Backend):
 
     def add_usage(self, counts: Mapping[tuple[int, str], int]) -> None:
         with self._lock:
-            for (minute, field), count in counts.items():
-                self.usage_counts.setdefault(minute, Counter())[field] += count
+            for (minute, field), n in counts.items():
+                overflow = overflow_of(field)
+                if overflow is not None:
+                    minute_counts = self.usage_counts.setdefault(minute, Counter())
+                    count(minute_counts, field[:-1], overflow, field[-1], n, self.usage_cap)
 
     def release(self, slot: str, keys: Sequence[str]) -> int:
         with self._lock:

@@ -23,14 +23,14 @@ except ImportError:  # optional: redis-py's own packer is used instead
     hiredis = None  # type: ignore[assignment]
 
 from ..conf import conf
-from ..counters import Usage
+from ..counters import Usage, overflow_of
 from ..decisions import Decision, Result
 from ..exceptions import BackendUnavailable
 from ..policies.values import Check
 from . import layout
 from .base import Backend, new_slot, slot_keys
 
-__all__ = ["DECIDE", "PUBLISH_VERSION", "RELEASE", "RedisBackend", "Script", "make_client"]
+__all__ = ["ADD_USAGE", "DECIDE", "PUBLISH_VERSION", "RELEASE", "RedisBackend", "Script", "make_client"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +48,7 @@ class Script:
 
 
 DECIDE = Script.load("decide.lua")
+ADD_USAGE = Script.load("add_usage.lua")
 PUBLISH_VERSION = Script.load("publish_version.lua")
 RELEASE = Script.load("release.lua")
 #: What a script cache holds the decide script under (tests look for it there).
@@ -70,11 +71,14 @@ class RedisBackend(Backend):
         *,
         prefix: str = "rl",
         clock: Callable[[], int] | None = None,
+        usage_cap: int | None = None,
     ) -> None:
         self.client = client
         self.prefix = prefix
         #: ``None`` lets the script read Redis ``TIME``; otherwise integer microseconds.
         self.clock = clock
+        #: The most rows a minute of usage counts (``USAGE_MAX_SUBJECTS``), as the scripts are passed it.
+        self.usage_cap = str(conf.usage_max_subjects if usage_cap is None else usage_cap)
         self.version_key = layout.version_key(prefix)
         self._local = threading.local()
 
@@ -97,6 +101,8 @@ class RedisBackend(Backend):
             usage.field if usage else "",
             usage.tokens if usage else 0,
             _USAGE_TTL,
+            usage.overflow if usage else "",
+            self.usage_cap,
         ]
         for check in checks:
             script_keys.append(check.key(self.prefix))
@@ -167,12 +173,17 @@ class RedisBackend(Backend):
             pipe.execute()
 
     def add_usage(self, counts: Mapping[tuple[int, str], int]) -> None:
-        with self._store(), self.client.pipeline(transaction=False) as pipe:
-            for (minute, field), count in counts.items():
-                key = layout.usage_key(self.prefix, minute)
-                pipe.hincrby(key, field, count)
-                pipe.expire(key, layout.USAGE_TTL_S)
-            pipe.execute()
+        keys: dict[int, int] = {}  # minute -> its key's index in KEYS
+        args: list[Any] = [_USAGE_TTL, self.usage_cap]
+        for (minute, field), n in counts.items():
+            overflow = overflow_of(field)
+            if overflow is not None:
+                index = keys.setdefault(minute, len(keys) + 1)
+                args += (index, field[:-1], field[-1], overflow, n)
+        if keys:
+            # One script for every minute: each new row is capped as a decision's is, and the
+            # counts are added all at once or not at all.
+            self._run(ADD_USAGE, [layout.usage_key(self.prefix, minute) for minute in keys], args)
 
     def release(self, slot: str, keys: Sequence[str]) -> int:
         return int(self._run(RELEASE, list(keys), [slot]))

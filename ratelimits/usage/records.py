@@ -19,13 +19,13 @@ from django.db.models import Sum
 from django.db.models.functions import Trunc
 
 from ..backends import Backend, get_backend
-from ..counters import METRICS, parse_row
+from ..counters import METRICS, OVERFLOW, parse_row
 from ..identity import Identity
 from ..models import UsageBatch, UsageRecord
 from . import subjects
 from .subjects import chunks, max_params
 
-__all__ = ["GRACE_S", "LEASE_S", "MAX_RANGE", "UNRESOLVED", "drain", "purge", "rollup", "today_usage"]
+__all__ = ["GRACE_S", "LEASE_S", "MAX_RANGE", "OVERFLOW", "UNRESOLVED", "drain", "purge", "rollup", "today_usage"]
 
 logger = logging.getLogger("ratelimits")
 
@@ -96,7 +96,7 @@ def _apply(minute: int, counts: dict[str, int]) -> None:
         )
         for metric, count in metrics.items():
             values[metric] = values.get(metric, 0) + count
-    digests = {subject for _, subject, _ in rows}
+    digests = {subject for kind, subject, _ in rows if kind != OVERFLOW}
     digests.update(values["organization"] for values in rows.values() if values["organization"])
     labels = {digest: value for digest, (_, value) in subjects.resolve(digests).items()}
     unresolved = digests - labels.keys()
@@ -119,7 +119,7 @@ def _apply(minute: int, counts: dict[str, int]) -> None:
                 "minute",
                 start,
                 kind,
-                _label(subject, labels),
+                subject if kind == OVERFLOW else _label(subject, labels),
                 endpoint,
                 _label(values["organization"], labels) if values["organization"] else "",
                 values["tier"],
