@@ -20,8 +20,9 @@ from django.test import Client
 from django.utils import timezone
 from rest_framework.test import APIClient
 
+from ratelimits import engine
 from ratelimits.backends import layout
-from ratelimits.counters import SubjectLabels
+from ratelimits.counters import SubjectLabels, usage_for
 from ratelimits.identity import Subject, SubjectKind
 from ratelimits.models import UsageRecord, UsageSubject
 from ratelimits.usage import drain, purge_labels
@@ -201,3 +202,17 @@ def test_labels_no_counter_can_name_any_more_are_purged() -> None:
         "recent"
     ]
     assert timedelta(seconds=layout.USAGE_TTL_S) < KEEP_FOR
+
+
+def test_a_subject_under_two_digests_in_one_minute_is_one_row(settings: Any, use_redis: RedisServer) -> None:
+    """The hash key changed within the minute: its counters name the subject twice, its row once."""
+    ip, minute = "198.51.100.93", int(time.time() // 60) - 3
+    counts = {}
+    for hash_key in ("first-hash-key", "second-hash-key"):
+        settings.RATELIMITS = {**settings.RATELIMITS, "HASH_KEY": hash_key}
+        counts[(minute, usage_for(Subject(SubjectKind.IP, ip), None, "", "ping", 1).field + "a")] = 2
+        write_pending()
+    assert len(counts) == 2
+    engine.get_limiter().backend.add_usage(counts)
+    assert drain(now=time.time()) == 1
+    assert [(r.subject_id, r.allowed, r.tokens) for r in UsageRecord.objects.all()] == [(ip, 4, 4)]

@@ -86,18 +86,9 @@ def _apply(minute: int, counts: dict[str, int]) -> None:
         if metric is not None and count > 0:
             metrics = by_row.setdefault(field[:-1], {})
             metrics[metric] = metrics.get(metric, 0) + count
-    rows: dict[tuple[str, str, str], dict[str, Any]] = {}  # (kind, subject, endpoint): a UsageRecord's values
-    for text, metrics in by_row.items():
-        row = parse_row(text)
-        if row is None:
-            continue
-        values = rows.setdefault(
-            (row.kind, row.subject, row.endpoint), {"organization": row.organization, "tier": row.tier}
-        )
-        for metric, count in metrics.items():
-            values[metric] = values.get(metric, 0) + count
-    digests = {subject for kind, subject, _ in rows if kind != OVERFLOW}
-    digests.update(values["organization"] for values in rows.values() if values["organization"])
+    parsed = [(row, by_row[text]) for text in by_row if (row := parse_row(text)) is not None]
+    digests = {row.subject for row, _ in parsed if row.kind != OVERFLOW}
+    digests.update(row.organization for row, _ in parsed if row.organization)
     labels = {digest: value for digest, (_, value) in subjects.resolve(digests).items()}
     unresolved = digests - labels.keys()
     if unresolved:
@@ -107,26 +98,36 @@ def _apply(minute: int, counts: dict[str, int]) -> None:
             minute,
             UNRESOLVED,
         )
+    # Keyed as the rows are unique: two digests of one subject (the hash key changed) are one row.
+    records: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for row, metrics in parsed:
+        subject = row.subject if row.kind == OVERFLOW else _label(row.subject, labels)
+        organization = _label(row.organization, labels) if row.organization else ""
+        values = records.setdefault((row.kind, subject, row.endpoint), {"organization": organization, "tier": row.tier})
+        for metric, count in metrics.items():
+            values[metric] = values.get(metric, 0) + count
+    for values in records.values():  # each allowed request spent one token, plus the extra counted apart
+        values["tokens"] = values.get("tokens", 0) + values.get("allowed", 0)
     start = UsageRecord._meta.get_field("period_start").get_db_prep_value(
         datetime.fromtimestamp(minute * 60, tz=UTC), connection
     )
-    records = []
-    for (kind, subject, endpoint), values in sorted(rows.items()):  # one order: concurrent drains lock alike
-        if "allowed" in values:  # each allowed request spent one token, plus the extra counted apart
-            values["tokens"] = values.get("tokens", 0) + values["allowed"]
-        records.append(
+    # Sorted as the unique index is: two drains upserting the same rows lock them in one order, and
+    # the index is written in order.
+    _add_records(
+        [
             (
                 "minute",
                 start,
                 kind,
-                subject if kind == OVERFLOW else _label(subject, labels),
+                subject,
                 endpoint,
-                _label(values["organization"], labels) if values["organization"] else "",
+                values["organization"],
                 values["tier"],
                 *(values.get(m, 0) for m in _COUNTS),
             )
-        )
-    _add_records(records)
+            for (kind, subject, endpoint), values in sorted(records.items())
+        ]
+    )
 
 
 def _label(digest: str, labels: dict[str, str]) -> str:
