@@ -203,12 +203,16 @@ class SubjectLabels:
                 self.pending[digest] = (subject.kind.value, subject.value)
 
     def due(self) -> dict[str, tuple[str, str]]:
-        """The labels to write now, taken out of ``pending``; empty if no write is due yet."""
+        """The labels to write now, taken out of ``pending``; empty if no write is due yet.
+
+        Called after every response: this is also where ``written`` is forgotten once
+        ``REFRESH_S`` have passed, so that a subject counted all along is written again too.
+        """
         with self._lock:
-            if not self.pending:
-                return {}
             now = self.clock()
-            if now < self._not_before:
+            if now - self._written_since > self.REFRESH_S:
+                self._forget_written(now)
+            if not self.pending or now < self._not_before:
                 return {}
             self._allowance = min(self.BURST, self._allowance + (now - self._paced_at) / self.INTERVAL_S)
             self._paced_at = now
@@ -226,10 +230,8 @@ class SubjectLabels:
         """``labels`` are in the database."""
         with self._lock:
             self._failures = 0
-            now = self.clock()
-            if len(self.written) + len(labels) > self.WRITTEN_MAX or now - self._written_since > self.REFRESH_S:
-                self.written.clear()
-                self._written_since = now
+            if len(self.written) + len(labels) > self.WRITTEN_MAX:
+                self._forget_written(self.clock())
             self.written.update(labels)
 
     def failed(self, labels: dict[str, tuple[str, str]]) -> int:
@@ -244,6 +246,10 @@ class SubjectLabels:
             kept = dict(list(labels.items())[:room])
             self.pending = {**kept, **self.pending}
             return len(labels) - len(kept)
+
+    def _forget_written(self, now: float) -> None:
+        self.written = set()
+        self._written_since = now
 
     def _take(self) -> dict[str, tuple[str, str]]:
         taken, self.pending = self.pending, {}

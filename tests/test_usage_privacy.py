@@ -134,6 +134,22 @@ def test_labels_are_written_at_once_at_first_then_about_once_a_second() -> None:
     assert len(labels.due()) == SubjectLabels.BATCH
 
 
+def test_a_subject_counted_all_along_is_written_again_after_an_hour() -> None:
+    """So its label's last_seen stays fresh, and purging never takes the label of a live subject."""
+    now = [0.0]
+    labels = SubjectLabels(clock=lambda: now[0])
+    subject = Subject(SubjectKind.API_KEY, "ApiKey:7")
+    labels.note(subject)
+    labels.done(labels.due())
+    labels.note(subject)
+    assert labels.due() == {}  # written already
+    now[0] += SubjectLabels.REFRESH_S + 1
+    assert labels.due() == {}  # the response after the hour forgets what was written...
+    labels.note(subject)
+    assert labels.due() == {subject.digest: ("api_key", "ApiKey:7")}  # ...and the subject's next request notes it
+    assert timedelta(seconds=SubjectLabels.REFRESH_S + layout.USAGE_TTL_S) < KEEP_FOR
+
+
 def test_labels_are_bounded_and_given_up_after_failing_a_few_times() -> None:
     now = [0.0]
     labels = SubjectLabels(clock=lambda: now[0])
