@@ -9,9 +9,12 @@ class RateLimitsConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        # Imported here, not at the top: both import the models, which Django loads only after
-        # this module (checks registers the system checks; the audit trail connects its signals).
+        # Imported here, not at the top: all three import the models, which Django loads only after
+        # this module (checks registers the system checks; the audit trail connects its signals;
+        # the usage subjects' labels are written after each response).
         from . import checks  # noqa: F401
         from .policies import audit
+        from .usage import subjects
 
         audit.connect()
+        subjects.connect()

@@ -66,6 +66,7 @@ SETTING_IDS: dict[str, str] = {
     "SHED_THRESHOLDS": "ratelimits.E116",
     "WORKER_CAPACITY": "ratelimits.E117",
     "USAGE": "ratelimits.E118",
+    "USAGE_MAX_SUBJECTS": "ratelimits.E139",
     "ENDPOINTS": "ratelimits.E119",
     "EXEMPT_ENDPOINTS": "ratelimits.E120",
     "API_KEY_FUNC": "ratelimits.E121",

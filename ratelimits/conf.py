@@ -351,6 +351,7 @@ FLEET_CAPACITY = Setting("FLEET_CAPACITY", None, _optional_positive_int)
 SHED_THRESHOLDS = Setting("SHED_THRESHOLDS", {"low": 60, "normal": 75, "high": 90}, _thresholds)
 WORKER_CAPACITY = Setting("WORKER_CAPACITY", None, _optional_positive_int)
 USAGE = Setting("USAGE", True, _boolean)
+USAGE_MAX_SUBJECTS = Setting("USAGE_MAX_SUBJECTS", 50_000, _positive_int)
 ENDPOINTS = Setting("ENDPOINTS", {}, _mapping)
 EXEMPT_ENDPOINTS = Setting("EXEMPT_ENDPOINTS", [], _exempt_endpoints)
 API_KEY_FUNC = Setting("API_KEY_FUNC", "ratelimits.identity.default_api_key", _callable)
@@ -393,6 +394,7 @@ SETTINGS: dict[str, Setting[Any]] = {
         SHED_THRESHOLDS,
         WORKER_CAPACITY,
         USAGE,
+        USAGE_MAX_SUBJECTS,
         ENDPOINTS,
         EXEMPT_ENDPOINTS,
         API_KEY_FUNC,
@@ -525,6 +527,11 @@ class Settings:
     @property
     def usage_counting(self) -> bool:
         return self.value(USAGE)
+
+    @property
+    def usage_max_subjects(self) -> int:
+        """``USAGE_MAX_SUBJECTS``: the most rows (a caller on an endpoint) one minute of usage counts."""
+        return self.value(USAGE_MAX_SUBJECTS)
 
     @property
     def endpoints(self) -> dict[str, Any]:

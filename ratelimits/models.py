@@ -548,3 +548,21 @@ class UsageBatch(models.Model):
 
     def __str__(self) -> str:
         return self.batch
+
+
+class UsageSubject(models.Model):
+    """Who a digest in the usage counters stands for: the label the drain writes into ``UsageRecord`` rows.
+
+    The counters name callers and organisations by digest only, so that the store never holds a
+    raw identity. Workers write a row here when they first count a subject, and again now and then
+    while they keep counting it (``last_seen``); rows no counter can name any more are purged.
+    """
+
+    digest = models.CharField(max_length=32, primary_key=True)
+    kind = models.CharField(max_length=10)
+    value = models.CharField(max_length=200)
+    first_seen = models.DateTimeField(default=timezone.now)
+    last_seen = models.DateTimeField(default=timezone.now, db_index=True)
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.value}"

@@ -25,8 +25,8 @@ def drain_usage() -> int:
 
 @shared_task(name="ratelimits.maintain_usage", acks_late=True, reject_on_worker_lost=True)
 def maintain_usage() -> dict[str, Any]:
-    """Roll minutes up into hours and days, then purge old minute rows."""
-    return {"rolled_up": usage.rollup(), "purged": usage.purge()}
+    """Roll minutes up into hours and days, then purge old minute rows and the labels no counter names any more."""
+    return {"rolled_up": usage.rollup(), "purged": usage.purge(), "labels_purged": usage.purge_labels()}
 
 
 @shared_task(name="ratelimits.expire_policies", acks_late=True, reject_on_worker_lost=True)

@@ -7,13 +7,16 @@ broker's vhost never take each other's tasks. ``celery -A project worker`` and `
 beat`` run with ``tests.support.celery_settings``: the demo's settings with that queue, and beat draining
 every 2 s. This process sends the traffic through the throttle (``/t/ping``, anonymous tier
 10/m) into the shared Redis; the worker drains it into its database, which is read here with
-psycopg. The drain only takes closed minutes, so each part waits for the minute to turn.
+psycopg. The drain only takes closed minutes, so each part waits for the minute to turn. The
+counters name subjects by digest: the labels this process writes (into its own test database) are
+copied into the worker's, where web workers sharing the worker's database would have written them.
 
 1. Known traffic (10 admitted, 5 turned away) is drained by beat's tasks to exact totals, and
    later drains add nothing.
 2. The worker (main process and pool children) is SIGKILLed in the middle of a drain: after the
    batch was claimed and rows written, before the commit. A new worker gets the unacknowledged
-   task again (``acks_late``) and the totals are exact.
+   task again (``acks_late``), takes the batch once the killed drain's lease ran out, and the
+   totals are exact.
 3. With beat stopped, one drain task is published twice with the same id; the worker's two pool
    processes run both at once. The totals are exact and the minute's batches are applied once.
 
@@ -38,6 +41,7 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +53,11 @@ from rest_framework.test import APIClient
 
 from ratelimits import engine
 from ratelimits.backends.redis import RedisBackend, make_client
-from ratelimits.counters import parse_field, usage_for
+from ratelimits.counters import ROWS, parse_field, usage_for
+from ratelimits.identity import Subject, SubjectKind
+from ratelimits.models import UsageSubject
+from ratelimits.usage.records import GRACE_S, LEASE_S
+from ratelimits.usage.subjects import write_pending
 
 from .support.postgres import throwaway_database
 from .support.processes import REPO, VENV_BIN, Service, manage
@@ -64,8 +72,9 @@ DRAIN_EVERY_S = 2.0
 LIMIT = 10
 REQUESTS = 15
 TIERS = {"anonymous": {"rate": f"{LIMIT}/m"}, "authenticated": {"rate": f"{LIMIT}/m"}}
-#: Each subject one row of its minute: enough of them to make a drain take a while.
-KILL_FILLER = 2000
+#: Each subject one row of its minute. The kill needs a drain that takes a while (a bulk drain
+#: applies thousands of rows in milliseconds): its filler is written straight into the counters.
+KILL_FILLER = 30_000
 DUPLICATE_FILLER = 500
 
 START_TIMEOUT = 60.0
@@ -200,7 +209,7 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
 
 
 @pytest.fixture
-def limits(settings: Any, stack: Stack) -> Stack:
+def limits(settings: Any, stack: Stack, db: None) -> Stack:
     """This process's limiter on the stack's Redis: its decisions count usage where the worker drains."""
     settings.RATELIMITS = {
         **settings.RATELIMITS,
@@ -229,6 +238,51 @@ def known_traffic(stack: Stack, ip: str, filler: int, filler_net: int) -> None:
     assert send(stack, ip, REQUESTS) == [200] * LIMIT + [429] * (REQUESTS - LIMIT)
     for i in range(filler):
         assert send(stack, f"10.{filler_net}.{i // 256}.{i % 256}", 1) == [200]
+    copy_labels(stack)
+
+
+def counted_filler(stack: Stack, minute: int, filler: int, filler_net: int) -> None:
+    """One allowed request from each of ``filler`` IPs, written into ``minute``'s counters as decisions
+    write them, and their labels into the worker's database: rows enough for a drain to take a while."""
+    subjects = [Subject(SubjectKind.IP, f"10.{filler_net}.{i >> 8}.{i & 255}") for i in range(filler)]
+    client = stack.redis_client()
+    try:
+        with client.pipeline(transaction=False) as pipe:
+            for start in range(0, filler, 5000):
+                fields: dict[Any, Any] = {}
+                for subject in subjects[start : start + 5000]:
+                    row = usage_for(subject, None, "anonymous", "ping", 1).field
+                    fields.update({row: 1, row + "a": 1})
+                pipe.hset(f"rl:usage:{minute}", mapping=fields)
+            pipe.hincrby(f"rl:usage:{minute}", ROWS, filler)
+            pipe.execute()
+    finally:
+        client.close()
+    copy_rows = "COPY ratelimits_usagesubject (digest, kind, value, first_seen, last_seen) FROM STDIN"
+    now = datetime.now(tz=UTC)
+    with psycopg.connect(stack.database_url, connect_timeout=10) as conn, conn.cursor().copy(copy_rows) as copy:
+        for subject in subjects:
+            copy.write_row((subject.digest, "ip", subject.value, now, now))
+    for subject in subjects:
+        stack.expected[("ip", subject.value, "ping")] = (1, 0, 0, 0, 1)
+
+
+def copy_labels(stack: Stack) -> None:
+    """The subjects' labels, as this process wrote them into its database, into the worker's."""
+    write_pending()  # those not due yet: a later request's end would write them
+    labels = list(UsageSubject.objects.values_list("digest", "kind", "value"))
+    with psycopg.connect(stack.database_url, connect_timeout=10) as conn, conn.cursor() as cursor:
+        cursor.executemany(
+            "INSERT INTO ratelimits_usagesubject (digest, kind, value, first_seen, last_seen) "
+            "VALUES (%s, %s, %s, now(), now()) ON CONFLICT (digest) DO NOTHING",
+            labels,
+        )
+
+
+def labels(stack: Stack) -> dict[str, str]:
+    """Digest -> label, as the worker's drain finds them."""
+    with psycopg.connect(stack.database_url, connect_timeout=10) as conn:
+        return dict(conn.execute("SELECT digest, value FROM ratelimits_usagesubject").fetchall())
 
 
 def recorded(stack: Stack) -> dict[Key, Totals]:
@@ -278,16 +332,22 @@ def not_yet_applied(stack: Stack) -> dict[Key, Totals]:
         applied = {row[0] for row in conn.execute("SELECT batch FROM ratelimits_usagebatch")}
     client = stack.redis_client()
     sums: dict[Key, list[int]] = {}
+    labelled = labels(stack)
     try:
-        keys = [k.decode() for k in client.scan_iter(match="rl:usage*")]
+        keys = [k.decode() for k in client.scan_iter(match="rl:usage:*")] + [
+            k.decode() for k in client.scan_iter(match="rl:usage-drain:*")
+        ]
         for key in keys:
             if key in applied:
                 continue
             for raw, count in client.hgetall(key).items():
-                parsed = parse_field(raw.decode() if isinstance(raw, bytes) else raw)
-                assert parsed is not None, raw
-                (kind, value, _, _, endpoint), metric = parsed
-                sums.setdefault((kind, value, endpoint), [0] * 5)[COLUMNS.index(metric)] += int(count)
+                field = raw.decode()
+                parsed = parse_field(field)
+                if parsed is None:  # the count of rows, or a row's own marker
+                    assert field == ROWS or field.endswith("]"), field
+                    continue
+                (kind, digest, _, _, endpoint), metric = parsed
+                sums.setdefault((kind, labelled[digest], endpoint), [0] * 5)[COLUMNS.index(metric)] += int(count)
     finally:
         client.close()
     # Counters hold the tokens beyond one per allowed request ("x"); each allowed request spent one.
@@ -307,9 +367,10 @@ def start_traffic_early_in_a_minute() -> None:
         time.sleep(0.1)
 
 
-def wait_for_minute_to_close(minute: int) -> None:
+def wait_until_drainable(minute: int) -> None:
+    """Until ``minute`` has closed and the drain's grace after it has passed: the next drain takes it."""
     deadline = time.monotonic() + MINUTE_TIMEOUT
-    while minute_now() <= minute:
+    while time.time() < (minute + 1) * 60 + GRACE_S:
         assert time.monotonic() < deadline, f"minute {minute} still open"
         time.sleep(0.05)
 
@@ -382,7 +443,7 @@ def test_beat_and_worker_drain_known_traffic_to_exact_totals(limits: Stack) -> N
     assert live, "the decisions counted usage in Redis"
     # Nothing is drained while the minute is open...
     assert recorded(stack) == {}
-    wait_for_minute_to_close(max(live))
+    wait_until_drainable(max(live))
     # ...and beat's next drains bring it in, exactly, and add nothing after.
     wait_settled(stack)
     got = assert_stays_exact(stack)
@@ -394,9 +455,10 @@ def test_a_worker_killed_mid_drain_leaves_exact_totals_after_it_restarts(limits:
     stack, started = limits, time.monotonic()
     before = wait_settled(stack)
     start_traffic_early_in_a_minute()
-    known_traffic(stack, "198.51.100.20", filler=KILL_FILLER, filler_net=20)
+    known_traffic(stack, "198.51.100.20", filler=0, filler_net=20)
     live, _ = store_state(stack)
-    wait_for_minute_to_close(max(live))
+    counted_filler(stack, max(live), KILL_FILLER, filler_net=20)
+    wait_until_drainable(max(live))
 
     # Mid-drain: a batch is claimed in Redis and the drain's transaction has written rows that
     # are not committed yet (it holds a transaction id). Kill the worker, pool and all, right then.
@@ -431,9 +493,10 @@ def test_a_worker_killed_mid_drain_leaves_exact_totals_after_it_restarts(limits:
     in_sum = add(at_kill, not_yet_applied(stack))
     assert in_sum == stack.expected, diff(stack.expected, in_sum)
 
-    # Restarted, the worker gets the unacknowledged task again, and the totals are exact.
+    # Restarted, the worker gets the unacknowledged task again and, once the killed drain's lease
+    # on its batch ran out, applies it: the totals are exact.
     stack.start_worker()
-    got = wait_settled(stack)
+    got = wait_settled(stack, SETTLE_TIMEOUT + LEASE_S)
     redelivered = set(RECEIVED.findall(stack.worker.log_text())) & in_flight
     assert redelivered, f"none of {in_flight} was delivered again:\n{stack.worker.tail()}"
     got = assert_stays_exact(stack)
@@ -461,7 +524,7 @@ def test_one_drain_task_delivered_twice_counts_once(limits: Stack) -> None:
     known_traffic(stack, "198.51.100.30", filler=DUPLICATE_FILLER, filler_net=30)
     live, claimed = store_state(stack)
     assert len(live) == 1 and not claimed, (live, claimed)
-    wait_for_minute_to_close(max(live))
+    wait_until_drainable(max(live))
     assert store_state(stack) == (live, []), "nothing drains while beat is stopped"
 
     # The same task, id and all, published twice: as a broker redelivers a message, or a client retries.
@@ -502,14 +565,17 @@ def test_a_busy_minute_is_claimed_and_forgotten_within_the_limiters_timeouts(
         for start in range(0, BUSY_MINUTE_SUBJECTS, 5000):
             fields: dict[Any, Any] = {}
             for i in range(start, min(start + 5000, BUSY_MINUTE_SUBJECTS)):
-                prefix = usage_for("ip", f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}", "", "anonymous", "ping", 1).field
+                ip = Subject(SubjectKind.IP, f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}")
+                prefix = usage_for(ip, None, "anonymous", "ping", 1).field
                 fields[prefix + "a"] = 1
                 fields[prefix + "x"] = 1  # an extra token: a cost-2 request
             pipe.hset(key, mapping=fields)
         pipe.execute()
     started = time.monotonic()
-    ((batch, claimed_minute, counts),) = backend.claim_usage(minute + 1)
+    ((batch, claimed_minute),) = backend.claim_usage(minute + 1)
+    counts = backend.lease_usage(batch, 30)
     claimed_in = time.monotonic() - started
+    assert counts is not None
     assert claimed_minute == minute
     assert len(counts) == 2 * BUSY_MINUTE_SUBJECTS and set(counts.values()) == {1}
     backend.finish_usage(batch)

@@ -64,6 +64,8 @@ BAD_VALUES = [
     ("SHED_THRESHOLDS", {"low": 90, "normal": 50}, "ratelimits.E116", "must rise with priority"),
     ("WORKER_CAPACITY", "8", "ratelimits.E117", "must be a positive integer or None"),
     ("USAGE", "yes", "ratelimits.E118", "must be True or False"),
+    ("USAGE_MAX_SUBJECTS", 0, "ratelimits.E139", "must be a positive integer"),
+    ("USAGE_MAX_SUBJECTS", "50000", "ratelimits.E139", "must be a positive integer"),
     ("ENDPOINTS", {"x": {"cost": 50}}, "ratelimits.E119", "exceeds the capacity 40 of tier:anonymous"),
     ("ENDPOINTS", {"x": {"priority": "urgent"}}, "ratelimits.E119", "'urgent' must be one of"),
     ("EXEMPT_ENDPOINTS", "health", "ratelimits.E120", "must be a list"),

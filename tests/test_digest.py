@@ -19,12 +19,12 @@ pytestmark = pytest.mark.django_db
 DAY = date(2026, 11, 29)
 
 
-def usage(subject: str, tier: str, minute: int, **counts: int) -> None:
+def usage(subject: str, tier: str, minute: int, kind: str = "api_key", **counts: int) -> None:
     start = datetime(DAY.year, DAY.month, DAY.day, tzinfo=UTC) + timedelta(minutes=minute)
     UsageRecord.objects.create(
         granularity="minute",
         period_start=start,
-        subject_kind="api_key",
+        subject_kind=kind,
         subject_id=subject,
         tier=tier,
         endpoint="charges",
@@ -50,6 +50,14 @@ def test_digest_lists_subjects_near_their_daily_quota_and_the_most_throttled(set
     sent = send_digest(DAY)
     assert sent == digest
     assert len(mail.outbox) == 1 and "ApiKey:1 (free): 850 of 1000" in mail.outbox[0].body
+
+
+def test_the_digest_says_what_overflow_and_digest_rows_stand_for(settings: Any) -> None:
+    usage("ip", "", 0, kind="overflow", allowed=900, throttled=90)
+    usage("digest:AAAAAAAAAAAAAAAA", "free", 0, allowed=9, throttled=9)
+    text = near_limit_digest(DAY).render()
+    assert "overflow ip (every one beyond the subjects a minute counts, USAGE_MAX_SUBJECTS, together): 90 of" in text
+    assert "api_key digest:AAAAAAAAAAAAAAAA (its label was not recorded: named by its digest): 9 of 18" in text
 
 
 def test_expired_overrides_and_assignments_are_removed_with_an_audit_entry() -> None:

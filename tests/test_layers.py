@@ -57,6 +57,7 @@ LAYERS: dict[str, int] = {
     "ratelimits.sources": 3,
     "ratelimits.usage": 3,
     "ratelimits.usage.records": 3,
+    "ratelimits.usage.subjects": 3,
     "ratelimits.engine.": 4,
     "ratelimits.engine": 4,
     "ratelimits.throttles": 5,
@@ -87,6 +88,8 @@ FUNCTION_LEVEL = {
     ("ratelimits.apps", "ratelimits.checks"),
     ("ratelimits.apps", "ratelimits.policies"),
     ("ratelimits.apps", "ratelimits.policies.audit"),
+    ("ratelimits.apps", "ratelimits.usage"),
+    ("ratelimits.apps", "ratelimits.usage.subjects"),
 }
 
 

@@ -23,7 +23,9 @@ from ratelimits.usage.chart import MAX_BARS, render_chart
 from ratelimits.usage.queries import (
     TABLE_LIMIT,
     TABLES,
+    Caveats,
     ReportFilters,
+    caveats,
     effective_policy_url,
     near_limit,
     series_table,
@@ -434,3 +436,28 @@ def test_long_series_are_drawn_as_lines_and_empty_ones_say_so() -> None:
     empty = str(render_chart(time_series(day()), "hour"))
     assert "No usage recorded in this range" in empty
     assert 'data-kind="stacked bars"' in empty
+
+
+def test_the_page_says_how_much_is_in_overflow_rows_and_under_digests(settings: Any, admin_client: Client) -> None:
+    settings.RATELIMITS = {**settings.RATELIMITS, "USAGE_MAX_SUBJECTS": 2500}
+    record("ApiKey:1", START, allowed=10)
+    record("ip", START, kind="overflow", endpoint="charges", allowed=1200, throttled=34)
+    record("digest:AAAAAAAAAAAAAAAA", START + HOUR, kind="ip", allowed=5, throttled=2)
+    assert caveats(day()) == Caveats(overflow=1234, unresolved=7)
+    html = admin_client.get(URL, query()).content.decode()
+    overflow = html.split('id="usage-overflow"')[1].split("</p>")[0]
+    assert "1,234 of these requests" in overflow and "2,500 subjects" in overflow
+    assert "7 of these requests" in html.split('id="usage-unresolved"')[1].split("</p>")[0]
+    # The rows themselves are listed, each under its marker, and link to no effective policy.
+    top = top_consumers(day())
+    assert [(r["subject_kind"], r["subject_id"], r["links"]) for r in top.rows] == [
+        ("overflow", "ip", {}),
+        ("api_key", "ApiKey:1", {"subject_id": effective_policy_url("api_key", "ApiKey:1", endpoint="charges")}),
+        ("ip", "digest:AAAAAAAAAAAAAAAA", {}),
+    ]
+
+
+def test_the_page_says_nothing_of_overflow_when_there_is_none(admin_client: Client, traffic: None) -> None:
+    assert caveats(day()) == Caveats()
+    html = admin_client.get(URL, query()).content.decode()
+    assert 'id="usage-overflow"' not in html and 'id="usage-unresolved"' not in html

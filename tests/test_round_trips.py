@@ -18,8 +18,12 @@ import pytest
 import redis
 from rest_framework.test import APIClient
 
-from ratelimits.backends.redis import DECIDE_SHA
+from ratelimits.backends.redis import DECIDE_SHA, RedisBackend, make_client
+from ratelimits.counters import usage_for
 from ratelimits.decisions import Decision
+from ratelimits.identity import Subject, SubjectKind
+from ratelimits.policies import Check, Policy
+from ratelimits.rates import parse_rate
 
 from .factories import ApiKeyFactory
 from .support.redis_server import RedisServer
@@ -104,10 +108,10 @@ def test_four_dimension_request_costs_exactly_one_round_trip(caller: APIClient, 
     assert numkeys == "6"  # the policy-version stamp, the four checks' state keys, this minute's usage
     # The four checks were decided inside that one call: TIME, one MGET (version + states), 4 SETs.
     inside = [c["command"].split(" ")[0].upper() for c in commands if c["client_type"] == "lua"]
-    # ...and the usage counter: one HINCRBY (cost 1), plus the hash's expiry if this request
-    # opened a new minute (the warm-up request usually did).
+    # ...and the usage counter: one HINCRBY (cost 1); if this request opened a new minute (the
+    # warm-up request usually did), also the hash's expiry and the new row's marker and count.
     expected = sorted(["TIME", "MGET"] + ["SET"] * 4 + ["HINCRBY"])
-    assert sorted(inside) in (expected, sorted([*expected, "EXPIRE"]))
+    assert sorted(inside) in (expected, sorted([*expected, "EXPIRE", "HSETNX", "HINCRBY"]))
 
 
 def test_lost_script_cache_costs_one_extra_round_trip_once(
@@ -124,3 +128,26 @@ def test_lost_script_cache_costs_one_extra_round_trip_once(
     # The failed EVALSHA charged nothing and the EVAL charged once: the tier budget (1000/h,
     # a token back every 3.6 s) dropped by exactly one per request.
     assert [d.results[0].remaining for d in (warm, first, second)] == [999, 998, 997]
+
+
+def test_usage_costs_one_call_for_a_row_counted_already_and_more_only_for_a_new_one(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """The usage commands one decision runs inside its script, as the cap of 1 row a minute fills."""
+    backend = RedisBackend(make_client(redis_server.url, 2.0, 2.0), usage_cap=1)
+    first, second = (Subject(SubjectKind.IP, ip) for ip in ("198.51.100.80", "198.51.100.81"))
+
+    def usage_commands(subject: Subject) -> list[str]:
+        usage = usage_for(subject, None, "", "ping", 1)
+        with recorded_commands(redis_server) as commands:
+            assert backend.decide([Check(Policy("p", parse_rate("100/s"), 100), subject)], usage=usage).allowed
+        inside = [c["command"].split(" ") for c in commands if c["client_type"] == "lua"]
+        # Those on the usage hash (TIME has no key; MGET reads it among the state keys).
+        return [words[0].upper() for words in inside if words[1:2] and words[1].startswith("rl:usage:")]
+
+    new_row = ["HINCRBY", "EXPIRE", "HSETNX", "HINCRBY"]
+    assert usage_commands(first) == new_row
+    assert usage_commands(first) == ["HINCRBY"]  # the steady state: one call
+    # Beyond the cap, every request of the row is taken out again and counted in the overflow row.
+    assert usage_commands(second) == [*new_row, "HDEL", "HINCRBY"]
+    assert usage_commands(first) == ["HINCRBY"]

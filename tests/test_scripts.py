@@ -55,7 +55,7 @@ def test_an_undrained_usage_hash_lives_as_long_as_the_layout_says(
 ) -> None:
     backend = RedisBackend(make_client(redis_server.url, 2.0, 2.0))
     check = Check(Policy("p", parse_rate("5/s"), 5), Subject(SubjectKind.IP, "198.51.100.1"))
-    usage = usage_for("ip", "198.51.100.1", "", "", "ping", 1)
+    usage = usage_for(Subject(SubjectKind.IP, "198.51.100.1"), None, "", "ping", 1)
     assert backend.decide([check], usage=usage).allowed
     ttl = redis_client.ttl(layout.usage_key(backend.prefix, usage.minute))
     assert layout.USAGE_TTL_S - 5 <= ttl <= layout.USAGE_TTL_S

@@ -61,19 +61,31 @@ class Backend(ABC):
 
     @abstractmethod
     def add_usage(self, counts: Mapping[tuple[int, str], int]) -> None:
-        """Add counts made without the store (degraded decisions) to the usage counters."""
+        """Add counts made without the store (degraded decisions) to the usage counters.
+
+        ``counts`` maps ``(minute, field)`` to a count; each new row is capped as a decision's is.
+        """
 
     @abstractmethod
-    def claim_usage(self, before_minute: int) -> list[tuple[str, int, dict[str, int]]]:
+    def claim_usage(self, before_minute: int) -> list[tuple[str, int]]:
         """Take the counters of every minute before ``before_minute`` out of the live set.
 
-        Returns ``(batch id, minute, {field: count})`` per batch, including batches claimed
-        earlier and never finished (a drain that crashed): they stay until :meth:`finish_usage`.
+        Returns ``(batch id, minute)`` of every claimed batch, oldest first, including batches
+        claimed earlier and not finished: a drain that crashed, or one applying them right now.
+        They stay until :meth:`finish_usage`; :meth:`lease_usage` says which a drain may apply.
+        """
+
+    @abstractmethod
+    def lease_usage(self, batch: str, seconds: float) -> dict[str, int] | None:
+        """Hold ``batch`` for ``seconds`` and return its ``{field: count}``.
+
+        ``None`` if another drain holds it, or it is finished. While the lease lasts no other
+        drain is handed the batch; once it runs out (its drain died), another may take it.
         """
 
     @abstractmethod
     def finish_usage(self, batch: str) -> None:
-        """Forget a claimed batch once its counts are safely in the database."""
+        """Forget a claimed batch, and its lease, once its counts are safely in the database."""
 
     @abstractmethod
     def release(self, slot: str, keys: Sequence[str]) -> int:

@@ -8,7 +8,16 @@ Redis Cluster slot; its lifetime comes from the policy (:attr:`Policy.state_ttl_
 
 from __future__ import annotations
 
-__all__ = ["USAGE_TTL_S", "VERSION_TTL_S", "drain_key", "drain_prefix", "usage_key", "usage_prefix", "version_key"]
+__all__ = [
+    "USAGE_TTL_S",
+    "VERSION_TTL_S",
+    "drain_key",
+    "drain_prefix",
+    "lease_key",
+    "usage_key",
+    "usage_prefix",
+    "version_key",
+]
 
 #: How long the policy version stamp lives after its last publication. If it expires, workers
 #: see it lag behind their snapshot and publish it again.
@@ -38,3 +47,11 @@ def drain_prefix(prefix: str) -> str:
 def drain_key(prefix: str, minute: int, batch: str) -> str:
     """A minute's counters once a drain has claimed them (renamed out of the live set)."""
     return f"{drain_prefix(prefix)}{minute}:{batch}"
+
+
+def lease_key(prefix: str, batch: str) -> str:
+    """Held (``SET NX PX``) by the drain applying ``batch`` (a :func:`drain_key`): no other drain takes it meanwhile.
+
+    It expires on its own: a batch whose drain died is taken by another once the lease runs out.
+    """
+    return f"{prefix}:usage-lease:{batch[len(drain_prefix(prefix)) :]}"

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from ..algorithms import ALGORITHMS, State, slots
 from ..conf import conf
-from ..counters import ALLOWED, EXTRA_TOKENS, LIMITED, SHED, Usage
+from ..counters import ALLOWED, EXTRA_TOKENS, LIMITED, SHED, Usage, count, overflow_of
 from ..decisions import Decision, Result, Verdict
 from ..policies.values import Check
 from .base import Backend, new_slot, slot_keys
@@ -34,15 +34,21 @@ class MemoryBackend(Backend):
     #: Expired entries are swept after this many writes, bounding memory for idle subjects.
     SWEEP_EVERY = 10_000
 
-    def __init__(self, *, clock: Callable[[], int] = _wall_clock_us, prefix: str = "rl") -> None:
+    def __init__(
+        self, *, clock: Callable[[], int] = _wall_clock_us, prefix: str = "rl", usage_cap: int | None = None
+    ) -> None:
         self.clock = clock
         self.prefix = prefix
+        #: The most rows a minute of usage counts (``USAGE_MAX_SUBJECTS``).
+        self.usage_cap = conf.usage_max_subjects if usage_cap is None else usage_cap
         self.version: str | None = None
         self._state: dict[str, tuple[State, int]] = {}
         self._slots: dict[str, dict[str, int]] = {}
         #: Usage counters per minute, drained like Redis' (see ``ratelimits.usage``).
         self.usage_counts: dict[int, Counter[str]] = {}
         self._claimed: dict[str, tuple[int, dict[str, int]]] = {}
+        #: Claimed batch -> until when (``clock``) a drain holds it.
+        self._leases: dict[str, int] = {}
         self._lock = threading.Lock()
         self._writes = 0
 
@@ -93,27 +99,40 @@ class MemoryBackend(Backend):
             if consume and usage is not None:
                 counts = self.usage_counts.setdefault(usage.minute, Counter())
                 if decision.allowed:
-                    counts[usage.field + ALLOWED] += 1
-                    if usage.tokens > 1:
-                        counts[usage.field + EXTRA_TOKENS] += usage.tokens - 1
+                    row = count(counts, usage.field, usage.overflow, ALLOWED, 1, self.usage_cap)
+                    if usage.tokens != 1:
+                        counts[row + EXTRA_TOKENS] += usage.tokens - 1
                 else:
-                    counts[usage.field + (SHED if decision.verdict is Verdict.SHED else LIMITED)] += 1
+                    metric = SHED if decision.verdict is Verdict.SHED else LIMITED
+                    count(counts, usage.field, usage.overflow, metric, 1, self.usage_cap)
             return decision
 
-    def claim_usage(self, before_minute: int) -> list[tuple[str, int, dict[str, int]]]:
+    def claim_usage(self, before_minute: int) -> list[tuple[str, int]]:
         with self._lock:
             for minute in [m for m in self.usage_counts if m < before_minute]:
                 self._claimed[f"memory:{minute}:{uuid.uuid4().hex}"] = (minute, dict(self.usage_counts.pop(minute)))
-            return [(batch, minute, dict(counts)) for batch, (minute, counts) in self._claimed.items()]
+            return sorted(((batch, minute) for batch, (minute, _) in self._claimed.items()), key=lambda b: b[1])
+
+    def lease_usage(self, batch: str, seconds: float) -> dict[str, int] | None:
+        with self._lock:
+            now = self.clock()
+            if batch not in self._claimed or self._leases.get(batch, now) > now:
+                return None
+            self._leases[batch] = now + max(int(seconds * 1_000_000), 1)
+            return dict(self._claimed[batch][1])
 
     def finish_usage(self, batch: str) -> None:
         with self._lock:
             self._claimed.pop(batch, None)
+            self._leases.pop(batch, None)
 
     def add_usage(self, counts: Mapping[tuple[int, str], int]) -> None:
         with self._lock:
-            for (minute, field), count in counts.items():
-                self.usage_counts.setdefault(minute, Counter())[field] += count
+            for (minute, field), n in counts.items():
+                overflow = overflow_of(field)
+                if overflow is not None:
+                    minute_counts = self.usage_counts.setdefault(minute, Counter())
+                    count(minute_counts, field[:-1], overflow, field[-1], n, self.usage_cap)
 
     def release(self, slot: str, keys: Sequence[str]) -> int:
         with self._lock:

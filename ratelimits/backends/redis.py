@@ -23,14 +23,14 @@ except ImportError:  # optional: redis-py's own packer is used instead
     hiredis = None  # type: ignore[assignment]
 
 from ..conf import conf
-from ..counters import Usage
+from ..counters import Usage, overflow_of
 from ..decisions import Decision, Result
 from ..exceptions import BackendUnavailable, PolicyFailed
 from ..policies.values import Check
 from . import layout
 from .base import Backend, StoreHealth, new_slot, slot_keys
 
-__all__ = ["DECIDE", "PUBLISH_VERSION", "RELEASE", "RedisBackend", "Script", "make_client"]
+__all__ = ["ADD_USAGE", "DECIDE", "PUBLISH_VERSION", "RELEASE", "RedisBackend", "Script", "make_client"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +48,7 @@ class Script:
 
 
 DECIDE = Script.load("decide.lua")
+ADD_USAGE = Script.load("add_usage.lua")
 PUBLISH_VERSION = Script.load("publish_version.lua")
 RELEASE = Script.load("release.lua")
 #: What a script cache holds the decide script under (tests look for it there).
@@ -72,11 +73,14 @@ class RedisBackend(Backend):
         *,
         prefix: str = "rl",
         clock: Callable[[], int] | None = None,
+        usage_cap: int | None = None,
     ) -> None:
         self.client = client
         self.prefix = prefix
         #: ``None`` lets the script read Redis ``TIME``; otherwise integer microseconds.
         self.clock = clock
+        #: The most rows a minute of usage counts (``USAGE_MAX_SUBJECTS``), as the scripts are passed it.
+        self.usage_cap = str(conf.usage_max_subjects if usage_cap is None else usage_cap)
         self.version_key = layout.version_key(prefix)
         self._local = threading.local()
 
@@ -99,6 +103,8 @@ class RedisBackend(Backend):
             usage.field if usage else "",
             usage.tokens if usage else 0,
             _USAGE_TTL,
+            usage.overflow if usage else "",
+            self.usage_cap,
         ]
         for check in checks:
             script_keys.append(check.key(self.prefix))
@@ -135,7 +141,7 @@ class RedisBackend(Backend):
             slot_keys=held,
         )
 
-    def claim_usage(self, before_minute: int) -> list[tuple[str, int, dict[str, int]]]:
+    def claim_usage(self, before_minute: int) -> list[tuple[str, int]]:
         live, draining = layout.usage_prefix(self.prefix), layout.drain_prefix(self.prefix)
         batches = []
         with self._store():
@@ -149,28 +155,44 @@ class RedisBackend(Backend):
             for key in self.client.scan_iter(match=f"{draining}*", count=1000):
                 name = _text(key)
                 minute = _minute(name.rsplit(":", 1)[0], draining)
-                if minute is None:
-                    continue
-                # HSCAN, not HGETALL: a busy minute's hash can take longer than the limiter's tight
-                # socket timeout to send in one reply, and would then never drain. A claimed batch
-                # is no longer written to, so the scan sees every field (a repeat is the same value).
-                counts = {_text(f): int(v) for f, v in self.client.hscan_iter(name, count=1000)}
-                batches.append((name, minute, counts))
+                if minute is not None:
+                    batches.append((name, minute))
         return sorted(batches, key=lambda batch: batch[1])
 
-    def finish_usage(self, batch: str) -> None:
+    def lease_usage(self, batch: str, seconds: float) -> dict[str, int] | None:
+        lease = layout.lease_key(self.prefix, batch)
         with self._store():
+            if not self.client.set(lease, "1", nx=True, px=max(int(seconds * 1000), 1)):
+                return None
+            # HSCAN, not HGETALL: a busy minute's hash can take longer than the limiter's tight
+            # socket timeout to send in one reply, and would then never drain. A claimed batch
+            # is no longer written to, so the scan sees every field (a repeat is the same value).
+            counts = {_text(f): int(v) for f, v in self.client.hscan_iter(batch, count=1000)}
+            if not counts:  # finished by another drain since it was claimed: nothing to hold
+                self.client.delete(lease)
+                return None
+        return counts
+
+    def finish_usage(self, batch: str) -> None:
+        with self._store(), self.client.pipeline(transaction=False) as pipe:
             # UNLINK frees a busy minute's hash off the main thread: a DEL of it would hold up every
             # decision on this Redis (and outlast their socket timeout) while it ran.
-            self.client.unlink(batch)
+            pipe.unlink(batch)
+            pipe.delete(layout.lease_key(self.prefix, batch))
+            pipe.execute()
 
     def add_usage(self, counts: Mapping[tuple[int, str], int]) -> None:
-        with self._store(), self.client.pipeline(transaction=False) as pipe:
-            for (minute, field), count in counts.items():
-                key = layout.usage_key(self.prefix, minute)
-                pipe.hincrby(key, field, count)
-                pipe.expire(key, layout.USAGE_TTL_S)
-            pipe.execute()
+        keys: dict[int, int] = {}  # minute -> its key's index in KEYS
+        args: list[Any] = [_USAGE_TTL, self.usage_cap]
+        for (minute, field), n in counts.items():
+            overflow = overflow_of(field)
+            if overflow is not None:
+                index = keys.setdefault(minute, len(keys) + 1)
+                args += (index, field[:-1], field[-1], overflow, n)
+        if keys:
+            # One script for every minute: each new row is capped as a decision's is, and the
+            # counts are added all at once or not at all.
+            self._run(ADD_USAGE, [layout.usage_key(self.prefix, minute) for minute in keys], args)
 
     def release(self, slot: str, keys: Sequence[str]) -> int:
         return int(self._run(RELEASE, list(keys), [slot]))

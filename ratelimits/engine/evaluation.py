@@ -89,8 +89,7 @@ def usage_of(identity: Identity, checks: Sequence[Check]) -> Usage:
             tokens = check.cost  # every rate check of a request spends the endpoint's cost
         if policy.tier is not None and (not tier or check.subject is caller):  # the resolver's own object
             tier = policy.tier
-    organization = identity.organization.value if identity.organization else ""
-    return usage_for(caller.kind, caller.value, organization, tier, identity.endpoint.value, tokens)
+    return usage_for(caller, identity.organization, tier, identity.endpoint.value, tokens)
 
 
 def _hold(limiter: Limiter, decision: Decision, shedder: WorkerShedder | None) -> None:

@@ -7,13 +7,17 @@
 -- ARGV[1]          now in integer microseconds, or "" to read the Redis server clock (TIME)
 -- ARGV[2]          "1" to consume when every check allows, "0" to only report (peek)
 -- ARGV[3]          this request's slot id (for checks of the slot algorithms), or ""
--- ARGV[4]          the request's usage field prefix, or "" not to count it; then the last key
---                  is this minute's usage hash, which gains <prefix>a (allowed), <prefix>l
---                  (limited, 429), <prefix>s (shed, 503) and <prefix>x (tokens spent beyond one
---                  per allowed request)
+-- ARGV[4]          the request's usage row, or "" not to count it; then the last key is this
+--                  minute's usage hash, which gains <row>a (allowed), <row>l (limited, 429),
+--                  <row>s (shed, 503) and <row>x (tokens spent beyond one per allowed request).
+--                  A row's first field also sets the field <row> and adds one to the field "#"
+--                  (the minute's rows); a row beyond the cap is counted in the overflow row
+--                  instead (ratelimits/counters.py, count(), is the same rule in Python)
 -- ARGV[5]          the tokens this request spends (its endpoint's cost), for the usage count
 -- ARGV[6]          seconds an undrained usage hash lives (ratelimits/backends/layout.py)
--- ARGV[7 + 7(i-1)] check i: algorithm (one of the codes below), limit (requests per period;
+-- ARGV[7]          the overflow row of the request's caller kind and endpoint
+-- ARGV[8]          the most rows a minute counts (USAGE_MAX_SUBJECTS)
+-- ARGV[9 + 7(i-1)] check i: algorithm (one of the codes below), limit (requests per period;
 --                  slots), period (microseconds; a slot's TTL), burst (GCRA capacity in requests;
 --                  ignored by the others), state TTL (milliseconds, passed through to PX as
 --                  given: converting numbers to strings is the costliest thing a script does),
@@ -37,7 +41,7 @@ local CONCURRENCY, FLEET = 4, 5
 -- How soon a caller denied a slot should retry (ratelimits.algorithms.SLOT_RETRY_US).
 local SLOT_RETRY_US = 1000000
 -- How many ARGV come before the first check's, and how many each check has.
-local HEADER, PER_CHECK = 6, 7
+local HEADER, PER_CHECK = 8, 7
 
 local now
 if ARGV[1] == '' then
@@ -254,21 +258,27 @@ else
   reply[3] = 0
 end
 
--- Usage counters for the roll-up, in this same round trip. One call in the common case: tokens
--- beyond one per request are counted only for costlier endpoints, and the hash's expiry (if
--- nothing drains it) is set when a field is first created, not on every request.
+-- Usage counters for the roll-up, in this same round trip. One call in the common case (a row
+-- already counted this minute); tokens beyond one per request are counted only for costlier
+-- endpoints. Only a field's first increment does more: the hash's expiry (if nothing drains it),
+-- and, for a new row, the cap on the minute's rows.
 -- A failed check's request is decided again without it, and counted then.
 if consume and usage ~= '' and not failed then
   local counters = KEYS[#KEYS]
   local metric = 's'
   if all_allowed then
     metric = 'a'
-    if ARGV[5] ~= '1' then redis.call('HINCRBY', counters, usage .. 'x', tonumber(ARGV[5]) - 1) end
   elseif limited then
     metric = 'l'
   end
   if redis.call('HINCRBY', counters, usage .. metric, 1) == 1 then
     redis.call('EXPIRE', counters, ARGV[6])
+    if redis.call('HSETNX', counters, usage, 1) == 1 and redis.call('HINCRBY', counters, '#', 1) > tonumber(ARGV[8]) then
+      redis.call('HDEL', counters, usage .. metric, usage)
+      usage = ARGV[7]
+      redis.call('HINCRBY', counters, usage .. metric, 1)
+    end
   end
+  if all_allowed and ARGV[5] ~= '1' then redis.call('HINCRBY', counters, usage .. 'x', tonumber(ARGV[5]) - 1) end
 end
 return reply

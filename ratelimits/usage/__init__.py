@@ -1,6 +1,7 @@
 """Usage: what callers did, drained from the decisions' own counters into the database, and reported.
 
 - :mod:`.records`: the exactly-once drain into ``UsageRecord`` rows, roll-ups and retention.
+- :mod:`.subjects`: the labels of the digests the counters name subjects by, written by the workers.
 - :mod:`.digest`: the daily "near limit" digest mailed to the site's admins.
 - :mod:`.queries`, :mod:`.chart` and :mod:`.report`: the admin's usage report.
 
@@ -9,5 +10,6 @@ the store's side, which needs no database.
 """
 
 from .records import drain, purge, rollup, today_usage
+from .subjects import purge as purge_labels
 
-__all__ = ["drain", "purge", "rollup", "today_usage"]
+__all__ = ["drain", "purge", "purge_labels", "rollup", "today_usage"]

@@ -11,6 +11,7 @@ from django.db.models import Sum
 from ..models import UsageRecord
 from ..policies.source import build_policy_source
 from ..policies.values import Role
+from .records import OVERFLOW, UNRESOLVED
 
 __all__ = ["Digest", "near_limit_digest", "send_digest"]
 
@@ -32,8 +33,19 @@ class Digest:
         lines.append(f"Subjects above {NEAR:.0%} of their daily quota:")
         lines += [f"  {k} {i} ({t}): {spent} of {quota}" for k, i, t, spent, quota in self.near_limit] or ["  none"]
         lines += ["", "Most throttled subjects:"]
-        lines += [f"  {k} {i}: {th} of {req} requests" for k, i, th, req in self.most_throttled] or ["  none"]
+        lines += [f"  {k} {i}{_note(k, i)}: {th} of {req} requests" for k, i, th, req in self.most_throttled] or [
+            "  none"
+        ]
         return "\n".join(lines)
+
+
+def _note(kind: str, ident: str) -> str:
+    """What a row that names no one subject stands for."""
+    if kind == OVERFLOW:
+        return " (every one beyond the subjects a minute counts, USAGE_MAX_SUBJECTS, together)"
+    if ident.startswith(UNRESOLVED):
+        return " (its label was not recorded: named by its digest)"
+    return ""
 
 
 def near_limit_digest(day: date | None = None) -> Digest:

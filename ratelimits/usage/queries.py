@@ -20,16 +20,18 @@ from django.urls import reverse
 
 from ..identity import SubjectKind
 from ..models import UsageRecord
-from .records import MAX_RANGE
+from .records import MAX_RANGE, OVERFLOW, UNRESOLVED
 from .text import csv_text, display_text
 
 __all__ = [
     "MAX_RANGE",
     "TABLES",
     "TABLE_LIMIT",
+    "Caveats",
     "Period",
     "ReportFilters",
     "Table",
+    "caveats",
     "effective_policy_url",
     "grouped_usage",
     "near_limit",
@@ -96,6 +98,31 @@ def usage_records(filters: ReportFilters) -> QuerySet[UsageRecord]:
     if filters.organization:
         rows = rows.filter(organization=filters.organization)
     return rows.order_by()
+
+
+@dataclass(frozen=True, slots=True)
+class Caveats:
+    """Requests of the range the report cannot name a subject of.
+
+    ``overflow``: counted in an overflow row (kind ``overflow``, the callers' kind as its subject),
+    because their minute already counted ``USAGE_MAX_SUBJECTS`` rows. ``unresolved``: recorded
+    under a subject's digest (``digest:...``), because its label was not in the database when the
+    minute was drained.
+    """
+
+    overflow: int = 0
+    unresolved: int = 0
+
+
+def caveats(filters: ReportFilters) -> Caveats:
+    """How many requests of the range are in overflow rows, and how many under a digest."""
+    requests = F("allowed") + F("throttled") + F("shed") + F("degraded")
+    unresolved = Q(subject_id__startswith=UNRESOLVED) | Q(organization__startswith=UNRESOLVED)
+    sums = usage_records(filters).aggregate(
+        overflow=Sum(requests, filter=Q(subject_kind=OVERFLOW)),
+        unresolved=Sum(requests, filter=unresolved & ~Q(subject_kind=OVERFLOW)),
+    )
+    return Caveats(int(sums["overflow"] or 0), int(sums["unresolved"] or 0))
 
 
 def grouped_usage(rows: QuerySet[UsageRecord], *fields: str) -> QuerySet[UsageRecord, dict[str, Any]]:
@@ -345,6 +372,8 @@ TABLES: dict[str, Callable[[ReportFilters, str], Table]] = {
 def effective_policy_url(kind: str, value: str, *, endpoint: str = "", organization: str = "") -> str:
     """The effective policy page, filled in for this subject on ``endpoint`` ("" if it cannot be)."""
     params: dict[str, str] = {}
+    if value.startswith(UNRESOLVED):
+        return ""  # a digest names nobody the page could look up
     if kind == SubjectKind.API_KEY:
         params["api_key"] = value
     elif kind == SubjectKind.USER:
@@ -353,7 +382,7 @@ def effective_policy_url(kind: str, value: str, *, endpoint: str = "", organizat
         params["ip"] = value.split("/", 1)[0]  # an aggregated IPv6 network: its address aggregates back to it
     else:
         return ""
-    if organization:
+    if organization and not organization.startswith(UNRESOLVED):
         params["org"] = organization
     if endpoint:
         params["endpoint"] = endpoint

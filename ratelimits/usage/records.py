@@ -1,44 +1,68 @@
 """Usage records: closed minutes of counters drained into ``UsageRecord`` rows, rolled up, purged.
 
 The counters themselves are written by every decision in its own round trip
-(:mod:`ratelimits.counters`). Here they become rows exactly once, whatever crashes, retries or
-duplicate deliveries happen; hours and days are summed from minutes; old minutes are purged.
+(:mod:`ratelimits.counters`), naming subjects by digest. Here they become rows exactly once,
+whatever crashes, retries or duplicate deliveries happen, their digests turned back into the
+labels the workers wrote (:mod:`.subjects`); hours and days are summed from minutes; old minutes
+are purged.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from django.db import IntegrityError, transaction
-from django.db.models import F, Sum
+from django.db import IntegrityError, NotSupportedError, connection, transaction
+from django.db.models import Sum
 from django.db.models.functions import Trunc
 
 from ..backends import Backend, get_backend
-from ..counters import METRICS, parse_field
+from ..counters import METRICS, OVERFLOW, parse_row
 from ..identity import Identity
 from ..models import UsageBatch, UsageRecord
+from . import subjects
+from .subjects import chunks, max_params
 
-__all__ = ["MAX_RANGE", "drain", "purge", "rollup", "today_usage"]
+__all__ = ["GRACE_S", "LEASE_S", "MAX_RANGE", "OVERFLOW", "UNRESOLVED", "drain", "purge", "rollup", "today_usage"]
+
+logger = logging.getLogger("ratelimits")
 
 #: The longest range one query of usage rows may cover, per granularity (keeps pages and scans bounded).
 MAX_RANGE = {"minute": timedelta(days=2), "hour": timedelta(days=31), "day": timedelta(days=366)}
+#: A minute is drained this long after it closed, not before: the labels of its last subjects,
+#: written about a second after their requests (:mod:`.subjects`), are in by then.
+GRACE_S = 5.0
+#: How long a drain holds the batch it applies: far longer than applying the most rows a minute
+#: counts takes (docs/usage.md has the figures). Another drain takes the batch over after that.
+LEASE_S = 30.0
+#: What a subject without a label is recorded as: its digest, after this.
+UNRESOLVED = "digest:"
+
+_COLUMNS = ("granularity", "period_start", "subject_kind", "subject_id", "endpoint", "organization", "tier")
+_KEY = ("granularity", "period_start", "subject_kind", "subject_id", "endpoint")  # the rows' unique constraint
+_COUNTS = tuple(METRICS.values())
 
 
 def drain(backend: Backend | None = None, *, now: float | None = None) -> int:
     """Move every closed minute's counters into ``UsageRecord`` rows, exactly once; return batches applied.
 
-    Each batch is claimed atomically from the store, applied in one database transaction
-    together with a ``UsageBatch`` row naming it, and only then forgotten by the store. A drain
-    killed anywhere, retried, or delivered twice at once therefore neither loses nor
-    double-counts a request: a batch the database already has is simply forgotten again, and
-    of two drains applying the same batch the second fails on ``UsageBatch`` and rolls back.
+    Each batch is claimed atomically from the store, leased (no other drain is handed it while
+    this one applies it), applied in one database transaction together with a ``UsageBatch`` row
+    naming it, and only then forgotten by the store. A drain killed anywhere, retried, or
+    delivered twice at once therefore neither loses nor double-counts a request: a batch the
+    database already has is simply forgotten again; a batch whose drain died is taken by another
+    once its lease runs out; and should two drains still apply the same batch at once, the second
+    fails on ``UsageBatch`` and rolls back.
     """
     backend = backend or get_backend()
-    current = int((time.time() if now is None else now) // 60)
+    closed_before = int(((time.time() if now is None else now) - GRACE_S) // 60)
     applied = 0
-    for batch, minute, counts in backend.claim_usage(current):
+    for batch, minute in backend.claim_usage(closed_before):
+        counts = backend.lease_usage(batch, LEASE_S)
+        if counts is None:
+            continue  # another drain is applying it (or has just finished)
         try:
             with transaction.atomic():
                 if not UsageBatch.objects.filter(batch=batch).exists():
@@ -47,37 +71,101 @@ def drain(backend: Backend | None = None, *, now: float | None = None) -> int:
                     applied += 1
         except IntegrityError:
             if not UsageBatch.objects.filter(batch=batch).exists():
-                continue  # raced another batch to a new row: nothing kept; the next drain retries it
-            # else another drain applied this very batch: it is in the database
+                raise
+            # Another drain applied this very batch (it took it over when our lease ran out): it is
+            # in the database.
         backend.finish_usage(batch)
     return applied
 
 
 def _apply(minute: int, counts: dict[str, int]) -> None:
-    """Add one minute's counters to its rows (created as needed)."""
-    start = datetime.fromtimestamp(minute * 60, tz=UTC)
-    rows: dict[tuple[str, str, str], dict[str, Any]] = {}
+    """Add one minute's counters to its rows (created as needed), the digests resolved to their labels."""
+    by_row: dict[str, dict[str, int]] = {}  # counter row -> metric column -> count
     for field, count in counts.items():
-        parsed = parse_field(field)
-        if parsed is None or count <= 0:
-            continue
-        (kind, value, organization, tier, endpoint), metric = parsed
-        row = rows.setdefault((kind, value, endpoint), {"organization": organization, "tier": tier})
-        row[metric] = row.get(metric, 0) + count
-    for (kind, value, endpoint), row in rows.items():
-        if "allowed" in row:  # each allowed request spent one token, plus the extra counted apart
-            row["tokens"] = row.get("tokens", 0) + row["allowed"]
-        where = {"granularity": "minute", "period_start": start, "subject_kind": kind, "subject_id": value}
-        increments = {metric: row[metric] for metric in METRICS.values() if metric in row}
-        updated = UsageRecord.objects.filter(**where, endpoint=endpoint).update(
-            organization=row["organization"],
-            tier=row["tier"],
-            **{metric: F(metric) + n for metric, n in increments.items()},
+        metric = METRICS.get(field[-1:])
+        if metric is not None and count > 0:
+            metrics = by_row.setdefault(field[:-1], {})
+            metrics[metric] = metrics.get(metric, 0) + count
+    parsed = [(row, by_row[text]) for text in by_row if (row := parse_row(text)) is not None]
+    digests = {row.subject for row, _ in parsed if row.kind != OVERFLOW}
+    digests.update(row.organization for row, _ in parsed if row.organization)
+    labels = {digest: value for digest, (_, value) in subjects.resolve(digests).items()}
+    unresolved = digests - labels.keys()
+    if unresolved:
+        logger.warning(
+            "ratelimits: %d subjects of usage minute %d have no label; recorded as %s<their digest>",
+            len(unresolved),
+            minute,
+            UNRESOLVED,
         )
-        if not updated:
-            UsageRecord.objects.create(
-                **where, endpoint=endpoint, organization=row["organization"], tier=row["tier"], **increments
+    # Keyed as the rows are unique: two digests of one subject (the hash key changed) are one row.
+    records: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for row, metrics in parsed:
+        subject = row.subject if row.kind == OVERFLOW else _label(row.subject, labels)
+        organization = _label(row.organization, labels) if row.organization else ""
+        values = records.setdefault((row.kind, subject, row.endpoint), {"organization": organization, "tier": row.tier})
+        for metric, count in metrics.items():
+            values[metric] = values.get(metric, 0) + count
+    for values in records.values():  # each allowed request spent one token, plus the extra counted apart
+        values["tokens"] = values.get("tokens", 0) + values.get("allowed", 0)
+    start = UsageRecord._meta.get_field("period_start").get_db_prep_value(
+        datetime.fromtimestamp(minute * 60, tz=UTC), connection
+    )
+    # Sorted as the unique index is: two drains upserting the same rows lock them in one order, and
+    # the index is written in order.
+    _add_records(
+        [
+            (
+                "minute",
+                start,
+                kind,
+                subject,
+                endpoint,
+                values["organization"],
+                values["tier"],
+                *(values.get(m, 0) for m in _COUNTS),
             )
+            for (kind, subject, endpoint), values in sorted(records.items())
+        ]
+    )
+
+
+def _label(digest: str, labels: dict[str, str]) -> str:
+    return labels.get(digest) or f"{UNRESOLVED}{digest}"
+
+
+def _add_records(records: list[tuple[Any, ...]]) -> None:
+    """Add counts to their ``UsageRecord`` rows, creating them as needed, with ``INSERT ... ON CONFLICT``.
+
+    ``records`` hold the database values of :data:`_COLUMNS` then :data:`_COUNTS` (the model's
+    field names are its columns). A row already there gets the counts added, and takes this
+    batch's organisation and tier, as the drain always did.
+    """
+    if not records:
+        return
+    if not connection.features.supports_update_conflicts_with_target:
+        raise NotSupportedError(f"the usage drain needs INSERT ... ON CONFLICT, which {connection.vendor} lacks")
+    quote = connection.ops.quote_name
+    table = quote(UsageRecord._meta.db_table)
+    names = (*_COLUMNS, *_COUNTS)
+    columns = [quote(name) for name in names]
+    updates = [f"{c} = EXCLUDED.{c}" for c in columns[len(_KEY) : len(_COLUMNS)]]
+    updates += [f"{c} = {table}.{c} + EXCLUDED.{c}" for c in columns[len(_COLUMNS) :]]
+    insert = f"INSERT INTO {table} ({', '.join(columns)}) "
+    on_conflict = f" ON CONFLICT ({', '.join(quote(name) for name in _KEY)}) DO UPDATE SET {', '.join(updates)}"
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            # One statement of one array per column: a list of VALUES as long would take the
+            # driver longer to bind than the server takes to run it.
+            arrays = ", ".join(f"%s::{UsageRecord._meta.get_field(name).db_type(connection)}[]" for name in names)
+            cursor.execute(
+                f"{insert}SELECT * FROM unnest({arrays}){on_conflict}", [list(c) for c in zip(*records, strict=True)]
+            )
+            return
+        row = f"({', '.join(['%s'] * len(columns))})"
+        for chunk in chunks(records, max_params(len(columns))):
+            values = ", ".join([row] * len(chunk))
+            cursor.execute(f"{insert}VALUES {values}{on_conflict}", [v for record in chunk for v in record])
 
 
 def rollup(*, now: datetime | None = None, window_hours: int = 48) -> int:

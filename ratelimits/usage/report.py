@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 from collections.abc import Callable
+from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
@@ -15,6 +16,7 @@ from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils.dateparse import parse_datetime
 
+from ..conf import conf
 from ..models import validate_endpoint
 from .chart import MAX_BARS, render_chart
 from .queries import (
@@ -27,6 +29,7 @@ from .queries import (
     TOTALS,
     ReportFilters,
     Table,
+    caveats,
     floor_period,
     series_table,
     time_series,
@@ -226,6 +229,9 @@ def usage_report_view(model_admin: ModelAdmin[Any]) -> Callable[[HttpRequest], H
                         **{m: display_text(sum(getattr(p, m) for p in series)) for m in TOTALS},
                     },
                     "sections": sections,
+                    # Only those there are, written as the page writes numbers.
+                    "caveats": {name: display_text(n) for name, n in asdict(caveats(filters)).items() if n},
+                    "max_subjects": display_text(conf.usage_max_subjects),
                 }
             )
         return TemplateResponse(request, "admin/ratelimits/usage_report.html", context)

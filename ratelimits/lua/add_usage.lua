@@ -1,0 +1,28 @@
+-- add_usage.lua: add counts made without the store (degraded decisions) to the usage counters.
+--
+-- Counts as decide.lua does (ratelimits/counters.py, count(), is the same rule in Python): a
+-- field's first increment sets its hash's expiry, and a new row beyond the cap is counted in
+-- its overflow row instead. One call for every minute: all of the counts are added, or none.
+--
+-- KEYS[1..k]       the usage hash of each minute the counts are of
+-- ARGV[1]          seconds an undrained usage hash lives (ratelimits/backends/layout.py)
+-- ARGV[2]          the most rows a minute counts (USAGE_MAX_SUBJECTS)
+-- ARGV[3 + 5(i-1)] count i: the index k of its minute's key, its row, its metric (one letter),
+--                  the row's overflow row, the count
+--
+-- Returns how many of the counts went to an overflow row.
+
+local cap = tonumber(ARGV[2])
+local overflowed = 0
+for i = 3, #ARGV, 5 do
+  local counters, row, metric, n = KEYS[tonumber(ARGV[i])], ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 4])
+  if redis.call('HINCRBY', counters, row .. metric, n) == n then
+    redis.call('EXPIRE', counters, ARGV[1])
+    if redis.call('HSETNX', counters, row, 1) == 1 and redis.call('HINCRBY', counters, '#', 1) > cap then
+      redis.call('HDEL', counters, row .. metric, row)
+      redis.call('HINCRBY', counters, ARGV[i + 3] .. metric, n)
+      overflowed = overflowed + 1
+    end
+  end
+end
+return overflowed
