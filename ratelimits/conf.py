@@ -284,7 +284,7 @@ class FailedAuthLimit(NamedTuple):
 
     rate: Rate
     burst: int
-    #: How many leading characters of a presented credential are counted together (0: IPs only).
+    #: Leading characters of a presented credential counted together (0, the default: IPs only).
     prefix_length: int
 
 
@@ -299,7 +299,9 @@ def _failed_auth(value: object, field: str) -> FailedAuthLimit | None:
         raise ConfigurationError(f"{field}: 'rate' is required, e.g. {{'rate': '10/m', 'burst': 20}}")
     rate = parse_rate(config["rate"], field=f"{field}['rate']")
     burst = check_burst(rate, config.get("burst", rate.limit), field=f"{field}['burst']")
-    length = config.get("prefix_length", 12)
+    # Off unless asked for: the prefix must tell one credential from others (a key's public id);
+    # every HS256 JWT starts with the same 12 characters.
+    length = config.get("prefix_length", 0)
     if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= 200:
         raise ConfigurationError(f"{field}['prefix_length']: {length!r} must be an integer from 0 to 200")
     return FailedAuthLimit(rate, burst, length)

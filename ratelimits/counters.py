@@ -208,8 +208,10 @@ class SubjectLabels:
         Called after every response: this is also where ``written`` is forgotten once
         ``REFRESH_S`` have passed, so that a subject counted all along is written again too.
         """
+        now = self.clock()
+        if not self.pending and now - self._written_since <= self.REFRESH_S:
+            return {}  # the common case, read without the lock: nothing waits, nothing to forget
         with self._lock:
-            now = self.clock()
             if now - self._written_since > self.REFRESH_S:
                 self._forget_written(now)
             if not self.pending or now < self._not_before:

@@ -90,9 +90,12 @@ def test_one_credential_prefix_guessed_from_many_addresses_is_limited_too(
     settings: Any, use_redis: RedisServer
 ) -> None:
     configure(settings, use_redis.url, FAILED_AUTH={**LIMIT, "prefix_length": 12})
+    ApiKeyFactory(raw="sk_live_acme_the_real_one", tier="paid")
     statuses = [guess(f"192.0.2.{n}", f"sk_live_acme{secrets.token_hex(8)}").status_code for n in range(60)]
     assert statuses == [401] * BURST + [429] * (60 - BURST)
     assert guess("192.0.2.200").status_code == 401  # another prefix, a fresh address: not refused
+    # Anyone can spend a prefix's failures: the valid key that has it still gets in, from anywhere.
+    assert [guess(f"192.0.2.{n}", "sk_live_acme_the_real_one").status_code for n in (1, 201)] == [200, 200]
 
 
 def test_requests_without_credentials_and_successful_ones_are_never_counted(

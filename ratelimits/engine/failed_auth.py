@@ -2,13 +2,18 @@
 
 Authentication runs before any throttle, and a guessed credential costs a database lookup, so
 the ordinary limits never see a key-guessing client. This limit counts failures only: a request
-that authenticates costs nothing, a failed one spends a token in the store (one round trip). A
-subject whose bucket is empty is remembered by the worker until its wait runs out, and its
-requests are then refused before authentication, with no round trip and no database query.
+that authenticates costs nothing, a failed one spends a token in the store (one round trip). An
+address whose bucket is empty is remembered by the worker until its wait runs out, and its
+requests with credentials are then refused before authentication, with no round trip and no
+database query.
 
 That memory is exact. Only failures spend from these buckets and nothing gives tokens back, so
 no request can end a denial early: a request refused from memory is one the store would refuse
 too (an admin deleting the keys by hand aside). The memory is bounded (:data:`REMEMBERED`).
+
+Only addresses are refused from memory. Anyone can send failures under someone else's credential
+prefix, and the valid key must still get in: a prefix over its limit turns its failed attempts'
+401s into 429s, once the store has said so.
 """
 
 from __future__ import annotations
@@ -46,8 +51,10 @@ class FailedAuthentication:
             "failed-auth", limit.rate, limit.burst, Algorithm.TOKEN_BUCKET, FailMode.OPEN, role=Role.FAILED_AUTH
         )
         self.prefix_length = limit.prefix_length
-        #: Subject -> (monotonic second its denial ends, the store's result when it denied).
+        #: Address -> (monotonic second its denial ends, the store's result when it denied).
         self._denied: dict[Subject, tuple[float, Result]] = {}
+        #: When the last remembered denial ends: after it, the memory is emptied at once.
+        self._last_end = 0.0
         self._lock = threading.Lock()
 
     def subjects(self, request: HttpRequest) -> list[Subject]:
@@ -67,27 +74,26 @@ class FailedAuthentication:
         return subjects
 
     def refused(self, request: HttpRequest) -> Decision | None:
-        """The 429 for ``request`` if one of its subjects is over the limit now; ``None`` otherwise."""
+        """The 429 for ``request`` if it presents credentials from an address over the limit; else ``None``."""
         if not self._denied:
             return None  # the common case: nobody is being refused
         now = time.monotonic()
-        results = []
-        for subject in self.subjects(request):
-            entry = self._denied.get(subject)
-            if entry is None:
-                continue
-            ends, result = entry
-            if ends <= now:
-                with self._lock:
-                    if self._denied.get(subject) is entry:
-                        del self._denied[subject]
-                continue
-            left_us = math.ceil((ends - now) * US)
-            elapsed_us = result.retry_us - left_us
-            results.append(Result(result.check, False, 0, max(result.reset_us - elapsed_us, left_us), left_us))
-        if not results:
+        if now >= self._last_end:
+            with self._lock:
+                if now >= self._last_end:
+                    self._denied.clear()  # every denial has run out
             return None
-        return Decision.from_results(results, now_us=time.time_ns() // 1000)
+        header = request.META.get("HTTP_AUTHORIZATION", "")
+        if not isinstance(header, str) or not header.strip():
+            return None
+        entry = self._denied.get(Subject(SubjectKind.IP, client_ip(request)))
+        if entry is None or entry[0] <= now:
+            return None
+        ends, result = entry
+        left_us = math.ceil((ends - now) * US)
+        elapsed_us = result.retry_us - left_us
+        refusal = Result(result.check, False, 0, max(result.reset_us - elapsed_us, left_us), left_us)
+        return Decision.from_results([refusal], now_us=time.time_ns() // 1000)
 
     def failed(self, request: HttpRequest) -> Decision | None:
         """Count a failed authentication of ``request``; the decision, remembered if it denies.
@@ -102,7 +108,8 @@ class FailedAuthentication:
             now = time.monotonic()
             with self._lock:
                 for result in decision.violated:
-                    self._remember(result, now + result.retry_us / US)
+                    if result.check.subject.kind is SubjectKind.IP:  # a prefix is never refused unseen
+                        self._remember(result, now + result.retry_us / US)
         return decision
 
     def _remember(self, result: Result, ends: float) -> None:
@@ -111,6 +118,7 @@ class FailedAuthentication:
             for subject, (_, _) in sorted(denied.items(), key=lambda item: item[1][0])[: REMEMBERED // 10]:
                 del denied[subject]
         denied[result.check.subject] = (ends, result)
+        self._last_end = max(self._last_end, ends)
 
 
 def _build() -> FailedAuthentication | None:

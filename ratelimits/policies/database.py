@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from django.db import DEFAULT_DB_ALIAS, connections, transaction
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -99,7 +99,13 @@ class DatabasePolicySource(SnapshotPolicySource):
                 publish_version(snapshot.version)
         elif now - snapshot.checked_at > conf.policy_recheck_interval:
             snapshot.checked_at = now
-            if committed_version() > snapshot.version:
+            try:
+                with bounded_waits(conf.policy_load_timeout):
+                    newer = committed_version() > snapshot.version
+            except DatabaseError as exc:
+                logger.warning("ratelimits: policy version recheck failed (%s); checked again later", exc)
+                return
+            if newer:
                 self.invalidate()
 
 
@@ -114,6 +120,7 @@ def bounded_waits(seconds: float, using: str = DEFAULT_DB_ALIAS) -> Iterator[Non
     """
     connection = connections[using]
     milliseconds = max(int(seconds * 1000), 1)
+    outer = connection.in_atomic_block
     with transaction.atomic(using=using):
         if connection.vendor == "postgresql":
             with connection.cursor() as cursor:
@@ -124,7 +131,7 @@ def bounded_waits(seconds: float, using: str = DEFAULT_DB_ALIAS) -> Iterator[Non
                 )
                 lock_timeout, statement_timeout, *_ = cursor.fetchone()
             yield
-            if connection.in_atomic_block:  # an outer transaction goes on: give it its own timeouts back
+            if outer:  # an outer transaction goes on: give it its own timeouts back
                 with connection.cursor() as cursor:
                     cursor.execute(
                         "SELECT set_config('lock_timeout', %s, true), set_config('statement_timeout', %s, true)",

@@ -120,7 +120,10 @@ class SnapshotPolicySource(ABC):
                     last.version,
                 )
                 self._retrying = True
-                threading.Thread(target=self._retry, name="ratelimits-policy-reload", daemon=True).start()
+                try:
+                    threading.Thread(target=self._retry, name="ratelimits-policy-reload", daemon=True).start()
+                except RuntimeError:
+                    self._retrying = False  # no thread to be had: the next request tries again itself
                 return last
             self._snapshot = self._last_good = snapshot
             return snapshot

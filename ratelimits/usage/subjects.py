@@ -17,12 +17,14 @@ from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from django.core.signals import request_finished
-from django.db import connection, transaction
+from django.db import connection
 from django.utils import timezone
 
 from ..backends import layout
+from ..conf import conf
 from ..counters import SubjectLabels, subject_labels
 from ..models import UsageSubject
+from ..policies.database import bounded_waits
 
 __all__ = ["KEEP_FOR", "chunks", "connect", "max_params", "purge", "resolve", "write_due", "write_pending"]
 
@@ -45,7 +47,11 @@ def write_due(**kwargs: Any) -> None:
     labels = subject_labels()
     due = labels.due()
     if due:
-        _write(labels, due)
+        try:
+            _write(labels, due)
+        finally:
+            # Django closed the request's connection before this ran: do not keep the one opened here.
+            connection.close_if_unusable_or_obsolete()
 
 
 def write_pending() -> int:
@@ -63,7 +69,8 @@ def _write(labels: SubjectLabels, due: dict[str, tuple[str, str]]) -> int:
         for d, (kind, value) in sorted(due.items())
     ]
     try:
-        with transaction.atomic():
+        # Bounded like a policy reload: a locked table must not hold the worker's threads.
+        with bounded_waits(conf.policy_load_timeout):
             UsageSubject.objects.bulk_create(
                 rows, update_conflicts=True, unique_fields=["digest"], update_fields=["last_seen"]
             )
