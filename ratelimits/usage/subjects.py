@@ -11,6 +11,7 @@ after a later response, a few times; a subject without a label keeps its counts 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime, timedelta
@@ -50,8 +51,10 @@ def write_due(**kwargs: Any) -> None:
         try:
             _write(labels, due)
         finally:
-            # Django closed the request's connection before this ran: do not keep the one opened here.
-            connection.close_if_unusable_or_obsolete()
+            # Django closed the request's connection before this ran: do not keep the one opened
+            # here. Nor fail the response over it (a database gone away).
+            with contextlib.suppress(Exception):
+                connection.close_if_unusable_or_obsolete()
 
 
 def write_pending() -> int:
