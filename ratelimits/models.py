@@ -36,7 +36,9 @@ SUBJECT_KINDS = [(kind.value, kind.label) for kind in ASSIGNABLE_KINDS]
 #: ``changes``: the audit trail records them (:mod:`ratelimits.policies.audit`).
 rows_updated = Signal()
 # Not starting with "/": that is a URL path, which never matches an endpoint name.
-_ENDPOINT = re.compile(r"[A-Za-z0-9_.:-][A-Za-z0-9_.:/-]{0,149}", re.ASCII)
+#: The longest endpoint name (the columns that hold one are this wide).
+MAX_ENDPOINT_LENGTH = 150
+_ENDPOINT = re.compile(rf"[A-Za-z0-9_.:-][A-Za-z0-9_.:/-]{{0,{MAX_ENDPOINT_LENGTH - 1}}}", re.ASCII)
 _IDENTIFIER = re.compile(r"[^\s\x00-\x1f\x7f]{1,200}")
 
 
@@ -266,7 +268,9 @@ class EndpointPolicy(Revisioned):
     """How one endpoint is treated: cost, priority, and its own limits."""
 
     endpoint = models.CharField(
-        max_length=150, validators=[validate_endpoint], help_text="The view's throttle_scope or route name."
+        max_length=MAX_ENDPOINT_LENGTH,
+        validators=[validate_endpoint],
+        help_text="The view's throttle_scope or route name.",
     )
     method = models.CharField(max_length=8, choices=METHOD_CHOICES, default="ANY")
     cost = models.PositiveIntegerField(default=1, validators=[MinValueValidator(1)], help_text="Tokens per request.")
@@ -332,7 +336,7 @@ class Override(Revisioned):
     subject_kind = models.CharField(max_length=10, choices=SUBJECT_KINDS)
     subject_id = models.CharField(max_length=200)
     endpoint = models.CharField(
-        max_length=150, blank=True, validators=[validate_endpoint], help_text="Blank: every endpoint."
+        max_length=MAX_ENDPOINT_LENGTH, blank=True, validators=[validate_endpoint], help_text="Blank: every endpoint."
     )
     rate = models.CharField(max_length=32, blank=True, validators=[validate_rate], help_text="Replacement rate.")
     burst = models.PositiveIntegerField(null=True, blank=True, validators=[MinValueValidator(1)])
@@ -511,7 +515,7 @@ class UsageRecord(models.Model):
     subject_id = models.CharField(max_length=200)
     organization = models.CharField(max_length=200, blank=True)
     tier = models.CharField(max_length=50, blank=True)
-    endpoint = models.CharField(max_length=150)
+    endpoint = models.CharField(max_length=MAX_ENDPOINT_LENGTH)
     allowed = models.PositiveBigIntegerField(default=0)
     throttled = models.PositiveBigIntegerField(default=0, help_text="Denied with 429.")
     shed = models.PositiveBigIntegerField(default=0, help_text="Denied with 503 by the load shedder.")

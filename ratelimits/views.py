@@ -19,15 +19,12 @@ from .choices import HTTP_METHODS
 from .counters import METRICS
 from .endpoints import is_known_endpoint
 from .identity import identify
-from .models import UsageRecord, validate_endpoint
+from .models import MAX_ENDPOINT_LENGTH, UsageRecord, validate_endpoint
 from .status import current_limits
 from .throttles import RateLimitStatusThrottle
 from .usage.records import MAX_RANGE
 
 __all__ = ["RateLimitStatusView", "UsageView"]
-
-#: The longest endpoint name there is (``ratelimits.models.validate_endpoint``).
-MAX_ENDPOINT = 150
 
 
 class UsageSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
@@ -120,9 +117,9 @@ class RateLimitStatusView(APIView):
         method = request.query_params.get("method", "GET").upper()
         if endpoint is None:
             raise ValidationError({"endpoint": ["This parameter is required: an endpoint name such as a route's."]})
-        if len(endpoint) > MAX_ENDPOINT:
+        if len(endpoint) > MAX_ENDPOINT_LENGTH:
             raise ValidationError(
-                {"endpoint": [f"An endpoint name has at most {MAX_ENDPOINT} characters, not {len(endpoint)}."]}
+                {"endpoint": [f"An endpoint name has at most {MAX_ENDPOINT_LENGTH} characters, not {len(endpoint)}."]}
             )
         try:
             validate_endpoint(endpoint)
