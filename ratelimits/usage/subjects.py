@@ -11,7 +11,6 @@ after a later response, a few times; a subject without a label keeps its counts 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime, timedelta
@@ -48,13 +47,9 @@ def write_due(**kwargs: Any) -> None:
     labels = subject_labels()
     due = labels.due()
     if due:
-        try:
-            _write(labels, due)
-        finally:
-            # Django closed the request's connection before this ran: do not keep the one opened
-            # here. Nor fail the response over it (a database gone away).
-            with contextlib.suppress(Exception):
-                connection.close_if_unusable_or_obsolete()
+        # On the request's thread, after Django closed its connection: the one opened here is
+        # closed by the next request's start, as Django closes every request's (CONN_MAX_AGE).
+        _write(labels, due)
 
 
 def write_pending() -> int:
