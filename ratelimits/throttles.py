@@ -11,9 +11,8 @@ from .decisions import Decision, Verdict
 from .drf import RateLimitUnavailable, endpoint_name
 from .engine import evaluate
 from .headers import rate_limit_headers
-from .status import limit_status_call
 
-__all__ = ["RateLimitStatusThrottle", "RateLimitThrottle"]
+__all__ = ["RateLimitThrottle"]
 
 
 class RateLimitThrottle(BaseThrottle):
@@ -47,16 +46,3 @@ class RateLimitThrottle(BaseThrottle):
         if self.decision is None or self.decision.allowed:
             return None
         return self.decision.retry_after_us / 1_000_000
-
-
-class RateLimitStatusThrottle(RateLimitThrottle):
-    """The status endpoint's throttle: its own limits only, never the caller's (which it reports).
-
-    The view's ``status_rate`` and ``status_burst`` are its per-caller limit when its endpoint
-    policy gives none (see :func:`~ratelimits.status.limit_status_call`).
-    """
-
-    def decide(self, request: Request, view: Any) -> Decision:
-        return limit_status_call(
-            request, endpoint=endpoint_name(request, view), rate=view.status_rate, burst=view.status_burst
-        )

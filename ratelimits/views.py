@@ -17,14 +17,16 @@ from rest_framework.views import APIView
 
 from .choices import HTTP_METHODS
 from .counters import METRICS
+from .decisions import Decision
+from .drf import endpoint_name
 from .endpoints import is_known_endpoint
 from .identity import identify
 from .models import MAX_ENDPOINT_LENGTH, UsageRecord, validate_endpoint
-from .status import current_limits
-from .throttles import RateLimitStatusThrottle
+from .status import current_limits, limit_status_call
+from .throttles import RateLimitThrottle
 from .usage.records import MAX_RANGE
 
-__all__ = ["RateLimitStatusView", "UsageView"]
+__all__ = ["RateLimitStatusThrottle", "RateLimitStatusView", "UsageView"]
 
 
 class UsageSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
@@ -90,6 +92,22 @@ def _moment(raw: str | None, field: str, default: datetime) -> datetime:
             {field: f"{raw!r} is not an ISO 8601 datetime with an offset, e.g. 2026-11-30T00:00:00Z."}
         )
     return moment
+
+
+class RateLimitStatusThrottle(RateLimitThrottle):
+    """The status endpoint's throttle: its own limits only, never the caller's (which it reports).
+
+    It lives here, not in :mod:`ratelimits.throttles`: DRF imports that module while settings
+    load, before the models the status needs can be imported.
+
+    The view's ``status_rate`` and ``status_burst`` are its per-caller limit when its endpoint
+    policy gives none (see :func:`~ratelimits.status.limit_status_call`).
+    """
+
+    def decide(self, request: Request, view: Any) -> Decision:
+        return limit_status_call(
+            request, endpoint=endpoint_name(request, view), rate=view.status_rate, burst=view.status_burst
+        )
 
 
 class RateLimitStatusView(APIView):

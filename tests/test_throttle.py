@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -217,3 +219,19 @@ def test_retry_after_ms_is_exact_on_the_real_clock(limits: Any, settings: Any) -
     assert client.get("/v1/customers").status_code == 429  # clearly early: still denied, nothing spent
     time.sleep(max(wait_ms / 1000 - (time.monotonic() - started), 0))
     assert client.get("/v1/customers").status_code == 200
+
+
+def test_the_throttle_imports_in_a_project_without_the_auth_models() -> None:
+    """DRF imports ``DEFAULT_THROTTLE_CLASSES`` while settings load: the throttle must need no models.
+
+    (The benchmark's project has no ``django.contrib.auth``; a throttle module importing the status
+    code, which reads the user model, broke it.)
+    """
+    code = (
+        "import django; from django.conf import settings; "
+        "settings.configure(INSTALLED_APPS=['rest_framework'], "
+        "REST_FRAMEWORK={'DEFAULT_THROTTLE_CLASSES': ['ratelimits.throttles.RateLimitThrottle']}); "
+        "django.setup(); import rest_framework.views, ratelimits.throttles"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
