@@ -30,9 +30,14 @@ def _limit(request: HttpRequest, endpoint: str) -> HttpResponse | None:
 def _add_headers(request: HttpRequest, response: HttpResponse) -> HttpResponse:
     decision = getattr(request, "ratelimit", None)
     if isinstance(decision, Decision) and decision.allowed:
-        for name, value in rate_limit_headers(decision).items():
-            response.setdefault(name, value)
+        _set_headers(response, decision)
     return response
+
+
+def _set_headers(response: HttpResponse, decision: Decision) -> None:
+    """The decision's rate-limit headers, where the view set none of its own."""
+    for name, value in rate_limit_headers(decision).items():
+        response.setdefault(name, value)
 
 
 def _endpoint(request: HttpRequest, view_func: Callable[..., Any]) -> str:
@@ -101,8 +106,7 @@ class FailedAuthenticationMiddleware:
             return response
         if not decision.allowed:
             return problem_response(decision)
-        for name, value in rate_limit_headers(decision).items():
-            response.setdefault(name, value)
+        _set_headers(response, decision)
         return response
 
 

@@ -63,11 +63,11 @@ class FailedAuthentication:
         Empty for a request that presents no credential (an ``Authorization`` header): a caller
         who never tried to authenticate has not failed to.
         """
-        header = request.META.get("HTTP_AUTHORIZATION", "")
-        if not isinstance(header, str) or not header.strip():
+        header = _credentials(request)
+        if header is None:
             return []
         subjects = [Subject(SubjectKind.IP, client_ip(request))]
-        _, _, credential = header.strip().partition(" ")
+        _, _, credential = header.partition(" ")
         prefix = credential.strip()[: self.prefix_length]
         if prefix:
             subjects.append(Subject(SubjectKind.CREDENTIAL, prefix))
@@ -83,8 +83,7 @@ class FailedAuthentication:
                 if now >= self._last_end:
                     self._denied.clear()  # every denial has run out
             return None
-        header = request.META.get("HTTP_AUTHORIZATION", "")
-        if not isinstance(header, str) or not header.strip():
+        if _credentials(request) is None:
             return None
         entry = self._denied.get(Subject(SubjectKind.IP, client_ip(request)))
         if entry is None or entry[0] <= now:
@@ -119,6 +118,12 @@ class FailedAuthentication:
                 del denied[subject]
         denied[result.check.subject] = (ends, result)
         self._last_end = max(self._last_end, ends)
+
+
+def _credentials(request: HttpRequest) -> str | None:
+    """The ``Authorization`` header the request presented, stripped; ``None`` if it presented none."""
+    header = request.META.get("HTTP_AUTHORIZATION", "")
+    return (header.strip() or None) if isinstance(header, str) else None
 
 
 def _build() -> FailedAuthentication | None:

@@ -126,9 +126,8 @@ class Limiter:
         fallback = self._degraded([c for c in checks if c in failed and not c.policy.shadow], consume=consume)
         rest = [c for c in checks if c not in failed]
         if not fallback.allowed or not rest:
-            if consume and usage is not None:
-                with self._count_lock:  # decided without the store after all: counted as degraded
-                    self._degraded_usage[(usage.minute, usage.field + DEGRADED)] += 1
+            if consume:
+                self._count_degraded(usage)  # decided without the store after all
             return fallback
         decision = self.decide(rest, consume=consume, usage=usage)
         if fallback.slot is not None:
@@ -151,11 +150,17 @@ class Limiter:
             failure,
         )
 
+    def _count_degraded(self, usage: Usage | None) -> None:
+        """Count ``usage`` as a request decided without the store, to be added once it answers."""
+        if usage is not None:
+            with self._count_lock:
+                self._degraded_usage[(usage.minute, usage.field + DEGRADED)] += 1
+
     def _degraded(self, checks: Sequence[Check], *, consume: bool, usage: Usage | None = None) -> Decision:
         with self._count_lock:
             self.degraded_count += 1
-            if consume and usage is not None:
-                self._degraded_usage[(usage.minute, usage.field + DEGRADED)] += 1
+        if consume:
+            self._count_degraded(usage)
         closed = [c for c in checks if c.policy.fail_mode is FailMode.CLOSED]
         if closed:
             wait_us = max(math.ceil(self.breaker.retry_after() * 1_000_000), 1_000_000)
