@@ -25,7 +25,6 @@ from django.utils import timezone
 from hypothesis import HealthCheck, assume, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
-from rest_framework.test import APIClient
 
 from ratelimits import engine
 from ratelimits.algorithms import Algorithm
@@ -41,6 +40,7 @@ from ratelimits.policies.values import Check, Origin, OriginKind, Policy, concur
 from ratelimits.rates import MAX_BURST, MAX_LIMIT, MAX_PERIOD_US, MAX_REFILL_US, Rate, check_burst
 
 from .factories import ApiKeyFactory
+from .support.clients import client_for
 from .support.clock import FakeClock
 from .support.redis_server import RedisServer
 
@@ -206,12 +206,6 @@ def configure(settings: Any, own_redis: RedisServer) -> None:
     engine.reset()
 
 
-def bearer(raw: str, address: str) -> APIClient:
-    client = APIClient(REMOTE_ADDR=address)
-    client.credentials(HTTP_AUTHORIZATION=f"Bearer {raw}")
-    return client
-
-
 @pytest.mark.django_db(transaction=True)
 def test_the_findings_override_saved_around_the_checks_hurts_nobody(
     settings: Any, own_redis: RedisServer, caplog: pytest.LogCaptureFixture
@@ -229,8 +223,8 @@ def test_the_findings_override_saved_around_the_checks_hurts_nobody(
     logger = logging.getLogger("ratelimits")
     logger.addHandler(caplog.handler)
     try:
-        statuses = [bearer("sk_bounds_bad", "198.51.100.1").get("/v1/customers").status_code for _ in range(10)]
-        charge = bearer("sk_bounds_good", "198.51.100.2")
+        statuses = [client_for("sk_bounds_bad", "198.51.100.1").get("/v1/customers").status_code for _ in range(10)]
+        charge = client_for("sk_bounds_good", "198.51.100.2")
         good = [charge.post("/v1/charges", {"amount": 1}).status_code for _ in range(60)]
     finally:
         logger.removeHandler(caplog.handler)
@@ -276,8 +270,8 @@ def test_a_check_the_store_cannot_decide_goes_by_its_fail_mode_alone(
     opened = ApiKeyFactory(raw="sk_corrupt_open", tier="open")
     closed = ApiKeyFactory(raw="sk_corrupt_closed", tier="closed")
     ApiKeyFactory(raw="sk_healthy_closed", tier="closed")
-    assert bearer("sk_corrupt_open", "198.51.100.1").get("/v1/customers").status_code == 200
-    assert bearer("sk_corrupt_closed", "198.51.100.2").get("/v1/customers").status_code == 200
+    assert client_for("sk_corrupt_open", "198.51.100.1").get("/v1/customers").status_code == 200
+    assert client_for("sk_corrupt_closed", "198.51.100.2").get("/v1/customers").status_code == 200
     corrupt(own_redis, "open", f"ApiKey:{opened.pk}")
     corrupt(own_redis, "closed", f"ApiKey:{closed.pk}")
 
@@ -286,11 +280,12 @@ def test_a_check_the_store_cannot_decide_goes_by_its_fail_mode_alone(
     try:
         # Fails open: the broken in-flight check is left out; the tier's rate and the IP's 5/m
         # (1 spent above) still apply.
-        opened_hits = [bearer("sk_corrupt_open", "198.51.100.1").get("/v1/customers") for _ in range(8)]
+        opened_hits = [client_for("sk_corrupt_open", "198.51.100.1").get("/v1/customers") for _ in range(8)]
         # Fails closed: 503 for this caller only, with the usual contract.
-        closed_hits = [bearer("sk_corrupt_closed", "198.51.100.2").get("/v1/customers") for _ in range(5)]
+        closed_hits = [client_for("sk_corrupt_closed", "198.51.100.2").get("/v1/customers") for _ in range(5)]
         healthy = [
-            bearer("sk_healthy_closed", f"198.51.100.{10 + i // 5}").get("/v1/customers").status_code for i in range(60)
+            client_for("sk_healthy_closed", f"198.51.100.{10 + i // 5}").get("/v1/customers").status_code
+            for i in range(60)
         ]
     finally:
         logger.removeHandler(caplog.handler)

@@ -29,6 +29,7 @@ from ratelimits.rates import Rate, parse_rate
 
 from .factories import ApiKeyFactory
 from .support.bursts import Burst, in_flight
+from .support.clients import client_for
 from .support.clock import FakeClock
 from .support.gate import Gate
 from .support.redis_server import RedisServer
@@ -70,12 +71,6 @@ def stack(request: pytest.FixtureRequest, settings: Any) -> str:
     }
     engine.reset()
     return str(request.param)
-
-
-def client_for(raw: str) -> APIClient:
-    client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION=f"Bearer {raw}")
-    return client
 
 
 def concurrency_check(api_key_pk: int) -> Check:

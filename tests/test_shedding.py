@@ -19,6 +19,7 @@ from project.payments.views import ReportExport
 from ratelimits import engine
 
 from .factories import ApiKeyFactory
+from .support import clients
 from .support.bursts import Burst, in_flight
 from .support.gate import Gate
 from .support.redis_server import RedisServer
@@ -27,10 +28,7 @@ REDUCED_CAPACITY = "https://iana.org/assignments/http-problem-types#temporary-re
 
 
 def client_for(raw: str | None = None, ip: str = "198.51.100.90") -> APIClient:
-    client = APIClient(REMOTE_ADDR=ip)
-    if raw is not None:
-        client.credentials(HTTP_AUTHORIZATION=f"Bearer {raw}")
-    return client
+    return clients.client_for(raw, ip)  # every caller here from one address unless told otherwise
 
 
 def assert_shed(response: Any) -> dict[str, Any]:

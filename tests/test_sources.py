@@ -37,6 +37,7 @@ from .factories import (
     TierFactory,
     UserFactory,
 )
+from .support.clients import client_for
 
 pytestmark = pytest.mark.django_db
 
@@ -547,12 +548,6 @@ def test_degraded_worker_reloads_after_the_poll_interval(configure: Configure) -
 
 
 # -- through the DRF stack on Redis --------------------------------------------------------------
-
-
-def client_for(raw: str) -> APIClient:
-    client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION=f"Bearer {raw}")
-    return client
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ from ratelimits.endpoints import known_endpoints
 from ratelimits.models import EndpointPolicy
 
 from .factories import ApiKeyFactory
+from .support.clients import client_for
 
 pytestmark = pytest.mark.django_db
 
@@ -35,12 +36,6 @@ BASE = {
 def limits(settings: Any, use_redis: Any) -> dict[str, Any]:
     settings.RATELIMITS = {**settings.RATELIMITS, **BASE}
     return settings.RATELIMITS  # type: ignore[no-any-return]
-
-
-def client_for(raw: str) -> APIClient:
-    client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION=f"Bearer {raw}")
-    return client
 
 
 def status(client: APIClient, **query: str) -> Any:

@@ -14,6 +14,7 @@ from rest_framework.test import APIClient
 from ratelimits.throttles import RateLimitThrottle
 
 from .factories import ApiKeyFactory
+from .support.clients import client_for
 
 pytestmark = pytest.mark.django_db
 
@@ -29,12 +30,6 @@ BASE = {
 def limits(settings: Any, use_redis: Any) -> dict[str, Any]:
     settings.RATELIMITS = {**settings.RATELIMITS, **BASE}
     return settings.RATELIMITS  # type: ignore[no-any-return]
-
-
-def client_for(raw: str) -> APIClient:
-    client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION=f"Bearer {raw}")
-    return client
 
 
 def test_success_carries_ietf_and_github_headers(limits: Any) -> None:

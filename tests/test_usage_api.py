@@ -11,14 +11,9 @@ from rest_framework.test import APIClient
 from ratelimits.models import UsageRecord
 
 from .factories import ApiKeyFactory
+from .support.clients import client_for
 
 pytestmark = pytest.mark.django_db
-
-
-def client_for(raw: str) -> APIClient:
-    client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION=f"Bearer {raw}")
-    return client
 
 
 def row(subject: str, start: datetime, granularity: str = "hour", **counts: int) -> UsageRecord:
