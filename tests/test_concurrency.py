@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 import pytest
 import redis
 
-from ratelimits.algorithms import RATE_ALGORITHMS, Algorithm
-from ratelimits.backends.redis import RedisBackend, make_client
+from ratelimits.algorithms import RATE_ALGORITHMS, Algorithm, State
+from ratelimits.backends.redis import RedisBackend, make_client, read_state
 from ratelimits.decisions import Decision
 from ratelimits.identity import Subject
 from ratelimits.policies import Check, Policy
@@ -70,10 +70,10 @@ def token_bucket_bound(p: Policy, elapsed_us: int) -> int:
     return p.burst + elapsed_us * p.rate.limit // p.rate.period_us
 
 
-def stored(client: redis.Redis, key: str) -> str:
+def stored(client: redis.Redis, key: str, algorithm: Algorithm = Algorithm.TOKEN_BUCKET) -> State:
     raw = client.get(key)
     assert isinstance(raw, bytes), f"{key} is missing"
-    return raw.decode()
+    return read_state(algorithm, raw)
 
 
 def windows_spanned(p: Policy, start_us: int, end_us: int) -> int:
@@ -145,7 +145,7 @@ def test_storm_token_bucket_admits_exactly_the_burst(redis_server: RedisServer, 
     key = check.key("rl")
     assert redis_client.keys("*") == [key.encode()]
     first = min(a.now_us for a in admitted)
-    assert float(stored(redis_client, key)) == first + bucket.burst * bucket.rate.interval_us
+    assert stored(redis_client, key) == (first + bucket.burst * bucket.rate.interval_us,)
     backend = RedisBackend(make_client(redis_server.url, 2.0, 2.0))
     assert backend.decide([check], consume=False).results[0].remaining == 0
 
@@ -178,14 +178,14 @@ def test_storm_with_costs_never_over_or_under_admits(
     # The stored state accounts for exactly the admitted cost: no lost update, no charge for denials.
     key = Check(limit, CALLER).key("rl")
     assert redis_client.keys("*") == [key.encode()]
-    value = stored(redis_client, key)
+    value = stored(redis_client, key, algorithm)
     if algorithm is Algorithm.TOKEN_BUCKET:
         assert report.elapsed_us < limit.rate.interval_us and bound == limit.burst
         first = min(a.now_us for a in report.admitted)
-        assert float(value) == first + spent * limit.rate.interval_us
+        assert value == (first + spent * limit.rate.interval_us,)
     elif windows_spanned(limit, report.start_us, report.end_us) == 1:
         window = report.start_us // limit.rate.period_us
-        expected = f"{window}:{spent}:0" if algorithm is Algorithm.SLIDING_WINDOW else f"{window}:{spent}"
+        expected = (window, spent, 0) if algorithm is Algorithm.SLIDING_WINDOW else (window, spent)
         assert value == expected
 
 
@@ -215,8 +215,8 @@ def test_storm_two_checks_is_all_or_nothing(redis_server: RedisServer, redis_cli
     assert peek.allowed
     assert peek.results[0].remaining == roomy.burst - admitted - 1  # a peek reports "after this one"
     first = min(a.now_us for a in report.admitted)  # one script invocation charged both keys at this time
-    assert float(stored(redis_client, checks[0].key("rl"))) == first + admitted * roomy.rate.interval_us
-    assert float(stored(redis_client, checks[1].key("rl"))) == first + admitted * tight.rate.interval_us
+    assert stored(redis_client, checks[0].key("rl")) == (first + admitted * roomy.rate.interval_us,)
+    assert stored(redis_client, checks[1].key("rl")) == (first + admitted * tight.rate.interval_us,)
 
 
 # --- window boundaries -------------------------------------------------------------------------
@@ -279,12 +279,12 @@ def test_boundary_with_exact_clock(redis_server: RedisServer, redis_client: redi
 
     assert before == 100  # a fresh limit admits its whole capacity
     if algorithm is Algorithm.TOKEN_BUCKET:
-        assert state is not None and float(state) == BEFORE + 100 * limit.rate.interval_us
+        assert state is not None and read_state(algorithm, state) == (BEFORE + 100 * limit.rate.interval_us,)
         bound = token_bucket_bound(limit, AFTER - BEFORE)
         assert bound == 100
         assert total == bound
     elif algorithm is Algorithm.SLIDING_WINDOW:
-        assert state == f"{K - 1}:100:0".encode()
+        assert state is not None and read_state(algorithm, state) == (K - 1, 100, 0)
         elapsed_in_window = AFTER - K * SECOND
         # room after = floor(limit - previous * (period - elapsed) / period), exact in integers
         room = (rate_limit * period - before * (period - elapsed_in_window)) // period

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import struct
 from importlib import resources
 
 import pytest
@@ -10,6 +11,7 @@ import redis
 
 from ratelimits.algorithms import SLOT_RETRY_US, Algorithm
 from ratelimits.backends import layout
+from ratelimits.backends import redis as redis_backend
 from ratelimits.backends.redis import DECIDE, RedisBackend, Script, make_client
 from ratelimits.counters import usage_for
 from ratelimits.identity import Subject, SubjectKind
@@ -37,9 +39,22 @@ def test_decide_names_the_algorithm_codes_python_sends() -> None:
     assert constants["SLOT_RETRY_US"] == SLOT_RETRY_US
 
 
-def test_decide_reads_as_many_arguments_per_check_as_a_policy_sends() -> None:
-    policy = Policy("p", parse_rate("1/s"), 1)
-    assert lua_constants(DECIDE)["PER_CHECK"] == len(policy.script_args) + 1  # and the check's cost
+def lua_formats(script: Script) -> dict[str, str]:
+    """``local A, B = '<d', '<dd'`` lines of a script (struct formats), as ``{"A": "<d", "B": "<dd"}``."""
+    found = {}
+    for names, values in re.findall(r"^local ([A-Z_, ]+) = ('[^']*'(?:, '[^']*')*)$", script.text, re.M):
+        formats = re.findall(r"'([^']*)'", values)
+        found.update(zip((n.strip() for n in names.split(",")), formats, strict=True))
+    return found
+
+
+def test_decide_unpacks_what_python_packs() -> None:
+    """The request header and a check record: the script's struct formats are Python's, byte for byte."""
+    formats = lua_formats(DECIDE)
+    assert formats["REQUEST"] == redis_backend._REQUEST.format
+    policy = Policy("p", parse_rate("7/s"), 9, shadow=True)
+    record = policy.script_record + redis_backend._packed_cost(3)
+    assert struct.unpack(formats["CHECK"], record) == (Algorithm.TOKEN_BUCKET.code, 1, 7.0, 1e6, 9.0, 3.0)
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

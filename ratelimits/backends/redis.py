@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
+import struct
 import threading
 import time
 import uuid
@@ -22,6 +24,7 @@ try:
 except ImportError:  # optional: redis-py's own packer is used instead
     hiredis = None  # type: ignore[assignment]
 
+from ..algorithms import Algorithm, State
 from ..conf import conf
 from ..counters import Usage, overflow_of
 from ..decisions import Decision, Result
@@ -30,7 +33,17 @@ from ..policies.values import Check
 from . import layout
 from .base import Backend, StoreHealth, new_slot, slot_keys
 
-__all__ = ["ADD_USAGE", "DECIDE", "PUBLISH_VERSION", "RELEASE", "RedisBackend", "Script", "make_client"]
+__all__ = [
+    "ADD_USAGE",
+    "DECIDE",
+    "PUBLISH_VERSION",
+    "RELEASE",
+    "STATE_FORMATS",
+    "RedisBackend",
+    "Script",
+    "make_client",
+    "read_state",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +66,38 @@ PUBLISH_VERSION = Script.load("publish_version.lua")
 RELEASE = Script.load("release.lua")
 #: What a script cache holds the decide script under (tests look for it there).
 DECIDE_SHA = DECIDE.sha
-#: What the decide script answers for a check it could not decide (see ``lua/decide.lua``).
-_FAILED = 2
-#: The usage hashes' TTL as the decide script is passed it, converted once.
+#: The wait the decide script answers for a check it could not decide (see ``lua/decide.lua``).
+_FAILED = -1
+#: The usage hashes' TTL as ``add_usage.lua`` is passed it, converted once.
 _USAGE_TTL = str(layout.USAGE_TTL_S)
+#: The decide script's packed request header and a check's cost (``REQUEST`` and the end of
+#: ``CHECK`` in ``lua/decide.lua``; a policy packs the rest of its check records itself).
+_REQUEST = struct.Struct("<dBddd")
+_COST = struct.Struct("<d")
+
+
+#: How ``lua/decide.lua`` packs each rate algorithm's state (``GCRA_STATE`` and the others there).
+STATE_FORMATS = {
+    Algorithm.TOKEN_BUCKET: struct.Struct("<d"),
+    Algorithm.SLIDING_WINDOW: struct.Struct("<ddd"),
+    Algorithm.FIXED_WINDOW: struct.Struct("<dd"),
+}
+
+
+def read_state(algorithm: Algorithm, value: bytes) -> State:
+    """A state value as the decide script stored it, read back (for tests and for looking into Redis).
+
+    A token bucket's is ``(theoretical arrival time,)``, a sliding window's ``(window index,
+    current count, previous count)``, a fixed window's ``(window index, count)``: the same tuples
+    :mod:`ratelimits.algorithms` takes.
+    """
+    return STATE_FORMATS[algorithm].unpack(value)
+
+
+@functools.lru_cache(maxsize=1024)
+def _packed_cost(cost: int) -> bytes:
+    """A check's cost as its record ends (endpoints have few distinct costs)."""
+    return _COST.pack(cost)
 
 
 class RedisBackend(Backend):
@@ -79,8 +120,8 @@ class RedisBackend(Backend):
         self.prefix = prefix
         #: ``None`` lets the script read Redis ``TIME``; otherwise integer microseconds.
         self.clock = clock
-        #: The most rows a minute of usage counts (``USAGE_MAX_SUBJECTS``), as the scripts are passed it.
-        self.usage_cap = str(conf.usage_max_subjects if usage_cap is None else usage_cap)
+        #: The most rows a minute of usage counts (``USAGE_MAX_SUBJECTS``).
+        self.usage_cap = conf.usage_max_subjects if usage_cap is None else usage_cap
         self.version_key = layout.version_key(prefix)
         self._local = threading.local()
 
@@ -94,25 +135,24 @@ class RedisBackend(Backend):
         )
 
     def decide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
-        script_keys = [self.version_key]
+        prefix = self.prefix
+        state_keys = [check.key(prefix) for check in checks]
         slot = new_slot(checks) if consume else None
-        args: list[Any] = [
-            "" if self.clock is None else self.clock(),
-            "1" if consume else "0",
-            slot or "",
-            usage.field if usage else "",
-            usage.tokens if usage else 0,
-            _USAGE_TTL,
-            usage.overflow if usage else "",
-            self.usage_cap,
-        ]
+        now = -1.0 if self.clock is None else self.clock()  # negative: the script reads Redis TIME
+        record = [_REQUEST.pack(now, consume, usage.tokens if usage else 1, layout.USAGE_TTL_S, self.usage_cap)]
+        ttls = []
         for check in checks:
-            script_keys.append(check.key(self.prefix))
-            args += check.policy.script_args
-            args.append(check.cost)
+            policy = check.policy
+            record.append(policy.script_record)
+            record.append(_packed_cost(check.cost))
+            ttls.append(policy.script_ttl)
         if usage:
-            script_keys.append(layout.usage_key(self.prefix, usage.minute))
-        held = slot_keys(checks, script_keys[1 : len(checks) + 1]) if slot else ()
+            script_keys = [self.version_key, *state_keys, layout.usage_key(prefix, usage.minute)]
+            args = [b"".join(record), usage.field, slot or "", usage.overflow, *ttls]
+        else:
+            script_keys = [self.version_key, *state_keys]
+            args = [b"".join(record), "", slot or "", "", *ttls]
+        held = slot_keys(checks, state_keys) if slot else ()
         try:
             reply = self._run(DECIDE, script_keys, args)
         except PolicyFailed as exc:
@@ -124,15 +164,21 @@ class RedisBackend(Backend):
                 # back so the request's end releases it (releasing is idempotent).
                 exc.stray_slot = (slot, held)
             raise
-        now_us, version = int(reply[0]), reply[1]
-        failed = tuple(check for i, check in enumerate(checks) if reply[3 + 4 * i] == _FAILED)
+        now_us, version = reply[0], reply[1]
+        results = []
+        failed = []
+        at = 2
+        for check in checks:
+            retry = reply[at + 2]
+            if retry == _FAILED:
+                failed.append(check)
+            results.append(Result(check, retry == 0, reply[at], reply[at + 1], retry))
+            at += 3
         if failed:
             names = ", ".join(f"{check.policy.name} of {check.subject}" for check in failed)
-            raise PolicyFailed(f"the store could not decide {names} (a key of another type, or bad arguments)", failed)
-        results = [
-            Result(check, bool(reply[3 + 4 * i]), int(reply[4 + 4 * i]), int(reply[5 + 4 * i]), int(reply[6 + 4 * i]))
-            for i, check in enumerate(checks)
-        ]
+            raise PolicyFailed(
+                f"the store could not decide {names} (a key of another type, or bad arguments)", tuple(failed)
+            )
         return Decision.from_results(
             results,
             now_us=now_us,

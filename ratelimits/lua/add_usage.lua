@@ -1,8 +1,8 @@
 -- add_usage.lua: add counts made without the store (degraded decisions) to the usage counters.
 --
 -- Counts as decide.lua does (ratelimits/counters.py, count(), is the same rule in Python): a
--- field's first increment sets its hash's expiry, and a new row beyond the cap is counted in
--- its overflow row instead. One call for every minute: all of the counts are added, or none.
+-- new row beyond the cap is counted in its overflow row instead, and a minute's first row sets
+-- its hash's expiry. One call for every minute: all of the counts are added, or none.
 --
 -- KEYS[1..k]       the usage hash of each minute the counts are of
 -- ARGV[1]          seconds an undrained usage hash lives (ratelimits/backends/layout.py)
@@ -16,9 +16,10 @@ local cap = tonumber(ARGV[2])
 local overflowed = 0
 for i = 3, #ARGV, 5 do
   local counters, row, metric, n = KEYS[tonumber(ARGV[i])], ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 4])
-  if redis.call('HINCRBY', counters, row .. metric, n) == n then
-    redis.call('EXPIRE', counters, ARGV[1])
-    if redis.call('HSETNX', counters, row, 1) == 1 and redis.call('HINCRBY', counters, '#', 1) > cap then
+  if redis.call('HINCRBY', counters, row .. metric, n) == n and redis.call('HSETNX', counters, row, 1) == 1 then
+    local rows = redis.call('HINCRBY', counters, '#', 1)
+    if rows == 1 then redis.call('EXPIRE', counters, ARGV[1]) end
+    if rows > cap then
       redis.call('HDEL', counters, row .. metric, row)
       redis.call('HINCRBY', counters, ARGV[i + 3] .. metric, n)
       overflowed = overflowed + 1

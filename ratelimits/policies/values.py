@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -33,6 +34,13 @@ __all__ = [
 # Policy names appear in Redis keys and headers: keep them to characters that need no quoting
 # and can never form a Redis Cluster hash tag.
 _POLICY_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,200}", re.ASCII)
+#: The layout of the state values ``lua/decide.lua`` writes, the last part of every state key's
+#: name. A new layout is a new letter: the script then never reads a value of another layout,
+#: and the old keys expire unread (every subject starts afresh once, as after a Redis restart).
+#: ``b``: packed doubles; the keys without a letter held decimal strings.
+STATE_LAYOUT = "b"
+#: How the decide script takes a policy's numbers (``lua/decide.lua``, ``CHECK`` less the cost).
+_SCRIPT_POLICY = struct.Struct("<BBddd")
 
 
 class Role(StrEnum):
@@ -73,8 +81,10 @@ class Policy:
 
     #: The most a subject can spend at once: the burst for a bucket, the limit for windows.
     capacity: int = field(init=False, repr=False, compare=False)
-    #: The policy's part of the decide script's ARGV, as strings built once (see ``lua/decide.lua``).
-    script_args: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    #: The policy's part of a decide script check record, packed once (see ``lua/decide.lua``).
+    script_record: bytes = field(init=False, repr=False, compare=False)
+    #: The state TTL in milliseconds as the script passes it to ``PX``.
+    script_ttl: str = field(init=False, repr=False, compare=False)
     #: What follows the subject in this policy's state keys.
     key_suffix: str = field(init=False, repr=False, compare=False)
     #: Whether a check of this policy holds a slot until its request finishes (read per request).
@@ -89,9 +99,10 @@ class Policy:
         # Derived once here: all of them are read on every decision.
         capacity = self.burst if self.algorithm is Algorithm.TOKEN_BUCKET else self.rate.limit
         object.__setattr__(self, "capacity", capacity)
-        args = (self.algorithm.code, self.rate.limit, self.rate.period_us, self.burst, self.state_ttl_ms)
-        object.__setattr__(self, "script_args", (*(str(arg) for arg in args), "1" if self.shadow else "0"))
-        object.__setattr__(self, "key_suffix", f":{self.name}:{self.algorithm.code}")
+        record = _SCRIPT_POLICY.pack(self.algorithm.code, self.shadow, self.rate.limit, self.rate.period_us, self.burst)
+        object.__setattr__(self, "script_record", record)
+        object.__setattr__(self, "script_ttl", str(self.state_ttl_ms))
+        object.__setattr__(self, "key_suffix", f":{self.name}:{self.algorithm.code}{STATE_LAYOUT}")
         object.__setattr__(self, "holds_slots", self.algorithm.holds_slots)
 
     @property
