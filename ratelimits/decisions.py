@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from .algorithms import Algorithm
 
@@ -30,9 +30,8 @@ class Verdict(StrEnum):
     SHED = "shed"
 
 
-@dataclass(frozen=True, slots=True)
-class Result:
-    """One check's part of a decision."""
+class Result(NamedTuple):
+    """One check's part of a decision (a tuple: one is made per check of every request)."""
 
     check: Check
     allowed: bool

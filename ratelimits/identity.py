@@ -17,7 +17,7 @@ from .conf import conf
 if TYPE_CHECKING:
     from django.http import HttpRequest
 
-__all__ = ["Identity", "Subject", "SubjectKind", "client_ip", "identify", "normalize_ip"]
+__all__ = ["Identity", "Subject", "SubjectKind", "client_ip", "identify", "normalize_ip", "subject_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +119,29 @@ class Subject:
         return f"{self.kind}:{self.digest}"
 
 
+#: Subjects made by :func:`subject_of`, by kind, value and the hash key of their digest.
+_subjects: dict[tuple[SubjectKind, str, bytes], Subject] = {}
+
+
+def subject_of(kind: SubjectKind, value: str) -> Subject:
+    """``Subject(kind, value)`` with its digest, made once and then handed out again.
+
+    The same callers come back request after request: the made subject carries its digest, so
+    neither the object nor the hash is made again. Bounded like the memos above.
+    """
+    key = (kind, value, conf.hash_key)
+    try:
+        return _subjects[key]
+    except KeyError:
+        pass
+    if len(_subjects) >= MEMO_SIZE:
+        _subjects.clear()
+    made = Subject(kind, value)
+    made.digest  # noqa: B018  (computed now, with the hash key it is filed under)
+    _subjects[key] = made
+    return made
+
+
 @dataclass(frozen=True, slots=True)
 class Identity:
     """Every subject of one request; absent ones are ``None``."""
@@ -167,15 +190,15 @@ def identify(request: HttpRequest, *, endpoint: str, auth: Any = None, user: Any
     """
     user_subject = None
     if user is not None and getattr(user, "is_authenticated", False):
-        user_subject = Subject(SubjectKind.USER, str(user.pk))
+        user_subject = subject_of(SubjectKind.USER, str(user.pk))
     api_key = conf.api_key_func(auth) if auth is not None else None
     organization = conf.organization_func(request)
     return Identity(
-        ip=Subject(SubjectKind.IP, client_ip(request)),
-        endpoint=Subject(SubjectKind.ENDPOINT, endpoint),
-        user=user_subject,
-        api_key=Subject(SubjectKind.API_KEY, str(api_key)) if api_key is not None else None,
-        organization=Subject(SubjectKind.ORG, str(organization)) if organization is not None else None,
+        subject_of(SubjectKind.IP, client_ip(request)),
+        subject_of(SubjectKind.ENDPOINT, endpoint),
+        user_subject,
+        subject_of(SubjectKind.API_KEY, str(api_key)) if api_key is not None else None,
+        subject_of(SubjectKind.ORG, str(organization)) if organization is not None else None,
     )
 
 

@@ -52,9 +52,8 @@ def test_decide_unpacks_what_python_packs() -> None:
     """The request header and a check record: the script's struct formats are Python's, byte for byte."""
     formats = lua_formats(DECIDE)
     assert formats["REQUEST"] == redis_backend._REQUEST.format
-    policy = Policy("p", parse_rate("7/s"), 9, shadow=True)
-    record = policy.script_record + redis_backend._packed_cost(3)
-    assert struct.unpack(formats["CHECK"], record) == (Algorithm.TOKEN_BUCKET.code, 1, 7.0, 1e6, 9.0, 3.0)
+    check = Check(Policy("p", parse_rate("7/s"), 9, shadow=True), Subject(SubjectKind.IP, "198.51.100.1"), 3)
+    assert struct.unpack(formats["CHECK"], check.script_record) == (Algorithm.TOKEN_BUCKET.code, 1, 7.0, 1e6, 9.0, 3.0)
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

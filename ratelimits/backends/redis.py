@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import os
 import struct
@@ -70,10 +69,9 @@ DECIDE_SHA = DECIDE.sha
 _FAILED = -1
 #: The usage hashes' TTL as ``add_usage.lua`` is passed it, converted once.
 _USAGE_TTL = str(layout.USAGE_TTL_S)
-#: The decide script's packed request header and a check's cost (``REQUEST`` and the end of
-#: ``CHECK`` in ``lua/decide.lua``; a policy packs the rest of its check records itself).
+#: The decide script's packed request header (``REQUEST`` in ``lua/decide.lua``; a check packs
+#: its own record, :attr:`Check.script_record <ratelimits.policies.values.Check.script_record>`).
 _REQUEST = struct.Struct("<dBddd")
-_COST = struct.Struct("<d")
 
 
 #: How ``lua/decide.lua`` packs each rate algorithm's state (``GCRA_STATE`` and the others there).
@@ -92,12 +90,6 @@ def read_state(algorithm: Algorithm, value: bytes) -> State:
     :mod:`ratelimits.algorithms` takes.
     """
     return STATE_FORMATS[algorithm].unpack(value)
-
-
-@functools.lru_cache(maxsize=1024)
-def _packed_cost(cost: int) -> bytes:
-    """A check's cost as its record ends (endpoints have few distinct costs)."""
-    return _COST.pack(cost)
 
 
 class RedisBackend(Backend):
@@ -142,10 +134,8 @@ class RedisBackend(Backend):
         record = [_REQUEST.pack(now, consume, usage.tokens if usage else 1, layout.USAGE_TTL_S, self.usage_cap)]
         ttls = []
         for check in checks:
-            policy = check.policy
-            record.append(policy.script_record)
-            record.append(_packed_cost(check.cost))
-            ttls.append(policy.script_ttl)
+            record.append(check.script_record)
+            ttls.append(check.policy.script_ttl)
         if usage:
             script_keys = [self.version_key, *state_keys, layout.usage_key(prefix, usage.minute)]
             args = [b"".join(record), usage.field, slot or "", usage.overflow, *ttls]
@@ -302,21 +292,30 @@ class RedisBackend(Backend):
         script itself on loopback. A connection inherited through ``fork`` is replaced, never
         used: parent and child would read each other's replies.
         """
-        connection = getattr(self._local, "connection", None)
+        local = self._local
+        connection = getattr(local, "connection", None)
+        now = time.monotonic()
         if connection is None or connection.pid != os.getpid():
             pool = self.client.connection_pool
             connection = pool.connection_class(**pool.connection_kwargs)
-            self._local.connection = connection
-        elif connection._sock is not None:
+            local.connection = connection
+        elif connection._sock is not None and now - local.used_at > IDLE_CHECK_S:
             # An idle connection with something to read was closed by the server (a restart)
-            # or holds a stray reply: start afresh, as redis-py's pool does on check-out.
+            # or holds a stray reply: start afresh, as redis-py's pool does on check-out. Asked
+            # only after a pause: the question is a system call, and a server cannot restart
+            # between two decisions a few milliseconds apart.
             try:
                 stale = connection.can_read()
             except (redis.ConnectionError, redis.TimeoutError, OSError):
                 stale = True
             if stale:
                 connection.disconnect()
+        local.used_at = now
         return connection
+
+
+#: After how long unused (seconds) a thread's connection is asked whether the server closed it.
+IDLE_CHECK_S = 0.005
 
 
 #: What means the store could not answer: Redis' errors (timeouts, refused connections, a read-only

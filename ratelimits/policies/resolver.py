@@ -29,7 +29,7 @@ from ..conf import conf
 from ..exceptions import ConfigurationError
 from ..identity import Identity, Subject, SubjectKind
 from .snapshot import Assignment, PolicySnapshot
-from .values import Check, Explained, Origin, OriginKind, Policy, Role, concurrency_policy
+from .values import Check, Explained, Origin, OriginKind, Policy, Role, check_for, concurrency_policy
 
 if TYPE_CHECKING:
     from django.http import HttpRequest
@@ -234,7 +234,7 @@ def _concurrency_override(
 
 def _add(found: list[Resolved], policy: Policy, origin: Origin, subject: Subject, cost: int) -> None:
     try:
-        found.append((Check(policy, subject, 1 if policy.holds_slots else cost), origin))  # as check_for does
+        found.append((check_for(policy, subject, cost), origin))
     except ConfigurationError as exc:
         # Guardrails refuse such a save; a row written around them must not break requests.
         logger.error("ratelimits: check skipped: %s", exc)

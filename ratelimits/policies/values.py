@@ -13,7 +13,7 @@ from ..algorithms import RATE_ALGORITHMS, Algorithm
 from ..choices import SHEDDABLE, FailMode, Priority
 from ..conf import conf
 from ..exceptions import ConfigurationError
-from ..identity import Subject, SubjectKind
+from ..identity import MEMO_SIZE, Subject, SubjectKind
 from ..rates import MAX_LIMIT, Rate, check_burst, parse_rate
 
 __all__ = [
@@ -41,6 +41,7 @@ _POLICY_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,200}", re.ASCII)
 STATE_LAYOUT = "b"
 #: How the decide script takes a policy's numbers (``lua/decide.lua``, ``CHECK`` less the cost).
 _SCRIPT_POLICY = struct.Struct("<BBddd")
+_SCRIPT_COST = struct.Struct("<d")
 
 
 class Role(StrEnum):
@@ -164,20 +165,29 @@ class Check:
     policy: Policy
     subject: Subject
     cost: int = 1
+    #: The check's record for the decide script: its policy's, then its cost (``lua/decide.lua``).
+    script_record: bytes = field(init=False, repr=False, compare=False)
+    #: ``(prefix, key)`` once :meth:`key` has been asked (checks are reused: see :func:`check_for`).
+    _key: tuple[str, str] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if type(self.cost) is int and 0 < self.cost <= self.policy.capacity:
-            return  # the common case, checked in one expression: checks are built per request
-        positive_int(self.cost, field=f"{self.policy.name}: cost")
-        if self.cost > self.policy.capacity:
-            raise ConfigurationError(
-                f"{self.policy.name}: cost {self.cost} exceeds its capacity {self.policy.capacity}; "
-                "such a request could never be admitted"
-            )
+        if not (type(self.cost) is int and 0 < self.cost <= self.policy.capacity):
+            positive_int(self.cost, field=f"{self.policy.name}: cost")
+            if self.cost > self.policy.capacity:
+                raise ConfigurationError(
+                    f"{self.policy.name}: cost {self.cost} exceeds its capacity {self.policy.capacity}; "
+                    "such a request could never be admitted"
+                )
+        object.__setattr__(self, "script_record", self.policy.script_record + _SCRIPT_COST.pack(self.cost))
 
     def key(self, prefix: str) -> str:
         """The state key: hash-tagged by subject, so one subject's keys share a Cluster slot."""
-        return f"{prefix}:{{{self.subject.digest}}}{self.policy.key_suffix}"
+        cached = self._key
+        if cached is not None and cached[0] == prefix:
+            return cached[1]
+        key = f"{prefix}:{{{self.subject.digest}}}{self.policy.key_suffix}"
+        object.__setattr__(self, "_key", (prefix, key))
+        return key
 
 
 class OriginKind(StrEnum):
@@ -234,9 +244,28 @@ class Explained(NamedTuple):
 DEFAULT_RULE = EndpointRule()
 
 
+#: Checks made by :func:`check_for`, by the ids of their policy and subject and their cost. An
+#: entry holds its policy and subject, so neither id can be another object's while it is here.
+_checks: dict[tuple[int, int, int], Check] = {}
+
+
 def check_for(policy: Policy, subject: Subject, cost: int) -> Check:
-    """A check of ``policy`` on ``subject``: a request takes one slot, whatever its cost in tokens."""
-    return Check(policy, subject, 1 if policy.holds_slots else cost)
+    """A check of ``policy`` on ``subject``: a request takes one slot, whatever its cost in tokens.
+
+    Made once and handed out again while policy and subject are the same objects (the resolver
+    reads both from a snapshot and :func:`~ratelimits.identity.subject_of`): a check validates
+    itself and packs its script record when made, and keeps its key. Bounded like the identity memos.
+    """
+    cost = 1 if policy.holds_slots else cost
+    memo = (id(policy), id(subject), cost)
+    try:
+        return _checks[memo]
+    except KeyError:
+        pass
+    if len(_checks) >= MEMO_SIZE:
+        _checks.clear()
+    made = _checks[memo] = Check(policy, subject, cost)
+    return made
 
 
 def concurrency_policy(
