@@ -60,6 +60,12 @@ def command_stats(admin: redis.Redis) -> dict[str, tuple[int, int]]:
     return stats
 
 
+def server_cpu_s(admin: redis.Redis) -> float:
+    """The server process's CPU time so far (``INFO cpu``: user + system, all threads), in seconds."""
+    info: dict[str, Any] = admin.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
 def run_rounds(
     scenarios: list[Scenario],
     admin: redis.Redis,
@@ -73,7 +79,8 @@ def run_rounds(
     """Rounds of every scenario in turn (the order rotates each round), so noise hits all alike.
 
     Before each block: switch settings if the scenario needs it, a few untimed calls (re-warm
-    after the previous scenario), a full GC, and ``CONFIG RESETSTAT`` for the server-side column.
+    after the previous scenario), a full GC, and ``CONFIG RESETSTAT`` for the server-side column;
+    ``INFO cpu`` just before and after it gives the server's whole CPU time for the block.
     Stops early (fewer rounds, reported) if the wall-clock deadline would be passed.
     """
     series = {scenario.key: Series() for scenario in scenarios}
@@ -94,7 +101,9 @@ def run_rounds(
                 start += block_warmup
                 gc.collect()
                 admin.config_resetstat()
+                cpu_before = server_cpu_s(admin)
                 samples, wall_ns = timed_block(scenario.call, start, iterations)
+                cpu_s = server_cpu_s(admin) - cpu_before
                 stats = command_stats(admin)
                 if scenario.observe is not None:
                     scenario.observations = scenario.observe()
@@ -109,7 +118,7 @@ def run_rounds(
             unexpected = {c: n for c, n in rest.items() if c not in inner}
             if unexpected:
                 log(f"  note: {scenario.key} sent other Redis commands during its block: {unexpected}")
-            series[scenario.key].add_round(samples, wall_ns, usec, calls, unexpected, inner)
+            series[scenario.key].add_round(samples, wall_ns, usec, calls, unexpected, inner, round(cpu_s * 1e6))
         done += 1
         log(f"  round {done}/{rounds}: {time.monotonic() - round_began:.1f}s")
     return series, done

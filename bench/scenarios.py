@@ -8,8 +8,10 @@ by a fast 429 path.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from django.test import override_settings
@@ -17,9 +19,10 @@ from rest_framework.request import Request
 from rest_framework.test import APIRequestFactory
 from rest_framework.throttling import AnonRateThrottle, ScopedRateThrottle, UserRateThrottle
 
-from ratelimits.backends.redis import RedisBackend, make_client
+from ratelimits.backends.redis import RedisBackend, Script, make_client
 from ratelimits.conf import conf
 from ratelimits.engine import get_limiter, get_policy_source
+from ratelimits.engine.evaluation import usage_of
 from ratelimits.identity import identify
 from ratelimits.policies import Check
 from ratelimits.throttles import RateLimitThrottle
@@ -177,13 +180,38 @@ def decide_only(backend: RedisBackend, check_lists: list[list[Check]]) -> Callab
     return call
 
 
+#: The bench's own scripts: the floors a decision is measured against (see bench/README.md).
+SCRIPTS = Path(__file__).resolve().parent / "lua"
+
+
+def bench_script(name: str) -> Script:
+    text = (SCRIPTS / name).read_text(encoding="utf-8")
+    return Script(name, text, hashlib.sha1(text.encode()).hexdigest())
+
+
+ScriptCall = tuple[list[str], list[Any]]
+
+
+def script_floor(backend: RedisBackend, script: Script, calls: list[ScriptCall]) -> Callable[[int], None]:
+    """``script`` run as a decision's script is: on the limiter's own connection, with ``calls[i]``'s KEYS and ARGV."""
+    mask = len(calls) - 1
+    run = backend._run
+
+    def call(i: int) -> None:
+        script_keys, args = calls[i & mask]
+        if run(script, script_keys, args) is None:
+            raise Invalid(f"{script.name} answered nothing")
+
+    return call
+
+
 def checks_for(request: Request, view: BenchView) -> list[Check]:
     identity = identify(request, endpoint=SCOPE, auth=request.auth, user=request.user)
     return get_policy_source().checks_for(request, identity)
 
 
 def build(redis_url: str) -> list[Scenario]:
-    """The six scenarios, after checking each one measures what its label says."""
+    """The scenarios, after checking each one measures what its label says."""
     requests = build_requests()
     view = BenchView()
     one_dimension = ratelimits_settings(redis_url, dimensions=1)
@@ -206,6 +234,14 @@ def build(redis_url: str) -> list[Scenario]:
         names_one = [check.policy.name for check in checks_for(requests[0], view)]
     if names_one != ["tier:bench"]:
         raise RuntimeError(f"one-dimension config yields checks {names_one}")
+
+    # The floors get the KEYS and ARGV of the 4-dimension throttle's decisions, usage row and all.
+    identities = [identify(request, endpoint=SCOPE, auth=request.auth, user=request.user) for request in requests]
+    floor_calls = [
+        backend.decide_call(checks, consume=True, usage=usage_of(identity, checks), slot=None)
+        for identity, checks in zip(identities, check_lists, strict=True)
+    ]
+    noop_calls: list[ScriptCall] = [([], [])]
 
     subjects = {"subjects": len(requests), "organisations": ORGANISATIONS}
     return [
@@ -253,5 +289,19 @@ def build(redis_url: str) -> list[Scenario]:
             decide_only(backend, check_lists),
             commands=("evalsha", "eval"),
             notes={"checks": names, **subjects},
+        ),
+        Scenario(
+            "floor_noop",
+            "floor: no-op EVALSHA",
+            script_floor(backend, bench_script("noop.lua"), noop_calls),
+            commands=("evalsha", "eval"),
+            notes={"script": "bench/lua/noop.lua"},
+        ),
+        Scenario(
+            "floor_4",
+            "floor: a 4-check decision's reads+writes",
+            script_floor(backend, bench_script("floor_decide.lua"), floor_calls),
+            commands=("evalsha", "eval"),
+            notes={"script": "bench/lua/floor_decide.lua", "keys_and_args": "the 4-dimension throttle's", **subjects},
         ),
     ]

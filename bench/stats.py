@@ -31,6 +31,9 @@ class Series:
     other_commands: dict[str, int] = field(default_factory=dict)
     #: Commands run inside the scenario's Lua script (their time is inside the EVALSHA's).
     script_commands: dict[str, int] = field(default_factory=dict)
+    #: The server process's CPU time during the timed blocks (``INFO cpu``, user + system): its
+    #: network work too, whatever commands a design uses.
+    server_cpu_us: int = 0
 
     def add_round(
         self,
@@ -40,12 +43,14 @@ class Series:
         server_calls: int,
         other: dict[str, int],
         script: dict[str, int],
+        server_cpu_us: int,
     ) -> None:
         self.samples_ns += samples
         self.wall_ns += wall_ns
         self.round_p50_us.append(percentile(sorted(samples), 50) / 1000)
         self.server_usec += server_usec
         self.server_calls += server_calls
+        self.server_cpu_us += server_cpu_us
         for command, calls in other.items():
             self.other_commands[command] = self.other_commands.get(command, 0) + calls
         for command, calls in script.items():
@@ -70,6 +75,7 @@ class Series:
             "round_p50_us": [round(v, 1) for v in self.round_p50_us],
             "redis_us_per_decision": round(self.server_usec / n, 1),
             "redis_calls_per_decision": round(self.server_calls / n, 2),
+            "redis_cpu_us_per_decision": round(self.server_cpu_us / n, 1),
             "other_redis_commands": self.other_commands,
             "script_commands_per_decision": {c: round(k / n, 2) for c, k in sorted(self.script_commands.items())},
         }

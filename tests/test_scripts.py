@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import struct
 from importlib import resources
@@ -9,15 +10,16 @@ from importlib import resources
 import pytest
 import redis
 
-from ratelimits.algorithms import SLOT_RETRY_US, Algorithm
+from ratelimits.algorithms import RATE_ALGORITHMS, SLOT_RETRY_US, Algorithm
 from ratelimits.backends import layout
 from ratelimits.backends import redis as redis_backend
-from ratelimits.backends.redis import DECIDE, RedisBackend, Script, make_client
+from ratelimits.backends.redis import DECIDE, RedisBackend, Script, make_client, read_state
 from ratelimits.counters import usage_for
 from ratelimits.identity import Subject, SubjectKind
 from ratelimits.policies import Check, Policy
 from ratelimits.rates import parse_rate
 
+from .support.clock import FakeClock
 from .support.redis_server import RedisServer
 
 SCRIPTS = sorted(p.name for p in resources.files("ratelimits").joinpath("lua").iterdir() if p.name.endswith(".lua"))
@@ -80,3 +82,30 @@ def test_the_codes_are_ordered_as_the_script_indexes_them() -> None:
     rates = [Algorithm.TOKEN_BUCKET, Algorithm.SLIDING_WINDOW, Algorithm.FIXED_WINDOW]
     assert [a.code for a in rates] == [1, 2, 3]
     assert all(a.holds_slots == (a.code >= lua_constants(DECIDE)["CONCURRENCY"]) for a in Algorithm)
+
+
+@pytest.mark.parametrize("spent", [5, 2.5])
+def test_a_token_bucket_the_previous_layout_stored_carries_over(
+    redis_server: RedisServer, redis_client: redis.Redis, spent: float
+) -> None:
+    """Token buckets kept their keys: the decimal the previous release wrote is read, not reset."""
+    clock = FakeClock()
+    backend = RedisBackend(make_client(redis_server.url, 2.0, 2.0), clock=clock)
+    check = Check(Policy("p", parse_rate("10/s"), 10), Subject(SubjectKind.IP, "198.51.100.2"))
+    tat = clock.now + spent * check.policy.rate.interval_us
+    redis_client.set(check.key(backend.prefix), repr(float(tat)), px=5000)  # as "%.17g" wrote it
+    decision = backend.decide([check])
+    assert decision.allowed and decision.results[0].remaining == 10 - math.ceil(spent) - 1
+    stored = redis_client.get(check.key(backend.prefix))
+    assert stored is not None and read_state(Algorithm.TOKEN_BUCKET, stored) == (tat + check.policy.rate.interval_us,)
+
+
+def test_window_state_lives_under_new_keys_so_no_old_value_is_misread() -> None:
+    """Windows changed their layout: their keys changed name with it; a token bucket's did not."""
+    subject = Subject(SubjectKind.IP, "198.51.100.3")
+    names = {
+        algorithm: Check(Policy("p", parse_rate("10/s"), 10, algorithm), subject).key("rl")
+        for algorithm in RATE_ALGORITHMS
+    }
+    assert names[Algorithm.TOKEN_BUCKET].endswith(":p:1")
+    assert names[Algorithm.SLIDING_WINDOW].endswith(":p:2b") and names[Algorithm.FIXED_WINDOW].endswith(":p:3b")

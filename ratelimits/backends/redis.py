@@ -87,9 +87,12 @@ def read_state(algorithm: Algorithm, value: bytes) -> State:
 
     A token bucket's is ``(theoretical arrival time,)``, a sliding window's ``(window index,
     current count, previous count)``, a fixed window's ``(window index, count)``: the same tuples
-    :mod:`ratelimits.algorithms` takes.
+    :mod:`ratelimits.algorithms` takes. A token bucket's decimal from the previous layout is read too.
     """
-    return STATE_FORMATS[algorithm].unpack(value)
+    layout = STATE_FORMATS[algorithm]
+    if algorithm is Algorithm.TOKEN_BUCKET and len(value) != layout.size:
+        return (float(value),)
+    return layout.unpack(value)
 
 
 class RedisBackend(Backend):
@@ -127,22 +130,9 @@ class RedisBackend(Backend):
         )
 
     def decide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
-        prefix = self.prefix
-        state_keys = [check.key(prefix) for check in checks]
         slot = new_slot(checks) if consume else None
-        now = -1.0 if self.clock is None else self.clock()  # negative: the script reads Redis TIME
-        record = [_REQUEST.pack(now, consume, usage.tokens if usage else 1, layout.USAGE_TTL_S, self.usage_cap)]
-        ttls = []
-        for check in checks:
-            record.append(check.script_record)
-            ttls.append(check.policy.script_ttl)
-        if usage:
-            script_keys = [self.version_key, *state_keys, layout.usage_key(prefix, usage.minute)]
-            args = [b"".join(record), usage.field, slot or "", usage.overflow, *ttls]
-        else:
-            script_keys = [self.version_key, *state_keys]
-            args = [b"".join(record), "", slot or "", "", *ttls]
-        held = slot_keys(checks, state_keys) if slot else ()
+        script_keys, args = self.decide_call(checks, consume=consume, usage=usage, slot=slot)
+        held = slot_keys(checks, script_keys[1 : len(checks) + 1]) if slot else ()
         try:
             reply = self._run(DECIDE, script_keys, args)
         except PolicyFailed as exc:
@@ -176,6 +166,24 @@ class RedisBackend(Backend):
             slot=slot,
             slot_keys=held,
         )
+
+    def decide_call(
+        self, checks: Sequence[Check], *, consume: bool, usage: Usage | None, slot: str | None
+    ) -> tuple[list[str], list[Any]]:
+        """The decide script's KEYS and ARGV for these checks (``lua/decide.lua`` says what each is)."""
+        now = -1.0 if self.clock is None else self.clock()  # negative: the script reads Redis TIME
+        record = [_REQUEST.pack(now, consume, usage.tokens if usage else 1, layout.USAGE_TTL_S, self.usage_cap)]
+        script_keys = [self.version_key]
+        ttls = []
+        prefix = self.prefix
+        for check in checks:
+            script_keys.append(check.key(prefix))
+            record.append(check.script_record)
+            ttls.append(check.policy.script_ttl)
+        if usage:
+            script_keys.append(layout.usage_key(prefix, usage.minute))
+            return script_keys, [b"".join(record), usage.field, slot or "", usage.overflow, *ttls]
+        return script_keys, [b"".join(record), "", slot or "", "", *ttls]
 
     def claim_usage(self, before_minute: int) -> list[tuple[str, int]]:
         live, draining = layout.usage_prefix(self.prefix), layout.drain_prefix(self.prefix)

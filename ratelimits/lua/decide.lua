@@ -19,9 +19,11 @@
 -- ARGV[4]          the overflow row of the request's caller kind and endpoint
 -- ARGV[4 + i]      check i's state TTL in milliseconds, as the decimal PX takes
 --
--- State values (every key written with a PX TTL). Token bucket and window state are packed
--- doubles, which round-trip exactly and take the fewest bytes:
---   GCRA           the theoretical arrival time, us (8 bytes)
+-- State values (every key written with a PX TTL) are packed doubles: they round-trip exactly,
+-- and packing one costs a tenth of formatting it in decimal (which Redis does with %.17g for a
+-- number passed to a command, as the previous layout did).
+--   GCRA           the theoretical arrival time, us (8 bytes; a value of any other length is
+--                  the decimal the previous layout stored, read as such: buckets carry over)
 --   sliding window window index, current count, previous count (24 bytes)
 --   fixed window   window index, count (16 bytes)
 --   slots          a sorted set of slot ids scored by their expiry (us); expired ones are purged
@@ -113,7 +115,7 @@ local function token_bucket(value, limit, period, burst, cost)
   local capacity = burst * interval
   local tat = now
   if value then
-    tat = unpack_args(GCRA_STATE, value)
+    if #value == 8 then tat = unpack_args(GCRA_STATE, value) else tat = tonumber(value) end
     if tat <= now then tat = now end
   end
   local new_tat = tat + cost * interval

@@ -34,11 +34,18 @@ __all__ = [
 # Policy names appear in Redis keys and headers: keep them to characters that need no quoting
 # and can never form a Redis Cluster hash tag.
 _POLICY_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,200}", re.ASCII)
-#: The layout of the state values ``lua/decide.lua`` writes, the last part of every state key's
-#: name. A new layout is a new letter: the script then never reads a value of another layout,
-#: and the old keys expire unread (every subject starts afresh once, as after a Redis restart).
-#: ``b``: packed doubles; the keys without a letter held decimal strings.
-STATE_LAYOUT = "b"
+#: The layout of the state values ``lua/decide.lua`` writes, per algorithm: the last part of
+#: the state key's name. A new layout is a new letter, so the script never reads a value of
+#: another layout: the old keys expire unread (their subjects start afresh once, as after a
+#: Redis restart). ``b``: packed doubles, where the keys without a letter held decimal strings.
+#: A token bucket's keys kept their names: the script reads the decimal it stored before.
+STATE_LAYOUTS = {
+    Algorithm.TOKEN_BUCKET: "",
+    Algorithm.SLIDING_WINDOW: "b",
+    Algorithm.FIXED_WINDOW: "b",
+    Algorithm.CONCURRENCY: "",
+    Algorithm.FLEET: "",
+}
 #: How the decide script takes a policy's numbers (``lua/decide.lua``, ``CHECK`` less the cost).
 _SCRIPT_POLICY = struct.Struct("<BBddd")
 _SCRIPT_COST = struct.Struct("<d")
@@ -103,7 +110,7 @@ class Policy:
         record = _SCRIPT_POLICY.pack(self.algorithm.code, self.shadow, self.rate.limit, self.rate.period_us, self.burst)
         object.__setattr__(self, "script_record", record)
         object.__setattr__(self, "script_ttl", str(self.state_ttl_ms))
-        object.__setattr__(self, "key_suffix", f":{self.name}:{self.algorithm.code}{STATE_LAYOUT}")
+        object.__setattr__(self, "key_suffix", f":{self.name}:{self.algorithm.code}{STATE_LAYOUTS[self.algorithm]}")
         object.__setattr__(self, "holds_slots", self.algorithm.holds_slots)
 
     @property
