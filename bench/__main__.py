@@ -67,7 +67,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="N",
         help="pin this process and its redis-server to CPU N (steadier on small VMs; default: unpinned)",
     )
+    parser.add_argument(
+        "--server-cpu",
+        type=int,
+        default=None,
+        metavar="M",
+        help="with --cpu N: pin redis-server to CPU M instead (its CPU then excludes the client's cache traffic)",
+    )
     args = parser.parse_args(argv)
+    if args.server_cpu is not None and args.cpu is None:
+        parser.error("--server-cpu needs --cpu")
+    if args.server_cpu is not None and args.server_cpu not in os.sched_getaffinity(0):
+        parser.error(f"--server-cpu {args.server_cpu} is not one of the CPUs this process may use")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     if args.cpu is not None and args.cpu not in os.sched_getaffinity(0):
@@ -138,9 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         pid = server.pid
         log(f"private redis-server pid {pid} on 127.0.0.1:{server.port}")
         if args.cpu is not None:
-            os.sched_setaffinity(pid, {args.cpu})
+            server_cpu = args.cpu if args.server_cpu is None else args.server_cpu
+            os.sched_setaffinity(pid, {server_cpu})
             os.sched_setaffinity(0, {args.cpu})
-            log(f"pinned this process and redis-server pid {pid} to CPU {args.cpu}")
+            log(f"pinned this process to CPU {args.cpu} and redis-server pid {pid} to CPU {server_cpu}")
         return run(args, server, started)
     finally:
         # RedisServer.stop signals only the process (group) it started: SIGTERM, then SIGKILL after 10 s.
@@ -217,6 +229,7 @@ def run(args: argparse.Namespace, server: RedisServer, started: float) -> int:
             "redis_server": f"Redis {server_info.get('redis_version')} on 127.0.0.1:{server.port} (private, loopback)",
             "redis_parser": DefaultParser.__name__,
             "pinned_cpu": args.cpu,
+            "server_cpu": args.cpu if args.server_cpu is None else args.server_cpu,
             "load_average_before": [round(v, 2) for v in load_before],
             "load_average_after": [round(v, 2) for v in os.getloadavg()],
             "duration_s": round(time.monotonic() - started, 1),
@@ -316,7 +329,13 @@ def render(report: dict[str, Any]) -> str:
         + (" (ratelimits/ modified)" if meta["source"]["ratelimits_modified"] else "")
         + f", {meta['machine']['cpus']} CPUs ({meta['machine']['cpu_model']}), Python {meta['machine']['python']}, "
         f"parser {meta['redis_parser']}, "
-        + ("unpinned" if meta["pinned_cpu"] is None else f"client and server pinned to CPU {meta['pinned_cpu']}")
+        + (
+            "unpinned"
+            if meta["pinned_cpu"] is None
+            else f"client and server pinned to CPU {meta['pinned_cpu']}"
+            if meta["server_cpu"] == meta["pinned_cpu"]
+            else f"client pinned to CPU {meta['pinned_cpu']}, server to CPU {meta['server_cpu']}"
+        )
         + f", load {meta['load_average_before']} -> {meta['load_average_after']}",
         "",
     ]

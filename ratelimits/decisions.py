@@ -100,13 +100,23 @@ class Decision:
         Slots are described when they deny; otherwise one request in flight would make a small
         concurrency limit look "closest" on every response and hide the rate quota.
         """
-        violated = [r for r in self.violated if r.check.policy.algorithm is not Algorithm.FLEET]
-        if violated:
-            return max(violated, key=lambda r: r.retry_us)
-        candidates = [r for r in self.results if not r.check.policy.shadow and not r.check.policy.holds_slots]
-        if not candidates:
-            return None
-        return min(candidates, key=lambda r: (r.remaining / r.limit, r.reset_us))
+        # One pass (this is read for every response's headers). A denied rate check is always a
+        # violation, so the candidates are allowed ones; the first of equals wins, as min/max say.
+        worst: Result | None = None
+        closest: Result | None = None
+        share = (2.0, 0)
+        for result in self.results:
+            policy = result.check.policy
+            if policy.shadow:
+                continue
+            if not result.allowed:
+                if policy.algorithm is not Algorithm.FLEET and (worst is None or result.retry_us > worst.retry_us):
+                    worst = result
+            elif worst is None and not policy.holds_slots:
+                left = (result.remaining / policy.capacity, result.reset_us)
+                if left < share:
+                    closest, share = result, left
+        return worst if worst is not None else closest
 
     @classmethod
     def from_results(

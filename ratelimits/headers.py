@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 import random
+from typing import NamedTuple
 
 from .conf import conf
 from .decisions import Decision
+from .identity import MEMO_SIZE
+from .policies.values import Policy
 
 __all__ = ["rate_limit_headers", "retry_after_seconds"]
 
@@ -31,24 +34,53 @@ def rate_limit_headers(decision: Decision) -> dict[str, str]:
     closest = decision.closest
     if closest is None or style == "none":
         return headers
-    name = closest.policy_name
+    policy = closest.check.policy
+    static = _static_parts(policy)
+    remaining = closest.remaining
     # Slots have no window: they come back when requests finish, not at a time we could name.
-    in_flight = closest.check.policy.holds_slots
-    reset_us = 0 if in_flight else closest.reset_us
-    if style in ("ietf", "both"):
-        if in_flight:
-            headers["RateLimit-Policy"] = f'"{name}";q={closest.limit};qu="concurrent-requests"'
-            headers["RateLimit"] = f'"{name}";r={closest.remaining}'
+    reset_us = 0 if policy.holds_slots else closest.reset_us
+    if style != "github":  # "ietf" or "both"
+        headers["RateLimit-Policy"] = static.policy
+        if policy.holds_slots:
+            headers["RateLimit"] = f"{static.quoted};r={remaining}"
         else:
-            headers["RateLimit-Policy"] = f'"{name}";q={closest.limit};w={closest.check.policy.window_seconds}'
-            headers["RateLimit"] = f'"{name}";r={closest.remaining};t={math.ceil(reset_us / US)}'
-    if style in ("github", "both"):
-        headers["X-RateLimit-Limit"] = str(closest.limit)
-        headers["X-RateLimit-Remaining"] = str(closest.remaining)
-        headers["X-RateLimit-Reset"] = str(math.ceil((decision.now_us + reset_us) / US))
-        headers["X-RateLimit-Used"] = str(closest.used)
-        headers["X-RateLimit-Resource"] = name
+            headers["RateLimit"] = f"{static.quoted};r={remaining};t={-(-reset_us // US)}"
+    if style != "ietf":  # "github" or "both"
+        headers["X-RateLimit-Limit"] = static.limit
+        headers["X-RateLimit-Remaining"] = str(remaining)
+        headers["X-RateLimit-Reset"] = str(-(-(decision.now_us + reset_us) // US))
+        headers["X-RateLimit-Used"] = str(max(policy.capacity - remaining, 0))
+        headers["X-RateLimit-Resource"] = policy.name
     return headers
+
+
+class _Static(NamedTuple):
+    """What a policy's headers say whatever the request: built once per policy."""
+
+    quoted: str
+    policy: str
+    limit: str
+
+
+#: Policy id -> (policy, its parts). An entry holds its policy, so the id stays its own.
+_parts: dict[int, tuple[Policy, _Static]] = {}
+
+
+def _static_parts(policy: Policy) -> _Static:
+    try:
+        return _parts[id(policy)][1]
+    except KeyError:
+        pass
+    quoted = f'"{policy.name}"'
+    if policy.holds_slots:
+        described = f'{quoted};q={policy.capacity};qu="concurrent-requests"'
+    else:
+        described = f"{quoted};q={policy.capacity};w={policy.window_seconds}"
+    if len(_parts) >= MEMO_SIZE:
+        _parts.clear()
+    static = _Static(quoted, described, str(policy.capacity))
+    _parts[id(policy)] = (policy, static)
+    return static
 
 
 def retry_after_seconds(decision: Decision) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ratelimits.algorithms import Algorithm
 from ratelimits.choices import Priority
@@ -104,3 +106,44 @@ def test_jitter_only_ever_adds(settings: Any) -> None:
     decision = decide(result(SECOND, allowed=False, remaining=0, retry_us=2_000_000))
     seen = {retry_after_seconds(decision) for _ in range(300)}
     assert seen <= {2, 3, 4, 5} and len(seen) > 1  # never less than the exact wait, and it varies
+
+
+def closest_by_definition(decision: Decision) -> Result | None:
+    """What the docstring of ``Decision.closest`` says, written the plain way."""
+    violated = [r for r in decision.violated if r.check.policy.algorithm is not Algorithm.FLEET]
+    if violated:
+        return max(violated, key=lambda r: r.retry_us)
+    candidates = [r for r in decision.results if not r.check.policy.shadow and not r.check.policy.holds_slots]
+    return min(candidates, key=lambda r: (r.remaining / r.limit, r.reset_us)) if candidates else None
+
+
+POLICIES = [
+    SECOND,
+    DAY,
+    Policy("shadowed", parse_rate("5/s"), 5, shadow=True),
+    concurrency_policy("in-flight", 3, fail_mode="open"),
+    fleet_checks(10, {Priority.LOW: 60})[Priority.LOW].policy,
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(POLICIES),
+            st.booleans(),
+            st.integers(0, 20),
+            st.integers(0, 3),
+            st.integers(1, 3),
+        ),
+        max_size=6,
+    )
+)
+def test_the_closest_result_is_the_one_its_definition_names(rows: list[tuple[Policy, bool, int, int, int]]) -> None:
+    """Ties included (small ranges make them common): the same object, so the first of equals."""
+    results = [
+        result(p, allowed=allowed, remaining=min(left, p.capacity), reset_us=reset, retry_us=0 if allowed else retry)
+        for p, allowed, left, reset, retry in rows
+    ]
+    decision = decide(*results)
+    assert decision.closest is closest_by_definition(decision)

@@ -65,6 +65,11 @@ class CircuitBreaker:
 
     def allow(self) -> bool:
         """Whether this call may go to the store. A ``True`` in half-open state makes it the probe."""
+        if self._opened_at is None:
+            # Closed, read without the lock (one attribute read is atomic): every decision asks, and
+            # a call let through as the breaker opens is one admitted just before it, as the
+            # class says.
+            return True
         with self._lock:
             if self._opened_at is None:
                 return True
@@ -81,6 +86,11 @@ class CircuitBreaker:
             return max(self.cooldown - (self._clock() - self._opened_at), 0.0)
 
     def record_success(self) -> None:
+        outcomes = self._outcomes
+        if self._opened_at is None and self._failures == 0 and len(outcomes) == outcomes.maxlen:
+            # A full window of successes stays one: recording another changes nothing. (Read
+            # without the lock: a failure recorded meanwhile is counted by its own call.)
+            return
         with self._lock:
             if self._opened_at is None:
                 self._record(True)
