@@ -135,23 +135,11 @@ class Decision:
         denied only by the fleet's in-flight limit is SHED (503).
         """
         denied = [r for r in results if not r.allowed and not r.check.policy.shadow]
-        if not denied:
-            verdict = Verdict.ALLOW
-        elif all(r.check.policy.algorithm is Algorithm.FLEET for r in denied):
-            verdict = Verdict.SHED
-        else:
-            verdict = Verdict.LIMITED
-        held = verdict is Verdict.ALLOW and slot is not None
-        return cls(
-            verdict=verdict,
-            results=tuple(results),
-            retry_after_us=max((r.retry_us for r in denied), default=0),
-            now_us=now_us,
-            degraded=degraded,
-            policy_version=policy_version,
-            slot=slot if held else None,
-            slot_keys=slot_keys if held else (),
-        )
+        if not denied:  # the common case, built with the fewest steps (fields in order): one per request
+            return cls(Verdict.ALLOW, tuple(results), 0, now_us, degraded, policy_version, slot, slot_keys)
+        shed = all(r.check.policy.algorithm is Algorithm.FLEET for r in denied)
+        verdict = Verdict.SHED if shed else Verdict.LIMITED
+        return cls(verdict, tuple(results), max(r.retry_us for r in denied), now_us, degraded, policy_version)
 
 
 @dataclass(frozen=True, slots=True)
