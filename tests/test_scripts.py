@@ -109,3 +109,22 @@ def test_window_state_lives_under_new_keys_so_no_old_value_is_misread() -> None:
     }
     assert names[Algorithm.TOKEN_BUCKET].endswith(":p:1")
     assert names[Algorithm.SLIDING_WINDOW].endswith(":p:2b") and names[Algorithm.FIXED_WINDOW].endswith(":p:3b")
+
+
+@pytest.mark.parametrize(("rate", "encoding"), [("10/s", b"int"), ("3/s", b"embstr")])
+def test_a_token_bucket_is_stored_exactly_and_in_as_few_bytes_as_redis_allows(
+    redis_server: RedisServer, redis_client: redis.Redis, rate: str, encoding: bytes
+) -> None:
+    """A whole number of microseconds is kept by Redis as an integer; any other arrival time packed, exactly."""
+    clock = FakeClock()
+    backend = RedisBackend(make_client(redis_server.url, 2.0, 2.0), clock=clock)
+    check = Check(Policy("p", parse_rate(rate), 3), Subject(SubjectKind.IP, "198.51.100.4"))
+    for _ in range(2):
+        assert backend.decide([check]).allowed
+    key = check.key(backend.prefix)
+    assert redis_client.object("encoding", key) == encoding
+    stored = redis_client.get(key)
+    assert stored is not None
+    interval = check.policy.rate.interval_us
+    assert read_state(Algorithm.TOKEN_BUCKET, stored) == (clock.now + interval + interval,)  # as GCRA adds
+    assert backend.decide([check], consume=False).results[0].remaining == 0  # the third of 3 still fits

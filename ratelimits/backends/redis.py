@@ -87,10 +87,11 @@ def read_state(algorithm: Algorithm, value: bytes) -> State:
 
     A token bucket's is ``(theoretical arrival time,)``, a sliding window's ``(window index,
     current count, previous count)``, a fixed window's ``(window index, count)``: the same tuples
-    :mod:`ratelimits.algorithms` takes. A token bucket's decimal from the previous layout is read too.
+    :mod:`ratelimits.algorithms` takes. A token bucket's is stored in decimal when it is a whole
+    number of microseconds (as the previous layout stored every one), else packed.
     """
     layout = STATE_FORMATS[algorithm]
-    if algorithm is Algorithm.TOKEN_BUCKET and len(value) != layout.size:
+    if algorithm is Algorithm.TOKEN_BUCKET and not (len(value) == layout.size and value[-1] > ord("9")):
         return (float(value),)
     return layout.unpack(value)
 

@@ -19,13 +19,14 @@
 -- ARGV[4]          the overflow row of the request's caller kind and endpoint
 -- ARGV[4 + i]      check i's state TTL in milliseconds, as the decimal PX takes
 --
--- State values (every key written with a PX TTL) are packed doubles: they round-trip exactly,
--- and packing one costs a tenth of formatting it in decimal (which Redis does with %.17g for a
--- number passed to a command, as the previous layout did).
---   GCRA           the theoretical arrival time, us (8 bytes; a value of any other length is
---                  the decimal the previous layout stored, read as such: buckets carry over)
---   sliding window window index, current count, previous count (24 bytes)
---   fixed window   window index, count (16 bytes)
+-- State values (every key written with a PX TTL) round-trip exactly, at the least cost: packing
+-- a double costs a tenth of formatting it in %.17g decimal, as the previous layout did.
+--   GCRA           the theoretical arrival time, us: in decimal when it is a whole number of us
+--                  (the usual case; Redis then keeps it as an integer, in no memory beyond its
+--                  key's), else its 8 packed bytes, whose last (sign and exponent) is never a
+--                  digit. The previous layout's decimals read the same: buckets carry over.
+--   sliding window window index, current count, previous count, packed (24 bytes)
+--   fixed window   window index, count, packed (16 bytes)
 --   slots          a sorted set of slot ids scored by their expiry (us); expired ones are purged
 --                  before counting, so a worker killed while holding slots loses them on its own
 --
@@ -50,7 +51,8 @@ local GCRA_STATE, SLIDING_STATE, FIXED_STATE = '<d', '<ddd', '<dd'
 -- How many ARGV come before the checks' TTLs.
 local HEADER = 4
 
-local unpack_args, pack = struct.unpack, struct.pack
+local unpack_args, pack, byte, format = struct.unpack, struct.pack, string.byte, string.format
+local DIGIT_9 = 57
 local now, consume, tokens, usage_ttl, usage_cap, pos = unpack_args(REQUEST, ARGV[1])
 if now < 0 then
   local t = redis.call('TIME')
@@ -115,7 +117,7 @@ local function token_bucket(value, limit, period, burst, cost)
   local capacity = burst * interval
   local tat = now
   if value then
-    if #value == 8 then tat = unpack_args(GCRA_STATE, value) else tat = tonumber(value) end
+    if #value == 8 and byte(value, 8) > DIGIT_9 then tat = unpack_args(GCRA_STATE, value) else tat = tonumber(value) end
     if tat <= now then tat = now end
   end
   local new_tat = tat + cost * interval
@@ -125,7 +127,9 @@ local function token_bucket(value, limit, period, burst, cost)
     return false, remaining, ceil(tat - now), ceil(allow_at - now), nil
   end
   local remaining = max(floor((now + capacity - new_tat) / interval), 0)
-  return true, remaining, ceil(new_tat - now), 0, pack(GCRA_STATE, new_tat)
+  local state
+  if new_tat == floor(new_tat) then state = format('%d', new_tat) else state = pack(GCRA_STATE, new_tat) end
+  return true, remaining, ceil(new_tat - now), 0, state
 end
 
 local function sliding_window(value, limit, period, burst, cost)
