@@ -1,0 +1,55 @@
+"""The benchmark runs end to end and reports every figure it promises (never how fast: see bench/)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_a_short_benchmark_run_reports_every_row_target_and_floor(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--rounds", "1", "--iterations", "300", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    rows = report["scenarios"]
+    assert set(rows) == {
+        "ping",
+        "ratelimits_1dim",
+        "ratelimits_4dim",
+        "ratelimits_4dim_no_usage",
+        "drf_stack",
+        "decide_4",
+        "floor_noop",
+        "floor_4",
+    }
+    # One round trip each, and the floor ran the same inner commands as a four-check decision.
+    assert all(row["redis_calls_per_decision"] == 1 for key, row in rows.items() if key != "drf_stack")
+    inner = {command: round(n) for command, n in rows["floor_4"]["script_commands_per_decision"].items()}
+    assert inner == {"time": 1, "mget": 1, "set": 4, "hincrby": 1}
+    assert all(row["redis_cpu_us_per_decision"] > 0 for row in rows.values())
+    assert set(report["targets"]) >= {
+        "redis_us_per_4dim_decision",
+        "redis_us_per_1dim_decision",
+        "decide_4_p50_over_ping_p50",
+        "throttle_plumbing_p50_us",
+        "extra_per_dimension_p50_us",
+        "memory_per_idle_subject_bytes",
+    }
+    assert all(isinstance(target["met"], bool) for target in report["targets"].values())
+    memory = report["derived"]["memory"]
+    assert memory["state_keys"] == memory["subjects"]  # one key per caller, none expired mid-measurement
+    assert memory["state_bytes"] > 0 and memory["usage_row_bytes"] > 0
+    assert "target" in done.stdout and "floor: no-op EVALSHA" in done.stdout
