@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 from .conf import conf
 from .decisions import Decision
-from .identity import MEMO_SIZE
+from .identity import remember
 from .policies.values import Policy
 
 __all__ = ["rate_limit_headers", "retry_after_seconds"]
@@ -76,10 +76,8 @@ def _static_parts(policy: Policy) -> _Static:
         described = f'{quoted};q={policy.capacity};qu="concurrent-requests"'
     else:
         described = f"{quoted};q={policy.capacity};w={policy.window_seconds}"
-    if len(_parts) >= MEMO_SIZE:
-        _parts.clear()
     static = _Static(quoted, described, str(policy.capacity))
-    _parts[id(policy)] = (policy, static)
+    remember(_parts, id(policy), (policy, static))
     return static
 
 

@@ -17,7 +17,7 @@ from .conf import conf
 if TYPE_CHECKING:
     from django.http import HttpRequest
 
-__all__ = ["Identity", "Subject", "SubjectKind", "client_ip", "identify", "normalize_ip", "subject_of"]
+__all__ = ["Identity", "Subject", "SubjectKind", "client_ip", "identify", "normalize_ip", "remember", "subject_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -28,14 +28,26 @@ Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 #: Entries kept by each hot-path memo before it starts over; bounds memory under address churn.
 MEMO_SIZE = 65_536
+K = TypeVar("K")
+
+
+def remember(memo: dict[K, T], key: K, value: T) -> T:
+    """Keep ``value`` under ``key`` in a hot-path memo, which is emptied first when full.
+
+    Dropping the whole memo when full is cheaper on the hot path than keeping LRU order, and the
+    callers that matter come back at once.
+    """
+    if len(memo) >= MEMO_SIZE:
+        memo.clear()
+    memo[key] = value
+    return value
 
 
 def _memoize(func: Callable[..., T]) -> Callable[..., T]:
     """Cache a pure function of hashable arguments; the cache is dropped whole when full.
 
     Hashing identities and parsing addresses cost more than the rest of a decision's Python;
-    the same callers come back again and again. Dropping the whole cache when full is
-    cheaper on the hot path than keeping LRU order.
+    the same callers come back again and again.
     """
     cache: dict[tuple[Any, ...], T] = {}
 
@@ -44,11 +56,7 @@ def _memoize(func: Callable[..., T]) -> Callable[..., T]:
         try:
             return cache[args]
         except KeyError:
-            pass
-        if len(cache) >= MEMO_SIZE:
-            cache.clear()
-        value = cache[args] = func(*args)
-        return value
+            return remember(cache, args, func(*args))
 
     return wrapper
 
@@ -134,12 +142,9 @@ def subject_of(kind: SubjectKind, value: str) -> Subject:
         return _subjects[key]
     except KeyError:
         pass
-    if len(_subjects) >= MEMO_SIZE:
-        _subjects.clear()
     made = Subject(kind, value)
     made.digest  # noqa: B018  (computed now, with the hash key it is filed under)
-    _subjects[key] = made
-    return made
+    return remember(_subjects, key, made)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@
 --                  and adds one to the field "#" (the minute's rows); a row beyond the cap is
 --                  counted in the overflow row instead (ratelimits/counters.py, count(), is the
 --                  same rule in Python). The minute's first row sets the hash's expiry.
--- ARGV[1]          the request, packed little-endian (ratelimits/backends/packing.py builds it):
+-- ARGV[1]          the request, packed little-endian (RedisBackend.decide_call builds it):
 --                  a header, REQUEST below, then n records, CHECK below. Numbers travel as IEEE
 --                  doubles: unpacking them is a copy, where parsing decimal strings is the
 --                  costliest thing a script does.

@@ -13,7 +13,7 @@ from ..algorithms import RATE_ALGORITHMS, Algorithm
 from ..choices import SHEDDABLE, FailMode, Priority
 from ..conf import conf
 from ..exceptions import ConfigurationError
-from ..identity import MEMO_SIZE, Subject, SubjectKind
+from ..identity import Subject, SubjectKind, remember
 from ..rates import MAX_LIMIT, Rate, check_burst, parse_rate
 
 __all__ = [
@@ -268,11 +268,7 @@ def check_for(policy: Policy, subject: Subject, cost: int) -> Check:
     try:
         return _checks[memo]
     except KeyError:
-        pass
-    if len(_checks) >= MEMO_SIZE:
-        _checks.clear()
-    made = _checks[memo] = Check(policy, subject, cost)
-    return made
+        return remember(_checks, memo, Check(policy, subject, cost))
 
 
 def concurrency_policy(
