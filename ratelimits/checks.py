@@ -7,8 +7,10 @@ setting, never the first request. Ids are never reused: one retired is kept here
 from __future__ import annotations
 
 import difflib
+import ssl
 from typing import Any
 
+import redis
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Info, Tags, Warning, register
 
@@ -23,6 +25,7 @@ __all__ = [
     "E001",
     "E002",
     "E003",
+    "E004",
     "I001",
     "SETTING_IDS",
     "W001",
@@ -39,6 +42,7 @@ __all__ = [
 E001 = "ratelimits.E001"  # a key of RATELIMITS that is no setting
 E002 = "ratelimits.E002"  # retired after 0.1.0: any invalid value (each setting has its own id now)
 E003 = "ratelimits.E003"  # RATELIMITS is not a dict
+E004 = "ratelimits.E004"  # the limiter's Redis refused its credentials, or its TLS handshake failed
 W001 = "ratelimits.W001"  # memory backend outside DEBUG
 W002 = "ratelimits.W002"  # throttle installed without the problem+json exception handler
 W003 = "ratelimits.W003"  # a setting is set that the configured policy source does not read
@@ -51,6 +55,8 @@ SETTING_IDS: dict[str, str] = {
     "REDIS_URL": "ratelimits.E102",
     "REDIS_SOCKET_TIMEOUT": "ratelimits.E103",
     "REDIS_CONNECT_TIMEOUT": "ratelimits.E104",
+    "REDIS_OPTIONS": "ratelimits.E140",
+    "REDIS_CLIENT": "ratelimits.E141",
     "KEY_PREFIX": "ratelimits.E105",
     "CLOCK": "ratelimits.E106",
     "POLICY_SOURCE": "ratelimits.E107",
@@ -179,6 +185,18 @@ def check_deployment(app_configs: Any = None, **kwargs: Any) -> list[CheckMessag
     return messages
 
 
+def _refused(exc: BaseException) -> str | None:
+    """What a store error says about the limiter's own configuration (``None``: it is just unreachable)."""
+    cause = exc.__cause__
+    while cause is not None:
+        if isinstance(cause, (redis.AuthenticationError, redis.exceptions.NoPermissionError)):
+            return "refused the limiter's credentials"
+        if isinstance(cause, ssl.SSLError):
+            return "could not be reached over TLS as configured"
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
 @register(Tags.compatibility)
 def check_store(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """Warn when the limiter's Redis may evict its keys: an evicted bucket restarts full, unseen.
@@ -193,8 +211,18 @@ def check_store(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
         health = get_backend().store_health()
     except ConfigurationError:
         return []  # check_settings reports it
-    except BackendUnavailable:
-        return []
+    except BackendUnavailable as exc:
+        refusal = _refused(exc)
+        if refusal is None:
+            return []
+        return [
+            Error(
+                f"The limiter's Redis (RATELIMITS['REDIS_URL']) {refusal}: {exc}",
+                hint="Give the limiter's ACL user and password in REDIS_URL (redis://user:password@host) or "
+                "REDIS_OPTIONS, and the TLS files in REDIS_OPTIONS: see docs/configuration.md.",
+                id=E004,
+            )
+        ]
     if health is None or health.evicts is False:
         return []
     if health.evicts is None:

@@ -22,15 +22,16 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar, cast
 
+import redis
 from django.apps import apps
 from django.conf import settings
 from django.core.signals import setting_changed
 from django.utils.module_loading import import_string
-from redis.connection import parse_url
 
 from .choices import SHEDDABLE, FailMode, Priority
 from .exceptions import ConfigurationError
 from .rates import Rate, check_burst, parse_duration, parse_rate
+from .redis_url import check_options, parse_redis_url
 
 if TYPE_CHECKING:
     from django.db.models import Model
@@ -100,10 +101,32 @@ def _choice(choices: Sequence[str]) -> Callable[[object, str], str]:
 def _redis_url(value: object, field: str) -> str:
     url = _text(value, field)
     try:
-        parse_url(url)  # type: ignore[no-untyped-call]  # redis-py's own URL parser
+        parse_redis_url(url)
     except ValueError as exc:
         raise ConfigurationError(f"{field}: {url!r} is not a Redis URL: {exc}") from None
     return url
+
+
+def _redis_options(value: object, field: str) -> dict[str, Any]:
+    try:
+        return check_options(value, field)
+    except ValueError as exc:
+        raise ConfigurationError(str(exc)) from None
+
+
+def _redis_client(value: object, field: str) -> redis.Redis | None:
+    """A client the project built: the object an import path names, or what that callable returns."""
+    if value is None:
+        return None
+    try:
+        found = value if isinstance(value, redis.Redis) else import_string(_text(value, field))
+    except ImportError as exc:
+        raise ConfigurationError(f"{field}: cannot import {value!r}: {exc}") from exc
+    if callable(found) and not isinstance(found, redis.Redis):
+        found = found()
+    if not isinstance(found, redis.Redis):
+        raise ConfigurationError(f"{field}: {value!r} is not a redis.Redis client (nor a function returning one)")
+    return found
 
 
 def _seconds(value: object, field: str) -> float:
@@ -334,6 +357,8 @@ BACKEND = Setting("BACKEND", "memory", _text)
 REDIS_URL = Setting("REDIS_URL", "redis://127.0.0.1:6379/0", _redis_url)
 REDIS_SOCKET_TIMEOUT = Setting("REDIS_SOCKET_TIMEOUT", "50ms", _seconds)
 REDIS_CONNECT_TIMEOUT = Setting("REDIS_CONNECT_TIMEOUT", "50ms", _seconds)
+REDIS_OPTIONS = Setting("REDIS_OPTIONS", {}, _redis_options)
+REDIS_CLIENT = Setting("REDIS_CLIENT", None, _redis_client)
 KEY_PREFIX = Setting("KEY_PREFIX", "rl", _key_prefix)
 CLOCK = Setting("CLOCK", "redis", _choice(("redis", "app")))
 POLICY_SOURCE = Setting("POLICY_SOURCE", "settings", _policy_source)
@@ -382,6 +407,8 @@ SETTINGS: dict[str, Setting[Any]] = {
         REDIS_URL,
         REDIS_SOCKET_TIMEOUT,
         REDIS_CONNECT_TIMEOUT,
+        REDIS_OPTIONS,
+        REDIS_CLIENT,
         KEY_PREFIX,
         CLOCK,
         POLICY_SOURCE,
@@ -473,6 +500,16 @@ class Settings:
     @cached_property
     def redis_connect_timeout(self) -> float:
         return self.value(REDIS_CONNECT_TIMEOUT)
+
+    @cached_property
+    def redis_options(self) -> dict[str, Any]:
+        """``REDIS_OPTIONS``: credentials and TLS files added to what ``REDIS_URL`` says."""
+        return self.value(REDIS_OPTIONS)
+
+    @cached_property
+    def redis_client(self) -> redis.Redis | None:
+        """``REDIS_CLIENT``: a client the project built, used instead of one made from ``REDIS_URL``."""
+        return self.value(REDIS_CLIENT)
 
     @cached_property
     def key_prefix(self) -> str:

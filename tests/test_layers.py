@@ -34,6 +34,7 @@ LAYERS: dict[str, int] = {
     "ratelimits.choices": 0,
     "ratelimits.rates": 0,
     "ratelimits.conf": 0,
+    "ratelimits.redis_url": 0,
     "ratelimits.algorithms": 1,
     "ratelimits.identity": 1,
     "ratelimits.decisions": 1,

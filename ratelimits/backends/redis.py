@@ -31,6 +31,7 @@ from ..exceptions import BackendUnavailable, PolicyFailed
 from ..policies.values import Check
 from . import layout
 from .base import Backend, StoreHealth, new_slot, slot_keys
+from .connection import make_client as new_client
 
 __all__ = [
     "ADD_USAGE",
@@ -111,8 +112,12 @@ class RedisBackend(Backend):
         prefix: str = "rl",
         clock: Callable[[], int] | None = None,
         usage_cap: int | None = None,
+        timeouts: tuple[float, float] | None = None,
     ) -> None:
         self.client = client
+        #: (socket, connect) timeouts of the decision path's connections, whatever the client says;
+        #: ``None``: the client's own.
+        self.timeouts = timeouts
         self.prefix = prefix
         #: ``None`` lets the script read Redis ``TIME``; otherwise integer microseconds.
         self.clock = clock
@@ -124,11 +129,9 @@ class RedisBackend(Backend):
     @classmethod
     def from_settings(cls) -> RedisBackend:
         clock = None if conf.use_redis_time else (lambda: time.time_ns() // 1000)
-        return cls(
-            make_client(conf.redis_url, conf.redis_socket_timeout, conf.redis_connect_timeout),
-            prefix=conf.key_prefix,
-            clock=clock,
-        )
+        timeouts = (conf.redis_socket_timeout, conf.redis_connect_timeout)
+        client = conf.redis_client or make_client(conf.redis_url, *timeouts, conf.redis_options)
+        return cls(client, prefix=conf.key_prefix, clock=clock, timeouts=timeouts)
 
     def decide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
         slot = new_slot(checks) if consume else None
@@ -306,7 +309,13 @@ class RedisBackend(Backend):
         now = time.monotonic()
         if connection is None or connection.pid != os.getpid():
             pool = self.client.connection_pool
-            connection = pool.connection_class(**pool.connection_kwargs)
+            kwargs = dict(pool.connection_kwargs)
+            if self.timeouts is not None:
+                # A client the project built (REDIS_CLIENT) keeps its address, credentials and TLS;
+                # a decision still gets the limiter's timeouts and is never retried.
+                kwargs.update(socket_timeout=self.timeouts[0], socket_connect_timeout=self.timeouts[1])
+                kwargs.update(retry=Retry(NoBackoff(), 0), retry_on_timeout=False, health_check_interval=0)
+            connection = pool.connection_class(**kwargs)
             local.connection = connection
         elif connection._sock is not None and now - local.used_at > IDLE_CHECK_S:
             # An idle connection with something to read was closed by the server (a restart)
@@ -319,6 +328,10 @@ class RedisBackend(Backend):
                 stale = True
             if stale:
                 connection.disconnect()
+        if connection._sock is None:
+            # Connected here, as the pool does on check-out: a Sentinel connection finds the
+            # master as it connects, which sending on an unconnected one would skip.
+            connection.connect()
         local.used_at = now
         return connection
 
@@ -386,22 +399,18 @@ def _minute(key: bytes | str, prefix: str) -> int | None:
     return int(suffix) if name.startswith(prefix) and suffix.isdigit() else None
 
 
-_clients: dict[tuple[str, float, float], redis.Redis] = {}
+_clients: dict[tuple[Any, ...], redis.Redis] = {}
 
 
-def make_client(url: str, socket_timeout: float, connect_timeout: float) -> redis.Redis:
-    """A process-wide client per URL and timeouts (redis-py pools reset themselves after fork)."""
-    key = (url, socket_timeout, connect_timeout)
+def make_client(
+    url: str, socket_timeout: float, connect_timeout: float, options: Mapping[str, Any] | None = None
+) -> redis.Redis:
+    """A process-wide client per URL, timeouts and options (redis-py pools reset themselves after fork).
+
+    See :mod:`ratelimits.backends.connection` for what the URL and options may say.
+    """
+    key = (url, socket_timeout, connect_timeout, tuple(sorted((options or {}).items())))
     client = _clients.get(key)
     if client is None:
-        client = redis.Redis.from_url(
-            url,
-            socket_timeout=socket_timeout,
-            socket_connect_timeout=connect_timeout,
-            retry=Retry(NoBackoff(), 0),
-            retry_on_timeout=False,
-            health_check_interval=0,
-            single_connection_client=False,
-        )
-        _clients[key] = client
+        client = _clients[key] = new_client(url, socket_timeout, connect_timeout, options)
     return client

@@ -1,0 +1,49 @@
+"""How the limiter reaches Redis: ``REDIS_URL``, its options and the timeouts made into a redis-py client.
+
+Every client has the limiter's tight timeouts and no retries: a consume that may already have
+run must never be sent twice. A Sentinel URL gives the master's client, which asks the sentinels
+where the master is whenever it connects, so it follows failovers; it never reads from a replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+from redis.sentinel import Sentinel
+
+from ..redis_url import parse_redis_url
+
+__all__ = ["make_client"]
+
+
+def make_client(
+    url: str, socket_timeout: float, connect_timeout: float, options: Mapping[str, Any] | None = None
+) -> redis.Redis:
+    """A new client for ``url`` with the limiter's timeouts and no retries (``options`` added to the URL's)."""
+    target = parse_redis_url(url)
+    given = dict(options or {})
+    sentinel_auth = {
+        key.removeprefix("sentinel_"): given.pop(key)
+        for key in ("sentinel_username", "sentinel_password")
+        if key in given
+    }
+    tight: dict[str, Any] = {
+        "socket_timeout": socket_timeout,
+        "socket_connect_timeout": connect_timeout,
+        "retry": Retry(NoBackoff(), 0),
+        "retry_on_timeout": False,
+        "health_check_interval": 0,
+    }
+    if target.scheme != "redis+sentinel":
+        return redis.Redis.from_url(url, single_connection_client=False, **tight, **given)
+    credentials = {"username": target.username, "password": target.password}
+    master = {**{k: v for k, v in credentials.items() if v is not None}, **given, "db": target.db}
+    # redis-py deprecates retry_on_timeout where a Sentinel makes connections; its retry says the same.
+    tight.pop("retry_on_timeout")
+    sentinel = Sentinel(list(target.sentinels), sentinel_kwargs={**tight, **sentinel_auth}, **tight, **master)  # type: ignore[no-untyped-call]
+    master_client: redis.Redis = sentinel.master_for(target.service)  # type: ignore[no-untyped-call]
+    return master_client

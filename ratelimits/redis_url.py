@@ -1,0 +1,106 @@
+"""What ``REDIS_URL`` and ``REDIS_OPTIONS`` may say: checked at start-up, never at request time.
+
+``REDIS_URL`` takes ``redis://`` and ``rediss://`` (TLS), ``unix://`` and
+``redis+sentinel://host:port[,host:port...]/service_name``: a Sentinel deployment, whose master
+is found through the sentinels and followed through failovers (decisions are never read from a
+replica). Credentials may be in the URL (``redis://user:password@host``) or in
+``REDIS_OPTIONS``, with the TLS files. :mod:`ratelimits.backends.connection` makes the client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from redis.connection import parse_url
+
+__all__ = ["CERT_REQS", "OPTIONS", "SCHEMES", "RedisTarget", "check_options", "parse_redis_url"]
+
+#: The URL schemes ``REDIS_URL`` takes.
+SCHEMES = ("redis", "rediss", "unix", "redis+sentinel")
+#: ``REDIS_OPTIONS`` keys and the type each takes; all are redis-py's own connection arguments,
+#: but for the sentinels' own credentials.
+OPTIONS: dict[str, type | tuple[type, ...]] = {
+    "username": str,
+    "password": str,
+    "ssl_ca_certs": str,
+    "ssl_certfile": str,
+    "ssl_keyfile": str,
+    "ssl_cert_reqs": str,
+    "ssl_check_hostname": bool,
+    "sentinel_username": str,
+    "sentinel_password": str,
+}
+#: What ``ssl_cert_reqs`` may say.
+CERT_REQS = ("required", "optional", "none")
+
+
+@dataclass(frozen=True)
+class RedisTarget:
+    """A parsed ``REDIS_URL``: one server, or the sentinels of a master."""
+
+    url: str
+    scheme: str
+    #: For ``redis+sentinel://``: the sentinels' addresses and the master's service name.
+    sentinels: tuple[tuple[str, int], ...] = ()
+    service: str = ""
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+
+
+def parse_redis_url(url: str) -> RedisTarget:
+    """``url`` checked and taken apart; a :class:`ValueError` saying what is wrong with it."""
+    scheme = url.partition("://")[0].lower() if "://" in url else ""
+    if scheme not in SCHEMES:
+        raise ValueError(f"the scheme must be one of {', '.join(s + '://' for s in SCHEMES)}")
+    if scheme != "redis+sentinel":
+        parse_url(url)  # type: ignore[no-untyped-call]  # redis-py's own parser, as from_url reads it
+        return RedisTarget(url, scheme)
+    parts = urlsplit(url)
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    username, _, password = userinfo.partition(":") if userinfo else ("", "", "")
+    sentinels = tuple(_address(host) for host in hosts.split(","))
+    service = unquote(parts.path.strip("/"))
+    if not service or "/" in service:
+        raise ValueError("name the master's service after the sentinels: redis+sentinel://host:port/service_name")
+    query = parse_qs(parts.query)
+    unknown = sorted(set(query) - {"db"})
+    if unknown:
+        raise ValueError(f"unknown parameter {unknown[0]!r} (only 'db' is read from a sentinel URL)")
+    db = query.get("db", ["0"])[-1]
+    if not db.isdigit():
+        raise ValueError(f"db must be a database number, got {db!r}")
+    return RedisTarget(
+        url,
+        scheme,
+        sentinels=sentinels,
+        service=service,
+        db=int(db),
+        username=unquote(username) or None,
+        password=unquote(password) or None,
+    )
+
+
+def _address(host: str) -> tuple[str, int]:
+    name, sep, port = host.rpartition(":")
+    if not sep or not name or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"each sentinel is host:port, got {host!r}")
+    return name.strip("[]"), int(port)  # an IPv6 address comes in brackets
+
+
+def check_options(options: object, field: str) -> dict[str, Any]:
+    """``REDIS_OPTIONS`` validated: known keys with values of their type (a :class:`ValueError` otherwise)."""
+    if not isinstance(options, Mapping):
+        raise ValueError(f"{field} must be a dict, got {type(options).__name__}")
+    for key, value in options.items():
+        expected = OPTIONS.get(key)
+        if expected is None:
+            raise ValueError(f"{field}: unknown option {key!r}; the options are {', '.join(OPTIONS)}")
+        if not isinstance(value, expected):
+            raise ValueError(f"{field}['{key}'] must be a {getattr(expected, '__name__', expected)}, got {value!r}")
+    if options.get("ssl_cert_reqs", "required") not in CERT_REQS:
+        raise ValueError(f"{field}['ssl_cert_reqs'] must be one of {', '.join(CERT_REQS)}")
+    return dict(options)
