@@ -188,7 +188,9 @@ def check_deployment(app_configs: Any = None, **kwargs: Any) -> list[CheckMessag
 def _refused(exc: BaseException) -> str | None:
     """What a store error says about the limiter's own configuration (``None``: it is just unreachable)."""
     cause = exc.__cause__
-    while cause is not None:
+    for _ in range(10):  # a chain is short; the bound only guards against a cycle
+        if cause is None:
+            break
         if isinstance(cause, (redis.AuthenticationError, redis.exceptions.NoPermissionError)):
             return "refused the limiter's credentials"
         if isinstance(cause, ssl.SSLError):
