@@ -17,7 +17,18 @@ from redis.sentinel import Sentinel
 
 from ..redis_url import parse_redis_url
 
-__all__ = ["make_client"]
+__all__ = ["make_client", "tight"]
+
+
+def tight(socket_timeout: float, connect_timeout: float) -> dict[str, Any]:
+    """The connection arguments of every limiter connection: its timeouts, and no retry of any kind."""
+    return {
+        "socket_timeout": socket_timeout,
+        "socket_connect_timeout": connect_timeout,
+        "retry": Retry(NoBackoff(), 0),
+        "retry_on_timeout": False,
+        "health_check_interval": 0,
+    }
 
 
 def make_client(
@@ -31,19 +42,13 @@ def make_client(
         for key in ("sentinel_username", "sentinel_password")
         if key in given
     }
-    tight: dict[str, Any] = {
-        "socket_timeout": socket_timeout,
-        "socket_connect_timeout": connect_timeout,
-        "retry": Retry(NoBackoff(), 0),
-        "retry_on_timeout": False,
-        "health_check_interval": 0,
-    }
+    limits = tight(socket_timeout, connect_timeout)
     if target.scheme != "redis+sentinel":
-        return redis.Redis.from_url(url, single_connection_client=False, **tight, **given)
+        return redis.Redis.from_url(url, single_connection_client=False, **limits, **given)
     credentials = {"username": target.username, "password": target.password}
     master = {**{k: v for k, v in credentials.items() if v is not None}, **given, "db": target.db}
     # redis-py deprecates retry_on_timeout where a Sentinel makes connections; its retry says the same.
-    tight.pop("retry_on_timeout")
-    sentinel = Sentinel(list(target.sentinels), sentinel_kwargs={**tight, **sentinel_auth}, **tight, **master)  # type: ignore[no-untyped-call]
+    limits.pop("retry_on_timeout")
+    sentinel = Sentinel(list(target.sentinels), sentinel_kwargs={**limits, **sentinel_auth}, **limits, **master)  # type: ignore[no-untyped-call]
     master_client: redis.Redis = sentinel.master_for(target.service)  # type: ignore[no-untyped-call]
     return master_client

@@ -15,8 +15,6 @@ from importlib import resources
 from typing import Any
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 try:
     import hiredis
@@ -32,6 +30,7 @@ from ..policies.values import Check
 from . import layout
 from .base import Backend, StoreHealth, new_slot, slot_keys
 from .connection import make_client as new_client
+from .connection import tight
 
 __all__ = [
     "ADD_USAGE",
@@ -313,8 +312,7 @@ class RedisBackend(Backend):
             if self.timeouts is not None:
                 # A client the project built (REDIS_CLIENT) keeps its address, credentials and TLS;
                 # a decision still gets the limiter's timeouts and is never retried.
-                kwargs.update(socket_timeout=self.timeouts[0], socket_connect_timeout=self.timeouts[1])
-                kwargs.update(retry=Retry(NoBackoff(), 0), retry_on_timeout=False, health_check_interval=0)
+                kwargs.update(tight(*self.timeouts))
             connection = pool.connection_class(**kwargs)
             local.connection = connection
         elif connection._sock is not None and now - local.used_at > IDLE_CHECK_S:
