@@ -114,18 +114,24 @@ def _redis_options(value: object, field: str) -> dict[str, Any]:
         raise ConfigurationError(str(exc)) from None
 
 
-def _redis_client(value: object, field: str) -> redis.Redis | None:
-    """A client the project built: the object an import path names, or what that callable returns."""
+def _redis_client(value: object, field: str) -> redis.Redis | redis.RedisCluster | None:
+    """A client the project built: the object an import path names, or what that callable returns.
+
+    A :class:`redis.Redis` (any single server or Sentinel master) or a :class:`redis.RedisCluster`.
+    """
     if value is None:
         return None
+    clients = (redis.Redis, redis.RedisCluster)
     try:
-        found = value if isinstance(value, redis.Redis) else import_string(_text(value, field))
+        found = value if isinstance(value, clients) else import_string(_text(value, field))
     except ImportError as exc:
         raise ConfigurationError(f"{field}: cannot import {value!r}: {exc}") from exc
-    if callable(found) and not isinstance(found, redis.Redis):
+    if callable(found) and not isinstance(found, clients):
         found = found()
-    if not isinstance(found, redis.Redis):
-        raise ConfigurationError(f"{field}: {value!r} is not a redis.Redis client (nor a function returning one)")
+    if not isinstance(found, clients):
+        raise ConfigurationError(
+            f"{field}: {value!r} is not a redis.Redis or redis.RedisCluster client (nor a function returning one)"
+        )
     return found
 
 
@@ -507,7 +513,7 @@ class Settings:
         return self.value(REDIS_OPTIONS)
 
     @cached_property
-    def redis_client(self) -> redis.Redis | None:
+    def redis_client(self) -> redis.Redis | redis.RedisCluster | None:
         """``REDIS_CLIENT``: a client the project built, used instead of one made from ``REDIS_URL``."""
         return self.value(REDIS_CLIENT)
 

@@ -1,10 +1,12 @@
 """What ``REDIS_URL`` and ``REDIS_OPTIONS`` may say: checked at start-up, never at request time.
 
-``REDIS_URL`` takes ``redis://`` and ``rediss://`` (TLS), ``unix://`` and
+``REDIS_URL`` takes ``redis://`` and ``rediss://`` (TLS), ``unix://``,
 ``redis+sentinel://host:port[,host:port...]/service_name``: a Sentinel deployment, whose master
 is found through the sentinels and followed through failovers (decisions are never read from a
-replica). Credentials may be in the URL (``redis://user:password@host``) or in
-``REDIS_OPTIONS``, with the TLS files. :mod:`ratelimits.backends.connection` makes the client.
+replica), and ``redis+cluster://host:port[,host:port...]`` (``rediss+cluster://`` with TLS): a
+Redis Cluster, found through any of its startup nodes. Credentials may be in the URL
+(``redis://user:password@host``) or in ``REDIS_OPTIONS``, with the TLS files.
+:mod:`ratelimits.backends.connection` makes the client.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from redis.connection import parse_url
 
-__all__ = ["CERT_REQS", "OPTIONS", "SCHEMES", "RedisTarget", "check_options", "parse_redis_url"]
+__all__ = ["CERT_REQS", "CLUSTER_SCHEMES", "OPTIONS", "SCHEMES", "RedisTarget", "check_options", "parse_redis_url"]
 
 #: The URL schemes ``REDIS_URL`` takes.
-SCHEMES = ("redis", "rediss", "unix", "redis+sentinel")
+SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster", "rediss+cluster")
+#: The schemes of a Redis Cluster (:attr:`RedisTarget.cluster`).
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 #: ``REDIS_OPTIONS`` keys and the type each takes; all are redis-py's own connection arguments,
 #: but for the sentinels' own credentials.
 OPTIONS: dict[str, type | tuple[type, ...]] = {
@@ -39,16 +43,21 @@ CERT_REQS = ("required", "optional", "none")
 
 @dataclass(frozen=True)
 class RedisTarget:
-    """A parsed ``REDIS_URL``: one server, or the sentinels of a master."""
+    """A parsed ``REDIS_URL``: one server, the sentinels of a master, or a cluster's startup nodes."""
 
     url: str
     scheme: str
-    #: For ``redis+sentinel://``: the sentinels' addresses and the master's service name.
-    sentinels: tuple[tuple[str, int], ...] = ()
+    #: For ``redis+sentinel://``: the sentinels; for a cluster, its startup nodes.
+    addresses: tuple[tuple[str, int], ...] = ()
+    #: For ``redis+sentinel://``: the master's service name.
     service: str = ""
     db: int = 0
     username: str | None = None
     password: str | None = None
+
+    @property
+    def cluster(self) -> bool:
+        return self.scheme in CLUSTER_SCHEMES
 
 
 def parse_redis_url(url: str) -> RedisTarget:
@@ -56,38 +65,37 @@ def parse_redis_url(url: str) -> RedisTarget:
     scheme = url.partition("://")[0].lower() if "://" in url else ""
     if scheme not in SCHEMES:
         raise ValueError(f"the scheme must be one of {', '.join(s + '://' for s in SCHEMES)}")
-    if scheme != "redis+sentinel":
+    if scheme not in ("redis+sentinel", *CLUSTER_SCHEMES):
         parse_url(url)  # type: ignore[no-untyped-call]  # redis-py's own parser, as from_url reads it
         return RedisTarget(url, scheme)
     parts = urlsplit(url)
     userinfo, _, hosts = parts.netloc.rpartition("@")
     username, _, password = userinfo.partition(":") if userinfo else ("", "", "")
-    sentinels = tuple(_address(host) for host in hosts.split(","))
+    credentials: dict[str, Any] = {"username": unquote(username) or None, "password": unquote(password) or None}
+    query = parse_qs(parts.query)
+    if scheme in CLUSTER_SCHEMES:
+        nodes = tuple(_address(host, "cluster node") for host in hosts.split(","))
+        if parts.path.strip("/") or query:
+            # A cluster has one database, and nothing else to choose in its URL.
+            raise ValueError("a cluster URL names its startup nodes only: redis+cluster://host:port[,host:port...]")
+        return RedisTarget(url, scheme, addresses=nodes, **credentials)
+    sentinels = tuple(_address(host, "sentinel") for host in hosts.split(","))
     service = unquote(parts.path.strip("/"))
     if not service or "/" in service:
         raise ValueError("name the master's service after the sentinels: redis+sentinel://host:port/service_name")
-    query = parse_qs(parts.query)
     unknown = sorted(set(query) - {"db"})
     if unknown:
         raise ValueError(f"unknown parameter {unknown[0]!r} (only 'db' is read from a sentinel URL)")
     db = query.get("db", ["0"])[-1]
     if not db.isdigit():
         raise ValueError(f"db must be a database number, got {db!r}")
-    return RedisTarget(
-        url,
-        scheme,
-        sentinels=sentinels,
-        service=service,
-        db=int(db),
-        username=unquote(username) or None,
-        password=unquote(password) or None,
-    )
+    return RedisTarget(url, scheme, addresses=sentinels, service=service, db=int(db), **credentials)
 
 
-def _address(host: str) -> tuple[str, int]:
+def _address(host: str, what: str) -> tuple[str, int]:
     name, sep, port = host.rpartition(":")
     if not sep or not name or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"each sentinel is host:port, got {host!r}")
+        raise ValueError(f"each {what} is host:port, got {host!r}")
     return name.strip("[]"), int(port)  # an IPv6 address comes in brackets
 
 

@@ -1,4 +1,4 @@
-"""Fixtures: a private Redis per test session, backends on both stores, a controllable clock, a browser."""
+"""Fixtures: a private Redis and Redis Cluster per test session, backends on every store, a clock, a browser."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import pytest
 import redis
 
 from ratelimits import engine
+from ratelimits.backends.cluster import ClusterBackend
 from ratelimits.backends.memory import MemoryBackend
 from ratelimits.backends.redis import RedisBackend, make_client
 
 from .support.browser import chromium  # noqa: F401  (a fixture the browser tests use)
 from .support.clock import FakeClock
 from .support.gate import GATE, Gate
+from .support.redis_cluster import Cluster
 from .support.redis_server import RedisServer
 
 
@@ -22,6 +24,21 @@ from .support.redis_server import RedisServer
 def redis_server() -> Iterator[RedisServer]:
     with RedisServer() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[Cluster]:
+    """Six redis-servers in cluster mode (3 masters, 3 replicas), shared by the tests that do not break it."""
+    with Cluster() as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def cluster_client(redis_cluster: Cluster) -> Iterator[redis.RedisCluster]:
+    client = redis_cluster.client()
+    client.flushall()  # on every master
+    yield client
+    client.close()
 
 
 @pytest.fixture
@@ -44,11 +61,15 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 def backend(request: pytest.FixtureRequest, clock: FakeClock) -> Any:
     """Each backend, driven by the same fake clock (Redis in app-clock mode)."""
     if request.param == "memory":
         return MemoryBackend(clock=clock)
+    if request.param == "cluster":
+        cluster: Cluster = request.getfixturevalue("redis_cluster")
+        request.getfixturevalue("cluster_client")  # flushed
+        return ClusterBackend(make_client(cluster.url, 2.0, 2.0), clock=clock)  # type: ignore[arg-type]
     server: RedisServer = request.getfixturevalue("redis_server")
     request.getfixturevalue("redis_client")  # flushed
     return RedisBackend(make_client(server.url, 2.0, 2.0), clock=clock)

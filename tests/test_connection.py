@@ -37,7 +37,7 @@ def store_errors(settings: Any, **ratelimits: Any) -> list[Any]:
 
 def test_a_sentinel_url_names_its_sentinels_service_and_database() -> None:
     target = parse_redis_url("redis+sentinel://lim:p%40ss@10.0.0.1:26379,[::1]:26380/primary?db=2")
-    assert target.sentinels == (("10.0.0.1", 26379), ("::1", 26380))
+    assert target.addresses == (("10.0.0.1", 26379), ("::1", 26380))
     assert (target.service, target.db, target.username, target.password) == ("primary", 2, "lim", "p@ss")
 
 

@@ -1,11 +1,17 @@
-"""Where limiter state lives: ``memory`` (one process) or ``redis`` (shared by every worker)."""
+"""Where limiter state lives: ``memory`` (one process) or ``redis`` (shared by every worker).
+
+``redis`` is one server (or a Sentinel master), or a Redis Cluster when ``REDIS_URL`` names one
+(``redis+cluster://``) or ``REDIS_CLIENT`` is a cluster's client.
+"""
 
 from __future__ import annotations
 
+import redis
 from django.utils.module_loading import import_string
 
 from ..conf import ProcessWide, conf
 from ..exceptions import ConfigurationError
+from ..redis_url import parse_redis_url
 from .base import Backend, StoreHealth
 
 __all__ = ["ALIASES", "Backend", "StoreHealth", "backend_class", "get_backend", "load_backend"]
@@ -14,11 +20,13 @@ ALIASES = {
     "memory": "ratelimits.backends.memory.MemoryBackend",
     "redis": "ratelimits.backends.redis.RedisBackend",
 }
+#: What ``redis`` stands for on a Redis Cluster.
+CLUSTER = "ratelimits.backends.cluster.ClusterBackend"
 
 
 def backend_class(name: str) -> type[Backend]:
     """The backend class named by an alias or a dotted path; a :class:`ConfigurationError` if none."""
-    path = ALIASES.get(name, name)
+    path = CLUSTER if name == "redis" and _on_a_cluster() else ALIASES.get(name, name)
     try:
         cls = import_string(path)
     except ImportError as exc:
@@ -26,6 +34,16 @@ def backend_class(name: str) -> type[Backend]:
     if not isinstance(cls, type) or not issubclass(cls, Backend):
         raise ConfigurationError(f"RATELIMITS['BACKEND']: {name!r} is not a ratelimits Backend", setting="BACKEND")
     return cls
+
+
+def _on_a_cluster() -> bool:
+    try:
+        client = conf.redis_client
+        if client is not None:
+            return isinstance(client, redis.RedisCluster)
+        return parse_redis_url(conf.redis_url).cluster
+    except ConfigurationError:
+        return False  # a bad REDIS_URL or REDIS_CLIENT is reported as itself, once
 
 
 def load_backend(name: str) -> Backend:

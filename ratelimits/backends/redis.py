@@ -15,6 +15,7 @@ from importlib import resources
 from typing import Any
 
 import redis
+from redis.cluster import RedisCluster
 
 try:
     import hiredis
@@ -82,6 +83,10 @@ STATE_FORMATS = {
 }
 
 
+#: A token bucket a cluster refund gave back to: its arrival time and the us given back so far.
+_REFUNDED = struct.Struct("<dd")
+
+
 def read_state(algorithm: Algorithm, value: bytes) -> State:
     """A state value as the decide script stored it, read back (for tests and for looking into Redis).
 
@@ -91,8 +96,11 @@ def read_state(algorithm: Algorithm, value: bytes) -> State:
     number of microseconds (as the previous layout stored every one), else packed.
     """
     layout = STATE_FORMATS[algorithm]
-    if algorithm is Algorithm.TOKEN_BUCKET and not (len(value) == layout.size and value[-1] > ord("9")):
-        return (float(value),)
+    if algorithm is Algorithm.TOKEN_BUCKET:
+        if len(value) == _REFUNDED.size and value[-1] > ord("9"):  # a cluster refund gave back to it
+            return (_REFUNDED.unpack(value)[0],)
+        if not (len(value) == layout.size and value[-1] > ord("9")):
+            return (float(value),)
     return layout.unpack(value)
 
 
@@ -130,7 +138,7 @@ class RedisBackend(Backend):
         clock = None if conf.use_redis_time else (lambda: time.time_ns() // 1000)
         timeouts = (conf.redis_socket_timeout, conf.redis_connect_timeout)
         client = conf.redis_client or make_client(conf.redis_url, *timeouts, conf.redis_options)
-        return cls(client, prefix=conf.key_prefix, clock=clock, timeouts=timeouts)
+        return cls(client, prefix=conf.key_prefix, clock=clock, timeouts=timeouts)  # type: ignore[arg-type]
 
     def decide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
         slot = new_slot(checks) if consume else None
@@ -147,36 +155,38 @@ class RedisBackend(Backend):
                 # back so the request's end releases it (releasing is idempotent).
                 exc.stray_slot = (slot, held)
             raise
-        now_us, version = reply[0], reply[1]
-        results = []
-        failed = []
-        at = 2
-        for check in checks:
-            retry = reply[at + 2]
-            if retry == _FAILED:
-                failed.append(check)
-            results.append(Result(check, retry == 0, reply[at], reply[at + 1], retry))
-            at += 3
+        results, failed = decide_results(checks, reply)
         if failed:
-            names = ", ".join(f"{check.policy.name} of {check.subject}" for check in failed)
-            raise PolicyFailed(
-                f"the store could not decide {names} (a key of another type, or bad arguments)", tuple(failed)
-            )
+            raise policy_failed(failed)
+        version = reply[1]
         return Decision.from_results(
             results,
-            now_us=now_us,
+            now_us=reply[0],
             policy_version=version.decode() if isinstance(version, bytes) else None,
             slot=slot,
             slot_keys=held,
         )
 
     def decide_call(
-        self, checks: Sequence[Check], *, consume: bool, usage: Usage | None, slot: str | None
+        self,
+        checks: Sequence[Check],
+        *,
+        consume: bool,
+        usage: Usage | None,
+        slot: str | None,
+        tag: str | None = None,
+        refundable: bool = False,
     ) -> tuple[list[str], list[Any]]:
-        """The decide script's KEYS and ARGV for these checks (``lua/decide.lua`` says what each is)."""
+        """The decide script's KEYS and ARGV for these checks (``lua/decide.lua`` says what each is).
+
+        ``tag``: on a cluster, the slot tag of the checks' keys, whose copy of the version stamp
+        and usage hash the call uses (:mod:`.layout`). ``refundable``: the reply also says what
+        ``lua/refund.lua`` needs to give back what the call consumed.
+        """
         now = -1.0 if self.clock is None else self.clock()  # negative: the script reads Redis TIME
-        record = [_REQUEST.pack(now, consume, usage.tokens if usage else 1, layout.USAGE_TTL_S, self.usage_cap)]
-        script_keys = [self.version_key]
+        mode = 2 if refundable and consume else int(consume)
+        record = [_REQUEST.pack(now, mode, usage.tokens if usage else 1, layout.USAGE_TTL_S, self.usage_cap)]
+        script_keys = [self.version_key if tag is None else layout.version_key(self.prefix, tag)]
         ttls = []
         prefix = self.prefix
         for check in checks:
@@ -184,7 +194,7 @@ class RedisBackend(Backend):
             record.append(check.script_record)
             ttls.append(check.policy.script_ttl)
         if usage:
-            script_keys.append(layout.usage_key(prefix, usage.minute))
+            script_keys.append(layout.usage_key(prefix, usage.minute, tag))
             return script_keys, [b"".join(record), usage.field, slot or "", usage.overflow, *ttls]
         return script_keys, [b"".join(record), "", slot or "", "", *ttls]
 
@@ -296,7 +306,11 @@ class RedisBackend(Backend):
             raise unavailable(exc) from exc
 
     def _connection(self) -> Any:
-        """This thread's own connection to Redis, made with the client's settings.
+        """This thread's own connection to Redis, made with the client's settings (:meth:`_thread_connection`)."""
+        return self._thread_connection("", self.client.connection_pool)
+
+    def _thread_connection(self, name: str, pool: Any, **address: Any) -> Any:
+        """This thread's own connection ``name``, made with ``pool``'s settings (and ``address``, if given).
 
         A decision is one packed write and one read on a connection nobody else uses: the
         client's generic command path and its pool's check-out bookkeeping cost more than the
@@ -304,18 +318,20 @@ class RedisBackend(Backend):
         used: parent and child would read each other's replies.
         """
         local = self._local
-        connection = getattr(local, "connection", None)
+        try:
+            connections, used = local.connections, local.used
+        except AttributeError:
+            connections, used = local.connections, local.used = {}, {}
+        connection = connections.get(name)
         now = time.monotonic()
         if connection is None or connection.pid != os.getpid():
-            pool = self.client.connection_pool
-            kwargs = dict(pool.connection_kwargs)
+            kwargs = {**pool.connection_kwargs, **address}
             if self.timeouts is not None:
                 # A client the project built (REDIS_CLIENT) keeps its address, credentials and TLS;
                 # a decision still gets the limiter's timeouts and is never retried.
                 kwargs.update(tight(*self.timeouts))
-            connection = pool.connection_class(**kwargs)
-            local.connection = connection
-        elif connection._sock is not None and now - local.used_at > IDLE_CHECK_S:
+            connection = connections[name] = pool.connection_class(**kwargs)
+        elif connection._sock is not None and now - used[name] > IDLE_CHECK_S:
             # An idle connection with something to read was closed by the server (a restart)
             # or holds a stray reply: start afresh, as redis-py's pool does on check-out. Asked
             # only after a pause: the question is a system call, and a server cannot restart
@@ -330,7 +346,7 @@ class RedisBackend(Backend):
             # Connected here, as the pool does on check-out: a Sentinel connection finds the
             # master as it connects, which sending on an unconnected one would skip.
             connection.connect()
-        local.used_at = now
+        used[name] = now
         return connection
 
 
@@ -343,6 +359,25 @@ IDLE_CHECK_S = 0.005
 #: drops the connection on timeouts and socket errors (it reconnects on the next use), so a late
 #: reply is never read as a later call's answer.
 STORE_ERRORS = (redis.RedisError, OSError)
+
+
+def decide_results(checks: Sequence[Check], reply: Sequence[Any]) -> tuple[list[Result], list[Check]]:
+    """The decide script's reply read: each check's result, and the checks it could not decide."""
+    results = []
+    failed = []
+    at = 2
+    for check in checks:
+        retry = reply[at + 2]
+        if retry == _FAILED:
+            failed.append(check)
+        results.append(Result(check, retry == 0, reply[at], reply[at + 1], retry))
+        at += 3
+    return results, failed
+
+
+def policy_failed(failed: Sequence[Check]) -> PolicyFailed:
+    names = ", ".join(f"{check.policy.name} of {check.subject}" for check in failed)
+    return PolicyFailed(f"the store could not decide {names} (a key of another type, or bad arguments)", tuple(failed))
 
 
 def script_failed(exc: redis.ResponseError) -> bool:
@@ -397,12 +432,12 @@ def _minute(key: bytes | str, prefix: str) -> int | None:
     return int(suffix) if name.startswith(prefix) and suffix.isdigit() else None
 
 
-_clients: dict[tuple[Any, ...], redis.Redis] = {}
+_clients: dict[tuple[Any, ...], redis.Redis | RedisCluster] = {}
 
 
 def make_client(
     url: str, socket_timeout: float, connect_timeout: float, options: Mapping[str, Any] | None = None
-) -> redis.Redis:
+) -> redis.Redis | RedisCluster:
     """A process-wide client per URL, timeouts and options (redis-py pools reset themselves after fork).
 
     See :mod:`ratelimits.backends.connection` for what the URL and options may say.

@@ -25,6 +25,9 @@
 --                  (the usual case; Redis then keeps it as an integer, in no memory beyond its
 --                  key's), else its 8 packed bytes, whose last (sign and exponent) is never a
 --                  digit. The previous layout's decimals read the same: buckets carry over.
+--                  A bucket a cluster refund has given back to (lua/refund.lua) holds 16 packed
+--                  bytes: the arrival time and the us given back to it so far (never 0, so its
+--                  last byte is never a digit either), kept from then on.
 --   sliding window window index, current count, previous count, packed (24 bytes)
 --   fixed window   window index, count, packed (16 bytes)
 --   slots          a sorted set of slot ids scored by their expiry (us); expired ones are purged
@@ -32,7 +35,9 @@
 --
 -- Returns {now_us, version or false, then per check: remaining, reset_us, retry_us}. A check
 -- allowed exactly when its retry_us is 0 (a denial's wait is at least 1 us); -1: it failed (see
--- phase 1).
+-- phase 1). A refundable call (consume = 2: one slot group of a cluster decision) adds one more
+-- string: per check, REFUNDABLE packed, what lua/refund.lua needs to give back exactly what the
+-- check spent (a token bucket's arrival time after it, and what the bucket had been given back).
 
 -- The algorithm codes of ratelimits.algorithms.Algorithm (a test holds the two to the same numbers).
 local TOKEN_BUCKET, SLIDING_WINDOW, FIXED_WINDOW = 1, 2, 3
@@ -42,12 +47,14 @@ local CONCURRENCY, FLEET = 4, 5
 -- How soon a caller denied a slot should retry (ratelimits.algorithms.SLOT_RETRY_US).
 local SLOT_RETRY_US = 1000000
 -- The packed layouts (struct formats). REQUEST: now (negative: read the Redis clock, TIME),
--- consume (1) or only report (0), the tokens the request spends (its endpoint's cost, for the
+-- consume (1; 2: consume, and say what a refund needs) or only report (0), the tokens the request spends (its endpoint's cost, for the
 -- usage count), seconds an undrained usage hash lives, the most rows a minute counts.
 -- CHECK: algorithm code, shadow (1: reported but never denies), limit (requests per period;
 -- slots), period (us; a slot's TTL), burst (GCRA capacity in requests), cost (tokens it spends).
 local REQUEST, CHECK = '<dBddd', '<BBdddd'
 local GCRA_STATE, SLIDING_STATE, FIXED_STATE = '<d', '<ddd', '<dd'
+-- A bucket given back to: arrival time, us given back so far. Also each check's REFUNDABLE part.
+local REFUNDED_STATE, REFUNDABLE = '<dd', '<dd'
 -- How many ARGV come before the checks' TTLs.
 local HEADER = 4
 
@@ -58,7 +65,8 @@ if now < 0 then
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
-consume = consume == 1
+local refundable = consume == 2
+consume = consume >= 1
 local usage = ARGV[2]
 local n = #KEYS - 1
 if usage ~= '' then n = n - 1 end
@@ -111,13 +119,22 @@ local function sliding_retry(previous, current, elapsed, period, limit, cost)
   return wait_us
 end
 
--- Each returns allowed, remaining, reset_us, retry_us, new_value.
+-- Each returns allowed, remaining, reset_us, retry_us, new_value. An admitted token bucket also
+-- leaves its new arrival time and what it was given back so far here, for a refundable call.
+local spent_tat, given_back = 0, 0
 local function token_bucket(value, limit, period, burst, cost)
   local interval = period / limit
   local capacity = burst * interval
-  local tat = now
+  local tat, refunded = now, 0
   if value then
-    if #value == 8 and byte(value, 8) > DIGIT_9 then tat = unpack_args(GCRA_STATE, value) else tat = tonumber(value) end
+    local size = #value
+    if size == 16 and byte(value, 16) > DIGIT_9 then
+      tat, refunded = unpack_args(REFUNDED_STATE, value)
+    elseif size == 8 and byte(value, 8) > DIGIT_9 then
+      tat = unpack_args(GCRA_STATE, value)
+    else
+      tat = tonumber(value)
+    end
     if tat <= now then tat = now end
   end
   local new_tat = tat + cost * interval
@@ -128,7 +145,14 @@ local function token_bucket(value, limit, period, burst, cost)
   end
   local remaining = max(floor((now + capacity - new_tat) / interval), 0)
   local state
-  if new_tat == floor(new_tat) then state = format('%d', new_tat) else state = pack(GCRA_STATE, new_tat) end
+  if refunded > 0 then
+    state = pack(REFUNDED_STATE, new_tat, refunded)
+  elseif new_tat == floor(new_tat) then
+    state = format('%d', new_tat)
+  else
+    state = pack(GCRA_STATE, new_tat)
+  end
+  spent_tat, given_back = new_tat, refunded
   return true, remaining, ceil(new_tat - now), 0, state
 end
 
@@ -210,6 +234,7 @@ local pending = {}
 local writes = {}  -- per admitted check: its index i (a slot's is negative) and new value
 local all_allowed, limited, failed = true, false, false
 local out = 2
+local refunds = {}  -- per check, REFUNDABLE: for a refundable call
 for i = 1, n do
   local key = KEYS[i + 1]
   local algorithm, shadow, limit, period, burst, cost
@@ -248,7 +273,15 @@ for i = 1, n do
   end
   reply[out + 1], reply[out + 2], reply[out + 3] = remaining, reset, retry
   out = out + 3
+  if refundable then
+    if algorithm == TOKEN_BUCKET and retry == 0 then
+      refunds[i] = pack(REFUNDABLE, spent_tat, given_back)
+    else
+      refunds[i] = pack(REFUNDABLE, 0, 0)
+    end
+  end
 end
+if refundable then reply[out + 1] = table.concat(refunds) end
 
 -- Phase 2: all or nothing.
 if all_allowed and consume then

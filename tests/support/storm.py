@@ -21,8 +21,10 @@ from typing import Any
 
 import redis
 
+from ratelimits.backends.cluster import ClusterBackend
 from ratelimits.backends.redis import RedisBackend, make_client
 from ratelimits.policies import Check
+from ratelimits.redis_url import parse_redis_url
 
 #: Seconds any participant waits at the start line or for a child's report before giving up.
 START_TIMEOUT = 60.0
@@ -75,6 +77,23 @@ class StormReport:
         return spans
 
 
+def backend_for(url: str) -> RedisBackend:
+    """A backend on ``url``'s Redis (a cluster's for a cluster URL), deciding on the Redis clock."""
+    client = make_client(url, 2.0, 2.0)
+    if isinstance(client, redis.RedisCluster):
+        return ClusterBackend(client, clock=None)
+    return RedisBackend(client, clock=None)
+
+
+def timer_for(url: str) -> redis.Redis:
+    """A client for reading Redis ``TIME``: of the server, or of a cluster's first node (one machine, one clock)."""
+    target = parse_redis_url(url)
+    if target.cluster:
+        host, port = target.addresses[0]
+        return redis.Redis(host=host, port=port, socket_timeout=5)
+    return redis.Redis.from_url(url, socket_timeout=5)
+
+
 def redis_time_us(client: redis.Redis) -> int:
     seconds, micros = client.time()
     return int(seconds) * 1_000_000 + int(micros)
@@ -91,7 +110,7 @@ def _thread_body(
 ) -> None:
     ready, go = barriers
     try:
-        backend.client.ping()  # open a connection before the start line, not during the storm
+        backend.decide(checks, consume=False)  # open the connections before the start line, not during the storm
         ready.wait(START_TIMEOUT)
         go.wait(START_TIMEOUT)
         cost = checks[-1].cost
@@ -116,7 +135,7 @@ def process_main(
     url: str, checks_per_thread: list[list[Check]], attempts: int, barriers: tuple[Any, Any], reports: Any
 ) -> None:
     """Child entry point: one backend (own client, Redis server clock), one thread per check list."""
-    backend = RedisBackend(make_client(url, 2.0, 2.0), clock=None)
+    backend = backend_for(url)
     outs: list[list[Attempt]] = [[] for _ in checks_per_thread]
     errors: list[str] = []
     threads = [
@@ -164,7 +183,7 @@ def run_storm(
         for p in range(processes)
     ]
     report = StormReport()
-    timer = redis.Redis.from_url(url, socket_timeout=5)
+    timer = timer_for(url)
     try:
         for child in children:
             child.start()
@@ -200,7 +219,7 @@ def run_storm(
 
 def hold_slots(url: str, checks: Sequence[Check], count: int, reports: Any) -> None:
     """Admit ``count`` requests on ``checks`` (Redis server clock), report them, then hang holding them."""
-    backend = RedisBackend(make_client(url, 2.0, 2.0), clock=None)
+    backend = backend_for(url)
     taken = []
     for _ in range(count):
         decision = backend.decide(checks)

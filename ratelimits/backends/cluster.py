@@ -1,0 +1,513 @@
+"""Redis Cluster backend: a decision's checks grouped by slot, one script call per group, all sent at once.
+
+A subject's keys share its hash tag, so a request touches one slot for its caller's own policies
+and one for each shared subject (its IP, organisation, an endpoint-wide limit). Each group is one
+``EVALSHA`` of ``lua/decide.lua`` on the master of its slot; the calls go out to their nodes
+before any reply is read, so a decision costs about one round trip however many groups it has.
+
+All or nothing across groups: when a group denies, the groups that admitted are given back what
+they consumed by ``lua/refund.lua``. A refund gives back only what the state still holds of the
+request's own consumption, so it never creates a token; meanwhile a concurrent request may have
+been denied for want of it (a brief under-admission, never an over-admission).
+
+Redirects: a ``MOVED`` reply (the slot moved, or a replica was promoted) and an ``ASK`` reply (the
+slot is being migrated) mean the script did not run; the call is sent once more where the reply
+says. A call that timed out is never sent again: it may have consumed. Everything else (a node lost
+mid-call, ``TRYAGAIN`` while a slot's keys are split by a migration, ``CLUSTERDOWN``) is the store
+being unavailable, and the request follows its policies' fail modes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import re
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import redis
+from redis.cluster import RedisCluster
+
+from ..algorithms import Algorithm
+from ..conf import conf
+from ..counters import Usage, overflow_of
+from ..decisions import Decision, Result
+from ..exceptions import BackendUnavailable, PolicyFailed
+from ..policies.values import Check
+from . import layout
+from .base import StoreHealth, new_slot
+from .redis import (
+    ADD_USAGE,
+    DECIDE,
+    PUBLISH_VERSION,
+    RELEASE,
+    STORE_ERRORS,
+    RedisBackend,
+    Script,
+    _pack,
+    decide_results,
+    make_client,
+    policy_failed,
+    script_failed,
+    unavailable,
+)
+
+__all__ = ["REFUND", "ClusterBackend"]
+
+REFUND = Script.load("refund.lua")
+#: ``lua/refund.lua``'s packed request: its clock, then one record per check given back.
+_REFUND_NOW = struct.Struct("<d")
+_REFUND_CHECK = struct.Struct("<Bdddd")
+#: The bytes a refundable decide call reports per check (``REFUNDABLE`` in ``lua/decide.lua``),
+#: which the refund takes as they are.
+_REFUNDABLE = 16
+#: How many copies of the version stamp one round of :meth:`ClusterBackend.publish_version` writes.
+PUBLISH_BATCH = 2048
+#: Replies saying the store did not run a call: it may be sent again (:meth:`ClusterBackend._send_again`).
+NOT_RUN = (redis.exceptions.NoScriptError, redis.exceptions.AskError, redis.exceptions.TryAgainError)
+#: How many times a call the store did not run is sent again, and the pause after a TRYAGAIN
+#: (a slot's migration moves its keys within milliseconds).
+SEND_AGAIN = 4
+TRY_AGAIN_PAUSE_S = 0.002
+#: The shortest pause between two refreshes of the slot map after a node failed to answer.
+REFRESH_EVERY_S = 0.2
+
+
+@dataclass(slots=True)
+class _Call:
+    """One script call to one slot's master, and what came back (a reply, or the error)."""
+
+    slot: int
+    keys: list[str]
+    args: list[Any]
+    #: Indices, into the request's checks, of the checks this call decides.
+    indices: list[int] = field(default_factory=list)
+    reply: Any = None
+    error: BaseException | None = None
+
+
+class ClusterBackend(RedisBackend):
+    """Shared state on a Redis Cluster: one script call per slot group, sent concurrently.
+
+    ``client`` is a :class:`redis.RedisCluster`, or a function making one: the cluster is first
+    reached when the limiter first needs it, so an unreachable cluster degrades requests by
+    their fail modes instead of failing the process at start-up.
+    """
+
+    def __init__(
+        self,
+        client: RedisCluster | Callable[[], RedisCluster],
+        *,
+        prefix: str = "rl",
+        clock: Callable[[], int] | None = None,
+        usage_cap: int | None = None,
+        timeouts: tuple[float, float] | None = None,
+    ) -> None:
+        self._cluster = client if isinstance(client, RedisCluster) else None
+        self._connect = client if not isinstance(client, RedisCluster) else None
+        self._lock = threading.Lock()
+        self.timeouts = timeouts
+        self.prefix = prefix
+        self.clock = clock
+        self.usage_cap = conf.usage_max_subjects if usage_cap is None else usage_cap
+        self.version_key = layout.version_key(prefix)  # not used on a cluster: each slot has its copy
+        self._local = threading.local()
+        #: When the slot map was last refreshed after a node failed (monotonic seconds).
+        self._refreshed_at = -REFRESH_EVERY_S
+        self._stale_map = False
+        self._usage_pattern = re.compile(rf"{re.escape(prefix)}:\{{([0-9a-f]+)\}}#usage:(\d+)")
+        self._drain_pattern = re.compile(rf"{re.escape(prefix)}:\{{[0-9a-f]+\}}#usage-drain:(\d+):[0-9a-f]+")
+
+    @classmethod
+    def from_settings(cls) -> ClusterBackend:
+        """For ``REDIS_CLIENT`` (a :class:`redis.RedisCluster`) or a cluster ``REDIS_URL``: reached on first use."""
+        clock = None if conf.use_redis_time else (lambda: time.time_ns() // 1000)
+        timeouts = (conf.redis_socket_timeout, conf.redis_connect_timeout)
+        url, options, client = conf.redis_url, conf.redis_options, conf.redis_client
+        connect = client if isinstance(client, RedisCluster) else (lambda: make_client(url, *timeouts, options))
+        return cls(connect, prefix=conf.key_prefix, clock=clock, timeouts=timeouts)  # type: ignore[arg-type]
+
+    @property
+    def client(self) -> RedisCluster:  # type: ignore[override]
+        """The cluster client, made (its slot map read) on first use; unavailable if the cluster cannot be reached."""
+        cluster = self._cluster
+        if cluster is None:
+            with self._lock:
+                if self._cluster is None:
+                    assert self._connect is not None
+                    try:
+                        self._cluster = self._connect()
+                    except (*STORE_ERRORS, redis.exceptions.RedisClusterException) as exc:
+                        raise unavailable(exc) from exc
+                cluster = self._cluster
+        return cluster
+
+    # -- decisions ---------------------------------------------------------------------------------
+
+    def decide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
+        slot = new_slot(checks) if consume else None
+        calls = self.decide_calls(checks, consume=consume, usage=usage, slot=slot)
+        self._run_calls(DECIDE, calls)
+        held = tuple(
+            key
+            for call in calls
+            for i, key in zip(call.indices, call.keys[1:], strict=False)
+            if slot and checks[i].policy.holds_slots
+        )
+        results: list[Result | None] = [None] * len(checks)
+        failed: list[Check] = []
+        errors = []
+        admitted = []  # the calls that consumed: every enforced check in them allowed
+        for call in calls:
+            if call.error is not None:
+                errors.append(call)
+                continue
+            group = [checks[i] for i in call.indices]
+            group_results, group_failed = decide_results(group, call.reply)
+            failed += group_failed
+            for i, result in zip(call.indices, group_results, strict=True):
+                results[i] = result
+            if consume and not group_failed and all(r.allowed or r.check.policy.shadow for r in group_results):
+                admitted.append(call)
+        decided = [r for r in results if r is not None]
+        if errors or failed:
+            # Nothing of this request may stand: what the other groups consumed goes back.
+            stray = self._refund(checks, admitted, consume_usage=None, slot=slot)
+            error = errors[0].error if errors else None
+            if isinstance(error, PolicyFailed):
+                error.checks = tuple(checks[i] for call in errors for i in call.indices)
+                raise error
+            if error is not None:
+                exc = error if isinstance(error, BackendUnavailable) else unavailable(error)
+                if slot and any(checks[i].policy.holds_slots for call in errors for i in call.indices):
+                    exc.stray_slot = (slot, held)  # a timed-out group may still take the slot
+                elif stray:
+                    exc.stray_slot = stray
+                raise exc
+            raise policy_failed(failed)
+        now_us = calls[0].reply[0]
+        version = max((_stamp(call.reply[1]) for call in calls), key=_stamp_order)
+        if len(admitted) < len(calls) and admitted:
+            denied_by_rate = any(
+                not r.allowed and not r.check.policy.shadow and r.check.policy.algorithm is not Algorithm.FLEET
+                for r in decided
+            )
+            stray = self._refund(checks, admitted, consume_usage=(usage, "l" if denied_by_rate else "s"), slot=slot)
+            decision = Decision.from_results(decided, now_us=now_us, policy_version=version)
+            return decision if stray is None else _with_stray(decision, stray)
+        return Decision.from_results(decided, now_us=now_us, policy_version=version, slot=slot, slot_keys=held)
+
+    def decide_calls(
+        self,
+        checks: Sequence[Check],
+        *,
+        consume: bool,
+        usage: Usage | None,
+        slot: str | None,
+        refundable: bool | None = None,
+    ) -> list[_Call]:
+        """One decide script call per slot among ``checks``' keys; the first check's group counts ``usage``.
+
+        The calls report what a refund needs when there are several (``refundable``, if not said).
+        """
+        prefix = self.prefix
+        groups: dict[int, list[int]] = {}
+        for i, check in enumerate(checks):
+            groups.setdefault(layout.key_slot(check.key(prefix).encode()), []).append(i)
+        calls = []
+        if refundable is None:
+            refundable = len(groups) > 1  # what a group consumed may have to be given back
+        for n, (hash_slot, indices) in enumerate(groups.items()):
+            keys, args = self.decide_call(
+                [checks[i] for i in indices],
+                consume=consume,
+                usage=usage if n == 0 else None,
+                slot=slot,
+                tag=layout.slot_tag(hash_slot),
+                refundable=refundable,
+            )
+            calls.append(_Call(hash_slot, keys, args, indices))
+        return calls
+
+    def _refund(
+        self,
+        checks: Sequence[Check],
+        admitted: Sequence[_Call],
+        *,
+        consume_usage: tuple[Usage | None, str] | None,
+        slot: str | None,
+    ) -> tuple[str, tuple[str, ...]] | None:
+        """Give back what ``admitted`` consumed; the slot keys still held if a refund did not get through.
+
+        With ``consume_usage``, the group that counted the request as allowed counts it under the
+        given metric instead. A refund that fails leaves tokens spent (under-admission only).
+        """
+        if not admitted:
+            return None
+        refunds = []
+        for call in admitted:
+            now_us = call.reply[0]
+            records = [_REFUND_NOW.pack(-1.0 if self.clock is None else self.clock())]
+            keys = []
+            for n, i in enumerate(call.indices):
+                check = checks[i]
+                at = 2 + 3 * n  # the check's remaining, reset and retry in the reply
+                if call.reply[at + 2] != 0:
+                    continue  # a shadow check that would have denied wrote nothing
+                policy, rate = check.policy, check.policy.rate
+                spent = call.reply[-1][_REFUNDABLE * n : _REFUNDABLE * (n + 1)]  # as the decide call reported it
+                record = (policy.algorithm.code, rate.limit, rate.period_us, check.cost, now_us)
+                records.append(_REFUND_CHECK.pack(*record) + spent)
+                keys.append(check.key(self.prefix))
+            args: list[Any] = [b"".join(records), slot or "", "", "", 1, ""]
+            usage = consume_usage[0] if consume_usage else None
+            if usage is not None and len(call.keys) > len(call.indices) + 1:  # this group counted the usage
+                keys.append(call.keys[-1])
+                args[2:] = [usage.field, consume_usage[1], usage.tokens, usage.overflow]  # type: ignore[index]
+            refunds.append(_Call(call.slot, keys, args))
+        self._run_calls(REFUND, refunds)
+        held = tuple(
+            key
+            for call, refund in zip(admitted, refunds, strict=True)
+            if refund.error is not None
+            for i, key in zip(call.indices, call.keys[1:], strict=False)
+            if checks[i].policy.holds_slots
+        )
+        return (slot, held) if slot and held else None
+
+    def _run_calls(self, script: Script, calls: Sequence[_Call]) -> None:
+        """Run ``script`` once per call, each on its slot's master: every call sent before any reply is read.
+
+        Each call ends with its ``reply`` or its ``error`` (a :class:`BackendUnavailable` or
+        :class:`PolicyFailed`); none is ever sent twice unless the store said it did not run it.
+        """
+        self._refresh_if_stale()
+        sent = []
+        for call in calls:
+            try:
+                connection = self._node_connection(call.slot)
+                command = ("EVALSHA", script.sha, len(call.keys), *call.keys, *call.args)
+                connection.send_packed_command(_pack(connection, command), check_health=False)
+            except STORE_ERRORS as exc:
+                call.error = self._failed(script, exc)
+                continue
+            sent.append((call, connection))
+        # Replies are read in the order sent: calls to one node share its connection, pipelined.
+        # A call the store did not run is sent again only once every reply is in.
+        again: list[tuple[_Call, BaseException]] = []
+        for call, connection in sent:
+            try:
+                call.reply = connection.read_response()
+            except NOT_RUN as not_run:
+                again.append((call, not_run))
+            except STORE_ERRORS as exc:
+                call.error = self._failed(script, exc)
+        for call, reason in again:
+            try:
+                call.reply = self._send_again(script, call, reason)
+            except STORE_ERRORS as exc:
+                call.error = self._failed(script, exc)
+
+    def _send_again(self, script: Script, call: _Call, reason: BaseException) -> Any:
+        """Send a call the store said it did not run, where and as the store said; a few times at most.
+
+        ``MOVED``: to the slot's new master (the slot map learns it). ``ASK``: to the node importing
+        the slot, for this call only. ``NOSCRIPT``: the script in full. ``TRYAGAIN`` (a migration
+        has moved some of the call's keys and not others): after a pause, to the slot's master.
+        """
+        full = False
+        address: tuple[str, int] | None = None  # the node an ASK named
+        for attempt in range(SEND_AGAIN):
+            if isinstance(reason, redis.exceptions.MovedError):
+                self.client.nodes_manager.move_slot(reason)
+                address = None
+            elif isinstance(reason, redis.exceptions.AskError):
+                address = (reason.host, reason.port)
+            elif isinstance(reason, redis.exceptions.TryAgainError):
+                time.sleep(TRY_AGAIN_PAUSE_S * (attempt + 1))
+            else:  # NoScriptError: a promoted replica or a restarted node lacks the script
+                full = True
+            connection = self._node_connection(call.slot) if address is None else self._address_connection(*address)
+            body = ("EVAL", script.text) if full else ("EVALSHA", script.sha)
+            command = _pack(connection, (*body, len(call.keys), *call.keys, *call.args))
+            connection.send_packed_command(
+                (_pack(connection, ("ASKING",)) + command) if address else command, check_health=False
+            )
+            try:
+                if address:
+                    connection.read_response()  # ASKING's OK
+                return connection.read_response()
+            except NOT_RUN as not_run:
+                reason = not_run
+        raise reason
+
+    def _failed(self, script: Script, exc: BaseException) -> BaseException:
+        if isinstance(exc, redis.ResponseError) and script_failed(exc):
+            return PolicyFailed(f"{script.name} failed: {exc}", ())
+        if not isinstance(exc, redis.ResponseError) or isinstance(exc, redis.exceptions.ClusterDownError):
+            self._stale_map = True  # a node is gone, or the cluster is reconfiguring: read the map again
+        return unavailable(exc)
+
+    def _refresh_if_stale(self) -> None:
+        """Read the slot map again after a node failed to answer: at most every ``REFRESH_EVERY_S``, one thread."""
+        if not self._stale_map:
+            return
+        now = time.monotonic()
+        if now - self._refreshed_at < REFRESH_EVERY_S or not self._lock.acquire(blocking=False):
+            return
+        try:
+            self._refreshed_at = now
+            self.client.nodes_manager.initialize()
+            self._stale_map = False
+        except (*STORE_ERRORS, redis.exceptions.RedisClusterException, BackendUnavailable):
+            pass  # still stale: asked again after the pause
+        finally:
+            self._lock.release()
+
+    def _node_connection(self, hash_slot: int) -> Any:
+        try:
+            node = self.client.nodes_manager.get_node_from_slot(hash_slot)
+        except redis.exceptions.SlotNotCoveredError as exc:
+            raise redis.exceptions.ClusterDownError(str(exc)) from exc
+        return self._address_connection(node.host, node.port)
+
+    def _address_connection(self, host: str, port: int) -> Any:
+        """This thread's connection to the node at ``host:port``, with the cluster's connection settings."""
+        nodes = self.client.nodes_manager
+        template = next(n.redis_connection for n in nodes.nodes_cache.values() if n.redis_connection is not None)
+        return self._thread_connection(f"{host}:{port}", template.connection_pool, host=host, port=port)
+
+    def _connection(self) -> Any:  # pragma: no cover - every call on a cluster names its slot
+        raise NotImplementedError("a cluster call is sent to its slot's master")
+
+    # -- everything else ---------------------------------------------------------------------------
+
+    def release(self, slot: str, keys: Sequence[str]) -> int:
+        calls = [_Call(hash_slot, list(group), [slot]) for hash_slot, group in _by_slot(keys).items()]
+        self._run_calls(RELEASE, calls)
+        for call in calls:
+            if call.error is not None:
+                raise call.error
+        return sum(int(call.reply) for call in calls)
+
+    def clear(self, checks: Sequence[Check]) -> None:
+        with self._store():
+            for group in _by_slot([check.key(self.prefix) for check in checks]).values():
+                self.client.delete(*group)
+
+    def publish_version(self, version: int) -> str:
+        """Raise every slot's copy of the version stamp: the next request anywhere sees it."""
+        with self._store():
+            self.client.script_load(PUBLISH_VERSION.text)  # on every master: each copy is then one EVALSHA
+        args = [version, layout.VERSION_TTL_S]
+        stamps = []
+        for start in range(0, layout.REDIS_CLUSTER_HASH_SLOTS, PUBLISH_BATCH):
+            calls = [
+                _Call(s, [layout.version_key(self.prefix, layout.slot_tag(s))], args)
+                for s in range(start, min(start + PUBLISH_BATCH, layout.REDIS_CLUSTER_HASH_SLOTS))
+            ]
+            self._run_calls(PUBLISH_VERSION, calls)
+            for call in calls:
+                if call.error is not None:
+                    raise call.error
+                stamps.append(int(call.reply))
+        return str(min(stamps))
+
+    def add_usage(self, counts: Mapping[tuple[int, str], int]) -> None:
+        tag = layout.slot_tag(random.randrange(layout.REDIS_CLUSTER_HASH_SLOTS))  # one slot: one script
+        keys: dict[int, int] = {}
+        args: list[Any] = [str(layout.USAGE_TTL_S), self.usage_cap]
+        for (minute, row), n in counts.items():
+            overflow = overflow_of(row)
+            if overflow is not None:
+                index = keys.setdefault(minute, len(keys) + 1)
+                args += (index, row[:-1], row[-1], overflow, n)
+        if keys:
+            calls = [_Call(layout.key_slot(tag.encode()), [layout.usage_key(self.prefix, m, tag) for m in keys], args)]
+            self._run_calls(ADD_USAGE, calls)
+            if calls[0].error is not None:
+                raise calls[0].error
+
+    def claim_usage(self, before_minute: int) -> list[tuple[str, int]]:
+        """Every slot's usage hash of a finished minute, renamed out of the live set in its own slot."""
+        batches = []
+        with self._store():
+            client = self.client
+            for key in client.scan_iter(match=f"{self.prefix}:{{*}}#usage:*", count=1000):
+                found = self._usage_pattern.fullmatch(_text(key))
+                if found and int(found[2]) < before_minute:
+                    tag, minute = found[1], int(found[2])
+                    with contextlib.suppress(redis.ResponseError):  # another drain renamed it first
+                        client.rename(key, layout.drain_key(self.prefix, minute, uuid.uuid4().hex, tag))
+            for key in client.scan_iter(match=f"{self.prefix}:{{*}}#usage-drain:*", count=1000):
+                name = _text(key)
+                found = self._drain_pattern.fullmatch(name)
+                if found:
+                    batches.append((name, int(found[1])))
+        return sorted(batches, key=lambda batch: batch[1])
+
+    def finish_usage(self, batch: str) -> None:
+        with self._store():
+            self.client.unlink(batch)
+            self.client.delete(layout.lease_key(self.prefix, batch))
+
+    def store_health(self) -> StoreHealth:
+        """As a single Redis's, over every master: the loosest eviction policy, the tightest memory."""
+        healths = []
+        with self._store():
+            for node in self.client.get_primaries():  # type: ignore[no-untyped-call]
+                single = RedisBackend(node.redis_connection, prefix=self.prefix)
+                healths.append(single.store_health())
+        policies = [h.maxmemory_policy for h in healths]
+        evicting = [p for p in policies if p is not None and p != "noeviction"]
+        known = [p for p in policies if p is not None]
+        return StoreHealth(
+            maxmemory_policy=(evicting or known or [None])[0],  # type: ignore[list-item]
+            maxmemory=_least([h.maxmemory for h in healths]),
+            used_memory=_most([h.used_memory for h in healths]),
+            evicted_keys=_sum([h.evicted_keys for h in healths]),
+        )
+
+
+def _by_slot(keys: Sequence[str]) -> dict[int, list[str]]:
+    groups: dict[int, list[str]] = {}
+    for key in keys:
+        groups.setdefault(layout.key_slot(key.encode()), []).append(key)
+    return groups
+
+
+def _stamp(value: Any) -> str | None:
+    return value.decode() if isinstance(value, bytes) else None
+
+
+def _stamp_order(stamp: str | None) -> int:
+    """Which copy of the version stamp is newest (each group brings its slot's copy back)."""
+    return int(stamp) if stamp is not None and stamp.isdigit() else -1
+
+
+def _with_stray(decision: Decision, stray: tuple[str, tuple[str, ...]]) -> Decision:
+    return replace(decision, stray_slot=stray)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _least(values: Sequence[int | None]) -> int | None:
+    known = [v for v in values if v]
+    return min(known) if known else (0 if values and all(v == 0 for v in values) else None)
+
+
+def _most(values: Sequence[int | None]) -> int | None:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
+
+
+def _sum(values: Sequence[int | None]) -> int | None:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None

@@ -1,0 +1,122 @@
+-- refund.lua: give back what one slot group of a Redis Cluster decision consumed, when another
+-- group of the same request denied it (all or nothing across slots; ratelimits/backends/cluster.py).
+--
+-- A refund never creates a token that was not consumed: it gives back only the part of the
+-- request's own consumption that the state still holds. What has refilled since (a bucket's
+-- time passing, a window that ended) is not given back twice, whatever other requests did
+-- meanwhile. The price is a brief under-admission, never an over-admission.
+--
+-- KEYS[1..n]       state keys of the checks the group admitted
+-- KEYS[n + 1]      with ARGV[3]: the usage hash the group counted the request in
+-- ARGV[1]          packed little-endian: now ('<d', negative: read Redis TIME), then per check
+--                  CHECK below
+-- ARGV[2]          the request's slot id, or ""
+-- ARGV[3]          the usage row the group counted as allowed, or "" (nothing to correct)
+-- ARGV[4]          the metric the request is counted under instead: l (limited) or s (shed)
+-- ARGV[5]          the tokens it was counted as spending
+-- ARGV[6]          the overflow row (where the row was counted if the minute was full)
+--
+-- CHECK: algorithm code, limit, period (us), cost, consumed_at (the decide script's now, us), then
+-- what the decide call reported for it (REFUNDABLE in decide.lua): a token bucket's arrival time
+-- after the request, and what the bucket had been given back until then.
+--
+-- Why a token bucket's refund is safe: the bucket's debt is a queue of spent intervals, each
+-- request's stacked on the one before. Time pays the queue off from its front. A refund takes out
+-- the request's own interval, but only what time has not yet paid of it: what lies after now.
+-- The request's interval ended at spent_tat, unless refunds of requests before it have moved it
+-- earlier since; that is at most everything given back to this bucket since the request, which
+-- the bucket keeps count of (the us given back, stored with its arrival time). So the request's
+-- debt still outstanding is at least min(spent, spent_tat - given back since - now), and no more
+-- is given back. Later requests' debts, stacked after it, move earlier by what was given back:
+-- exactly as if the request had spent only what time had already paid of it. A bucket given back
+-- less than when the request was made was deleted since (an admin's reset): nothing is owed to it.
+--
+-- Returns how many checks gave something back.
+
+local TOKEN_BUCKET, SLIDING_WINDOW, FIXED_WINDOW = 1, 2, 3
+local NOW, CHECK = '<d', '<Bdddddd'
+local GCRA_STATE, SLIDING_STATE, FIXED_STATE, REFUNDED_STATE = '<d', '<ddd', '<dd', '<dd'
+local DIGIT_9 = 57
+local unpack_args, pack, byte = struct.unpack, struct.pack, string.byte
+local floor, max, min = math.floor, math.max, math.min
+
+local now, pos = unpack_args(NOW, ARGV[1])
+if now < 0 then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
+-- The window that held time t (as decide.lua's split, for any instant).
+local function window_of(t, period)
+  local window = floor(t / period)
+  local elapsed = t - window * period
+  if elapsed < 0 then window = window - 1 elseif elapsed >= period then window = window + 1 end
+  return window
+end
+
+local given = 0
+local n = #KEYS
+if ARGV[3] ~= '' then n = n - 1 end
+for i = 1, n do
+  local key = KEYS[i]
+  local algorithm, limit, period, cost, consumed_at, spent_tat, given_back
+  algorithm, limit, period, cost, consumed_at, spent_tat, given_back, pos = unpack_args(CHECK, ARGV[1], pos)
+  if algorithm > FIXED_WINDOW then
+    given = given + redis.call('ZREM', key, ARGV[2])
+  else
+    local value = redis.call('GET', key)
+    if value then
+      if algorithm == TOKEN_BUCKET then
+        local tat, refunded = nil, 0
+        local size = #value
+        if size == 16 and byte(value, 16) > DIGIT_9 then
+          tat, refunded = unpack_args(REFUNDED_STATE, value)
+        elseif size == 8 and byte(value, 8) > DIGIT_9 then
+          tat = unpack_args(GCRA_STATE, value)
+        else
+          tat = tonumber(value)
+        end
+        local outstanding = min(cost * period / limit, spent_tat - (refunded - given_back) - now)
+        if outstanding > 0 and tat > now and refunded >= given_back then
+          local new_tat = max(tat - outstanding, now)
+          redis.call('SET', key, pack(REFUNDED_STATE, new_tat, refunded + (tat - new_tat)), 'KEEPTTL')
+          given = given + 1
+        end
+      else
+        local consumed = window_of(consumed_at, period)
+        if algorithm == SLIDING_WINDOW then
+          local w, current, previous = unpack_args(SLIDING_STATE, value)
+          -- The request's count is in the window it was made in, now current or previous.
+          if w == consumed then
+            redis.call('SET', key, pack(SLIDING_STATE, w, max(current - cost, 0), previous), 'KEEPTTL')
+            given = given + 1
+          elseif w == consumed + 1 then
+            redis.call('SET', key, pack(SLIDING_STATE, w, current, max(previous - cost, 0)), 'KEEPTTL')
+            given = given + 1
+          end
+        else
+          local w, count = unpack_args(FIXED_STATE, value)
+          if w == consumed then
+            redis.call('SET', key, pack(FIXED_STATE, w, max(count - cost, 0)), 'KEEPTTL')
+            given = given + 1
+          end
+        end
+      end
+    end
+  end
+end
+
+-- The group counted the request as allowed: count it as it ended. Only in a hash that is still
+-- live and holds that count (a drain may have taken the minute meanwhile: then it stays as it was).
+local row = ARGV[3]
+if row ~= '' then
+  local counters = KEYS[#KEYS]
+  if redis.call('HEXISTS', counters, row) == 0 then row = ARGV[6] end
+  if tonumber(redis.call('HGET', counters, row .. 'a') or '0') > 0 then
+    redis.call('HINCRBY', counters, row .. 'a', -1)
+    redis.call('HINCRBY', counters, row .. ARGV[4], 1)
+    local tokens = tonumber(ARGV[5])
+    if tokens ~= 1 then redis.call('HINCRBY', counters, row .. 'x', 1 - tokens) end
+  end
+end
+return given

@@ -1,0 +1,474 @@
+"""Decisions on a real Redis Cluster: slot groups, concurrent calls, refunds, redirects, per-slot stamps and usage.
+
+Every test runs against six redis-server processes in cluster mode (3 masters, 3 replicas) that
+the suite starts on free loopback ports and stops by PID (``tests/support/redis_cluster.py``).
+The session's cluster is flushed before each test; tests that kill nodes or move slots start a
+cluster of their own.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from ratelimits import engine
+from ratelimits.algorithms import RATE_ALGORITHMS, Algorithm
+from ratelimits.backends import get_backend, layout
+from ratelimits.backends.cluster import ClusterBackend
+from ratelimits.backends.memory import MemoryBackend
+from ratelimits.backends.redis import DECIDE, make_client, read_state
+from ratelimits.counters import Usage
+from ratelimits.decisions import Verdict
+from ratelimits.engine import get_limiter
+from ratelimits.exceptions import BackendUnavailable
+from ratelimits.identity import Subject
+from ratelimits.policies import Check, Policy
+from ratelimits.rates import parse_rate
+from ratelimits.redis_url import parse_redis_url
+
+from .support.clock import FakeClock
+from .support.redis_cluster import Cluster
+from .support.redis_server import free_port
+
+CALLER = Subject("api_key", "cluster-caller")
+IP = Subject("ip", "198.51.100.7")
+ORG = Subject("org", "cluster-org")
+ENDPOINT = Subject("endpoint", "POST /v1/charges")
+
+
+def policy(
+    rate: str, burst: int | None = None, algorithm: Algorithm = Algorithm.TOKEN_BUCKET, name: str = "p"
+) -> Policy:
+    parsed = parse_rate(rate)
+    return Policy(name, parsed, burst or parsed.limit, algorithm)
+
+
+def cluster_backend(cluster: Cluster, clock: FakeClock | None = None, timeout: float = 2.0) -> ClusterBackend:
+    return ClusterBackend(make_client(cluster.url, timeout, timeout), clock=clock)  # type: ignore[arg-type]
+
+
+def node_of(client: redis.RedisCluster, key: str) -> str:
+    return str(client.get_node_from_key(key).name)
+
+
+def spread(subjects: Sequence[Subject], client: redis.RedisCluster, name: str = "p") -> list[Subject]:
+    """Subjects whose keys live on as many different masters as there are (one per master)."""
+    seen: dict[str, Subject] = {}
+    for subject in subjects:
+        seen.setdefault(node_of(client, Check(policy("1/s", name=name), subject).key("rl")), subject)
+    return list(seen.values())
+
+
+def many_subjects(n: int) -> list[Subject]:
+    return [Subject("api_key", f"spread-{i}") for i in range(n)]
+
+
+def evalsha_calls(cluster: Cluster) -> int:
+    """Script calls (EVALSHA and EVAL) the masters have run, from INFO commandstats."""
+    total = 0
+    for server in cluster.masters():
+        client = server.client()
+        try:
+            stats = client.info("commandstats")
+        finally:
+            client.close()
+        total += sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("evalsha", "eval"))
+    return total
+
+
+# -- configuration ------------------------------------------------------------------------------
+
+
+def test_a_cluster_url_names_its_startup_nodes_and_credentials() -> None:
+    target = parse_redis_url("redis+cluster://lim:p%40ss@10.0.0.1:7000,10.0.0.2:7001,[::1]:7002")
+    assert target.cluster and target.addresses == (("10.0.0.1", 7000), ("10.0.0.2", 7001), ("::1", 7002))
+    assert (target.username, target.password) == ("lim", "p@ss")
+    assert parse_redis_url("rediss+cluster://10.0.0.1:7000").cluster
+    assert not parse_redis_url("redis://10.0.0.1:7000").cluster
+
+
+def test_a_cluster_url_gives_the_cluster_backend_and_decides(
+    settings: Any, redis_cluster: Cluster, cluster_client: Any
+) -> None:
+    settings.RATELIMITS = {**settings.RATELIMITS, "BACKEND": "redis", "REDIS_URL": redis_cluster.url}
+    engine.reset()
+    try:
+        assert isinstance(get_backend(), ClusterBackend)
+        check = Check(policy("2/m"), CALLER)
+        decisions = [get_limiter().decide([check]) for _ in range(3)]
+        assert [d.allowed for d in decisions] == [True, True, False]
+        assert not any(d.degraded for d in decisions)
+    finally:
+        engine.reset()
+
+
+def test_a_prebuilt_cluster_client_is_taken(settings: Any, redis_cluster: Cluster, cluster_client: Any) -> None:
+    settings.RATELIMITS = {**settings.RATELIMITS, "BACKEND": "redis", "REDIS_CLIENT": cluster_client}
+    engine.reset()
+    try:
+        backend = get_backend()
+        assert isinstance(backend, ClusterBackend) and backend.client is cluster_client
+        assert get_limiter().decide([Check(policy("2/m"), CALLER)]).allowed
+    finally:
+        engine.reset()
+
+
+def test_an_unreachable_cluster_degrades_by_fail_mode_instead_of_failing_start_up(settings: Any) -> None:
+    url = f"redis+cluster://127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+    settings.RATELIMITS = {**settings.RATELIMITS, "BACKEND": "redis", "REDIS_URL": url}
+    engine.reset()
+    try:
+        backend = get_backend()  # made without reaching the cluster
+        with pytest.raises(BackendUnavailable):
+            backend.decide([Check(policy("2/m"), CALLER)])
+        decision = get_limiter().decide([Check(policy("2/m"), CALLER)])
+        assert decision.allowed and decision.degraded  # fails open, as the policy says
+    finally:
+        engine.reset()
+
+
+# -- the contract across slots ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("algorithm", RATE_ALGORITHMS, ids=[a.value for a in RATE_ALGORITHMS])
+def test_memory_and_the_cluster_agree_on_random_traffic_across_slots(
+    redis_cluster: Cluster, cluster_client: Any, algorithm: Algorithm
+) -> None:
+    """Four subjects on up to three masters per request: all or nothing, to the microsecond.
+
+    A request denied by one slot group is refunded in the others at once (the clock stands
+    still meanwhile), so the state is exactly as if nothing had been consumed: the cluster and
+    the in-process reference decide alike. Whole-microsecond rates, where a refund is exact.
+    """
+    rng = random.Random(f"cluster-{algorithm.value}")
+    memory_clock, cluster_clock = FakeClock(), FakeClock()
+    memory = MemoryBackend(clock=memory_clock)
+    remote = cluster_backend(redis_cluster, cluster_clock)
+    policies = [
+        policy("8/s", burst=12, algorithm=algorithm, name="a"),
+        policy("50/10s", algorithm=algorithm, name="b"),
+        policy("5/s", algorithm=algorithm, name="c"),
+    ]
+    subjects = [CALLER, IP, ORG, ENDPOINT]
+    assert len({node_of(cluster_client, Check(policies[0], s).key("rl")) for s in subjects}) >= 2
+    split = 0
+    for _ in range(400):
+        step = rng.choice([0, 0, 1_000, 37_000, 140_001, 900_000])
+        memory_clock.advance(step)
+        cluster_clock.advance(step)
+        checks = [
+            Check(rng.choice(policies), s, cost=rng.randint(1, 3)) for s in rng.sample(subjects, rng.randint(2, 4))
+        ]
+        consume = rng.random() > 0.1
+        ours, theirs = memory.decide(checks, consume=consume), remote.decide(checks, consume=consume)
+        assert ours.verdict == theirs.verdict
+        assert ours.retry_after_us == theirs.retry_after_us
+        assert [(r.allowed, r.remaining, r.reset_us, r.retry_us) for r in ours.results] == [
+            (r.allowed, r.remaining, r.reset_us, r.retry_us) for r in theirs.results
+        ]
+        split += not theirs.allowed and any(r.allowed for r in theirs.results)
+    assert split > 20, f"only {split} requests were denied by one group and admitted by another"
+
+
+def test_every_cluster_key_has_a_ttl_and_no_raw_identity(redis_cluster: Cluster, cluster_client: Any) -> None:
+    remote = cluster_backend(redis_cluster)
+    subject = Subject("ip", "203.0.113.9")
+    usage = Usage(int(time.time() // 60), "k|digest|||t|ep|", 1, "k|*|||t|ep|")
+    for algorithm in RATE_ALGORITHMS:
+        remote.decide([Check(policy("5/10m", algorithm=algorithm, name=f"p-{algorithm.value}"), subject)], usage=usage)
+    remote.publish_version(3)
+    keys = [key for key in cluster_client.scan_iter(count=1000)]
+    assert len(keys) == 3 + 1 + layout.REDIS_CLUSTER_HASH_SLOTS  # states, one usage hash, a stamp per slot
+    for key in keys[:: max(len(keys) // 500, 1)] + [k for k in keys if b"#policy-version" not in k]:
+        assert cluster_client.pttl(key) > 0
+        assert b"203.0.113.9" not in key
+        assert key.count(b"{") == 1 and key.count(b"}") == 1
+
+
+# -- slot groups --------------------------------------------------------------------------------
+
+
+def four_dimensions(client: redis.RedisCluster) -> list[Check]:
+    """The caller's rate and quota (one slot), its IP, its organisation and the endpoint-wide limit."""
+    return [
+        Check(policy("100/s", name="tier-rate"), CALLER),
+        Check(policy("100000/d", algorithm=Algorithm.FIXED_WINDOW, name="tier-quota"), CALLER),
+        Check(policy("1000/s", name="ip"), IP),
+        Check(policy("10000/s", name="org"), ORG),
+        Check(policy("50000/s", name="endpoint-wide"), ENDPOINT),
+    ]
+
+
+def test_a_four_dimension_request_makes_one_script_call_per_slot_group(
+    redis_cluster: Cluster, cluster_client: Any
+) -> None:
+    backend = cluster_backend(redis_cluster)
+    checks = four_dimensions(cluster_client)
+    slots = {layout.key_slot(c.key("rl").encode()) for c in checks}
+    assert len(slots) == 4  # the caller's two policies share its slot
+    backend.decide(checks, consume=False)  # connections open, scripts cached
+    before = evalsha_calls(redis_cluster)
+    for _ in range(10):
+        assert backend.decide(checks).allowed
+    assert evalsha_calls(redis_cluster) - before == 10 * len(slots)
+
+
+def test_the_groups_are_sent_concurrently(redis_cluster: Cluster, cluster_client: Any) -> None:
+    """With every master holding writes for PAUSE_MS, one decision over three masters waits one pause, not three."""
+    pause_ms = 400
+    backend = cluster_backend(redis_cluster, timeout=5.0)
+    subjects = spread(many_subjects(200), cluster_client)
+    assert len(subjects) == 3
+    checks = [Check(policy("100/s"), s) for s in subjects]
+    backend.decide(checks, consume=False)
+    masters = [server.client() for server in redis_cluster.masters()]
+    try:
+        for client in masters:
+            client.execute_command("CLIENT", "PAUSE", pause_ms, "WRITE")
+        started = time.monotonic()
+        decision = backend.decide(checks)
+        elapsed = time.monotonic() - started
+    finally:
+        for client in masters:
+            client.execute_command("CLIENT", "UNPAUSE")
+            client.close()
+    assert decision.allowed
+    assert elapsed < 2 * pause_ms / 1000, f"{elapsed:.3f} s: the three calls waited one after another"
+
+
+def test_a_cross_slot_denial_gives_back_what_the_other_groups_consumed(
+    redis_cluster: Cluster, cluster_client: Any
+) -> None:
+    clock = FakeClock()
+    backend = cluster_backend(redis_cluster, clock)
+    roomy, tight = policy("10/m", name="roomy"), policy("1/m", name="tight")
+    conc = Policy("conc", parse_rate("5/s"), 5, Algorithm.CONCURRENCY)
+    subjects = spread(many_subjects(200), cluster_client)
+    checks = [Check(roomy, subjects[0]), Check(conc, subjects[1]), Check(tight, subjects[2])]
+    assert backend.decide(checks).allowed
+    before = backend.decide(checks[:2], consume=False).results
+    for _ in range(5):
+        denied = backend.decide(checks)
+        assert denied.verdict is Verdict.LIMITED and denied.slot is None
+    after = backend.decide(checks[:2], consume=False).results
+    assert [r.remaining for r in after] == [r.remaining for r in before]  # nothing kept: tokens or slots
+    assert cluster_client.zcard(checks[1].key("rl")) == 1  # only the admitted request's slot
+
+
+def test_a_refund_corrects_the_usage_the_caller_group_counted(redis_cluster: Cluster, cluster_client: Any) -> None:
+    backend = cluster_backend(redis_cluster)
+    subjects = spread(many_subjects(200), cluster_client)
+    usage = Usage(int(time.time() // 60), "k|caller|||t|ep|", 3, "k|*|||t|ep|")
+    checks = [Check(policy("10/m", name="roomy"), subjects[0]), Check(policy("1/m", name="tight"), subjects[1])]
+    assert backend.decide(checks, usage=usage).allowed
+    assert not backend.decide(checks, usage=usage).allowed
+    key = layout.usage_key("rl", usage.minute, layout.slot_tag(layout.key_slot(checks[0].key("rl").encode())))
+    counts = {k.decode(): int(v) for k, v in cluster_client.hgetall(key).items()}
+    assert counts == {"#": 1, usage.field: 1, usage.field + "a": 1, usage.field + "l": 1, usage.field + "x": 2}
+
+
+# -- refunds never create tokens ------------------------------------------------------------------
+
+
+def effective(backend: ClusterBackend, client: redis.RedisCluster, check: Check, now: int) -> tuple[float, ...]:
+    """The spent capacity the state holds at ``now``: a bucket's arrival time (not before now), a window's counts."""
+    raw = client.get(check.key(backend.prefix))
+    algorithm = check.policy.algorithm
+    if raw is None:
+        return (now,) if algorithm is Algorithm.TOKEN_BUCKET else (0.0,)
+    state = read_state(algorithm, raw)
+    if algorithm is Algorithm.TOKEN_BUCKET:
+        return (max(state[0], now),)
+    period = check.policy.rate.period_us
+    window = now // period
+    if algorithm is Algorithm.FIXED_WINDOW:
+        return (state[1] if state[0] == window else 0.0,)
+    current = state[1] if state[0] == window else 0.0
+    previous = state[2] if state[0] == window else state[1] if state[0] == window - 1 else 0.0
+    return (current, previous)
+
+
+@pytest.mark.parametrize("algorithm", RATE_ALGORITHMS, ids=[a.value for a in RATE_ALGORITHMS])
+@pytest.mark.parametrize("rate", ["8/s", "7/s"], ids=["whole-us", "fractional-us"])
+def test_a_refund_never_creates_a_token_that_was_not_consumed(
+    redis_cluster: Cluster, cluster_client: Any, algorithm: Algorithm, rate: str
+) -> None:
+    """Random interleavings of consumes and late refunds, against a twin that never saw the refunded requests.
+
+    World 1 (``ours``) admits requests of which some are refunded later, at random times, with
+    other requests and other refunds in between. World 0 (``twin``, another key on the same
+    policy) sees only the requests world 1 admitted and never refunded. After every step, world 1
+    holds at least as much spent capacity as world 0: a refund only ever gives back what its
+    request still held, so world 1 can never admit what world 0 would not.
+    """
+    rng = random.Random(f"refund-{algorithm.value}-{rate}")
+    clock = FakeClock()
+    backend = cluster_backend(redis_cluster, clock)
+    limit = policy(rate, burst=6, algorithm=algorithm)
+    ours, twin = Check(limit, Subject("api_key", "world-1")), Check(limit, Subject("api_key", "world-0"))
+    pending: list[Any] = []  # admitted calls of world 1 awaiting their refund
+    refunds = 0
+    for step in range(500):
+        clock.advance(rng.choice([0, 0, 0, 1, 999, 37_000, 140_001, 400_000]))
+        if pending and rng.random() < 0.4:
+            call, check = pending.pop(rng.randrange(len(pending)))
+            assert backend._refund([check], [call], consume_usage=None, slot=None) is None
+            refunds += 1
+        else:
+            cost = rng.randint(1, 3)
+            check = Check(limit, ours.subject, cost=cost)
+            calls = backend.decide_calls([check], consume=True, usage=None, slot=None, refundable=True)
+            backend._run_calls(DECIDE, calls)
+            admitted = calls[0].reply[4] == 0
+            if admitted and rng.random() < 0.5:
+                pending.append((calls[0], check))
+            elif admitted:
+                assert backend.decide([Check(limit, twin.subject, cost=cost)]).allowed, f"step {step}: twin refused"
+        now = clock()
+        mine, theirs = effective(backend, cluster_client, ours, now), effective(backend, cluster_client, twin, now)
+        assert all(a >= b for a, b in zip(mine, theirs, strict=True)), f"step {step}: {mine} < {theirs}"
+    assert refunds > 50
+
+
+# -- redirects and timeouts ---------------------------------------------------------------------
+
+
+def node_ids(cluster: Cluster) -> dict[str, str]:
+    """``host:port`` -> node id of every master."""
+    client = cluster.masters()[0].client()
+    try:
+        nodes = client.cluster("nodes")
+    finally:
+        client.close()
+    return {address.split("@")[0]: info["node_id"] for address, info in nodes.items() if "master" in info["flags"]}
+
+
+def move_empty_slot(cluster: Cluster, slot: int, source: str, target: str) -> None:
+    """Give ``slot`` (holding no keys) to ``target``, as ``redis-cli --cluster reshard`` does."""
+    ids = node_ids(cluster)
+    by_address = {f"127.0.0.1:{s.port}": s for s in cluster.masters()}
+    source_client, target_client = by_address[source].client(), by_address[target].client()
+    try:
+        target_client.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[source])
+        source_client.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target])
+        assert source_client.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 0
+        for client in (target_client, source_client):
+            client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[target])
+    finally:
+        source_client.close()
+        target_client.close()
+
+
+def test_a_moved_slot_is_followed_where_the_reply_says(redis_cluster: Cluster, cluster_client: Any) -> None:
+    clock = FakeClock()
+    backend = cluster_backend(redis_cluster, clock)
+    check = Check(policy("3/m"), Subject("api_key", "mover"))
+    slot = layout.key_slot(check.key("rl").encode())
+    backend.decide([check], consume=False)  # the backend's slot map now says where the slot was
+    source = backend.client.nodes_manager.get_node_from_slot(slot).name
+    target = next(name for name in node_ids(redis_cluster) if name != source)
+    move_empty_slot(redis_cluster, slot, source, target)
+    decision = backend.decide([check])
+    assert decision.allowed and decision.results[0].remaining == 2
+    assert backend.client.nodes_manager.get_node_from_slot(slot).name == target  # learnt from the MOVED
+    assert node_of(redis_cluster.client(), check.key("rl")) == target
+    host, port = target.split(":")
+    assert redis.Redis(host=host, port=int(port)).exists(check.key("rl"))
+    assert backend.decide([check]).results[0].remaining == 1  # decided once each, never twice
+
+
+#: A read-only script that keeps its node busy for a while (each node runs one command at a time).
+BUSY = """
+local function now() local t = redis.call('TIME') return t[1] * 1000000 + t[2] end
+local start = now()
+while now() - start < tonumber(ARGV[1]) * 1000000 do end
+return 1
+"""
+
+
+def busy_now(port: int) -> bool:
+    """Whether the node has started on a busy script: a PING goes unanswered (a bounded number of tries)."""
+    for _ in range(50):
+        probe = redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.02, retry=Retry(NoBackoff(), 0))
+        try:
+            probe.ping()
+        except redis.TimeoutError:
+            return True
+        finally:
+            probe.close()
+    return False
+
+
+def test_a_timed_out_consume_runs_once_and_is_never_sent_again(redis_cluster: Cluster, cluster_client: Any) -> None:
+    """Every master is busy longer than the socket timeout: the call times out, runs late once, and only once."""
+    backend = cluster_backend(redis_cluster, timeout=0.1)
+    checks = [Check(policy("10/h"), s) for s in spread(many_subjects(200), cluster_client)]
+    backend.decide(checks, consume=False)
+    masters = redis_cluster.masters()  # asked first: a busy node answers nothing
+    busy = [redis.Redis(host="127.0.0.1", port=server.port) for server in masters]
+    connections = [client.connection_pool.get_connection() for client in busy]
+    for connection in connections:
+        connection.send_command("EVAL", BUSY, 0, "0.5")
+    for server in masters:
+        assert busy_now(server.port), f"node {server.port} never got busy"
+    with pytest.raises(BackendUnavailable):
+        backend.decide(checks)
+    for connection in connections:
+        assert connection.read_response() == 1  # each node was busy, and is free again
+    peek = cluster_backend(redis_cluster).decide(checks, consume=False)
+    assert [r.remaining for r in peek.results] == [8] * len(checks)  # spent once each ("after this one": 8)
+    for client, connection in zip(busy, connections, strict=True):
+        client.connection_pool.release(connection)
+        client.close()
+
+
+# -- what every request touches, spread over the slots --------------------------------------------
+
+
+def test_the_policy_version_reaches_every_slot_and_never_goes_back(redis_cluster: Cluster, cluster_client: Any) -> None:
+    backend = cluster_backend(redis_cluster)
+    assert backend.publish_version(5) == "5"
+    assert backend.publish_version(3) == "5"  # a late publisher never lowers it
+    copies = [layout.version_key("rl", layout.slot_tag(s)) for s in range(layout.REDIS_CLUSTER_HASH_SLOTS)]
+    pipe = cluster_client.pipeline()
+    for key in copies:
+        pipe.get(key)
+    assert set(pipe.execute()) == {b"5"}
+    for subject in many_subjects(20):
+        assert backend.decide([Check(policy("5/s"), subject)]).policy_version == "5"
+
+
+def test_usage_is_counted_in_each_callers_slot_and_the_drain_reads_every_shard(
+    redis_cluster: Cluster, cluster_client: Any
+) -> None:
+    backend = cluster_backend(redis_cluster)
+    minute = int(time.time() // 60)
+    callers = many_subjects(30)
+    for n, caller in enumerate(callers):
+        usage = Usage(minute, f"k|{caller.digest}|||t|ep|", 1, "k|*|||t|ep|")
+        for _ in range(n % 3 + 1):
+            backend.decide([Check(policy("100/s"), caller), Check(policy("1000/s", name="ip"), IP)], usage=usage)
+    batches = backend.claim_usage(minute + 1)
+    slots = {layout.key_slot(c.key("rl").encode()) for c in [Check(policy("100/s"), s) for s in callers]}
+    assert len(batches) == len(slots) > 10  # one hash per slot that counted a request
+    assert {node_of(cluster_client, batch) for batch, _ in batches} == set(node_ids(redis_cluster))
+    totals: dict[str, int] = {}
+    for batch, batch_minute in batches:
+        assert batch_minute == minute
+        counts = backend.lease_usage(batch, 30)
+        assert counts is not None
+        for field, count in counts.items():
+            totals[field] = totals.get(field, 0) + count
+        backend.finish_usage(batch)
+    assert {field: count for field, count in totals.items() if field.endswith("a")} == {
+        f"k|{caller.digest}|||t|ep|a": n % 3 + 1 for n, caller in enumerate(callers)
+    }
+    assert totals["#"] == len(callers)
+    assert backend.claim_usage(minute + 1) == []
