@@ -83,8 +83,10 @@ STATE_FORMATS = {
 }
 
 
-#: A token bucket a cluster refund gave back to: its arrival time and the us given back so far.
-_REFUNDED = struct.Struct("<dd")
+#: A token bucket a cluster refund gave back to: its arrival time, the us given back so far, and
+#: a last byte that is never a digit (``REFUNDED_STATE`` in ``lua/decide.lua``).
+_REFUNDED = struct.Struct("<ddB")
+_REFUNDED_MARK = 255
 
 
 def read_state(algorithm: Algorithm, value: bytes) -> State:
@@ -97,7 +99,7 @@ def read_state(algorithm: Algorithm, value: bytes) -> State:
     """
     layout = STATE_FORMATS[algorithm]
     if algorithm is Algorithm.TOKEN_BUCKET:
-        if len(value) == _REFUNDED.size and value[-1] > ord("9"):  # a cluster refund gave back to it
+        if len(value) == _REFUNDED.size and value[-1] == _REFUNDED_MARK:  # a cluster refund gave back to it
             return (_REFUNDED.unpack(value)[0],)
         if not (len(value) == layout.size and value[-1] > ord("9")):
             return (float(value),)
@@ -306,17 +308,31 @@ class RedisBackend(Backend):
             raise unavailable(exc) from exc
 
     def _connection(self) -> Any:
-        """This thread's own connection to Redis, made with the client's settings (:meth:`_thread_connection`)."""
-        return self._thread_connection("", self.client.connection_pool)
-
-    def _thread_connection(self, name: str, pool: Any, **address: Any) -> Any:
-        """This thread's own connection ``name``, made with ``pool``'s settings (and ``address``, if given).
+        """This thread's own connection to Redis, made with the client's settings.
 
         A decision is one packed write and one read on a connection nobody else uses: the
         client's generic command path and its pool's check-out bookkeeping cost more than the
         script itself on loopback. A connection inherited through ``fork`` is replaced, never
-        used: parent and child would read each other's replies.
+        used: parent and child would read each other's replies. (A cluster backend keeps one
+        such connection per node: :meth:`_thread_connection`; this one is written out, as every
+        decision on one Redis takes it.)
         """
+        local = self._local
+        connection = getattr(local, "connection", None)
+        now = time.monotonic()
+        if connection is None or connection.pid != os.getpid():
+            connection = local.connection = self._new_connection(self.client.connection_pool)
+        elif now - local.used_at > IDLE_CHECK_S:
+            _drop_if_stale(connection)
+        if connection._sock is None:
+            # Connected here, as the pool does on check-out: a Sentinel connection finds the
+            # master as it connects, which sending on an unconnected one would skip.
+            connection.connect()
+        local.used_at = now
+        return connection
+
+    def _thread_connection(self, name: str, pool: Any, **address: Any) -> Any:
+        """This thread's own connection ``name`` (a cluster node's), made with ``pool``'s settings and ``address``."""
         local = self._local
         try:
             connections, used = local.connections, local.used
@@ -325,29 +341,38 @@ class RedisBackend(Backend):
         connection = connections.get(name)
         now = time.monotonic()
         if connection is None or connection.pid != os.getpid():
-            kwargs = {**pool.connection_kwargs, **address}
-            if self.timeouts is not None:
-                # A client the project built (REDIS_CLIENT) keeps its address, credentials and TLS;
-                # a decision still gets the limiter's timeouts and is never retried.
-                kwargs.update(tight(*self.timeouts))
-            connection = connections[name] = pool.connection_class(**kwargs)
-        elif connection._sock is not None and now - used[name] > IDLE_CHECK_S:
-            # An idle connection with something to read was closed by the server (a restart)
-            # or holds a stray reply: start afresh, as redis-py's pool does on check-out. Asked
-            # only after a pause: the question is a system call, and a server cannot restart
-            # between two decisions a few milliseconds apart.
-            try:
-                stale = connection.can_read()
-            except (redis.ConnectionError, redis.TimeoutError, OSError):
-                stale = True
-            if stale:
-                connection.disconnect()
+            connection = connections[name] = self._new_connection(pool, **address)
+        elif now - used[name] > IDLE_CHECK_S:
+            _drop_if_stale(connection)
         if connection._sock is None:
-            # Connected here, as the pool does on check-out: a Sentinel connection finds the
-            # master as it connects, which sending on an unconnected one would skip.
             connection.connect()
         used[name] = now
         return connection
+
+    def _new_connection(self, pool: Any, **address: Any) -> Any:
+        kwargs = {**pool.connection_kwargs, **address}
+        if self.timeouts is not None:
+            # A client the project built (REDIS_CLIENT) keeps its address, credentials and TLS;
+            # a decision still gets the limiter's timeouts and is never retried.
+            kwargs.update(tight(*self.timeouts))
+        return pool.connection_class(**kwargs)
+
+
+def _drop_if_stale(connection: Any) -> None:
+    """Disconnect an idle connection with something to read: the server closed it (a restart), or a stray reply.
+
+    As redis-py's pool does on check-out. Asked only after a pause (:data:`IDLE_CHECK_S`): the
+    question is a system call, and a server cannot restart between two decisions a few
+    milliseconds apart.
+    """
+    if connection._sock is None:
+        return
+    try:
+        stale = connection.can_read()
+    except (redis.ConnectionError, redis.TimeoutError, OSError):
+        stale = True
+    if stale:
+        connection.disconnect()
 
 
 #: After how long unused (seconds) a thread's connection is asked whether the server closed it.

@@ -25,9 +25,9 @@
 --                  (the usual case; Redis then keeps it as an integer, in no memory beyond its
 --                  key's), else its 8 packed bytes, whose last (sign and exponent) is never a
 --                  digit. The previous layout's decimals read the same: buckets carry over.
---                  A bucket a cluster refund has given back to (lua/refund.lua) holds 16 packed
---                  bytes: the arrival time and the us given back to it so far (never 0, so its
---                  last byte is never a digit either), kept from then on.
+--                  A bucket a cluster refund has given back to (lua/refund.lua) holds 17 packed
+--                  bytes: the arrival time, the us given back to it so far, and 255, kept from
+--                  then on.
 --   sliding window window index, current count, previous count, packed (24 bytes)
 --   fixed window   window index, count, packed (16 bytes)
 --   slots          a sorted set of slot ids scored by their expiry (us); expired ones are purged
@@ -53,8 +53,9 @@ local SLOT_RETRY_US = 1000000
 -- slots), period (us; a slot's TTL), burst (GCRA capacity in requests), cost (tokens it spends).
 local REQUEST, CHECK = '<dBddd', '<BBdddd'
 local GCRA_STATE, SLIDING_STATE, FIXED_STATE = '<d', '<ddd', '<dd'
--- A bucket given back to: arrival time, us given back so far. Also each check's REFUNDABLE part.
-local REFUNDED_STATE, REFUNDABLE = '<dd', '<dd'
+-- A bucket given back to: arrival time, us given back so far, and a last byte no decimal has
+-- (a 17-byte decimal arrival time is 300 years away). Also each check's REFUNDABLE part.
+local REFUNDED_STATE, REFUNDED_MARK, REFUNDABLE = '<ddB', 255, '<dd'
 -- How many ARGV come before the checks' TTLs.
 local HEADER = 4
 
@@ -128,7 +129,7 @@ local function token_bucket(value, limit, period, burst, cost)
   local tat, refunded = now, 0
   if value then
     local size = #value
-    if size == 16 and byte(value, 16) > DIGIT_9 then
+    if size == 17 and byte(value, 17) == REFUNDED_MARK then
       tat, refunded = unpack_args(REFUNDED_STATE, value)
     elseif size == 8 and byte(value, 8) > DIGIT_9 then
       tat = unpack_args(GCRA_STATE, value)
@@ -146,13 +147,13 @@ local function token_bucket(value, limit, period, burst, cost)
   local remaining = max(floor((now + capacity - new_tat) / interval), 0)
   local state
   if refunded > 0 then
-    state = pack(REFUNDED_STATE, new_tat, refunded)
+    state = pack(REFUNDED_STATE, new_tat, refunded, REFUNDED_MARK)
   elseif new_tat == floor(new_tat) then
     state = format('%d', new_tat)
   else
     state = pack(GCRA_STATE, new_tat)
   end
-  spent_tat, given_back = new_tat, refunded
+  if refundable then spent_tat, given_back = new_tat, refunded end
   return true, remaining, ceil(new_tat - now), 0, state
 end
 
@@ -234,7 +235,7 @@ local pending = {}
 local writes = {}  -- per admitted check: its index i (a slot's is negative) and new value
 local all_allowed, limited, failed = true, false, false
 local out = 2
-local refunds = {}  -- per check, REFUNDABLE: for a refundable call
+local refunds = refundable and {}  -- per check, REFUNDABLE: for a refundable call
 for i = 1, n do
   local key = KEYS[i + 1]
   local algorithm, shadow, limit, period, burst, cost

@@ -35,7 +35,8 @@
 
 local TOKEN_BUCKET, SLIDING_WINDOW, FIXED_WINDOW = 1, 2, 3
 local NOW, CHECK = '<d', '<Bdddddd'
-local GCRA_STATE, SLIDING_STATE, FIXED_STATE, REFUNDED_STATE = '<d', '<ddd', '<dd', '<dd'
+local GCRA_STATE, SLIDING_STATE, FIXED_STATE = '<d', '<ddd', '<dd'
+local REFUNDED_STATE, REFUNDED_MARK = '<ddB', 255  -- as decide.lua's
 local DIGIT_9 = 57
 local unpack_args, pack, byte = struct.unpack, struct.pack, string.byte
 local floor, max, min = math.floor, math.max, math.min
@@ -69,7 +70,7 @@ for i = 1, n do
       if algorithm == TOKEN_BUCKET then
         local tat, refunded = nil, 0
         local size = #value
-        if size == 16 and byte(value, 16) > DIGIT_9 then
+        if size == 17 and byte(value, 17) == REFUNDED_MARK then
           tat, refunded = unpack_args(REFUNDED_STATE, value)
         elseif size == 8 and byte(value, 8) > DIGIT_9 then
           tat = unpack_args(GCRA_STATE, value)
@@ -79,7 +80,7 @@ for i = 1, n do
         local outstanding = min(cost * period / limit, spent_tat - (refunded - given_back) - now)
         if outstanding > 0 and tat > now and refunded >= given_back then
           local new_tat = max(tat - outstanding, now)
-          redis.call('SET', key, pack(REFUNDED_STATE, new_tat, refunded + (tat - new_tat)), 'KEEPTTL')
+          redis.call('SET', key, pack(REFUNDED_STATE, new_tat, refunded + (tat - new_tat), REFUNDED_MARK), 'KEEPTTL')
           given = given + 1
         end
       else
