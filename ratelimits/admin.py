@@ -38,6 +38,7 @@ from .models import (
 )
 from .policies.audit import audit_context, record_reset
 from .policies.source import get_policy_source
+from .policies.values import every_shard
 from .status import Caller, effective_limits, stand_in
 from .usage.report import usage_report_view
 
@@ -367,7 +368,8 @@ class FleetSettingsAdmin(AuditedAdmin):
         """Clear the subject's own counters (not the endpoint's or the fleet's, which every caller shares)."""
         source = get_policy_source()
         shared = (SubjectKind.ENDPOINT, SubjectKind.FLEET)
-        own = [c for c in source.checks_for(caller.request, caller.identity) if c.subject.kind not in shared]
+        resolved = source.checks_for(caller.request, caller.identity)
+        own = [shard for c in resolved if c.subject.kind not in shared for shard in every_shard(c)]
         subject = caller.identity.caller
         try:
             get_backend().clear(own)

@@ -69,6 +69,7 @@ SETTING_IDS: dict[str, str] = {
     "DIMENSIONS": "ratelimits.E113",
     "SLOT_TTL": "ratelimits.E114",
     "FLEET_CAPACITY": "ratelimits.E115",
+    "FLEET_SHARDS": "ratelimits.E142",
     "SHED_THRESHOLDS": "ratelimits.E116",
     "WORKER_CAPACITY": "ratelimits.E117",
     "USAGE": "ratelimits.E118",

@@ -382,6 +382,7 @@ TIER_FUNC = Setting("TIER_FUNC", None, _optional_callable)
 DIMENSIONS = Setting("DIMENSIONS", {}, _dimensions)
 SLOT_TTL = Setting("SLOT_TTL", "60s", _duration_us)
 FLEET_CAPACITY = Setting("FLEET_CAPACITY", None, _optional_positive_int)
+FLEET_SHARDS = Setting("FLEET_SHARDS", 1, _positive_int)
 SHED_THRESHOLDS = Setting("SHED_THRESHOLDS", {"low": 60, "normal": 75, "high": 90}, _thresholds)
 WORKER_CAPACITY = Setting("WORKER_CAPACITY", None, _optional_positive_int)
 USAGE = Setting("USAGE", True, _boolean)
@@ -427,6 +428,7 @@ SETTINGS: dict[str, Setting[Any]] = {
         DIMENSIONS,
         SLOT_TTL,
         FLEET_CAPACITY,
+        FLEET_SHARDS,
         SHED_THRESHOLDS,
         WORKER_CAPACITY,
         USAGE,
@@ -566,6 +568,11 @@ class Settings:
     @cached_property
     def fleet_capacity(self) -> int | None:
         return self.value(FLEET_CAPACITY)
+
+    @cached_property
+    def fleet_shards(self) -> int:
+        """``FLEET_SHARDS``: how many keys the fleet's in-flight set is split over (hot-key sharding)."""
+        return self.value(FLEET_SHARDS)
 
     @cached_property
     def shed_thresholds(self) -> dict[Priority, int]:

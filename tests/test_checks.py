@@ -72,6 +72,8 @@ BAD_VALUES = [
     ("DIMENSIONS", {"ip": {"rate": "1/fortnight"}}, "ratelimits.E113", "unknown unit 'fortnight'"),
     ("SLOT_TTL", "forever", "ratelimits.E114", "is not a duration"),
     ("FLEET_CAPACITY", 0, "ratelimits.E115", "must be a positive integer or None"),
+    ("FLEET_SHARDS", 0, "ratelimits.E142", "must be a positive integer"),
+    ("FLEET_SHARDS", True, "ratelimits.E142", "must be a positive integer"),
     ("SHED_THRESHOLDS", {"low": 90, "normal": 50}, "ratelimits.E116", "must rise with priority"),
     ("WORKER_CAPACITY", "8", "ratelimits.E117", "must be a positive integer or None"),
     ("USAGE", "yes", "ratelimits.E118", "must be True or False"),

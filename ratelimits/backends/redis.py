@@ -322,7 +322,7 @@ class RedisBackend(Backend):
         now = time.monotonic()
         if connection is None or connection.pid != os.getpid():
             connection = local.connection = self._new_connection(self.client.connection_pool)
-        elif now - local.used_at > IDLE_CHECK_S:
+        elif connection._sock is not None and now - local.used_at > IDLE_CHECK_S:
             _drop_if_stale(connection)
         if connection._sock is None:
             # Connected here, as the pool does on check-out: a Sentinel connection finds the
@@ -342,7 +342,7 @@ class RedisBackend(Backend):
         now = time.monotonic()
         if connection is None or connection.pid != os.getpid():
             connection = connections[name] = self._new_connection(pool, **address)
-        elif now - used[name] > IDLE_CHECK_S:
+        elif connection._sock is not None and now - used[name] > IDLE_CHECK_S:
             _drop_if_stale(connection)
         if connection._sock is None:
             connection.connect()
@@ -365,8 +365,6 @@ def _drop_if_stale(connection: Any) -> None:
     question is a system call, and a server cannot restart between two decisions a few
     milliseconds apart.
     """
-    if connection._sock is None:
-        return
     try:
         stale = connection.can_read()
     except (redis.ConnectionError, redis.TimeoutError, OSError):

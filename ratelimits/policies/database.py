@@ -173,7 +173,7 @@ def load_snapshot() -> PolicySnapshot:
             logger.error("ratelimits: tier %s left out: %s", tier.name, exc)
     _default_tiers(snapshot, fleet)
     if fleet is not None:
-        snapshot.fleet = fleet_checks(fleet.capacity or None, fleet.shed_thresholds())
+        snapshot.fleet = fleet_checks(fleet.capacity or None, fleet.shed_thresholds(), conf.fleet_shards)
     _assignments(snapshot, now)
     for row in EndpointPolicy.objects.filter(enabled=True):
         try:

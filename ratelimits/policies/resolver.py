@@ -101,7 +101,9 @@ def resolve(
         _add(found, rule.endpoint_wide, rule.endpoint_wide_origin, identity.endpoint, cost)
     fleet = snapshot.fleet_resolved.get(rule.priority)
     if fleet is not None:
-        found.append(fleet)
+        check, origin = fleet
+        # A sharded in-flight set: this request's shard, picked per request.
+        found.append(fleet if check.policy.shard is None else (check_for(check.policy, check.subject, 1), origin))
     return found
 
 

@@ -55,7 +55,7 @@ class SettingsPolicySource(SnapshotPolicySource):
                 snapshot.endpoints[endpoint_key(name)] = _endpoint(name, config, mode)
         snapshot.endpoints.update(exempt_rules_from_settings())
         check_costs(snapshot)
-        snapshot.fleet = fleet_checks(conf.fleet_capacity, conf.shed_thresholds)
+        snapshot.fleet = fleet_checks(conf.fleet_capacity, conf.shed_thresholds, conf.fleet_shards)
         snapshot.fleet_origin = Origin(OriginKind.SETTINGS, "RATELIMITS['FLEET_CAPACITY']")
         return snapshot
 

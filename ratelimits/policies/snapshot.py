@@ -276,9 +276,11 @@ def check_costs(snapshot: PolicySnapshot) -> None:
     general = [p for tier in snapshot.tiers.values() for p in tier] + [p for p, _ in snapshot.dimensions.values()]
     for key, rule in snapshot.endpoints.items():
         for policy in general + [p for p in (rule.per_caller, rule.endpoint_wide) if p]:
-            if rule.cost > policy.capacity and not policy.holds_slots:
+            capacity = (policy.shard or policy).capacity  # a sharded policy decides in one shard
+            if rule.cost > capacity and not policy.holds_slots:
+                whose = f"each shard of {policy.name}" if policy.shard else policy.name
                 raise ConfigurationError(
                     f"RATELIMITS['ENDPOINTS']['{key}']['cost']: {rule.cost} exceeds the capacity "
-                    f"{policy.capacity} of {policy.name}; every such request would be denied",
+                    f"{capacity} of {whose}; every such request would be denied",
                     setting="ENDPOINTS",
                 )

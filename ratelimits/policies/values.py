@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import re
 import struct
 from collections.abc import Mapping
@@ -13,8 +14,8 @@ from ..algorithms import RATE_ALGORITHMS, Algorithm
 from ..choices import SHEDDABLE, FailMode, Priority
 from ..conf import conf
 from ..exceptions import ConfigurationError
-from ..identity import Subject, SubjectKind, remember
-from ..rates import MAX_LIMIT, Rate, check_burst, parse_rate
+from ..identity import Subject, SubjectKind, remember, subject_of
+from ..rates import MAX_LIMIT, MAX_PERIOD_US, Rate, check_burst, parse_rate
 
 __all__ = [
     "Check",
@@ -26,6 +27,7 @@ __all__ = [
     "Role",
     "check_for",
     "concurrency_policy",
+    "every_shard",
     "fleet_checks",
     "policy_from_config",
     "positive_int",
@@ -86,6 +88,13 @@ class Policy:
     #: The tier this policy belongs to (its rate, quota or concurrency, or an override of them).
     tier: str | None = None
     role: Role = Role.RATE
+    #: Hot-key sharding: one subject's budget split into this many sub-buckets, each holding its
+    #: share, each under a key of its own (so they spread over a cluster's nodes); a request is
+    #: decided by one of them, picked at random. For a limit every request meets (an endpoint's
+    #: for all callers, a big organisation's, the fleet's in-flight set).
+    shards: int = 1
+    #: Whether this is one sub-bucket of a sharded policy (:attr:`shard`), not a policy of its own.
+    is_shard: bool = False
 
     #: The most a subject can spend at once: the burst for a bucket, the limit for windows.
     capacity: int = field(init=False, repr=False, compare=False)
@@ -97,6 +106,8 @@ class Policy:
     key_suffix: str = field(init=False, repr=False, compare=False)
     #: Whether a check of this policy holds a slot until its request finishes (read per request).
     holds_slots: bool = field(init=False, repr=False, compare=False)
+    #: With ``shards`` > 1: the policy of each sub-bucket (its share of the rate and burst).
+    shard: Policy | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not _POLICY_NAME.fullmatch(self.name):
@@ -112,6 +123,29 @@ class Policy:
         object.__setattr__(self, "script_ttl", str(self.state_ttl_ms))
         object.__setattr__(self, "key_suffix", f":{self.name}:{self.algorithm.code}{STATE_LAYOUTS[self.algorithm]}")
         object.__setattr__(self, "holds_slots", self.algorithm.holds_slots)
+        object.__setattr__(self, "shard", self._shard() if not self.is_shard else None)
+
+    def _shard(self) -> Policy | None:
+        """One sub-bucket's policy: a token bucket's period ``shards`` times longer (the rate split
+        exactly) and its burst split; a window's or a slot limit's count split. Rounded down: the
+        sub-buckets together never hold more than the policy.
+        """
+        n = self.shards
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigurationError(f"{self.name}: shards {n!r} must be a positive integer")
+        if n == 1:
+            return None
+        if self.capacity < n:
+            raise ConfigurationError(
+                f"{self.name}: shards {n} exceeds its capacity {self.capacity}; each shard must hold at least one"
+            )
+        limit, period = self.rate.limit, self.rate.period_us
+        if self.algorithm is Algorithm.TOKEN_BUCKET and period * n <= MAX_PERIOD_US:
+            rate = Rate(limit, period * n)
+        else:
+            rate = Rate(max(limit // n, 1), period)
+        burst = self.burst // n if self.algorithm is Algorithm.TOKEN_BUCKET else rate.limit
+        return replace(self, rate=rate, burst=burst, is_shard=True)
 
     @property
     def state_ttl_ms(self) -> int:
@@ -139,6 +173,10 @@ class Policy:
         return max(-(-self.rate.period_us // 1_000_000), 1)
 
     def describe(self) -> str:
+        text = self._describe()
+        return f"{text}, in {self.shards} shards" if self.shards > 1 and not self.is_shard else text
+
+    def _describe(self) -> str:
         if self.algorithm is Algorithm.FLEET and self.rate.limit >= MAX_LIMIT:
             return "never shed (counted in flight)"
         if self.algorithm.holds_slots:
@@ -262,13 +300,38 @@ def check_for(policy: Policy, subject: Subject, cost: int) -> Check:
     Made once and handed out again while policy and subject are the same objects (the resolver
     reads both from a snapshot and :func:`~ratelimits.identity.subject_of`): a check validates
     itself and packs its script record when made, and keeps its key. Bounded like the identity memos.
+    A sharded policy's check is of one of its sub-buckets, picked at random: uniform picks spread
+    the load evenly over the shards' keys, and over the nodes those live on.
     """
+    shard = policy.shard
+    if shard is not None:
+        subject = shard_subject(subject, random.randrange(policy.shards))
+        policy = shard
     cost = 1 if policy.holds_slots else cost
     memo = (id(policy), id(subject), cost)
     try:
         return _checks[memo]
     except KeyError:
         return remember(_checks, memo, Check(policy, subject, cost))
+
+
+#: What separates a subject's value from its shard number: no identity's value holds it.
+_SHARD_MARK = "\x00shard:"
+
+
+def shard_subject(subject: Subject, index: int) -> Subject:
+    """The subject of sub-bucket ``index`` of ``subject``'s sharded budget: its own digest, so its own slot."""
+    return subject_of(subject.kind, f"{subject.value}{_SHARD_MARK}{index}")
+
+
+def every_shard(check: Check) -> list[Check]:
+    """``check``, or every sub-bucket of the sharded budget it is one shard of (what a reset must clear)."""
+    policy = check.policy
+    if not policy.is_shard:
+        return [check]
+    value = check.subject.value.rpartition(_SHARD_MARK)[0]
+    whole = Subject(check.subject.kind, value)
+    return [Check(policy, shard_subject(whole, i), check.cost) for i in range(policy.shards)]
 
 
 def concurrency_policy(
@@ -284,11 +347,12 @@ def concurrency_policy(
 FLEET_SUBJECT = Subject(SubjectKind.FLEET, "in-flight")
 
 
-def fleet_checks(capacity: int | None, thresholds: Mapping[Priority, int]) -> dict[Priority, Check]:
+def fleet_checks(capacity: int | None, thresholds: Mapping[Priority, int], shards: int = 1) -> dict[Priority, Check]:
     """The fleet's in-flight check per priority class: lower classes are shed at a lower share.
 
     Critical requests are never shed, but still hold a slot: they take capacity too. Without a
-    capacity there is no fleet shedding at all.
+    capacity there is no fleet shedding at all. With ``shards`` (``FLEET_SHARDS``), the in-flight
+    set is split over that many keys, each counting its share of every class's limit.
     """
     if capacity is None:
         return {}
@@ -296,8 +360,16 @@ def fleet_checks(capacity: int | None, thresholds: Mapping[Priority, int]) -> di
     for priority in Priority:
         percent = thresholds.get(priority) if priority in SHEDDABLE else None
         limit = MAX_LIMIT if percent is None else min(max(capacity * percent // 100, 1), MAX_LIMIT)
-        # Fails open: without Redis the fleet cannot be counted; the worker shedder still works.
-        policy = Policy("fleet", Rate(limit, conf.slot_ttl_us), limit, Algorithm.FLEET, FailMode.OPEN, role=Role.FLEET)
+        rate = Rate(limit, conf.slot_ttl_us)
+        try:
+            # Fails open: without Redis the fleet cannot be counted; the worker shedder still works.
+            policy = Policy("fleet", rate, limit, Algorithm.FLEET, FailMode.OPEN, role=Role.FLEET, shards=shards)
+        except ConfigurationError as exc:
+            raise ConfigurationError(
+                f"RATELIMITS['FLEET_SHARDS']: {shards} shards leave the {priority} class less than one slot each "
+                f"({exc}); use fewer shards or a larger fleet capacity",
+                setting="FLEET_SHARDS",
+            ) from None
         checks[priority] = Check(policy, FLEET_SUBJECT, 1)
     return checks
 
@@ -322,7 +394,7 @@ def policy_from_config(
         config = {"rate": config}
     if not isinstance(config, Mapping):
         raise ConfigurationError(f"{field}: expected a dict with at least 'rate', got {config!r}")
-    unknown = set(config) - {"rate", "burst", "algorithm", "fail_mode"} - extra_keys
+    unknown = set(config) - {"rate", "burst", "algorithm", "fail_mode", "shards"} - extra_keys
     if unknown:
         raise ConfigurationError(f"{field}: unknown keys {', '.join(sorted(unknown))}")
     if "rate" not in config:
@@ -335,8 +407,11 @@ def policy_from_config(
         raise ConfigurationError(f"{field}['algorithm']: {algorithm_name!r} must be one of {names}")
     algorithm = Algorithm(algorithm_name)
     mode = FailMode.parse(config.get("fail_mode", default_fail_mode), field=f"{field}['fail_mode']")
+    shards = positive_int(config.get("shards", 1), field=f"{field}['shards']")
     try:
-        return Policy(name=name, rate=rate, burst=burst, algorithm=algorithm, fail_mode=mode, tier=tier, role=role)
+        return Policy(
+            name=name, rate=rate, burst=burst, algorithm=algorithm, fail_mode=mode, tier=tier, role=role, shards=shards
+        )
     except ConfigurationError as exc:
         raise ConfigurationError(f"{field}: {exc}") from None
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue
+import random
 import threading
 import traceback
 from collections.abc import Sequence
@@ -101,7 +102,7 @@ def redis_time_us(client: redis.Redis) -> int:
 
 def _thread_body(
     backend: RedisBackend,
-    checks: Sequence[Check],
+    checks: Sequence[Check | tuple[Check, ...]],
     attempts: int,
     barriers: tuple[Any, Any],
     out: list[Attempt],
@@ -110,12 +111,19 @@ def _thread_body(
 ) -> None:
     ready, go = barriers
     try:
-        backend.decide(checks, consume=False)  # open the connections before the start line, not during the storm
+        # A tuple of checks is a sharded budget's shards: each attempt picks one, as the resolver does.
+        rng = random.Random(f"{os.getpid()}-{index}")
+        pick = [c if isinstance(c, Check) else None for c in checks]
+        shards = [(i, c) for i, c in enumerate(checks) if not isinstance(c, Check)]
+        first = [c if isinstance(c, Check) else c[0] for c in checks]
+        backend.decide(first, consume=False)  # open the connections before the start line, not during the storm
         ready.wait(START_TIMEOUT)
         go.wait(START_TIMEOUT)
-        cost = checks[-1].cost
+        cost = first[-1].cost
         for _ in range(attempts):
-            decision = backend.decide(checks)
+            for i, alternatives in shards:
+                pick[i] = rng.choice(alternatives)
+            decision = backend.decide(pick)  # type: ignore[arg-type]
             out.append(
                 Attempt(
                     allowed=decision.allowed,
@@ -173,7 +181,8 @@ def run_storm(
     for per_process in plan:
         for checks in per_process:
             for check in checks:
-                check.key("rl")  # fills the cached digest that travels with the pickled Subject
+                for one in check if isinstance(check, tuple) else (check,):
+                    one.key("rl")  # fills the cached digest that travels with the pickled Subject
     # Two start lines: "ready" (every thread connected, the parent included), then the parent
     # reads Redis TIME, then "go". So the measured span covers the storm, not process start-up.
     barriers = (ctx.Barrier(processes * threads + 1), ctx.Barrier(processes * threads + 1))
