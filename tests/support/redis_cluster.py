@@ -21,9 +21,9 @@ NODE_TIMEOUT_MS = 1000
 
 
 class Cluster:
-    """``masters`` masters, each with one replica; :attr:`url` is the ``redis+cluster://`` of all of them."""
+    """``masters`` masters, each with ``replicas`` replicas; :attr:`url` is the ``redis+cluster://`` of all of them."""
 
-    def __init__(self, masters: int = 3, *, config: Sequence[str] = ()) -> None:
+    def __init__(self, masters: int = 3, *, replicas: int = 1, config: Sequence[str] = ()) -> None:
         cluster_config = (
             "--cluster-enabled",
             "yes",
@@ -40,8 +40,10 @@ class Cluster:
         )
         # Each node's cluster bus on a free port of its own (the default, port + 10000, may be taken).
         self.servers = [
-            RedisServer(config=(*cluster_config, "--cluster-port", str(free_port()))) for _ in range(masters * 2)
+            RedisServer(config=(*cluster_config, "--cluster-port", str(free_port())))
+            for _ in range(masters * (1 + replicas))
         ]
+        self.replicas = replicas
         self.masters_count = masters
 
     @property
@@ -53,7 +55,7 @@ class Cluster:
             server.start()
         nodes = [f"127.0.0.1:{s.port}" for s in self.servers]
         subprocess.run(
-            ["redis-cli", "--cluster", "create", *nodes, "--cluster-replicas", "1", "--cluster-yes"],
+            ["redis-cli", "--cluster", "create", *nodes, "--cluster-replicas", str(self.replicas), "--cluster-yes"],
             check=True,
             capture_output=True,
             timeout=timeout,
