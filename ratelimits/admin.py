@@ -217,7 +217,7 @@ class EndpointPolicyAdmin(AuditedAdmin):
         ("endpoint", "method"),
         ("cost", "priority"),
         ("per_caller_rate", "per_caller_burst"),
-        ("endpoint_rate", "endpoint_burst"),
+        ("endpoint_rate", "endpoint_burst", "endpoint_shards"),
         ("exempt", "enabled", "shadow"),
         "description",
         "change_reason",
@@ -230,7 +230,10 @@ class EndpointPolicyAdmin(AuditedAdmin):
 
     @admin.display(description="all callers")
     def all_callers(self, obj: EndpointPolicy) -> str:
-        return describe_limit(obj.endpoint_rate, obj.endpoint_burst) if obj.endpoint_rate else "—"
+        if not obj.endpoint_rate:
+            return "—"
+        text = describe_limit(obj.endpoint_rate, obj.endpoint_burst)
+        return f"{text}, in {obj.endpoint_shards} shards" if obj.endpoint_shards > 1 else text
 
 
 @admin.register(Override)

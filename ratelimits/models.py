@@ -38,6 +38,8 @@ rows_updated = Signal()
 # Not starting with "/": that is a URL path, which never matches an endpoint name.
 #: The longest endpoint name (the columns that hold one are this wide).
 MAX_ENDPOINT_LENGTH = 150
+#: The most keys one hot budget may be split over (hot-key sharding): far more than a cluster has masters.
+MAX_SHARDS = 1024
 _ENDPOINT = re.compile(rf"[A-Za-z0-9_.:-][A-Za-z0-9_.:/-]{{0,{MAX_ENDPOINT_LENGTH - 1}}}", re.ASCII)
 _IDENTIFIER = re.compile(r"[^\s\x00-\x1f\x7f]{1,200}")
 
@@ -283,6 +285,12 @@ class EndpointPolicy(Revisioned):
         max_length=32, blank=True, validators=[validate_rate], help_text="Limit for all callers together."
     )
     endpoint_burst = models.PositiveIntegerField(null=True, blank=True, validators=[MinValueValidator(1)])
+    endpoint_shards = models.PositiveSmallIntegerField(
+        default=1,
+        validators=[MinValueValidator(1), MaxValueValidator(MAX_SHARDS)],
+        help_text="Split the all-callers limit over this many keys, which spread over a Redis Cluster's nodes "
+        "(hot-key sharding; see docs/scaling.md). 1: one key.",
+    )
     exempt = models.BooleanField(default=False, help_text="Never limited (health checks, staff tools).")
     enabled = models.BooleanField(default=True)
     shadow = models.BooleanField(default=False, help_text="Count and report, but never deny.")
@@ -312,6 +320,8 @@ class EndpointPolicy(Revisioned):
                             "every request to this endpoint from that tier would be denied."
                         }
                     )
+        if self.endpoint_shards and self.endpoint_shards > 1:
+            self._clean_shards()
         for rate_field, burst_field in (("per_caller_rate", "per_caller_burst"), ("endpoint_rate", "endpoint_burst")):
             rate, burst = getattr(self, rate_field), getattr(self, burst_field)
             if burst and not rate:
@@ -328,6 +338,25 @@ class EndpointPolicy(Revisioned):
                             f"{capacity}: every request to this endpoint would be denied."
                         }
                     )
+
+    def _clean_shards(self) -> None:
+        if not self.endpoint_rate:
+            raise ValidationError({"endpoint_shards": "Shards split the all-callers rate: give one."})
+        try:
+            capacity = self.endpoint_burst or parse_rate(self.endpoint_rate).limit
+        except ConfigurationError:
+            return  # the rate's validator reports it
+        if self.endpoint_shards > capacity:
+            raise ValidationError(
+                {"endpoint_shards": f"{self.endpoint_shards} shards exceed the capacity {capacity}: each needs one."}
+            )
+        if self.cost and self.cost > capacity // self.endpoint_shards:
+            raise ValidationError(
+                {
+                    "cost": f"A cost of {self.cost} exceeds what each of the {self.endpoint_shards} shards holds "
+                    f"({capacity // self.endpoint_shards}): every request to this endpoint would be denied."
+                }
+            )
 
 
 class Override(Revisioned):

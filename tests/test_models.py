@@ -431,3 +431,26 @@ def test_seed_migration_fleet_defaults() -> None:
     assert (fleet.default_fail_mode, fleet.shadow) == ("open", False)
     assert (fleet.shed_low_percent, fleet.shed_normal_percent, fleet.shed_high_percent) == (60, 75, 90)
     fleet.full_clean()
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "message"),
+    [
+        ({"endpoint_shards": 4}, "endpoint_shards", "Shards split the all-callers rate: give one."),
+        (
+            {"endpoint_shards": 11, "endpoint_rate": "10/s"},
+            "endpoint_shards",
+            "11 shards exceed the capacity 10: each needs one.",
+        ),
+        (
+            {"endpoint_shards": 4, "endpoint_rate": "100/s", "endpoint_burst": 20, "cost": 6},
+            "cost",
+            "A cost of 6 exceeds what each of the 4 shards holds (5): every request to this endpoint would be denied.",
+        ),
+    ],
+)
+def test_endpoint_shards_are_checked_against_the_all_callers_limit(
+    fields: dict[str, Any], field: str, message: str
+) -> None:
+    assert errors_of(valid(EndpointPolicy, **fields)) == {field: [message]}
+    valid(EndpointPolicy, endpoint_shards=4, endpoint_rate="100/s", endpoint_burst=20, cost=5).full_clean()

@@ -141,3 +141,15 @@ def test_a_16_shard_endpoint_wide_limit_under_the_storm_admits_no_more_than_the_
     print(f"sharding: {admitted} of {whole.burst} admitted; under-admission {whole.burst - admitted}")
     assert admitted <= whole.burst
     assert admitted == whole.burst  # 1600 attempts for 320: every shard was asked for more than it holds
+
+
+@pytest.mark.django_db
+def test_the_admin_shards_an_endpoints_all_callers_limit(settings: Any) -> None:
+    from ratelimits.models import EndpointPolicy
+    from ratelimits.policies.database import load_snapshot
+
+    EndpointPolicy.objects.create(endpoint="search", endpoint_rate="1600/s", endpoint_shards=16)
+    rule = load_snapshot().endpoint_rule("search", "GET")
+    assert rule.endpoint_wide is not None and rule.endpoint_wide.shards == 16
+    shard = rule.endpoint_wide.shard
+    assert shard is not None and shard.burst == 100

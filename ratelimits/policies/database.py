@@ -260,8 +260,8 @@ def _kind(row: SubjectAssignment | Override, what: str) -> SubjectKind | None:
 
 
 def _endpoint(row: EndpointPolicy, mode: FailMode, shadow: bool) -> EndpointRule:
-    def limit(rate: str, burst: int | None) -> dict[str, object] | None:
-        return {"rate": rate, **({"burst": burst} if burst else {})} if rate else None
+    def limit(rate: str, burst: int | None, shards: int = 1) -> dict[str, object] | None:
+        return {"rate": rate, "shards": shards, **({"burst": burst} if burst else {})} if rate else None
 
     return endpoint_rule(
         str(row),
@@ -271,7 +271,7 @@ def _endpoint(row: EndpointPolicy, mode: FailMode, shadow: bool) -> EndpointRule
         cost=row.cost,
         priority=row.priority,
         per_caller=limit(row.per_caller_rate, row.per_caller_burst),
-        endpoint_wide=limit(row.endpoint_rate, row.endpoint_burst),
+        endpoint_wide=limit(row.endpoint_rate, row.endpoint_burst, row.endpoint_shards or 1),
         exempt=row.exempt,
         shadow=row.shadow or shadow,
     )
