@@ -27,6 +27,8 @@ from ratelimits.backends.redis import DECIDE, make_client, read_state
 from ratelimits.counters import Usage
 from ratelimits.decisions import Verdict
 from ratelimits.engine import get_limiter
+from ratelimits.engine.breaker import CircuitBreaker
+from ratelimits.engine.limiter import Limiter
 from ratelimits.exceptions import BackendUnavailable
 from ratelimits.identity import Subject
 from ratelimits.policies import Check, Policy
@@ -36,18 +38,12 @@ from ratelimits.redis_url import parse_redis_url
 from .support.clock import FakeClock
 from .support.redis_cluster import Cluster
 from .support.redis_server import free_port
+from .test_contract import policy
 
 CALLER = Subject("api_key", "cluster-caller")
 IP = Subject("ip", "198.51.100.7")
 ORG = Subject("org", "cluster-org")
 ENDPOINT = Subject("endpoint", "POST /v1/charges")
-
-
-def policy(
-    rate: str, burst: int | None = None, algorithm: Algorithm = Algorithm.TOKEN_BUCKET, name: str = "p"
-) -> Policy:
-    parsed = parse_rate(rate)
-    return Policy(name, parsed, burst or parsed.limit, algorithm)
 
 
 def cluster_backend(cluster: Cluster, clock: FakeClock | None = None, timeout: float = 2.0) -> ClusterBackend:
@@ -472,3 +468,32 @@ def test_usage_is_counted_in_each_callers_slot_and_the_drain_reads_every_shard(
     }
     assert totals["#"] == len(callers)
     assert backend.claim_usage(minute + 1) == []
+
+
+def test_a_check_one_group_cannot_decide_is_left_to_its_fail_mode_and_the_others_are_charged_once(
+    redis_cluster: Cluster, cluster_client: Any
+) -> None:
+    backend = cluster_backend(redis_cluster)
+    good_subject, bad_subject = spread(many_subjects(200), cluster_client)[:2]
+    good, bad = Check(policy("10/h", name="good"), good_subject), Check(policy("10/h", name="bad"), bad_subject)
+    cluster_client.hset(bad.key("rl"), "not", "a bucket")  # a key of another type: that check cannot be decided
+    limiter = Limiter(backend, CircuitBreaker(), local=MemoryBackend(), local_share=0.5)
+    decision = limiter.decide([good, bad])
+    assert decision.allowed and not decision.degraded  # the bad check fails open; the good one was decided
+    assert [r.check for r in decision.results] == [good, bad]
+    assert backend.decide([good], consume=False).results[0].remaining == 8  # charged once ("after this one": 8)
+
+
+def test_calls_pipelined_to_one_node_keep_their_connection(
+    redis_cluster: Cluster, cluster_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection taken again within one round is not checked for something to read: its replies are pending.
+
+    Every take of a connection asks whether it holds a stray reply (as if idle longer than
+    ``IDLE_CHECK_S``): the 16,384 pipelined calls of a publication still all get their replies.
+    """
+    monkeypatch.setattr("ratelimits.backends.redis.IDLE_CHECK_S", -1.0)
+    backend = cluster_backend(redis_cluster)
+    assert backend.publish_version(4) == "4"
+    checks = [Check(policy("10/s", name=f"p{i}"), s) for i, s in enumerate(many_subjects(12))]
+    assert backend.decide(checks).allowed  # groups on one node share a connection in one round

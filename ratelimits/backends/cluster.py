@@ -35,7 +35,7 @@ from redis.cluster import RedisCluster
 
 from ..algorithms import Algorithm
 from ..conf import conf
-from ..counters import Usage, overflow_of
+from ..counters import Usage
 from ..decisions import Decision, Result
 from ..exceptions import BackendUnavailable, PolicyFailed
 from ..policies.values import Check
@@ -178,18 +178,21 @@ class ClusterBackend(RedisBackend):
         if errors or failed:
             # Nothing of this request may stand: what the other groups consumed goes back.
             stray = self._refund(checks, admitted, consume_usage=None, slot=slot)
-            error = errors[0].error if errors else None
-            if isinstance(error, PolicyFailed):
-                error.checks = tuple(checks[i] for call in errors for i in call.indices)
-                raise error
-            if error is not None:
-                exc = error if isinstance(error, BackendUnavailable) else unavailable(error)
-                if slot and any(checks[i].policy.holds_slots for call in errors for i in call.indices):
+            lost = [call for call in errors if not isinstance(call.error, PolicyFailed)]
+            if lost:  # the store could not answer for some: every check goes by its fail mode
+                exc = lost[0].error
+                assert isinstance(exc, BackendUnavailable)
+                if slot and any(checks[i].policy.holds_slots for call in lost for i in call.indices):
                     exc.stray_slot = (slot, held)  # a timed-out group may still take the slot
                 elif stray:
                     exc.stray_slot = stray
                 raise exc
-            raise policy_failed(failed)
+            # Only these checks' scripts failed: the engine decides again without them.
+            suspect = [checks[i] for call in errors for i in call.indices] + failed
+            failure = errors[0].error if errors else policy_failed(failed)
+            assert isinstance(failure, PolicyFailed)
+            failure.checks = tuple(suspect)
+            raise failure
         now_us = calls[0].reply[0]
         version = max((_stamp(call.reply[1]) for call in calls), key=_stamp_order)
         if len(admitted) < len(calls) and admitted:
@@ -288,9 +291,15 @@ class ClusterBackend(RedisBackend):
         """
         self._refresh_if_stale()
         sent = []
+        # Each node's connection is taken once per round: taking it again would ask whether it
+        # has something to read, and the replies of this round's earlier calls are just that.
+        round_connections: dict[tuple[str, int], Any] = {}
         for call in calls:
             try:
-                connection = self._node_connection(call.slot)
+                address = self._address_of(call.slot)
+                connection = round_connections.get(address)
+                if connection is None:
+                    connection = round_connections[address] = self._address_connection(*address)
                 command = ("EVALSHA", script.sha, len(call.keys), *call.keys, *call.args)
                 connection.send_packed_command(_pack(connection, command), check_health=False)
             except STORE_ERRORS as exc:
@@ -332,7 +341,7 @@ class ClusterBackend(RedisBackend):
                 time.sleep(TRY_AGAIN_PAUSE_S * (attempt + 1))
             else:  # NoScriptError: a promoted replica or a restarted node lacks the script
                 full = True
-            connection = self._node_connection(call.slot) if address is None else self._address_connection(*address)
+            connection = self._address_connection(*(address or self._address_of(call.slot)))
             body = ("EVAL", script.text) if full else ("EVALSHA", script.sha)
             command = _pack(connection, (*body, len(call.keys), *call.keys, *call.args))
             connection.send_packed_command(
@@ -369,12 +378,13 @@ class ClusterBackend(RedisBackend):
         finally:
             self._lock.release()
 
-    def _node_connection(self, hash_slot: int) -> Any:
+    def _address_of(self, hash_slot: int) -> tuple[str, int]:
+        """Where the slot map says ``hash_slot``'s master is."""
         try:
             node = self.client.nodes_manager.get_node_from_slot(hash_slot)
         except redis.exceptions.SlotNotCoveredError as exc:
             raise redis.exceptions.ClusterDownError(str(exc)) from exc
-        return self._address_connection(node.host, node.port)
+        return node.host, node.port
 
     def _address_connection(self, host: str, port: int) -> Any:
         """This thread's connection to the node at ``host:port``, with the cluster's connection settings."""
@@ -419,16 +429,12 @@ class ClusterBackend(RedisBackend):
         return str(min(stamps))
 
     def add_usage(self, counts: Mapping[tuple[int, str], int]) -> None:
-        tag = layout.slot_tag(random.randrange(layout.REDIS_CLUSTER_HASH_SLOTS))  # one slot: one script
-        keys: dict[int, int] = {}
-        args: list[Any] = [str(layout.USAGE_TTL_S), self.usage_cap]
-        for (minute, row), n in counts.items():
-            overflow = overflow_of(row)
-            if overflow is not None:
-                index = keys.setdefault(minute, len(keys) + 1)
-                args += (index, row[:-1], row[-1], overflow, n)
-        if keys:
-            calls = [_Call(layout.key_slot(tag.encode()), [layout.usage_key(self.prefix, m, tag) for m in keys], args)]
+        minutes, args = self.add_usage_call(counts)
+        if minutes:
+            # Every minute's hash in one slot, any slot: one script, and the counts spread.
+            hash_slot = random.randrange(layout.REDIS_CLUSTER_HASH_SLOTS)
+            tag = layout.slot_tag(hash_slot)
+            calls = [_Call(hash_slot, [layout.usage_key(self.prefix, m, tag) for m in minutes], args)]
             self._run_calls(ADD_USAGE, calls)
             if calls[0].error is not None:
                 raise calls[0].error

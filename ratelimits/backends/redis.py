@@ -241,6 +241,14 @@ class RedisBackend(Backend):
             pipe.execute()
 
     def add_usage(self, counts: Mapping[tuple[int, str], int]) -> None:
+        minutes, args = self.add_usage_call(counts)
+        if minutes:
+            # One script for every minute: each new row is capped as a decision's is, and the
+            # counts are added all at once or not at all.
+            self._run(ADD_USAGE, [layout.usage_key(self.prefix, minute) for minute in minutes], args)
+
+    def add_usage_call(self, counts: Mapping[tuple[int, str], int]) -> tuple[list[int], list[Any]]:
+        """The minutes whose hashes ``lua/add_usage.lua`` adds ``counts`` to (its KEYS, in order), and its ARGV."""
         keys: dict[int, int] = {}  # minute -> its key's index in KEYS
         args: list[Any] = [_USAGE_TTL, self.usage_cap]
         for (minute, field), n in counts.items():
@@ -248,10 +256,7 @@ class RedisBackend(Backend):
             if overflow is not None:
                 index = keys.setdefault(minute, len(keys) + 1)
                 args += (index, field[:-1], field[-1], overflow, n)
-        if keys:
-            # One script for every minute: each new row is capped as a decision's is, and the
-            # counts are added all at once or not at all.
-            self._run(ADD_USAGE, [layout.usage_key(self.prefix, minute) for minute in keys], args)
+        return list(keys), args
 
     def release(self, slot: str, keys: Sequence[str]) -> int:
         return int(self._run(RELEASE, list(keys), [slot]))
