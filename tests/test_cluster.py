@@ -315,7 +315,7 @@ def test_a_refund_never_creates_a_token_that_was_not_consumed(
         clock.advance(rng.choice([0, 0, 0, 1, 999, 37_000, 140_001, 400_000]))
         if pending and rng.random() < 0.4:
             call, check = pending.pop(rng.randrange(len(pending)))
-            assert backend._refund([check], [call], consume_usage=None, slot=None) is None
+            assert backend._refund([check], [call], usage=None, slot=None) is None
             refunds += 1
         else:
             cost = rng.randint(1, 3)
@@ -497,3 +497,18 @@ def test_calls_pipelined_to_one_node_keep_their_connection(
     assert backend.publish_version(4) == "4"
     checks = [Check(policy("10/s", name=f"p{i}"), s) for i, s in enumerate(many_subjects(12))]
     assert backend.decide(checks).allowed  # groups on one node share a connection in one round
+
+
+def test_a_request_another_group_could_not_decide_is_counted_once(redis_cluster: Cluster, cluster_client: Any) -> None:
+    """The first group counts the request; when another group fails, that count is taken back and the
+    engine counts the request as it finally decides it: once."""
+    backend = cluster_backend(redis_cluster)
+    caller, other = spread(many_subjects(200), cluster_client)[:2]
+    good, bad = Check(policy("10/h", name="good"), caller), Check(policy("10/h", name="bad"), other)
+    cluster_client.hset(bad.key("rl"), "not", "a bucket")
+    usage = Usage(int(time.time() // 60), "k|caller|||t|ep|", 2, "k|*|||t|ep|")
+    limiter = Limiter(backend, CircuitBreaker(), local=MemoryBackend(), local_share=0.5)
+    assert limiter.decide([good, bad], usage=usage).allowed
+    key = layout.usage_key("rl", usage.minute, layout.slot_tag(layout.key_slot(good.key("rl").encode())))
+    counts = {k.decode(): int(v) for k, v in cluster_client.hgetall(key).items()}
+    assert counts[usage.field + "a"] == 1 and counts[usage.field + "x"] == 1

@@ -153,3 +153,9 @@ def test_the_admin_shards_an_endpoints_all_callers_limit(settings: Any) -> None:
     assert rule.endpoint_wide is not None and rule.endpoint_wide.shards == 16
     shard = rule.endpoint_wide.shard
     assert shard is not None and shard.burst == 100
+
+
+def test_a_bucket_too_slow_to_split_is_refused() -> None:
+    """A period too long to stretch by the shards, with fewer tokens per period than shards: no shard could hold one."""
+    with pytest.raises(ConfigurationError, match="shards 16 exceeds its rate's 10 per period"):
+        Policy("yearly", parse_rate("10/300d"), 20, shards=16)

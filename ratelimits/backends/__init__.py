@@ -26,7 +26,9 @@ CLUSTER = "ratelimits.backends.cluster.ClusterBackend"
 
 def backend_class(name: str) -> type[Backend]:
     """The backend class named by an alias or a dotted path; a :class:`ConfigurationError` if none."""
-    path = CLUSTER if name == "redis" and _on_a_cluster() else ALIASES.get(name, name)
+    path = ALIASES.get(name, name)
+    if path == ALIASES["redis"] and _on_a_cluster():
+        path = CLUSTER
     try:
         cls = import_string(path)
     except ImportError as exc:

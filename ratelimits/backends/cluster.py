@@ -10,11 +10,12 @@ they consumed by ``lua/refund.lua``. A refund gives back only what the state sti
 request's own consumption, so it never creates a token; meanwhile a concurrent request may have
 been denied for want of it (a brief under-admission, never an over-admission).
 
-Redirects: a ``MOVED`` reply (the slot moved, or a replica was promoted) and an ``ASK`` reply (the
-slot is being migrated) mean the script did not run; the call is sent once more where the reply
-says. A call that timed out is never sent again: it may have consumed. Everything else (a node lost
-mid-call, ``TRYAGAIN`` while a slot's keys are split by a migration, ``CLUSTERDOWN``) is the store
-being unavailable, and the request follows its policies' fail modes.
+Redirects: a ``MOVED`` reply (the slot moved, or a replica was promoted), an ``ASK`` reply (the
+slot is being migrated) and ``TRYAGAIN`` (a migration has moved some of the call's keys, not all)
+mean the script did not run: the call is sent again where the reply says (after a short pause for
+``TRYAGAIN``), a few times at most. A call that timed out is never sent again: it may have
+consumed. Everything else (a node lost mid-call, ``CLUSTERDOWN``) is the store being unavailable,
+and the request follows its policies' fail modes.
 """
 
 from __future__ import annotations
@@ -78,6 +79,22 @@ TRY_AGAIN_PAUSE_S = 0.002
 REFRESH_EVERY_S = 0.2
 
 
+@dataclass(frozen=True, slots=True)
+class _Recount:
+    """The first group's count of a request, to be moved from the ``counted`` metric to ``metric`` ("": none)."""
+
+    call: _Call
+    usage: Usage
+    counted: str
+    metric: str
+
+
+def _limited(result: Result) -> bool:
+    """Whether ``result`` denies the request as over a limit (429), rather than shed by the fleet (503)."""
+    policy = result.check.policy
+    return not result.allowed and not policy.shadow and policy.algorithm is not Algorithm.FLEET
+
+
 @dataclass(slots=True)
 class _Call:
     """One script call to one slot's master, and what came back (a reply, or the error)."""
@@ -120,6 +137,7 @@ class ClusterBackend(RedisBackend):
         #: When the slot map was last refreshed after a node failed (monotonic seconds).
         self._refreshed_at = -REFRESH_EVERY_S
         self._stale_map = False
+        self._template_pool: Any = None
         self._usage_pattern = re.compile(rf"{re.escape(prefix)}:\{{([0-9a-f]+)\}}#usage:(\d+)")
         self._drain_pattern = re.compile(rf"{re.escape(prefix)}:\{{[0-9a-f]+\}}#usage-drain:(\d+):[0-9a-f]+")
 
@@ -176,11 +194,12 @@ class ClusterBackend(RedisBackend):
                 admitted.append(call)
         decided = [r for r in results if r is not None]
         if errors or failed:
-            # Nothing of this request may stand: what the other groups consumed goes back.
-            stray = self._refund(checks, admitted, consume_usage=None, slot=slot)
+            # Nothing of this request may stand: what the other groups consumed goes back, and so
+            # does the first group's count of it (the engine counts the request as it decides it).
+            stray = self._refund(checks, admitted, usage=self._recount(calls, checks, usage, None), slot=slot)
             lost = [call for call in errors if not isinstance(call.error, PolicyFailed)]
-            if lost:  # the store could not answer for some: every check goes by its fail mode
-                exc = lost[0].error
+            if lost or stray:  # the store could not answer for some: every check goes by its fail mode
+                exc = lost[0].error if lost else unavailable(ConnectionError("a refund did not get through"))
                 assert isinstance(exc, BackendUnavailable)
                 if slot and any(checks[i].policy.holds_slots for call in lost for i in call.indices):
                     exc.stray_slot = (slot, held)  # a timed-out group may still take the slot
@@ -195,15 +214,34 @@ class ClusterBackend(RedisBackend):
             raise failure
         now_us = calls[0].reply[0]
         version = max((_stamp(call.reply[1]) for call in calls), key=_stamp_order)
-        if len(admitted) < len(calls) and admitted:
-            denied_by_rate = any(
-                not r.allowed and not r.check.policy.shadow and r.check.policy.algorithm is not Algorithm.FLEET
-                for r in decided
-            )
-            stray = self._refund(checks, admitted, consume_usage=(usage, "l" if denied_by_rate else "s"), slot=slot)
+        if len(admitted) < len(calls) and consume:
+            denied_by_rate = any(_limited(r) for r in decided)
+            recount = self._recount(calls, checks, usage, "l" if denied_by_rate else "s")
+            stray = self._refund(checks, admitted, usage=recount, slot=slot)
             decision = Decision.from_results(decided, now_us=now_us, policy_version=version)
             return decision if stray is None else _with_stray(decision, stray)
         return Decision.from_results(decided, now_us=now_us, policy_version=version, slot=slot, slot_keys=held)
+
+    @staticmethod
+    def _recount(
+        calls: Sequence[_Call], checks: Sequence[Check], usage: Usage | None, metric: str | None
+    ) -> _Recount | None:
+        """How the first group's count of the request must change, if it must: to ``metric``, or away (``None``).
+
+        The first group counts the request as its own checks decided it (``lua/decide.lua``);
+        the request ended otherwise when another group denied it, or failed.
+        """
+        first = calls[0]
+        if usage is None or first.error is not None:
+            return None
+        results, failed = decide_results([checks[i] for i in first.indices], first.reply)
+        if failed:
+            return None  # a group with a failed check counts nothing
+        denied = [r for r in results if not r.allowed and not r.check.policy.shadow]
+        counted = "a" if not denied else "l" if any(_limited(r) for r in denied) else "s"
+        if counted == metric:
+            return None
+        return _Recount(first, usage, counted, metric or "")
 
     def decide_calls(
         self,
@@ -242,17 +280,14 @@ class ClusterBackend(RedisBackend):
         checks: Sequence[Check],
         admitted: Sequence[_Call],
         *,
-        consume_usage: tuple[Usage | None, str] | None,
+        usage: _Recount | None,
         slot: str | None,
     ) -> tuple[str, tuple[str, ...]] | None:
-        """Give back what ``admitted`` consumed; the slot keys still held if a refund did not get through.
+        """Give back what ``admitted`` consumed, and count the usage anew; the slot keys still held if a refund failed.
 
-        With ``consume_usage``, the group that counted the request as allowed counts it under the
-        given metric instead. A refund that fails leaves tokens spent (under-admission only).
+        A refund that fails leaves tokens spent (under-admission only).
         """
-        if not admitted:
-            return None
-        refunds = []
+        refunds: dict[int, _Call] = {}  # by the decide call's slot
         for call in admitted:
             now_us = call.reply[0]
             records = [_REFUND_NOW.pack(-1.0 if self.clock is None else self.clock())]
@@ -267,17 +302,20 @@ class ClusterBackend(RedisBackend):
                 record = (policy.algorithm.code, rate.limit, rate.period_us, check.cost, now_us)
                 records.append(_REFUND_CHECK.pack(*record) + spent)
                 keys.append(check.key(self.prefix))
-            args: list[Any] = [b"".join(records), slot or "", "", "", 1, ""]
-            usage = consume_usage[0] if consume_usage else None
-            if usage is not None and len(call.keys) > len(call.indices) + 1:  # this group counted the usage
-                keys.append(call.keys[-1])
-                args[2:] = [usage.field, consume_usage[1], usage.tokens, usage.overflow]  # type: ignore[index]
-            refunds.append(_Call(call.slot, keys, args))
-        self._run_calls(REFUND, refunds)
+            refunds[call.slot] = _Call(call.slot, keys, [b"".join(records), slot or "", "", "", "", 1, ""])
+        if usage is not None:
+            refund = refunds.setdefault(
+                usage.call.slot, _Call(usage.call.slot, [], [_REFUND_NOW.pack(-1.0), "", "", "", "", 1, ""])
+            )
+            refund.keys.append(usage.call.keys[-1])
+            refund.args[2:] = [usage.usage.field, usage.counted, usage.metric, usage.usage.tokens, usage.usage.overflow]
+        if not refunds:
+            return None
+        self._run_calls(REFUND, list(refunds.values()))
         held = tuple(
             key
-            for call, refund in zip(admitted, refunds, strict=True)
-            if refund.error is not None
+            for call in admitted
+            if refunds[call.slot].error is not None
             for i, key in zip(call.indices, call.keys[1:], strict=False)
             if checks[i].policy.holds_slots
         )
@@ -290,32 +328,52 @@ class ClusterBackend(RedisBackend):
         :class:`PolicyFailed`); none is ever sent twice unless the store said it did not run it.
         """
         self._refresh_if_stale()
-        sent = []
         # Each node's connection is taken once per round: taking it again would ask whether it
         # has something to read, and the replies of this round's earlier calls are just that.
-        round_connections: dict[tuple[str, int], Any] = {}
-        for call in calls:
-            try:
-                address = self._address_of(call.slot)
-                connection = round_connections.get(address)
-                if connection is None:
-                    connection = round_connections[address] = self._address_connection(*address)
-                command = ("EVALSHA", script.sha, len(call.keys), *call.keys, *call.args)
-                connection.send_packed_command(_pack(connection, command), check_health=False)
-            except STORE_ERRORS as exc:
-                call.error = self._failed(script, exc)
-                continue
-            sent.append((call, connection))
-        # Replies are read in the order sent: calls to one node share its connection, pipelined.
-        # A call the store did not run is sent again only once every reply is in.
-        again: list[tuple[_Call, BaseException]] = []
-        for call, connection in sent:
-            try:
-                call.reply = connection.read_response()
-            except NOT_RUN as not_run:
-                again.append((call, not_run))
-            except STORE_ERRORS as exc:
-                call.error = self._failed(script, exc)
+        connections: dict[tuple[str, int], Any] = {}
+        # A node whose connection failed this round: what failed. Calls already sent on it may have
+        # run, and get no reply; later calls are not sent (nor is a dead node dialled again).
+        broken: dict[tuple[str, int], BaseException] = {}
+        sent: list[tuple[_Call, tuple[str, int], Any]] = []
+        try:
+            for call in calls:
+                try:
+                    address = self._address_of(call.slot)
+                except STORE_ERRORS as exc:
+                    call.error = self._failed(script, exc)
+                    continue
+                try:
+                    if address in broken:
+                        raise broken[address]
+                    connection = connections.get(address)
+                    if connection is None:
+                        connection = connections[address] = self._address_connection(*address)
+                    command = ("EVALSHA", script.sha, len(call.keys), *call.keys, *call.args)
+                    connection.send_packed_command(_pack(connection, command), check_health=False)
+                except STORE_ERRORS as exc:
+                    broken.setdefault(address, exc)
+                    call.error = self._failed(script, exc)
+                    continue
+                sent.append((call, address, connection))
+            # Replies are read in the order sent: calls to one node share its connection, pipelined.
+            # A call the store did not run is sent again only once every reply is in.
+            again: list[tuple[_Call, BaseException]] = []
+            for call, address, connection in sent:
+                if address in broken:
+                    call.error = self._failed(script, broken[address])
+                    continue
+                try:
+                    call.reply = connection.read_response()
+                except NOT_RUN as not_run:
+                    again.append((call, not_run))
+                except STORE_ERRORS as exc:
+                    broken[address] = exc
+                    call.error = self._failed(script, exc)
+        except BaseException:
+            # Something else went wrong with replies unread: none of them may be read as a later call's.
+            for connection in connections.values():
+                connection.disconnect()
+            raise
         for call, reason in again:
             try:
                 call.reply = self._send_again(script, call, reason)
@@ -388,9 +446,14 @@ class ClusterBackend(RedisBackend):
 
     def _address_connection(self, host: str, port: int) -> Any:
         """This thread's connection to the node at ``host:port``, with the cluster's connection settings."""
-        nodes = self.client.nodes_manager
-        template = next(n.redis_connection for n in nodes.nodes_cache.values() if n.redis_connection is not None)
-        return self._thread_connection(f"{host}:{port}", template.connection_pool, host=host, port=port)
+        pool = self._template_pool
+        if pool is None:
+            # Any node's pool says how the cluster's connections are made (credentials, TLS): the
+            # same for every node. Read once, from a copy: the slot map may be refreshed meanwhile.
+            nodes = list(self.client.nodes_manager.nodes_cache.values())
+            pool = next(n.redis_connection.connection_pool for n in nodes if n.redis_connection is not None)
+            self._template_pool = pool
+        return self._thread_connection(f"{host}:{port}", pool, host=host, port=port)
 
     def _connection(self) -> Any:  # pragma: no cover - every call on a cluster names its slot
         raise NotImplementedError("a cluster call is sent to its slot's master")

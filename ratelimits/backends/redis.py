@@ -355,7 +355,8 @@ class RedisBackend(Backend):
         return connection
 
     def _new_connection(self, pool: Any, **address: Any) -> Any:
-        kwargs = {**pool.connection_kwargs, **address}
+        # Replies are read as bytes whatever the client decodes (REDIS_CLIENT may decode them).
+        kwargs = {**pool.connection_kwargs, **address, "decode_responses": False}
         if self.timeouts is not None:
             # A client the project built (REDIS_CLIENT) keeps its address, credentials and TLS;
             # a decision still gets the limiter's timeouts and is never retried.

@@ -11,10 +11,12 @@
 -- ARGV[1]          packed little-endian: now ('<d', negative: read Redis TIME), then per check
 --                  CHECK below
 -- ARGV[2]          the request's slot id, or ""
--- ARGV[3]          the usage row the group counted as allowed, or "" (nothing to correct)
--- ARGV[4]          the metric the request is counted under instead: l (limited) or s (shed)
--- ARGV[5]          the tokens it was counted as spending
--- ARGV[6]          the overflow row (where the row was counted if the minute was full)
+-- ARGV[3]          the usage row the group counted the request in, or "" (nothing to correct)
+-- ARGV[4]          the metric it counted: a (allowed), l (limited) or s (shed)
+-- ARGV[5]          the metric the request is counted under instead, or "" (it is counted elsewhere:
+--                  the engine decides the request again, or without the store)
+-- ARGV[6]          the tokens it was counted as spending
+-- ARGV[7]          the overflow row (where the row was counted if the minute was full)
 --
 -- CHECK: algorithm code, limit, period (us), cost, consumed_at (the decide script's now, us), then
 -- what the decide call reported for it (REFUNDABLE in decide.lua): a token bucket's arrival time
@@ -28,8 +30,14 @@
 -- the bucket keeps count of (the us given back, stored with its arrival time). So the request's
 -- debt still outstanding is at least min(spent, spent_tat - given back since - now), and no more
 -- is given back. Later requests' debts, stacked after it, move earlier by what was given back:
--- exactly as if the request had spent only what time had already paid of it. A bucket given back
--- less than when the request was made was deleted since (an admin's reset): nothing is owed to it.
+-- exactly as if the request had spent only what time had already paid of it.
+--
+-- Two limits to that, both bounded. A state deleted between the decide call and its refund (an
+-- admin's reset; one round trip apart) is not always told apart from one the request still holds:
+-- a bucket given back less than when the request was made was reset, and is owed nothing, but a
+-- bucket never given back to, or a window, may have the request's spend taken off what was spent
+-- since the reset; a reset gives every token back anyway. And with the app's clock (CLOCK "app")
+-- a refund measures what time has paid by its own worker's clock: the workers' clocks must agree.
 --
 -- Returns how many checks gave something back.
 
@@ -107,17 +115,19 @@ for i = 1, n do
   end
 end
 
--- The group counted the request as allowed: count it as it ended. Only in a hash that is still
--- live and holds that count (a drain may have taken the minute meanwhile: then it stays as it was).
+-- The group counted the request as its own checks decided it: count it as it ended. Only in a
+-- hash that is still live and holds that count (a drain may have taken the minute meanwhile:
+-- then it stays as it was).
 local row = ARGV[3]
 if row ~= '' then
   local counters = KEYS[#KEYS]
-  if redis.call('HEXISTS', counters, row) == 0 then row = ARGV[6] end
-  if tonumber(redis.call('HGET', counters, row .. 'a') or '0') > 0 then
-    redis.call('HINCRBY', counters, row .. 'a', -1)
-    redis.call('HINCRBY', counters, row .. ARGV[4], 1)
-    local tokens = tonumber(ARGV[5])
-    if tokens ~= 1 then redis.call('HINCRBY', counters, row .. 'x', 1 - tokens) end
+  if redis.call('HEXISTS', counters, row) == 0 then row = ARGV[7] end
+  local counted, metric = ARGV[4], ARGV[5]
+  if tonumber(redis.call('HGET', counters, row .. counted) or '0') > 0 then
+    redis.call('HINCRBY', counters, row .. counted, -1)
+    if metric ~= '' then redis.call('HINCRBY', counters, row .. metric, 1) end
+    local tokens = tonumber(ARGV[6])
+    if counted == 'a' and tokens ~= 1 then redis.call('HINCRBY', counters, row .. 'x', 1 - tokens) end
   end
 end
 return given

@@ -142,8 +142,10 @@ class Policy:
         limit, period = self.rate.limit, self.rate.period_us
         if self.algorithm is Algorithm.TOKEN_BUCKET and period * n <= MAX_PERIOD_US:
             rate = Rate(limit, period * n)
-        else:
-            rate = Rate(max(limit // n, 1), period)
+        elif limit >= n:
+            rate = Rate(limit // n, period)
+        else:  # a bucket's period too long to stretch, and too few tokens per period to split
+            raise ConfigurationError(f"{self.name}: shards {n} exceeds its rate's {limit} per period")
         burst = self.burst // n if self.algorithm is Algorithm.TOKEN_BUCKET else rate.limit
         return replace(self, rate=rate, burst=burst, is_shard=True)
 
