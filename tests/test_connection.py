@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from ratelimits import checks
+from ratelimits.backends.cluster import ClusterBackend
 from ratelimits.backends.redis import RedisBackend, make_client
 from ratelimits.exceptions import BackendUnavailable
 from ratelimits.identity import Subject, SubjectKind
@@ -20,6 +21,7 @@ from ratelimits.rates import parse_rate
 from ratelimits.redis_url import parse_redis_url
 
 from .support.processes import Service
+from .support.redis_cluster import Cluster
 from .support.redis_server import RedisServer, free_port
 
 CHECK = Check(Policy("p", parse_rate("100/s"), 100), Subject(SubjectKind.IP, "198.51.100.9"))
@@ -220,3 +222,37 @@ def test_the_limiter_follows_a_sentinel_failover_within_a_bound(sentinels: Senti
     assert decision.allowed
     assert replica.info("replication")["role"] == "master"
     assert decision.results[0].remaining == 100 - 2  # the promoted replica had the first decision's state
+
+
+# -- ACL on a cluster ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def acl_cluster() -> Iterator[Cluster]:
+    """A six-node cluster whose every node wants a password, with an ACL user ``limiter`` held to ``rl:*``."""
+    with Cluster() as cluster:
+        for server in cluster.servers:
+            admin = server.client()
+            admin.config_set("masterauth", "admin-secret")  # replicas keep replicating once the master wants it
+            admin.acl_setuser("limiter", enabled=True, passwords=["+limiter-secret"], keys=["rl:*"], commands=["+@all"])
+            admin.config_set("requirepass", "admin-secret")
+            admin.close()
+        yield cluster
+
+
+def test_the_limiter_decides_on_a_cluster_as_its_acl_user_and_the_checks_fail_without(
+    settings: Any, acl_cluster: Cluster
+) -> None:
+    nodes = acl_cluster.url.removeprefix("redis+cluster://")
+    backend = ClusterBackend(make_client(f"redis+cluster://limiter:limiter-secret@{nodes}", 2.0, 2.0))  # type: ignore[arg-type]
+    checks = [Check(Policy("p", parse_rate("5/m"), 5), Subject(SubjectKind.API_KEY, f"acl-{i}")) for i in range(12)]
+    assert backend.decide(checks).allowed  # several slot groups, as the limiter's user
+    assert backend.publish_version(2) == "2"
+    backend = ClusterBackend(
+        make_client(acl_cluster.url, 2.0, 2.0, {"username": "limiter", "password": "limiter-secret"})
+    )  # type: ignore[arg-type]
+    assert backend.decide(checks).results[0].remaining == 3
+    for url in (acl_cluster.url, f"redis+cluster://limiter:wrong@{nodes}"):
+        errors = store_errors(settings, REDIS_URL=url)
+        assert len(errors) == 1 and "REDIS_URL" in errors[0].msg and "credentials" in errors[0].msg, errors
+    assert store_errors(settings, REDIS_URL=f"redis+cluster://limiter:limiter-secret@{nodes}") == []
