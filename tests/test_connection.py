@@ -256,3 +256,18 @@ def test_the_limiter_decides_on_a_cluster_as_its_acl_user_and_the_checks_fail_wi
         errors = store_errors(settings, REDIS_URL=url)
         assert len(errors) == 1 and "REDIS_URL" in errors[0].msg and "credentials" in errors[0].msg, errors
     assert store_errors(settings, REDIS_URL=f"redis+cluster://limiter:limiter-secret@{nodes}") == []
+
+
+def test_rediss_cluster_decides_over_tls_with_the_ca_given_in_the_options(settings: Any, certificates: Path) -> None:
+    with Cluster(tls=certificates) as cluster:
+        assert cluster.url.startswith("rediss+cluster://")
+        backend = ClusterBackend(make_client(cluster.url, 2.0, 2.0, {"ssl_ca_certs": str(certificates / "ca.pem")}))  # type: ignore[arg-type]
+        checks = [Check(Policy("p", parse_rate("5/m"), 5), Subject(SubjectKind.API_KEY, f"tls-{i}")) for i in range(12)]
+        assert backend.decide(checks).allowed  # several slot groups, every one over TLS
+        assert {node.port for node in backend.client.get_primaries()} <= set(cluster.tls_ports)
+        with pytest.raises(BackendUnavailable):  # without the CA the certificate cannot be verified
+            ClusterBackend(lambda: make_client(cluster.url, 2.0, 2.0)).decide(checks)  # type: ignore[arg-type, return-value]
+        errors = store_errors(settings, REDIS_URL=cluster.url)
+        assert len(errors) == 1 and "over TLS" in errors[0].msg, errors
+        ca = {"ssl_ca_certs": str(certificates / "ca.pem")}
+        assert store_errors(settings, REDIS_URL=cluster.url, REDIS_OPTIONS=ca) == []

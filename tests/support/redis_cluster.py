@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 from collections.abc import Sequence
+from pathlib import Path
 
 import redis
 
@@ -23,7 +24,20 @@ NODE_TIMEOUT_MS = 1000
 class Cluster:
     """``masters`` masters, each with ``replicas`` replicas; :attr:`url` is the ``redis+cluster://`` of all of them."""
 
-    def __init__(self, masters: int = 3, *, replicas: int = 1, config: Sequence[str] = ()) -> None:
+    def __init__(
+        self, masters: int = 3, *, replicas: int = 1, config: Sequence[str] = (), tls: Path | None = None
+    ) -> None:
+        """``tls``: a directory with ``server.pem``, ``server.key`` and ``ca.pem``. Then clients and the
+        cluster bus speak TLS on a port of each node's own (the plain port stays, for the helpers).
+        """
+        self.tls = tls
+        if tls is not None:
+            config = (
+                *config,
+                *("--tls-cluster", "yes", "--tls-replication", "yes", "--tls-auth-clients", "no"),
+                *("--tls-cert-file", str(tls / "server.pem"), "--tls-key-file", str(tls / "server.key")),
+                *("--tls-ca-cert-file", str(tls / "ca.pem")),
+            )
         cluster_config = (
             "--cluster-enabled",
             "yes",
@@ -39,23 +53,36 @@ class Cluster:
             *config,
         )
         # Each node's cluster bus on a free port of its own (the default, port + 10000, may be taken).
+        count = masters * (1 + replicas)
+        self.tls_ports = [free_port() for _ in range(count)] if tls is not None else []
         self.servers = [
-            RedisServer(config=(*cluster_config, "--cluster-port", str(free_port())))
-            for _ in range(masters * (1 + replicas))
+            RedisServer(
+                config=(
+                    *cluster_config,
+                    "--cluster-port",
+                    str(free_port()),
+                    *(("--tls-port", str(self.tls_ports[n])) if tls is not None else ()),
+                )
+            )
+            for n in range(count)
         ]
         self.replicas = replicas
         self.masters_count = masters
 
     @property
     def url(self) -> str:
+        if self.tls is not None:
+            return "rediss+cluster://" + ",".join(f"127.0.0.1:{port}" for port in self.tls_ports)
         return "redis+cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in self.servers)
 
     def start(self, timeout: float = 30.0) -> None:
         for server in self.servers:
             server.start()
-        nodes = [f"127.0.0.1:{s.port}" for s in self.servers]
+        nodes = [f"127.0.0.1:{port}" for port in self.tls_ports or [s.port for s in self.servers]]
+        tls = ("--tls", "--cacert", str(self.tls / "ca.pem")) if self.tls is not None else ()
+        create = ("--cluster", "create", *nodes, "--cluster-replicas", str(self.replicas), "--cluster-yes")
         subprocess.run(
-            ["redis-cli", "--cluster", "create", *nodes, "--cluster-replicas", str(self.replicas), "--cluster-yes"],
+            ["redis-cli", *tls, *create],
             check=True,
             capture_output=True,
             timeout=timeout,
