@@ -52,20 +52,10 @@ class Cluster:
             "0",
             *config,
         )
-        # Each node's cluster bus on a free port of its own (the default, port + 10000, may be taken).
+        self._config = cluster_config
         count = masters * (1 + replicas)
         self.tls_ports = [free_port() for _ in range(count)] if tls is not None else []
-        self.servers = [
-            RedisServer(
-                config=(
-                    *cluster_config,
-                    "--cluster-port",
-                    str(free_port()),
-                    *(("--tls-port", str(self.tls_ports[n])) if tls is not None else ()),
-                )
-            )
-            for n in range(count)
-        ]
+        self.servers = [self._server(n) for n in range(count)]
         self.replicas = replicas
         self.masters_count = masters
 
@@ -75,9 +65,14 @@ class Cluster:
             return "rediss+cluster://" + ",".join(f"127.0.0.1:{port}" for port in self.tls_ports)
         return "redis+cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in self.servers)
 
+    def _server(self, n: int) -> RedisServer:
+        """Node ``n``, on free ports: its own, its cluster bus's (the default, port + 10000, may be taken), TLS's."""
+        tls = ("--tls-port", str(self.tls_ports[n])) if self.tls is not None else ()
+        return RedisServer(config=(*self._config, "--cluster-port", str(free_port()), *tls))
+
     def start(self, timeout: float = 30.0) -> None:
-        for server in self.servers:
-            server.start()
+        for n in range(len(self.servers)):
+            self._start_node(n)
         nodes = [f"127.0.0.1:{port}" for port in self.tls_ports or [s.port for s in self.servers]]
         tls = ("--tls", "--cacert", str(self.tls / "ca.pem")) if self.tls is not None else ()
         create = ("--cluster", "create", *nodes, "--cluster-replicas", str(self.replicas), "--cluster-yes")
@@ -88,6 +83,20 @@ class Cluster:
             timeout=timeout,
         )
         self.wait_healthy(timeout)
+
+    def _start_node(self, n: int, tries: int = 3) -> None:
+        """Start node ``n``; on fresh ports again if one was taken meanwhile (a free port is only free when asked)."""
+        for attempt in range(tries):
+            try:
+                self.servers[n].start()
+                return
+            except AssertionError as exc:
+                if "Address already in use" not in str(exc) or attempt == tries - 1:
+                    raise
+                self.servers[n].stop()
+                if self.tls is not None:
+                    self.tls_ports[n] = free_port()
+                self.servers[n] = self._server(n)
 
     def wait_healthy(self, timeout: float) -> None:
         """Until every live node says the cluster is ok and every replica is in sync (bounded)."""
