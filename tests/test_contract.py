@@ -10,7 +10,7 @@ import pytest
 from ratelimits.algorithms import RATE_ALGORITHMS, Algorithm
 from ratelimits.backends.memory import MemoryBackend
 from ratelimits.backends.redis import RedisBackend, make_client
-from ratelimits.decisions import Verdict
+from ratelimits.decisions import Decision, Verdict
 from ratelimits.exceptions import ConfigurationError
 from ratelimits.identity import Subject
 from ratelimits.policies import Check, Policy
@@ -30,6 +30,15 @@ def policy(
 
 
 ALGORITHMS = list(RATE_ALGORITHMS)
+
+
+def assert_same_decision(ours: Decision, theirs: Decision) -> None:
+    """The same verdict and wait, and per check the same result, to the microsecond."""
+    assert ours.verdict == theirs.verdict
+    assert ours.retry_after_us == theirs.retry_after_us
+    assert [(r.allowed, r.remaining, r.reset_us, r.retry_us) for r in ours.results] == [
+        (r.allowed, r.remaining, r.reset_us, r.retry_us) for r in theirs.results
+    ]
 
 
 def test_bucket_admits_burst_then_denies_with_exact_wait(backend: Any) -> None:
@@ -173,11 +182,7 @@ def test_memory_and_redis_agree_on_random_traffic(redis_server: Any, redis_clien
         checks = [Check(p, subject, cost=rng.randint(1, 3)) for p in policies]
         consume = rng.random() > 0.1
         ours, theirs = memory.decide(checks, consume=consume), remote.decide(checks, consume=consume)
-        assert ours.verdict == theirs.verdict
-        assert ours.retry_after_us == theirs.retry_after_us
-        assert [(r.allowed, r.remaining, r.reset_us, r.retry_us) for r in ours.results] == [
-            (r.allowed, r.remaining, r.reset_us, r.retry_us) for r in theirs.results
-        ]
+        assert_same_decision(ours, theirs)
 
 
 def test_every_redis_key_has_a_ttl_and_no_raw_identity(redis_server: Any, redis_client: Any) -> None:

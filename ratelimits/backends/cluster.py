@@ -41,7 +41,7 @@ from ..decisions import Decision, Result
 from ..exceptions import BackendUnavailable, PolicyFailed
 from ..policies.values import Check
 from . import layout
-from .base import StoreHealth, new_slot
+from .base import StoreHealth, new_slot, slot_keys
 from .redis import (
     ADD_USAGE,
     DECIDE,
@@ -106,6 +106,9 @@ class _Call:
     indices: list[int] = field(default_factory=list)
     reply: Any = None
     error: BaseException | None = None
+    #: A decide call's reply read: its checks' results, and those it could not decide.
+    results: list[Result] = field(default_factory=list)
+    failed: list[Check] = field(default_factory=list)
 
 
 class ClusterBackend(RedisBackend):
@@ -125,15 +128,10 @@ class ClusterBackend(RedisBackend):
         usage_cap: int | None = None,
         timeouts: tuple[float, float] | None = None,
     ) -> None:
-        self._cluster = client if isinstance(client, RedisCluster) else None
-        self._connect = client if not isinstance(client, RedisCluster) else None
         self._lock = threading.Lock()
-        self.timeouts = timeouts
-        self.prefix = prefix
-        self.clock = clock
-        self.usage_cap = conf.usage_max_subjects if usage_cap is None else usage_cap
-        self.version_key = layout.version_key(prefix)  # not used on a cluster: each slot has its copy
-        self._local = threading.local()
+        # The rest as on one Redis; the client is set through the property's setter. (The single
+        # version key goes unused: on a cluster each slot has its copy.)
+        super().__init__(client, prefix=prefix, clock=clock, usage_cap=usage_cap, timeouts=timeouts)  # type: ignore[arg-type]
         #: When the slot map was last refreshed after a node failed (monotonic seconds).
         self._refreshed_at = -REFRESH_EVERY_S
         self._stale_map = False
@@ -144,14 +142,18 @@ class ClusterBackend(RedisBackend):
     @classmethod
     def from_settings(cls) -> ClusterBackend:
         """For ``REDIS_CLIENT`` (a :class:`redis.RedisCluster`) or a cluster ``REDIS_URL``: reached on first use."""
-        clock = None if conf.use_redis_time else (lambda: time.time_ns() // 1000)
-        timeouts = (conf.redis_socket_timeout, conf.redis_connect_timeout)
-        url, options, client = conf.redis_url, conf.redis_options, conf.redis_client
-        connect = client if isinstance(client, RedisCluster) else (lambda: make_client(url, *timeouts, options))
-        return cls(connect, prefix=conf.key_prefix, clock=clock, timeouts=timeouts)  # type: ignore[arg-type]
+        options = cls.options_from_settings()
+        url, redis_options, client = conf.redis_url, conf.redis_options, conf.redis_client
+        socket_timeout, connect_timeout = options["timeouts"]
+        if isinstance(client, RedisCluster):
+            return cls(client, **options)
+        return cls(lambda: make_client(url, socket_timeout, connect_timeout, redis_options), **options)  # type: ignore[arg-type, return-value]
 
-    @property
-    def client(self) -> RedisCluster:  # type: ignore[override]
+    _cluster: RedisCluster | None
+    _connect: Callable[[], RedisCluster] | None
+
+    @property  # type: ignore[override]
+    def client(self) -> RedisCluster:
         """The cluster client, made (its slot map read) on first use; unavailable if the cluster cannot be reached."""
         cluster = self._cluster
         if cluster is None:
@@ -165,18 +167,20 @@ class ClusterBackend(RedisBackend):
                 cluster = self._cluster
         return cluster
 
+    @client.setter  # type: ignore[override]
+    def client(self, client: RedisCluster | Callable[[], RedisCluster]) -> None:
+        if isinstance(client, RedisCluster):
+            self._cluster, self._connect = client, None
+        else:
+            self._cluster, self._connect = None, client
+
     # -- decisions ---------------------------------------------------------------------------------
 
     def decide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
         slot = new_slot(checks) if consume else None
         calls = self.decide_calls(checks, consume=consume, usage=usage, slot=slot)
         self._run_calls(DECIDE, calls)
-        held = tuple(
-            key
-            for call in calls
-            for i, key in zip(call.indices, call.keys[1:], strict=False)
-            if slot and checks[i].policy.holds_slots
-        )
+        held = _held(checks, calls) if slot else ()
         results: list[Result | None] = [None] * len(checks)
         failed: list[Check] = []
         errors = []
@@ -185,18 +189,17 @@ class ClusterBackend(RedisBackend):
             if call.error is not None:
                 errors.append(call)
                 continue
-            group = [checks[i] for i in call.indices]
-            group_results, group_failed = decide_results(group, call.reply)
-            failed += group_failed
-            for i, result in zip(call.indices, group_results, strict=True):
+            call.results, call.failed = decide_results([checks[i] for i in call.indices], call.reply)
+            failed += call.failed
+            for i, result in zip(call.indices, call.results, strict=True):
                 results[i] = result
-            if consume and not group_failed and all(r.allowed or r.check.policy.shadow for r in group_results):
+            if consume and not call.failed and all(r.allowed or r.check.policy.shadow for r in call.results):
                 admitted.append(call)
         decided = [r for r in results if r is not None]
         if errors or failed:
             # Nothing of this request may stand: what the other groups consumed goes back, and so
             # does the first group's count of it (the engine counts the request as it decides it).
-            stray = self._refund(checks, admitted, usage=self._recount(calls, checks, usage, None), slot=slot)
+            stray = self._refund(checks, admitted, usage=self._recount(calls, usage, None), slot=slot)
             lost = [call for call in errors if not isinstance(call.error, PolicyFailed)]
             if lost or stray:  # the store could not answer for some: every check goes by its fail mode
                 exc = lost[0].error if lost else unavailable(ConnectionError("a refund did not get through"))
@@ -216,16 +219,14 @@ class ClusterBackend(RedisBackend):
         version = max((_stamp(call.reply[1]) for call in calls), key=_stamp_order)
         if len(admitted) < len(calls) and consume:
             denied_by_rate = any(_limited(r) for r in decided)
-            recount = self._recount(calls, checks, usage, "l" if denied_by_rate else "s")
+            recount = self._recount(calls, usage, "l" if denied_by_rate else "s")
             stray = self._refund(checks, admitted, usage=recount, slot=slot)
             decision = Decision.from_results(decided, now_us=now_us, policy_version=version)
             return decision if stray is None else _with_stray(decision, stray)
         return Decision.from_results(decided, now_us=now_us, policy_version=version, slot=slot, slot_keys=held)
 
     @staticmethod
-    def _recount(
-        calls: Sequence[_Call], checks: Sequence[Check], usage: Usage | None, metric: str | None
-    ) -> _Recount | None:
+    def _recount(calls: Sequence[_Call], usage: Usage | None, metric: str | None) -> _Recount | None:
         """How the first group's count of the request must change, if it must: to ``metric``, or away (``None``).
 
         The first group counts the request as its own checks decided it (``lua/decide.lua``);
@@ -234,10 +235,9 @@ class ClusterBackend(RedisBackend):
         first = calls[0]
         if usage is None or first.error is not None:
             return None
-        results, failed = decide_results([checks[i] for i in first.indices], first.reply)
-        if failed:
+        if first.failed:
             return None  # a group with a failed check counts nothing
-        denied = [r for r in results if not r.allowed and not r.check.policy.shadow]
+        denied = [r for r in first.results if not r.allowed and not r.check.policy.shadow]
         counted = "a" if not denied else "l" if any(_limited(r) for r in denied) else "s"
         if counted == metric:
             return None
@@ -292,11 +292,10 @@ class ClusterBackend(RedisBackend):
             now_us = call.reply[0]
             records = [_REFUND_NOW.pack(-1.0 if self.clock is None else self.clock())]
             keys = []
-            for n, i in enumerate(call.indices):
-                check = checks[i]
-                at = 2 + 3 * n  # the check's remaining, reset and retry in the reply
-                if call.reply[at + 2] != 0:
+            for n, result in enumerate(call.results):
+                if not result.allowed:
                     continue  # a shadow check that would have denied wrote nothing
+                check = result.check
                 policy, rate = check.policy, check.policy.rate
                 spent = call.reply[-1][_REFUNDABLE * n : _REFUNDABLE * (n + 1)]  # as the decide call reported it
                 record = (policy.algorithm.code, rate.limit, rate.period_us, check.cost, now_us)
@@ -312,13 +311,7 @@ class ClusterBackend(RedisBackend):
         if not refunds:
             return None
         self._run_calls(REFUND, list(refunds.values()))
-        held = tuple(
-            key
-            for call in admitted
-            if refunds[call.slot].error is not None
-            for i, key in zip(call.indices, call.keys[1:], strict=False)
-            if checks[i].policy.holds_slots
-        )
+        held = _held(checks, [call for call in admitted if refunds[call.slot].error is not None])
         return (slot, held) if slot and held else None
 
     def _run_calls(self, script: Script, calls: Sequence[_Call]) -> None:
@@ -541,6 +534,15 @@ class ClusterBackend(RedisBackend):
             used_memory=_most([h.used_memory for h in healths]),
             evicted_keys=_sum([h.evicted_keys for h in healths]),
         )
+
+
+def _held(checks: Sequence[Check], calls: Sequence[_Call]) -> tuple[str, ...]:
+    """The keys under which ``calls`` take the request's slot (a call's state keys follow the stamp's)."""
+    return tuple(
+        key
+        for call in calls
+        for key in slot_keys([checks[i] for i in call.indices], call.keys[1 : len(call.indices) + 1])
+    )
 
 
 def _by_slot(keys: Sequence[str]) -> dict[int, list[str]]:

@@ -137,10 +137,17 @@ class RedisBackend(Backend):
 
     @classmethod
     def from_settings(cls) -> RedisBackend:
+        options = cls.options_from_settings()
+        socket_timeout, connect_timeout = options["timeouts"]
+        client = conf.redis_client or make_client(conf.redis_url, socket_timeout, connect_timeout, conf.redis_options)
+        return cls(client, **options)  # type: ignore[arg-type]
+
+    @staticmethod
+    def options_from_settings() -> dict[str, Any]:
+        """The constructor's options from settings: the key prefix, the clock, the decision path's timeouts."""
         clock = None if conf.use_redis_time else (lambda: time.time_ns() // 1000)
         timeouts = (conf.redis_socket_timeout, conf.redis_connect_timeout)
-        client = conf.redis_client or make_client(conf.redis_url, *timeouts, conf.redis_options)
-        return cls(client, prefix=conf.key_prefix, clock=clock, timeouts=timeouts)  # type: ignore[arg-type]
+        return {"prefix": conf.key_prefix, "clock": clock, "timeouts": timeouts}
 
     def decide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
         slot = new_slot(checks) if consume else None
