@@ -87,6 +87,7 @@ SETTING_IDS: dict[str, str] = {
     "RETRY_AFTER_JITTER": "ratelimits.E129",
     "DEFAULT_FAIL_MODE": "ratelimits.E130",
     "LOCAL_FALLBACK_SHARE": "ratelimits.E131",
+    "LOCAL_PATH": "ratelimits.E143",
     "BREAKER_WINDOW": "ratelimits.E132",
     "BREAKER_MIN_CALLS": "ratelimits.E133",
     "BREAKER_FAILURE_RATE": "ratelimits.E134",

@@ -337,6 +337,45 @@ def _failed_auth(value: object, field: str) -> FailedAuthLimit | None:
     return FailedAuthLimit(rate, burst, length)
 
 
+class LocalPathSettings(NamedTuple):
+    """``LOCAL_PATH``: what each worker answers without the store (:mod:`ratelimits.engine.local`)."""
+
+    #: Refuse from memory a check the store denied, until its wait has passed (exact).
+    denials: bool = True
+    #: Lease tokens of busy token buckets in the decide call and spend them here.
+    leases: bool = False
+    #: How long a lease is spent before its unused tokens go back (seconds, at most 1).
+    lease_ttl: float = 0.5
+    #: The most of a bucket's burst one lease takes.
+    lease_share: float = 0.1
+    #: The most denials (and leases) one worker remembers.
+    max_entries: int = 10_000
+    #: Send ``X-RateLimit-Local`` on responses decided from memory (and log them at DEBUG).
+    header: bool = False
+
+
+def _local_path(value: object, field: str) -> LocalPathSettings:
+    config = _mapping(value, field)
+    known = LocalPathSettings._fields
+    unknown = set(config) - set(known)
+    if unknown:
+        raise ConfigurationError(f"{field}: unknown keys {', '.join(sorted(unknown))}; use {', '.join(known)}")
+    defaults = LocalPathSettings()
+    ttl = _seconds(config.get("lease_ttl", defaults.lease_ttl), f"{field}['lease_ttl']")
+    if ttl > 1:
+        raise ConfigurationError(
+            f"{field}['lease_ttl']: {config['lease_ttl']!r} is longer than the 1 s a lease may last"
+        )
+    return LocalPathSettings(
+        denials=_boolean(config.get("denials", defaults.denials), f"{field}['denials']"),
+        leases=_boolean(config.get("leases", defaults.leases), f"{field}['leases']"),
+        lease_ttl=ttl,
+        lease_share=_share(config.get("lease_share", defaults.lease_share), f"{field}['lease_share']"),
+        max_entries=_positive_int(config.get("max_entries", defaults.max_entries), f"{field}['max_entries']"),
+        header=_boolean(config.get("header", defaults.header), f"{field}['header']"),
+    )
+
+
 def _fail_mode(value: object, field: str) -> FailMode:
     return FailMode.parse(value, field=field)
 
@@ -400,6 +439,7 @@ HEADERS = Setting("HEADERS", "both", _choice(HEADER_STYLES))
 RETRY_AFTER_JITTER = Setting("RETRY_AFTER_JITTER", "0ms", _jitter_us)
 DEFAULT_FAIL_MODE = Setting("DEFAULT_FAIL_MODE", "open", _fail_mode)
 LOCAL_FALLBACK_SHARE = Setting("LOCAL_FALLBACK_SHARE", 1.0, _share)
+LOCAL_PATH = Setting("LOCAL_PATH", {}, _local_path)
 BREAKER_WINDOW = Setting("BREAKER_WINDOW", 20, _positive_int)
 BREAKER_MIN_CALLS = Setting("BREAKER_MIN_CALLS", 5, _positive_int)
 BREAKER_FAILURE_RATE = Setting("BREAKER_FAILURE_RATE", 0.5, _share)
@@ -446,6 +486,7 @@ SETTINGS: dict[str, Setting[Any]] = {
         RETRY_AFTER_JITTER,
         DEFAULT_FAIL_MODE,
         LOCAL_FALLBACK_SHARE,
+        LOCAL_PATH,
         BREAKER_WINDOW,
         BREAKER_MIN_CALLS,
         BREAKER_FAILURE_RATE,
@@ -642,6 +683,10 @@ class Settings:
     @cached_property
     def local_fallback_share(self) -> float:
         return self.value(LOCAL_FALLBACK_SHARE)
+
+    @cached_property
+    def local_path(self) -> LocalPathSettings:
+        return self.value(LOCAL_PATH)
 
     @cached_property
     def failed_auth(self) -> FailedAuthLimit | None:

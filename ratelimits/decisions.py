@@ -72,6 +72,9 @@ class Decision:
     #: A slot the store may have taken although it never answered (it timed out): released in
     #: the store when the request finishes, whatever the decision was.
     stray_slot: tuple[str, tuple[str, ...]] | None = None
+    #: How this worker answered without asking the store: ``"denial"`` (a remembered denial) or
+    #: ``"lease"`` (tokens it leased); ``None`` when the store decided (:mod:`ratelimits.engine.local`).
+    local: str | None = None
 
     @property
     def allowed(self) -> bool:

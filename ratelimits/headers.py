@@ -27,6 +27,8 @@ def rate_limit_headers(decision: Decision) -> dict[str, str]:
     headers: dict[str, str] = {}
     if decision.degraded:
         headers["X-RateLimit-Degraded"] = "1"
+    if decision.local is not None and conf.local_path.header:
+        headers["X-RateLimit-Local"] = decision.local
     shadow = decision.shadow_violated
     if shadow:
         # What shadow policies would have done, for operators trying a new limit out.

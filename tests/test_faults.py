@@ -40,6 +40,7 @@ def configure(settings: Any, own_redis: RedisServer, **overrides: Any) -> None:
         "TIERS": {"free": {"rate": "5/m"}, "anon": {"rate": "1000/s", "burst": 1000}},
         "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "free"},
         "TIER_FUNC": "project.payments.auth.tier_of",
+        "LOCAL_PATH": {"header": True},
         **overrides,
     }
     engine.reset()
@@ -52,6 +53,12 @@ class Hit:
     seconds: float
     breaker_before: str
     response: Any
+
+    @property
+    def local(self) -> str | None:
+        """How the worker answered without the store (``X-RateLimit-Local``), if it did."""
+        value = self.response.get("X-RateLimit-Local")
+        return str(value) if value is not None else None
 
 
 class Caller:
@@ -93,17 +100,23 @@ def statuses(hits: list[Hit]) -> list[int]:
 
 def test_killed_redis_fails_open_then_limits_return_after_restart(settings: Any, own_redis: RedisServer) -> None:
     configure(settings, own_redis)
-    caller = key("sk_fault_kill")
+    refused, caller = key("sk_fault_refused"), key("sk_fault_kill")
 
-    before = caller.burst(8)
+    before = refused.burst(8)
     assert statuses(before) == [200] * 5 + [429] * 3  # Redis enforces 5/m
     assert not any(h.degraded for h in before)
+    # The store's first 429 is remembered: its wait (12 s) cannot end early, so the rest come from memory.
+    assert [h.local for h in before] == [None] * 6 + ["denial"] * 2
 
     own_redis.kill()  # SIGKILL with the client's pooled connection open
     down = caller.burst(60)
-    assert statuses(down) == [200] * 60  # fail open: the over-limit caller is let through...
+    assert statuses(down) == [200] * 60  # fail open: a caller the store never refused is let through...
     assert all(h.degraded for h in down)  # ...and every such response says so
     assert engine.get_limiter().breaker.state == "open"
+    # ...while the refused caller's denial, which the store would still give, goes on from memory.
+    still = refused.burst(20)
+    assert statuses(still) == [429] * 20
+    assert all(h.local == "denial" and not h.degraded for h in still)
 
     own_redis.start()  # the same port
     restarted = time.monotonic()

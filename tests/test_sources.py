@@ -594,7 +594,8 @@ def test_committed_change_is_enforced_on_the_next_request(
 def test_other_workers_use_the_old_snapshot_for_at_most_one_request(
     metered: tuple[DatabasePolicySource, Tier, APIClient], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A worker that did not make the change learns of it from the version stamp its next decision brings."""
+    """A worker that did not make the change learns of it from the invalidation channel, or at the latest
+    from the version stamp its next decision brings."""
     worker, tier_, client = metered
     with monkeypatch.context() as m:
         # The admin's save runs in another worker: its process has a source of its own.
@@ -604,8 +605,9 @@ def test_other_workers_use_the_old_snapshot_for_at_most_one_request(
             tier_.burst = 5
             tier_.save()
     assert engine.get_policy_source() is worker
-    observing = client.get("/v1/customers")  # decided on the old snapshot; brings back the new stamp
-    assert observing["X-RateLimit-Limit"] == "100"
+    # On the old snapshot only if the channel's message has not arrived yet; it brings back the new stamp.
+    observing = client.get("/v1/customers")
+    assert observing["X-RateLimit-Limit"] in ("100", "5")
     assert [client.get("/v1/customers")["X-RateLimit-Limit"] for _ in range(2)] == ["5", "5"]
 
 

@@ -50,6 +50,7 @@ def test_known_traffic_drains_to_exact_totals(backend_settings: str) -> None:
     anonymous = APIClient(REMOTE_ADDR="198.51.100.5")
     assert [anonymous.get("/t/ping").status_code for _ in range(6)] == [200] * 5 + [429]
 
+    engine.get_limiter().flush_usage(now=True)  # the second 429 came from memory: counted in the store now
     assert drain(now=later()) >= 1
     subject = f"ApiKey:{key.pk}"
     assert totals(subject_kind="api_key", subject_id=subject) == {

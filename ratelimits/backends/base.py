@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from ..counters import Usage
     from ..decisions import Decision
     from ..policies.values import Check
+    from .invalidation import Subscription
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +102,15 @@ class Backend(ABC):
 
         Never lowers it (two publishers may race); returns the stamp now stored.
         """
+
+    def subscribe(self, on_message: Callable[[bytes | None], None]) -> Subscription | None:
+        """Hear every invalidation (a new policy version, a reset) published from now on, anywhere.
+
+        ``on_message`` is called with each message, and with ``None`` whenever the subscription
+        (re)starts: messages may have been missed. ``None``: this backend publishes nothing, and
+        the local fast path (:mod:`ratelimits.engine.local`) stays off.
+        """
+        return None
 
     def store_health(self) -> StoreHealth | None:
         """Whether the store may evict the limiter's keys, and how many it has; ``None``: nothing to report.

@@ -42,6 +42,7 @@ from ..exceptions import BackendUnavailable, PolicyFailed
 from ..policies.values import Check
 from . import layout
 from .base import StoreHealth, new_slot, slot_keys
+from .invalidation import RESET, version_message
 from .redis import (
     ADD_USAGE,
     DECIDE,
@@ -465,6 +466,13 @@ class ClusterBackend(RedisBackend):
         with self._store():
             for group in _by_slot([check.key(self.prefix) for check in checks]).values():
                 self.client.delete(*group)
+        self.publish(RESET)
+
+    def subscription_connection(self) -> Any:
+        """A connection to any node: a cluster's nodes pass every ``PUBLISH`` on to each other."""
+        nodes = [n for n in self.client.nodes_manager.nodes_cache.values() if n.redis_connection is not None]
+        node = random.choice(nodes)
+        return self._new_connection(node.redis_connection.connection_pool, host=node.host, port=node.port)
 
     def publish_version(self, version: int) -> str:
         """Raise every slot's copy of the version stamp: the next request anywhere sees it."""
@@ -482,6 +490,7 @@ class ClusterBackend(RedisBackend):
                 if call.error is not None:
                     raise call.error
                 stamps.append(int(call.reply))
+        self.publish(version_message(version))
         return str(min(stamps))
 
     def add_usage(self, counts: Mapping[tuple[int, str], int]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import struct
 import threading
@@ -32,6 +33,7 @@ from . import layout
 from .base import Backend, StoreHealth, new_slot, slot_keys
 from .connection import make_client as new_client
 from .connection import tight
+from .invalidation import RESET, Subscription, channel, held, version_message
 
 __all__ = [
     "ADD_USAGE",
@@ -44,6 +46,8 @@ __all__ = [
     "make_client",
     "read_state",
 ]
+
+logger = logging.getLogger("ratelimits")
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +138,10 @@ class RedisBackend(Backend):
         self.usage_cap = conf.usage_max_subjects if usage_cap is None else usage_cap
         self.version_key = layout.version_key(prefix)
         self._local = threading.local()
+        #: This process's subscribers, told of its own publications at once (the others by the
+        #: channel); held weakly, as the subscriptions hold them.
+        self._subscribers: list[Callable[[], Callable[[bytes | None], None] | None]] = []
+        self._publish_refused = False
 
     @classmethod
     def from_settings(cls) -> RedisBackend:
@@ -271,9 +279,39 @@ class RedisBackend(Backend):
     def clear(self, checks: Sequence[Check]) -> None:
         with self._store():
             self.client.delete(*[check.key(self.prefix) for check in checks])
+        self.publish(RESET)
 
     def publish_version(self, version: int) -> str:
-        return str(int(self._run(PUBLISH_VERSION, [self.version_key], [version, layout.VERSION_TTL_S])))
+        stamp = str(int(self._run(PUBLISH_VERSION, [self.version_key], [version, layout.VERSION_TTL_S])))
+        self.publish(version_message(version))
+        return stamp
+
+    def subscribe(self, on_message: Callable[[bytes | None], None]) -> Subscription:
+        self._subscribers = [s for s in self._subscribers if s() is not None] + [held(on_message)]
+        return Subscription(self.subscription_connection, channel(self.prefix), on_message)
+
+    def subscription_connection(self) -> Any:
+        """A new connection for the invalidation channel, made as the decisions' are."""
+        return self._new_connection(self.client.connection_pool)
+
+    def publish(self, message: bytes) -> None:
+        """Tell every process, this one first, that what it remembers is stale (:mod:`.invalidation`).
+
+        A store that refuses the channel (an ACL without it) is warned of once: its processes can
+        never subscribe either, so none of them answers from memory.
+        """
+        for subscriber in [s() for s in self._subscribers]:
+            if subscriber is not None:
+                subscriber(message)
+        try:
+            with self._store():
+                self.client.publish(channel(self.prefix), message)
+        except BackendUnavailable as exc:
+            if not isinstance(exc.__cause__, redis.exceptions.NoPermissionError):
+                raise
+            if not self._publish_refused:
+                self._publish_refused = True
+                logger.warning("ratelimits: the store refuses the invalidation channel (%s): no local fast path", exc)
 
     def store_health(self) -> StoreHealth:
         """The eviction policy (``CONFIG GET``, else ``INFO memory``, which managed Redis allows more

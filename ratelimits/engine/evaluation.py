@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -15,9 +16,9 @@ from django.core.signals import request_finished
 
 from ..algorithms import SLOT_RETRY_US
 from ..conf import conf
-from ..counters import Usage, usage_for
+from ..counters import LIMITED, Usage, usage_for
 from ..decisions import Decision, Verdict
-from ..identity import Identity, identify
+from ..identity import Identity, SubjectKind, identify, subject_of
 from ..policies.source import get_policy_source
 from ..policies.values import Check
 from .limiter import Limiter, current_limiter, get_limiter
@@ -26,7 +27,7 @@ from .shedding import WorkerShedder, get_worker_shedder
 if TYPE_CHECKING:
     from django.http import HttpRequest
 
-__all__ = ["evaluate", "release_held", "usage_of"]
+__all__ = ["early_refusals", "evaluate", "presented_credential", "refuse_early", "release_held", "usage_of"]
 
 logger = logging.getLogger("ratelimits")
 
@@ -75,7 +76,63 @@ def evaluate(
             identity.caller,
             ", ".join(r.policy_name for r in decision.shadow_violated),
         )
+    local = limiter.local_path
+    if local is not None:
+        if decision.local is not None and conf.local_path.header:
+            logger.debug(
+                "ratelimits: %s answered from memory (%s)",
+                identity.caller,
+                decision.local,
+                extra={"ratelimit_local": decision.local},
+            )
+        if decision.verdict is Verdict.LIMITED and identity.api_key is not None and usage is not None:
+            credential = presented_credential(request)
+            if credential is not None:
+                method = request.method or "GET"
+                local.note_credential(credential, endpoint, method, decision, usage.field, usage.tokens)
     return identity, decision
+
+
+def presented_credential(request: HttpRequest) -> str | None:
+    """The keyed hash of the request's ``Authorization`` header (as subjects are hashed); ``None`` without one."""
+    header = request.META.get("HTTP_AUTHORIZATION", "")
+    if not isinstance(header, str) or not header.strip():
+        return None
+    return subject_of(SubjectKind.CREDENTIAL, header.strip()).digest
+
+
+def early_refusals() -> bool:
+    """Whether :func:`refuse_early` may refuse anything now (a shedder, or a credential remembered as refused)."""
+    if get_worker_shedder() is not None:
+        return True
+    limiter = current_limiter()
+    return limiter is not None and limiter.local_path is not None and limiter.local_path.refuses_credentials
+
+
+def refuse_early(request: HttpRequest, endpoint: str) -> Decision | None:
+    """The 503 or 429 ``request`` would get from the engine, if this worker knows it before authentication.
+
+    A 503 if the worker shedder would shed the endpoint's priority class now; a 429 if the
+    request's credential was refused on this endpoint and its denial has not ended (each such
+    refusal is counted in usage as the authenticated request was). ``None`` otherwise: unknown
+    credentials, invalid ones and everything else take the normal path.
+    """
+    method = request.method or "GET"
+    shedder = get_worker_shedder()
+    if shedder is not None and shedder.sheds(get_policy_source().endpoint_rule(endpoint, method).priority):
+        return Decision(Verdict.SHED, (), retry_after_us=SLOT_RETRY_US)
+    limiter = current_limiter()
+    local = limiter.local_path if limiter is not None else None
+    if local is None or not local.refuses_credentials:
+        return None
+    credential = presented_credential(request)
+    found = local.refuse_credential(credential, endpoint, method) if credential is not None else None
+    if found is None:
+        return None
+    decision, early = found
+    if conf.usage_counting:
+        limiter.count_local(Usage(int(time.time() // 60), early.usage_field, early.tokens, ""), LIMITED)  # type: ignore[union-attr]
+    return decision
 
 
 def usage_of(identity: Identity, checks: Sequence[Check]) -> Usage:

@@ -14,29 +14,46 @@ from ..backends import Backend, get_backend
 from ..backends.memory import MemoryBackend
 from ..choices import FailMode
 from ..conf import ProcessWide, conf
-from ..counters import DEGRADED, Usage
+from ..counters import DEGRADED, LIMITED, Usage
 from ..decisions import Decision, Verdict
 from ..exceptions import BackendUnavailable, PolicyFailed
 from ..policies.values import Check
 from .breaker import BreakerState, CircuitBreaker
+from .local import LocalPath
 
 __all__ = ["Limiter", "get_limiter"]
 
 logger = logging.getLogger("ratelimits")
 
+#: How often the usage of requests answered from memory is added to the store's counters (seconds).
+LOCAL_USAGE_EVERY_S = 1.0
+
 
 class Limiter:
     """A backend behind a circuit breaker, with per-policy fail modes when it cannot answer."""
 
-    def __init__(self, backend: Backend, breaker: CircuitBreaker, *, local: Backend, local_share: float) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        breaker: CircuitBreaker,
+        *,
+        local: Backend,
+        local_share: float,
+        local_path: LocalPath | None = None,
+    ) -> None:
         self.backend = backend
         self.breaker = breaker
         self.local = local
         self.local_share = local_share
+        #: What this worker answers without the store (``LOCAL_PATH``); ``None``: every decision asks it.
+        self.local_path = local_path
         self.degraded_count = 0
         self._count_lock = threading.Lock()
         #: Usage of degraded decisions, per (minute, field), waiting for the store to come back.
         self._degraded_usage: Counter[tuple[int, str]] = Counter()
+        #: Usage of decisions answered from memory, added to the store's every LOCAL_USAGE_EVERY_S.
+        self._local_usage: Counter[tuple[int, str]] = Counter()
+        self._local_usage_at = time.monotonic()
         #: When each failed policy was last logged (monotonic seconds): once a minute is enough.
         self._failures_logged: dict[str, float] = {}
         #: Releases that could not reach the store, oldest first; bounded, since slots expire anyway.
@@ -50,8 +67,15 @@ class Limiter:
         """
         if not checks:
             return Decision(Verdict.ALLOW, ())
+        local = self.local_path if consume else None
+        if local is not None:
+            refusal = local.refuse(checks)
+            if refusal is not None:
+                self.count_local(usage, LIMITED)
+                return refusal
         if self.breaker.allow():
             try:
+                sent = time.monotonic()
                 decision = self.backend.decide(checks, consume=consume, usage=usage)
             except PolicyFailed as exc:
                 # The store answered: a bad policy or key is not an outage, and must not open the
@@ -61,9 +85,7 @@ class Limiter:
             except BackendUnavailable as exc:
                 self.breaker.record_failure()
                 logger.warning("ratelimits: backend unavailable, degrading: %s", exc)
-                if exc.stray_slot is not None:
-                    degraded = self._degraded(checks, consume=consume, usage=usage)
-                    return replace(degraded, stray_slot=exc.stray_slot)
+                return self._unanswered(checks, consume=consume, usage=usage, stray_slot=exc.stray_slot)
             except BaseException:
                 # Anything else (a bug, a worker timeout) must still report: a half-open breaker
                 # whose probe never reports would turn every later call away for good.
@@ -71,20 +93,56 @@ class Limiter:
                 raise
             else:
                 self.breaker.record_success()
+                if local is not None:
+                    local.learn(decision, sent)
                 return decision
-        return self._degraded(checks, consume=consume, usage=usage)
+        return self._unanswered(checks, consume=consume, usage=usage)
 
-    def flush_usage(self) -> None:
-        """Add the usage counted while the store was unreachable to its counters, once it is back."""
-        if not self._degraded_usage or self.breaker.state is not BreakerState.CLOSED:
+    def _unanswered(
+        self,
+        checks: Sequence[Check],
+        *,
+        consume: bool,
+        usage: Usage | None,
+        stray_slot: tuple[str, tuple[str, ...]] | None = None,
+    ) -> Decision:
+        """The store cannot answer: a denial remembered from it that has not ended, else each check's fail mode."""
+        local = self.local_path if consume else None
+        decision = local.refuse(checks, store_down=True) if local is not None else None
+        if decision is not None:
+            self.count_local(usage, LIMITED)
+        else:
+            decision = self._degraded(checks, consume=consume, usage=usage)
+        return decision if stray_slot is None else replace(decision, stray_slot=stray_slot)
+
+    def count_local(self, usage: Usage | None, metric: str) -> None:
+        """Count ``usage`` as a request answered from memory (``metric``: allowed or limited)."""
+        if usage is not None:
+            with self._count_lock:
+                self._local_usage[(usage.minute, usage.field + metric)] += 1
+
+    def flush_usage(self, *, now: bool = False) -> None:
+        """Add usage counted in this process to the store's counters: what was decided while it was
+        unreachable, once it is back, and every LOCAL_USAGE_EVERY_S (or ``now``) what was answered
+        from memory.
+        """
+        if self.breaker.state is not BreakerState.CLOSED:
             return
+        if self._degraded_usage:
+            self._flush("_degraded_usage")
+        if self._local_usage and (now or time.monotonic() - self._local_usage_at >= LOCAL_USAGE_EVERY_S):
+            self._local_usage_at = time.monotonic()
+            self._flush("_local_usage")
+
+    def _flush(self, name: str) -> None:
         with self._count_lock:
-            counts, self._degraded_usage = self._degraded_usage, Counter()
+            counts: Counter[tuple[int, str]] = getattr(self, name)
+            setattr(self, name, Counter())
         try:
             self.backend.add_usage(counts)
         except BackendUnavailable:
             with self._count_lock:
-                self._degraded_usage.update(counts)
+                getattr(self, name).update(counts)
 
     def release(self, decision: Decision) -> None:
         """Give back the slots ``decision`` holds, in the store that granted them; idempotent."""
@@ -180,8 +238,11 @@ class Limiter:
 
 
 def _build() -> Limiter:
+    backend, breaker, settings = get_backend(), CircuitBreaker(**conf.breaker), conf.local_path
+    # A backend whose state is the process's (memory) answers from memory already.
+    local_path = LocalPath(backend, breaker, settings) if backend.shared and settings.denials else None
     return Limiter(
-        get_backend(), CircuitBreaker(**conf.breaker), local=MemoryBackend(), local_share=conf.local_fallback_share
+        backend, breaker, local=MemoryBackend(), local_share=conf.local_fallback_share, local_path=local_path
     )
 
 

@@ -42,6 +42,11 @@ class WorkerShedder:
             self._in_flight += 1
             return True
 
+    def sheds(self, priority: Priority) -> bool:
+        """Whether :meth:`admit` would shed ``priority`` now (nothing is counted: asked before authentication)."""
+        limit = self._limits.get(priority)
+        return limit is not None and self._in_flight >= limit
+
     def finish(self) -> None:
         """Count an admitted request out (never below zero)."""
         with self._lock:

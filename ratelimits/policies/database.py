@@ -82,8 +82,9 @@ class DatabasePolicySource(SnapshotPolicySource):
             if now - snapshot.loaded_at > conf.policy_poll_interval:
                 self.invalidate()
             return
-        if not decision.results:
-            # A decision without checks (an exempt endpoint) never reached the store: no stamp.
+        if not decision.results or decision.local is not None:
+            # A decision without checks (an exempt endpoint), or one answered from memory, never
+            # reached the store: no stamp.
             return
         stamp = stamp_version(decision.policy_version)
         if stamp > snapshot.version:
