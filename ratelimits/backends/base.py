@@ -37,11 +37,25 @@ class StoreHealth:
         return None if self.maxmemory_policy is None else self.maxmemory_policy != "noeviction"
 
 
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """Tokens a leasing decide call took for the worker beyond a check's cost, and how to give back the rest."""
+
+    check: Check
+    tokens: int
+    #: The store's clock when it took them (us), and what ``lua/refund.lua`` needs (see ``REFUNDABLE``).
+    taken_us: int
+    spent_tat: float
+    given_back: float
+
+
 class Backend(ABC):
     """Stores limiter state and decides checks atomically."""
 
     #: Whether state is shared between processes (``memory`` is not).
     shared: bool = True
+    #: Whether :meth:`lease` and :meth:`give_back` work (token leases of the local fast path).
+    leases: bool = False
 
     @classmethod
     @abstractmethod
@@ -102,6 +116,18 @@ class Backend(ABC):
 
         Never lowers it (two publishers may race); returns the stamp now stored.
         """
+
+    def lease(
+        self, checks: Sequence[Check], wants: Sequence[int], *, usage: Usage | None = None
+    ) -> tuple[Decision, list[Grant]]:
+        """Decide and consume as :meth:`decide` does, and in the same call take up to ``wants[i]`` more tokens
+        from check ``i`` (token buckets only) for the worker to spend itself; what each check gave.
+        """
+        raise NotImplementedError(f"{type(self).__name__} takes no leases")
+
+    def give_back(self, grants: Sequence[tuple[Grant, int]]) -> int:
+        """Give unused leased tokens back, ``(grant, tokens)`` each; how many buckets took something back."""
+        raise NotImplementedError(f"{type(self).__name__} takes no leases")
 
     def subscribe(self, on_message: Callable[[bytes | None], None]) -> Subscription | None:
         """Hear every invalidation (a new policy version, a reset) published from now on, anywhere.

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import random
 import re
-import struct
 import threading
 import time
 import uuid
@@ -44,9 +43,12 @@ from . import layout
 from .base import StoreHealth, new_slot, slot_keys
 from .invalidation import RESET, version_message
 from .redis import (
+    _REFUND_CHECK,
+    _REFUND_NOW,
     ADD_USAGE,
     DECIDE,
     PUBLISH_VERSION,
+    REFUND,
     RELEASE,
     STORE_ERRORS,
     RedisBackend,
@@ -61,10 +63,7 @@ from .redis import (
 
 __all__ = ["REFUND", "ClusterBackend"]
 
-REFUND = Script.load("refund.lua")
 #: ``lua/refund.lua``'s packed request: its clock, then one record per check given back.
-_REFUND_NOW = struct.Struct("<d")
-_REFUND_CHECK = struct.Struct("<Bdddd")
 #: The bytes a refundable decide call reports per check (``REFUNDABLE`` in ``lua/decide.lua``),
 #: which the refund takes as they are.
 _REFUNDABLE = 16
@@ -115,6 +114,8 @@ class _Call:
 class ClusterBackend(RedisBackend):
     """Shared state on a Redis Cluster: one script call per slot group, sent concurrently.
 
+    Takes no token leases (yet): a lease's tokens would have to be given back per slot group.
+
     ``client`` is a :class:`redis.RedisCluster`, or a function making one: the cluster is first
     reached when the limiter first needs it, so an unreachable cluster degrades requests by
     their fail modes instead of failing the process at start-up.
@@ -150,6 +151,7 @@ class ClusterBackend(RedisBackend):
             return cls(client, **options)
         return cls(lambda: make_client(url, socket_timeout, connect_timeout, redis_options), **options)  # type: ignore[arg-type, return-value]
 
+    leases = False
     _cluster: RedisCluster | None
     _connect: Callable[[], RedisCluster] | None
 

@@ -30,7 +30,7 @@ from ..decisions import Decision, Result
 from ..exceptions import BackendUnavailable, PolicyFailed
 from ..policies.values import Check
 from . import layout
-from .base import Backend, StoreHealth, new_slot, slot_keys
+from .base import Backend, Grant, StoreHealth, new_slot, slot_keys
 from .connection import make_client as new_client
 from .connection import tight
 from .invalidation import RESET, Subscription, channel, held, version_message
@@ -68,6 +68,7 @@ DECIDE = Script.load("decide.lua")
 ADD_USAGE = Script.load("add_usage.lua")
 PUBLISH_VERSION = Script.load("publish_version.lua")
 RELEASE = Script.load("release.lua")
+REFUND = Script.load("refund.lua")
 #: What a script cache holds the decide script under (tests look for it there).
 DECIDE_SHA = DECIDE.sha
 #: The wait the decide script answers for a check it could not decide (see ``lua/decide.lua``).
@@ -77,6 +78,12 @@ _USAGE_TTL = str(layout.USAGE_TTL_S)
 #: The decide script's packed request header (``REQUEST`` in ``lua/decide.lua``; a check packs
 #: its own record, :attr:`Check.script_record <ratelimits.policies.values.Check.script_record>`).
 _REQUEST = struct.Struct("<dBddd")
+#: ``lua/refund.lua``'s packed header (now) and each check's record before what the decide call reported.
+_REFUND_NOW = struct.Struct("<d")
+_REFUND_CHECK = struct.Struct("<Bdddd")
+#: A leasing decide call's report per check: REFUNDABLE (what a refund needs) and LEASE (tokens taken).
+_REFUNDABLE = struct.Struct("<dd")
+_LEASE = struct.Struct("<d")
 
 
 #: How ``lua/decide.lua`` packs each rate algorithm's state (``GCRA_STATE`` and the others there).
@@ -118,6 +125,8 @@ class RedisBackend(Backend):
     A lost script cache (restart, failover, ``SCRIPT FLUSH``) costs one ``EVAL`` instead.
     """
 
+    leases = True
+
     def __init__(
         self,
         client: redis.Redis,
@@ -158,8 +167,27 @@ class RedisBackend(Backend):
         return {"prefix": conf.key_prefix, "clock": clock, "timeouts": timeouts}
 
     def decide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
+        return self._decided(checks, consume=consume, usage=usage)[0]
+
+    def lease(
+        self, checks: Sequence[Check], wants: Sequence[int], *, usage: Usage | None = None
+    ) -> tuple[Decision, list[Grant]]:
+        decision, reply = self._decided(checks, consume=True, usage=usage, wants=wants)
+        spent, taken = reply[-2], reply[-1]
+        grants = []
+        for i, check in enumerate(checks):
+            (tokens,) = _LEASE.unpack_from(taken, _LEASE.size * i)
+            if tokens > 0:
+                spent_tat, given_back = _REFUNDABLE.unpack_from(spent, _REFUNDABLE.size * i)
+                grants.append(Grant(check, int(tokens), reply[0], spent_tat, given_back))
+        return decision, grants
+
+    def _decided(
+        self, checks: Sequence[Check], *, consume: bool, usage: Usage | None, wants: Sequence[int] | None = None
+    ) -> tuple[Decision, Any]:
+        """One decide call: the decision, and the script's reply as it came."""
         slot = new_slot(checks) if consume else None
-        script_keys, args = self.decide_call(checks, consume=consume, usage=usage, slot=slot)
+        script_keys, args = self.decide_call(checks, consume=consume, usage=usage, slot=slot, wants=wants)
         held = slot_keys(checks, script_keys[1 : len(checks) + 1]) if slot else ()
         try:
             reply = self._run(DECIDE, script_keys, args)
@@ -176,13 +204,14 @@ class RedisBackend(Backend):
         if failed:
             raise policy_failed(failed)
         version = reply[1]
-        return Decision.from_results(
+        decision = Decision.from_results(
             results,
             now_us=reply[0],
             policy_version=version.decode() if isinstance(version, bytes) else None,
             slot=slot,
             slot_keys=held,
         )
+        return decision, reply
 
     def decide_call(
         self,
@@ -193,27 +222,44 @@ class RedisBackend(Backend):
         slot: str | None,
         tag: str | None = None,
         refundable: bool = False,
+        wants: Sequence[int] | None = None,
     ) -> tuple[list[str], list[Any]]:
         """The decide script's KEYS and ARGV for these checks (``lua/decide.lua`` says what each is).
 
         ``tag``: on a cluster, the slot tag of the checks' keys, whose copy of the version stamp
         and usage hash the call uses (:mod:`.layout`). ``refundable``: the reply also says what
-        ``lua/refund.lua`` needs to give back what the call consumed.
+        ``lua/refund.lua`` needs to give back what the call consumed. ``wants``: a leasing call,
+        taking up to that many tokens more from each check (its reply says how many it took).
         """
         now = -1.0 if self.clock is None else self.clock()  # negative: the script reads Redis TIME
-        mode = 2 if refundable and consume else int(consume)
+        mode = (3 if wants is not None else 2 if refundable else 1) if consume else 0
         record = [_REQUEST.pack(now, mode, usage.tokens if usage else 1, layout.USAGE_TTL_S, self.usage_cap)]
         script_keys = [self.version_key if tag is None else layout.version_key(self.prefix, tag)]
-        ttls = []
+        ttls: list[str | bytes] = []
         prefix = self.prefix
         for check in checks:
             script_keys.append(check.key(prefix))
             record.append(check.script_record)
             ttls.append(check.policy.script_ttl)
+        if wants is not None:
+            ttls.append(b"".join(_LEASE.pack(want) for want in wants))
         if usage:
             script_keys.append(layout.usage_key(prefix, usage.minute, tag))
             return script_keys, [b"".join(record), usage.field, slot or "", usage.overflow, *ttls]
         return script_keys, [b"".join(record), "", slot or "", "", *ttls]
+
+    def give_back(self, grants: Sequence[tuple[Grant, int]]) -> int:
+        """Give ``(grant, unused tokens)`` back to their buckets with ``lua/refund.lua``: no more than time has
+        not yet refilled of them (so a bucket never holds more than it would had they never been taken).
+        """
+        records = [_REFUND_NOW.pack(-1.0 if self.clock is None else self.clock())]
+        keys = []
+        for grant, unused in grants:
+            rate = grant.check.policy.rate
+            record = (grant.check.policy.algorithm.code, rate.limit, rate.period_us, unused, grant.taken_us)
+            records.append(_REFUND_CHECK.pack(*record) + _REFUNDABLE.pack(grant.spent_tat, grant.given_back))
+            keys.append(grant.check.key(self.prefix))
+        return int(self._run(REFUND, keys, [b"".join(records), "", ""]))
 
     def claim_usage(self, before_minute: int) -> list[tuple[str, int]]:
         live, draining = layout.usage_prefix(self.prefix), layout.drain_prefix(self.prefix)

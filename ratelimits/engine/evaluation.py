@@ -180,6 +180,7 @@ def release_held(**kwargs: Any) -> None:
     current = current_limiter()
     if current is not None:
         current.retry_releases()
+        current.return_leases()
         current.flush_usage()
 
 

@@ -14,12 +14,12 @@ from ..backends import Backend, get_backend
 from ..backends.memory import MemoryBackend
 from ..choices import FailMode
 from ..conf import ProcessWide, conf
-from ..counters import DEGRADED, LIMITED, Usage
+from ..counters import ALLOWED, DEGRADED, EXTRA_TOKENS, LIMITED, Usage
 from ..decisions import Decision, Verdict
 from ..exceptions import BackendUnavailable, PolicyFailed
 from ..policies.values import Check
 from .breaker import BreakerState, CircuitBreaker
-from .local import LocalPath
+from .local import LEASE, LocalPath
 
 __all__ = ["Limiter", "get_limiter"]
 
@@ -68,15 +68,38 @@ class Limiter:
         if not checks:
             return Decision(Verdict.ALLOW, ())
         local = self.local_path if consume else None
-        if local is not None:
-            refusal = local.refuse(checks)
-            if refusal is not None:
-                self.count_local(usage, LIMITED)
-                return refusal
+        if local is None:
+            return self._asked(checks, consume=consume, usage=usage)
+        refusal = local.refuse(checks)
+        if refusal is not None:
+            self.count_local(usage, LIMITED)
+            return refusal
+        spent = local.spend(checks)
+        if spent is None:
+            return self._asked(checks, consume=consume, usage=usage, wants=local.wants(checks))
+        paid, rest = spent
+        if not rest:
+            self.count_local(usage, ALLOWED)
+            return Decision(Verdict.ALLOW, local.admitted(paid), 0, time.time_ns() // 1000, local=LEASE)
+        # Decided with the store for the rest; the leased tokens are the request's only if it admits.
+        decision = self._asked(rest, consume=consume, usage=usage, wants=local.wants(rest))
+        if not decision.allowed:
+            local.undo(paid)
+            return decision
+        return replace(decision, results=decision.results + local.admitted(paid))
+
+    def _asked(
+        self, checks: Sequence[Check], *, consume: bool, usage: Usage | None, wants: list[int] | None = None
+    ) -> Decision:
+        """Decide ``checks`` with the store (leasing ``wants`` tokens); without it if it cannot answer."""
         if self.breaker.allow():
+            local = self.local_path if consume else None
             try:
-                sent = time.monotonic()
-                decision = self.backend.decide(checks, consume=consume, usage=usage)
+                sent = local.clock() if local is not None else 0.0
+                if wants is None:
+                    decision = self.backend.decide(checks, consume=consume, usage=usage)
+                else:
+                    decision, grants = self.backend.lease(checks, wants, usage=usage)
             except PolicyFailed as exc:
                 # The store answered: a bad policy or key is not an outage, and must not open the
                 # breaker for every tenant of this process.
@@ -95,6 +118,8 @@ class Limiter:
                 self.breaker.record_success()
                 if local is not None:
                     local.learn(decision, sent)
+                    if wants is not None:
+                        decision = local.install(decision, grants, sent)
                 return decision
         return self._unanswered(checks, consume=consume, usage=usage)
 
@@ -115,11 +140,33 @@ class Limiter:
             decision = self._degraded(checks, consume=consume, usage=usage)
         return decision if stray_slot is None else replace(decision, stray_slot=stray_slot)
 
+    def return_leases(self) -> None:
+        """Give the unused tokens of leases that ran out back to their buckets (best effort, off the request path)."""
+        local = self.local_path
+        if local is None:
+            return
+        unused = local.expired()
+        if not unused:
+            return
+        tokens = sum(n for _, n in unused)
+        if self.breaker.state is not BreakerState.CLOSED:
+            local.counts["tokens_unreturned"] += tokens  # the store is down: asked no more now
+            return
+        try:
+            self.backend.give_back(unused)
+        except (BackendUnavailable, PolicyFailed) as exc:
+            local.counts["tokens_unreturned"] += tokens
+            logger.info("ratelimits: leased tokens not given back: %s", exc)
+        else:
+            local.counts["tokens_returned"] += tokens
+
     def count_local(self, usage: Usage | None, metric: str) -> None:
         """Count ``usage`` as a request answered from memory (``metric``: allowed or limited)."""
         if usage is not None:
             with self._count_lock:
                 self._local_usage[(usage.minute, usage.field + metric)] += 1
+                if metric == ALLOWED and usage.tokens != 1:
+                    self._local_usage[(usage.minute, usage.field + EXTRA_TOKENS)] += usage.tokens - 1
 
     def flush_usage(self, *, now: bool = False) -> None:
         """Add usage counted in this process to the store's counters: what was decided while it was

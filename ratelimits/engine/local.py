@@ -27,11 +27,13 @@ import math
 import os
 import threading
 import time
-from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
+from ..algorithms import Algorithm
 from ..backends import Backend
+from ..backends.base import Grant
 from ..backends.invalidation import RESET
 from ..conf import LocalPathSettings
 from ..decisions import Decision, Result, Verdict
@@ -40,11 +42,13 @@ from ..policies.source import get_policy_source
 from ..policies.values import Check
 from .breaker import BreakerState, CircuitBreaker
 
-__all__ = ["DENIAL", "LocalPath"]
+__all__ = ["DENIAL", "LEASE", "LocalPath"]
 
 US = 1_000_000
 #: :attr:`Decision.local <ratelimits.decisions.Decision.local>` of a request refused from memory.
 DENIAL = "denial"
+#: ... and of a request admitted with tokens this worker leased.
+LEASE = "lease"
 #: The subjects every request presenting one credential on one endpoint has in common.
 CREDENTIAL_BOUND = frozenset({SubjectKind.API_KEY, SubjectKind.USER, SubjectKind.ENDPOINT})
 
@@ -62,9 +66,44 @@ class Denial:
     reset: float
     remaining: int
 
-    def result(self, now: float) -> Result:
-        wait = max(math.ceil((self.advised - now) * US), 1)
-        return Result(self.check, False, self.remaining, max(math.ceil((self.reset - now) * US), wait), wait)
+    def longer_for(self, cost: int) -> float | None:
+        """How much longer than this denial's a request costing ``cost`` waits (seconds); ``None``: not
+        known without the store (a cheaper request may fit sooner; a sliding window's wait is not linear).
+        """
+        own = self.check.cost
+        if cost == own:
+            return 0.0
+        policy = self.check.policy
+        if cost < own or policy.algorithm is Algorithm.SLIDING_WINDOW:
+            return None
+        if policy.algorithm is Algorithm.TOKEN_BUCKET:  # each token more is one more emission interval
+            return (cost - own) * policy.rate.interval_us / US
+        return 0.0  # a fixed window: every cost that fits waits for the next window
+
+    def result(self, check: Check, longer: float, now: float) -> Result:
+        wait = max(math.ceil((self.advised + longer - now) * US), 1)
+        return Result(check, False, self.remaining, max(math.ceil((self.reset - now) * US), wait), wait)
+
+
+@dataclass(slots=True)
+class Lease:
+    """Tokens this worker took from a bucket beyond a request's cost, to spend until ``expires``."""
+
+    grant: Grant
+    #: Tokens left to spend.
+    tokens: int
+    #: Monotonic seconds: spent until then (from the send time of the call that took it).
+    expires: float
+    #: What the bucket held once the lease was taken, and when it would be whole again (monotonic).
+    remaining: int
+    reset: float
+    #: Given back (or dropped): nothing more is spent from it, nor put back into it.
+    closed: bool = False
+
+    def result(self, check: Check, now: float) -> Result:
+        # What this caller can still spend here: the bucket's remaining when the lease was taken
+        # (other workers' leases counted as spent) and what is left of this worker's lease.
+        return Result(check, True, self.remaining + self.tokens, max(math.ceil((self.reset - now) * US), 0), 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,8 +122,17 @@ class EarlyDenial:
 class LocalPath:
     """What this worker answers from memory, and what it remembers of the store's answers."""
 
-    def __init__(self, backend: Backend, breaker: CircuitBreaker, settings: LocalPathSettings) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        breaker: CircuitBreaker,
+        settings: LocalPathSettings,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.backend = backend
+        #: Monotonic seconds: what deadlines are measured in (a test may drive it).
+        self.clock = clock
         self.breaker = breaker
         self.settings = settings
         self.prefix: str = getattr(backend, "prefix", "rl")
@@ -94,6 +142,13 @@ class LocalPath:
         #: (credential digest, endpoint, method) -> what the credential's requests there were refused by.
         self._early: dict[tuple[str, str, str], EarlyDenial] = {}
         self._lock = threading.Lock()
+        #: State key -> the lease spent from now; and every lease not given back yet, by expiry.
+        self._leases: dict[str, Lease] = {}
+        self._expiring: deque[Lease] = deque()
+        #: State key -> [window start, requests in it, requests in the window before]: this
+        #: worker's rate per key, in windows of one lease's length (what a lease's size follows).
+        self._seen: dict[str, list[float]] = {}
+        self._leasing = settings.leases and backend.leases
         #: Local answers and the leases' bookkeeping, for the status page, the logs and the bench.
         self.counts: Counter[str] = Counter()
         self._pid = os.getpid()
@@ -123,16 +178,152 @@ class LocalPath:
             get_policy_source().invalidate()
 
     def forget(self) -> None:
+        """Forget every denial and drop every lease (its tokens are not given back: the bucket may be new)."""
         with self._lock:
             self._denials.clear()
             self._early.clear()
+            self._leases.clear()
+            for lease in self._expiring:
+                lease.closed = True
+                self.counts["tokens_dropped"] += lease.tokens
+            self._expiring.clear()
 
     def _after_fork(self) -> None:
-        # A forked child has the parent's memory but not its listener thread: start afresh.
+        # A forked child has the parent's memory but not its listener thread, nor the parent's
+        # leases to spend (the parent spends those): start afresh.
         self._pid = os.getpid()
-        self._denials, self._early, self.counts = {}, {}, Counter()
+        self._denials, self._early, self._leases, self._seen = {}, {}, {}, {}
+        self._expiring, self.counts = deque(), Counter()
         self._lock = threading.Lock()
         self._subscription = self.backend.subscribe(self.on_message)
+
+    # -- leases --------------------------------------------------------------------------------
+
+    def spend(self, checks: Sequence[Check]) -> tuple[list[tuple[Lease, Check]], list[Check]] | None:
+        """Spend, from live leases, the cost of every check one covers; ``(spent, the rest)``, or ``None``.
+
+        The rest go to the store. What was spent is the request's only if the store admits the
+        rest too; otherwise :meth:`undo` puts it back.
+        """
+        leases = self._leases
+        if not leases or not self.trusted():
+            return None
+        now = self.clock()
+        prefix = self.prefix
+        spent: list[tuple[Lease, Check]] = []
+        rest: list[Check] = []
+        with self._lock:
+            for check in checks:
+                lease = leases.get(check.key(prefix))
+                if (
+                    lease is not None
+                    and lease.expires > now
+                    and lease.tokens >= check.cost
+                    and (lease.grant.check.policy is check.policy or lease.grant.check.policy == check.policy)
+                ):
+                    lease.tokens -= check.cost
+                    spent.append((lease, check))
+                else:
+                    rest.append(check)
+            if spent and not rest:
+                self.counts["lease_hits"] += 1
+        for _, check in spent:
+            self._observe(check, now)  # a lease's requests count in the worker's rate as others do
+        return (spent, rest) if spent else None
+
+    def undo(self, spent: Sequence[tuple[Lease, Check]]) -> None:
+        """Put back what :meth:`spend` took, for a request the store did not admit."""
+        with self._lock:
+            for lease, check in spent:
+                if not lease.closed:
+                    lease.tokens += check.cost
+
+    def admitted(self, spent: Sequence[tuple[Lease, Check]]) -> tuple[Result, ...]:
+        """The results of the checks a request's leases paid for."""
+        now = self.clock()
+        return tuple(lease.result(check, now) for lease, check in spent)
+
+    def wants(self, checks: Sequence[Check]) -> list[int] | None:
+        """How many tokens to lease from each check in the store call about to be made (``None``: none).
+
+        A token bucket this worker met more than once in the last lease-length (or in this one, so
+        far) is leased as many tokens as it spent there, up to ``lease_share`` of its burst: a
+        lease lasts about as long as it is worth, and a worker never holds more than its share.
+        """
+        if not self._leasing:
+            return None
+        now = self.clock()
+        wants: list[int] | None = None
+        for i, check in enumerate(checks):
+            want = self._observe(check, now)
+            if want >= 2:
+                if wants is None:
+                    wants = [0] * len(checks)
+                wants[i] = want
+        return wants
+
+    def _observe(self, check: Check, now: float) -> int:
+        """Count a request of ``check`` in this worker's rate; the lease it would take (0: none)."""
+        policy = check.policy
+        if policy.algorithm is not Algorithm.TOKEN_BUCKET or policy.shadow:
+            return 0
+        key = check.key(self.prefix)
+        seen = self._seen
+        window = seen.get(key)
+        if window is None:
+            if len(seen) >= self.max_entries:
+                seen.clear()
+            seen[key] = [now, 1, 0]
+            return 0
+        ttl = self.settings.lease_ttl
+        if now - window[0] >= 2 * ttl:
+            window[:] = [now, 1, 0]
+        elif now - window[0] >= ttl:
+            window[:] = [now, 1, window[1]]
+        else:
+            window[1] += 1
+        # As many as this window or the last one saw: a lease grows at once with a rising rate.
+        return min(int(max(window[1], window[2])) * check.cost, int(policy.burst * self.settings.lease_share))
+
+    def install(self, decision: Decision, grants: Sequence[Grant], sent: float) -> Decision:
+        """Keep the leases a store call granted; ``decision`` with their tokens in what is remaining."""
+        if not grants:
+            return decision
+        arrived = self.clock()
+        expires = sent + self.settings.lease_ttl
+        prefix = self.prefix
+        by_check = {grant.check: grant for grant in grants}
+        results = list(decision.results)
+        with self._lock:
+            for i, result in enumerate(results):
+                grant = by_check.get(result.check)
+                if grant is None:
+                    continue
+                lease = Lease(grant, grant.tokens, expires, result.remaining, arrived + result.reset_us / US)
+                self._leases[result.check.key(prefix)] = lease  # one that is still live goes back as it expires
+                self._expiring.append(lease)
+                self.counts["leases"] += 1
+                self.counts["tokens_leased"] += grant.tokens
+                results[i] = lease.result(result.check, arrived)
+        return replace(decision, results=tuple(results))
+
+    def expired(self) -> list[tuple[Grant, int]]:
+        """Close the leases that have run out; their grants and unused tokens, to give back."""
+        expiring = self._expiring
+        if not expiring or expiring[0].expires > self.clock():
+            return []
+        now = self.clock()
+        unused = []
+        with self._lock:
+            while expiring and expiring[0].expires <= now:
+                lease = expiring.popleft()
+                lease.closed = True
+                key = lease.grant.check.key(self.prefix)
+                if self._leases.get(key) is lease:
+                    del self._leases[key]
+                if lease.tokens > 0:
+                    unused.append((lease.grant, lease.tokens))
+        return unused
 
     # -- denials -------------------------------------------------------------------------------
 
@@ -141,26 +332,29 @@ class LocalPath:
         denials = self._denials
         if not denials:
             return None
-        now = time.monotonic()
+        now = self.clock()
         met = None
         prefix = self.prefix
         for check in checks:
             denial = denials.get(check.key(prefix))
-            if denial is None or denial.ends <= now or check.cost < denial.check.cost:
+            if denial is None or denial.ends <= now:
                 continue
             policy = denial.check.policy
             if policy is not check.policy and policy != check.policy:
                 continue  # remembered under policies that have changed since
+            longer = denial.longer_for(check.cost)
+            if longer is None:
+                continue
             if met is None:
-                met = [denial]
+                met = [(denial, check, longer)]
             else:
-                met.append(denial)
+                met.append((denial, check, longer))
         if met is None or not self.trusted(store_down):
             return None
         return self._refusal(met, now)
 
-    def _refusal(self, met: Sequence[Denial], now: float) -> Decision:
-        results = [denial.result(now) for denial in met]
+    def _refusal(self, met: Sequence[tuple[Denial, Check, float]], now: float) -> Decision:
+        results = [denial.result(check, longer, now) for denial, check, longer in met]
         with self._lock:
             self.counts["denial_hits"] += 1
         return Decision(
@@ -172,10 +366,19 @@ class LocalPath:
         )
 
     def learn(self, decision: Decision, sent: float) -> None:
-        """Remember the denials of ``decision``, a consuming answer of the store to a call sent at ``sent``."""
+        """Remember the denials of ``decision``, a consuming answer of the store to a call sent at ``sent``.
+
+        An admitted request spent from its checks: a denial remembered of one of them (at a higher
+        cost) now ends later than remembered, so it is forgotten, to be learned again exactly.
+        """
         if decision.verdict is not Verdict.LIMITED or decision.degraded:
+            denials = self._denials
+            if denials and decision.allowed:
+                prefix = self.prefix
+                for result in decision.results:
+                    denials.pop(result.check.key(prefix), None)
             return
-        arrived = time.monotonic()
+        arrived = self.clock()
         prefix = self.prefix
         for result in decision.violated:
             check = result.check
@@ -235,9 +438,9 @@ class LocalPath:
         early = self._early.get((credential, endpoint, method))
         if early is None or early.snapshot is not get_policy_source().snapshot():
             return None
-        now = time.monotonic()
+        now = self.clock()
         met = [self._denials.get(key) for key in early.keys]
-        live = [d for d in met if d is not None and d.ends > now]
+        live = [(d, d.check, 0.0) for d in met if d is not None and d.ends > now]
         if not live or not self.trusted():
             return None
         return self._refusal(live, now), early

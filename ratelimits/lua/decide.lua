@@ -18,6 +18,8 @@
 -- ARGV[3]          this request's slot id (for checks of the slot algorithms), or ""
 -- ARGV[4]          the overflow row of the request's caller kind and endpoint
 -- ARGV[4 + i]      check i's state TTL in milliseconds, as the decimal PX takes
+-- ARGV[5 + n]      a leasing call's (consume = 3) wants: per check, LEASE packed, the tokens to
+--                  take beyond its cost for the worker to spend itself (0: none; token buckets only)
 --
 -- State values (every key written with a PX TTL) round-trip exactly, at the least cost: packing
 -- a double costs a tenth of formatting it in %.17g decimal, as the previous layout did.
@@ -38,6 +40,10 @@
 -- phase 1). A refundable call (consume = 2: one slot group of a cluster decision) adds one more
 -- string: per check, REFUNDABLE packed, what lua/refund.lua needs to give back exactly what the
 -- check spent (a token bucket's arrival time after it, and what the bucket had been given back).
+-- A leasing call (consume = 3: refundable, and leasing) adds another: per check, LEASE packed, the
+-- tokens taken for the worker beyond its cost (as many of its wants as the bucket held; none
+-- unless the request was admitted). They are taken as the request's cost is: really spent here,
+-- so however the worker spends them, no more is admitted than the bucket holds.
 
 -- The algorithm codes of ratelimits.algorithms.Algorithm (a test holds the two to the same numbers).
 local TOKEN_BUCKET, SLIDING_WINDOW, FIXED_WINDOW = 1, 2, 3
@@ -56,6 +62,7 @@ local GCRA_STATE, SLIDING_STATE, FIXED_STATE = '<d', '<ddd', '<dd'
 -- A bucket given back to: arrival time, us given back so far, and a last byte no decimal has
 -- (a 17-byte decimal arrival time is 300 years away). Also each check's REFUNDABLE part.
 local REFUNDED_STATE, REFUNDED_MARK, REFUNDABLE = '<ddB', 255, '<dd'
+local LEASE = '<d'
 -- How many ARGV come before the checks' TTLs.
 local HEADER = 4
 
@@ -66,7 +73,8 @@ if now < 0 then
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
-local refundable = consume == 2
+local leasing = consume == 3
+local refundable = consume >= 2
 consume = consume >= 1
 local usage = ARGV[2]
 local n = #KEYS - 1
@@ -121,8 +129,10 @@ local function sliding_retry(previous, current, elapsed, period, limit, cost)
 end
 
 -- Each returns allowed, remaining, reset_us, retry_us, new_value. An admitted token bucket also
--- leaves its new arrival time and what it was given back so far here, for a refundable call.
+-- leaves its new arrival time and what it was given back so far here, for a refundable call, and
+-- takes up to `want` more tokens (a leasing call's), leaving how many in `granted`.
 local spent_tat, given_back = 0, 0
+local want, granted = 0, 0
 local function token_bucket(value, limit, period, burst, cost)
   local interval = period / limit
   local capacity = burst * interval
@@ -143,6 +153,13 @@ local function token_bucket(value, limit, period, burst, cost)
   if now < allow_at then
     local remaining = max(floor((now + capacity - tat) / interval), 0)
     return false, remaining, ceil(tat - now), ceil(allow_at - now), nil
+  end
+  if want > 0 then
+    local room = floor((now + capacity - new_tat) / interval)
+    if room > 0 then
+      granted = math.min(want, room)
+      new_tat = new_tat + granted * interval
+    end
   end
   local remaining = max(floor((now + capacity - new_tat) / interval), 0)
   local state
@@ -236,6 +253,8 @@ local writes = {}  -- per admitted check: its index i (a slot's is negative) and
 local all_allowed, limited, failed = true, false, false
 local out = 2
 local refunds = refundable and {}  -- per check, REFUNDABLE: for a refundable call
+local wants = leasing and ARGV[HEADER + n + 1]
+local grants = leasing and {}  -- per check, LEASE: for a leasing call
 for i = 1, n do
   local key = KEYS[i + 1]
   local algorithm, shadow, limit, period, burst, cost
@@ -246,6 +265,8 @@ for i = 1, n do
     value = pending[key]
     if value == nil then value = stored[i + 1] end
   end
+  granted = 0
+  if leasing and algorithm == TOKEN_BUCKET then want = unpack_args(LEASE, wants, 8 * i - 7) else want = 0 end
   local ok, allowed, remaining, reset, retry, new_value = pcall(algorithms[algorithm], value, limit, period, burst, cost)
   if not ok then
     -- This check cannot be decided: its key holds another type, or its arguments are out of range.
@@ -281,8 +302,17 @@ for i = 1, n do
       refunds[i] = pack(REFUNDABLE, 0, 0)
     end
   end
+  if leasing then grants[i] = granted end
 end
 if refundable then reply[out + 1] = table.concat(refunds) end
+if leasing then
+  -- Only an admitted request takes anything: a denied one leases nothing either.
+  for i = 1, n do
+    if not all_allowed then grants[i] = 0 end
+    grants[i] = pack(LEASE, grants[i])
+  end
+  reply[out + 2] = table.concat(grants)
+end
 
 -- Phase 2: all or nothing.
 if all_allowed and consume then

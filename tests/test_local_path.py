@@ -1,0 +1,365 @@
+"""The local fast path on a real Redis: the exact denial cache, its invalidation, refusal before
+authentication, and token leases.
+
+The exactness replay drives two limiters through the same random traffic on one fake clock (the
+store in app-clock mode, the local path's deadlines on the same clock): one remembers denials,
+the other asks the store every time. They must admit exactly the same requests.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+from rest_framework.test import APIClient
+
+from ratelimits import engine
+from ratelimits.algorithms import Algorithm
+from ratelimits.backends.memory import MemoryBackend
+from ratelimits.backends.redis import RedisBackend, make_client
+from ratelimits.conf import LocalPathSettings
+from ratelimits.engine.breaker import CircuitBreaker
+from ratelimits.engine.limiter import Limiter
+from ratelimits.engine.local import DENIAL, LEASE, LocalPath
+from ratelimits.identity import Subject, SubjectKind
+from ratelimits.policies.values import Check, Policy
+from ratelimits.rates import parse_rate
+
+from .factories import ApiKeyFactory
+from .support.clock import FakeClock
+from .support.redis_server import RedisServer
+
+US = 1_000_000
+#: How long a test waits for a message on the invalidation channel to arrive (a bounded poll).
+DELIVERY_S = 5.0
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = DELIVERY_S) -> bool:
+    """Poll ``condition`` until it holds or ``timeout`` passes (a bounded wait for a condition, not a sleep)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.001)
+    return condition()
+
+
+def limiter_on(
+    server: RedisServer, *, prefix: str, local: LocalPathSettings | None, clock: FakeClock | None = None
+) -> Limiter:
+    """A limiter on ``server`` as ``_build`` makes one, with or without the local path."""
+    backend = RedisBackend(make_client(server.url, 2.0, 2.0), prefix=prefix, clock=clock)
+    breaker = CircuitBreaker(window=20, min_calls=5, failure_rate=0.5, cooldown=1.0)
+    path = None
+    if local is not None:
+        seconds = (lambda: clock() / US) if clock is not None else time.monotonic
+        path = LocalPath(backend, breaker, local, clock=seconds)
+        assert path.trusted(), "the invalidation channel is subscribed before the first request"
+    return Limiter(backend, breaker, local=MemoryBackend(usage_cap=100), local_share=1.0, local_path=path)
+
+
+def check(name: str, rate: str, burst: int, algorithm: Algorithm, subject: str, cost: int = 1) -> Check:
+    return Check(Policy(name, parse_rate(rate), burst, algorithm), Subject(SubjectKind.API_KEY, subject), cost)
+
+
+# -- the exactness replay ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_denial_cache_never_refuses_what_the_store_would_admit(
+    redis_server: RedisServer, redis_client: redis.Redis, seed: int
+) -> None:
+    """Random traffic (several policies of every rate algorithm, costs 1-4, several checks a request)
+    replayed against a limiter that remembers denials and one that asks the store every time."""
+    clock = FakeClock()
+    cached = limiter_on(redis_server, prefix="cached", local=LocalPathSettings(), clock=clock)
+    central = limiter_on(redis_server, prefix="central", local=None, clock=clock)
+    rng = random.Random(seed)
+    policies = [
+        ("bucket", "10/s", 5, Algorithm.TOKEN_BUCKET),
+        ("slow-bucket", "3/s", 8, Algorithm.TOKEN_BUCKET),
+        ("sliding", "12/s", 12, Algorithm.SLIDING_WINDOW),
+        ("fixed", "8/500ms", 8, Algorithm.FIXED_WINDOW),
+    ]
+    subjects = ["alice", "bob"]
+    same = alone = local_refusals = 0
+    for step in range(3000):
+        clock.advance(rng.choice([0, 0, 1, 500, 5_000, 20_000, 60_000, 150_000]))
+        chosen = rng.sample(policies, rng.choice([1, 1, 2, 3]))
+        cost = rng.choice([1, 1, 1, 2, 4])
+        subject = rng.choice(subjects)
+        checks = [check(*p, subject=subject, cost=min(cost, p[2])) for p in chosen]
+        mine, truth = cached.decide(checks), central.decide(checks)
+        assert mine.allowed == truth.allowed, (step, mine, truth)
+        if mine.local == DENIAL:
+            local_refusals += 1
+            # It never advises a retry later than the store would (the longest wait it remembers).
+            # (Within 2 us: deadlines are float seconds, here of a clock near 1.7e9 s.)
+            assert mine.retry_after_us <= truth.retry_after_us + 2, (step, mine, truth)
+            if len(checks) == 1:  # with one limit, the very wait the store gives
+                alone += 1
+                assert abs(mine.retry_after_us - truth.retry_after_us) <= 2, (step, mine, truth)
+            same += abs(mine.retry_after_us - truth.retry_after_us) <= 2
+    # The cache was really exercised. A request over two limits is advised the longest wait this
+    # worker remembers: the store's, unless another limit it has not been refused by yet is spent too.
+    assert local_refusals > 300 and alone > 100, (local_refusals, alone)
+    assert cached.local_path is not None and cached.local_path.counts["denial_hits"] == local_refusals
+    print(f"\nseed {seed}: {local_refusals} of 3000 refused from memory, none wrongly; {same} advised the store's wait")
+
+
+def test_slots_and_cheaper_requests_are_never_refused_from_memory(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    clock = FakeClock()
+    limiter = limiter_on(redis_server, prefix="slots", local=LocalPathSettings(), clock=clock)
+    costly = check("p", "10/s", 10, Algorithm.TOKEN_BUCKET, "carol", cost=8)
+    cheap = check("p", "10/s", 10, Algorithm.TOKEN_BUCKET, "carol", cost=1)
+    assert limiter.decide([costly]).allowed
+    denied = limiter.decide([costly])
+    assert not denied.allowed and denied.local is None  # the store's denial...
+    assert limiter.decide([costly]).local == DENIAL  # ...remembered for its cost
+    assert limiter.decide([cheap]).allowed  # a cheaper request still fits: asked, and admitted
+    slots = Check(Policy("c", parse_rate("1/s"), 1, Algorithm.CONCURRENCY), Subject(SubjectKind.API_KEY, "carol"))
+    held = limiter.decide([slots])
+    assert held.allowed
+    for _ in range(3):
+        refused = limiter.decide([slots])
+        assert not refused.allowed and refused.local is None  # a slot frees early: always asked
+    limiter.release(held)
+    assert limiter.decide([slots]).allowed
+
+
+def test_the_memory_is_bounded(redis_server: RedisServer, redis_client: redis.Redis) -> None:
+    clock = FakeClock()
+    limiter = limiter_on(redis_server, prefix="bounded", local=LocalPathSettings(max_entries=100), clock=clock)
+    path = limiter.local_path
+    assert path is not None
+    for i in range(1000):
+        spent = check("b", "1/h", 1, Algorithm.TOKEN_BUCKET, f"s{i}")
+        limiter.decide([spent])
+        assert not limiter.decide([spent]).allowed
+        assert len(path._denials) <= 100
+    assert len(path._denials) >= 90  # evicted a tenth at a time, the oldest first
+
+
+# -- invalidation ---------------------------------------------------------------------------------
+
+
+def test_a_reset_or_a_new_version_anywhere_empties_every_process_memory(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """Two limiters with backends of their own (two processes' worth) on one Redis."""
+    worker = limiter_on(redis_server, prefix="shared", local=LocalPathSettings())
+    admin = limiter_on(redis_server, prefix="shared", local=None)
+    spent = check("r", "1/h", 1, Algorithm.TOKEN_BUCKET, "dave")
+    assert worker.decide([spent]).allowed
+    assert not worker.decide([spent]).allowed
+    assert worker.decide([spent]).local == DENIAL
+    admin.backend.clear([spent])  # an admin's reset, in another process
+    path = worker.local_path
+    assert path is not None
+    assert wait_for(lambda: not path._denials), "the reset never reached the other process"
+    assert worker.decide([spent]).allowed  # asked again, and the reset bucket admits it
+
+    assert worker.decide([spent]).local is None
+    assert worker.decide([spent]).local == DENIAL
+    admin.backend.publish_version(7)  # a policy change, published by another process
+    assert wait_for(lambda: not path._denials), "the new version never reached the other process"
+    assert worker.decide([spent]).local is None  # asked the store: denied by it, and remembered again
+
+
+def test_memory_is_not_trusted_while_the_channel_is_down_and_the_store_is_up(
+    own_redis: RedisServer, settings: Any
+) -> None:
+    worker = limiter_on(own_redis, prefix="deaf", local=LocalPathSettings())
+    spent = check("d", "1/h", 1, Algorithm.TOKEN_BUCKET, "erin")
+    worker.decide([spent])
+    assert not worker.decide([spent]).allowed
+    assert worker.decide([spent]).local == DENIAL
+    client = own_redis.client()
+    client.client_kill_filter(_type="pubsub")  # the channel drops; decisions still reach the store
+    path = worker.local_path
+    assert path is not None
+    subscription = path._subscription
+    assert subscription is not None
+    assert wait_for(lambda: not subscription.live)
+    refused = worker.decide([spent])
+    assert not refused.allowed and refused.local is None  # asked, since a message may have been missed
+    assert wait_for(lambda: subscription.live, 10), "the channel was never subscribed again"
+    client.close()
+
+
+# -- through the DRF stack -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def stack(settings: Any, use_redis: RedisServer) -> Iterator[RedisServer]:
+    settings.RATELIMITS = {
+        **settings.RATELIMITS,
+        "TIERS": {"free": {"rate": "5/m"}, "anon": {"rate": "1000/s", "burst": 1000}},
+        "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "free"},
+        "TIER_FUNC": "project.payments.auth.tier_of",
+        "LOCAL_PATH": {"header": True},
+    }
+    settings.MIDDLEWARE = ["ratelimits.middleware.EarlyRejectionMiddleware", *settings.MIDDLEWARE]
+    yield use_redis
+
+
+def caller(raw: str) -> APIClient:
+    client = APIClient(REMOTE_ADDR="198.51.100.40")
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {raw}")
+    return client
+
+
+def same_refusal(store: Any, memory: Any) -> None:
+    """A 429 from memory says what the store's did, with a wait counted down since."""
+    assert (store.status_code, memory.status_code) == (429, 429)
+    a, b = store.json(), memory.json()
+    varies = ("retry_after_ms", "detail", "violations")  # the wait (in the detail too), counted down
+    assert {k: v for k, v in a.items() if k not in varies} == {k: v for k, v in b.items() if k not in varies}
+    assert [{**v, "retry_after_ms": 0} for v in a["violations"]] == [
+        {**v, "retry_after_ms": 0} for v in b["violations"]
+    ]
+    assert 0 < b["retry_after_ms"] <= a["retry_after_ms"]
+    assert abs(int(store["Retry-After"]) - int(memory["Retry-After"])) <= 1
+    for name in ("RateLimit-Policy", "X-RateLimit-Limit", "X-RateLimit-Resource", "Content-Type"):
+        assert store[name] == memory[name], name
+
+
+@pytest.mark.django_db
+def test_a_refusal_from_memory_is_the_stores_429_and_is_counted(stack: RedisServer) -> None:
+    ApiKeyFactory(raw="sk_local_drf", tier="free")
+    client = caller("sk_local_drf")
+    replies = [client.get("/v1/customers") for _ in range(8)]
+    assert [r.status_code for r in replies] == [200] * 5 + [429] * 3
+    assert [r.get("X-RateLimit-Local") for r in replies] == [None] * 6 + ["denial"] * 2
+    same_refusal(replies[5], replies[6])
+    limiter = engine.get_limiter()
+    assert limiter.local_path is not None and limiter.local_path.counts["denial_hits"] == 2
+    # Usage: the refusals from memory are added to the store's counters, as throttled.
+    limiter.flush_usage(now=True)
+    usage = redis.Redis.from_url(stack.url)
+    try:
+        counters = {}
+        for key in usage.scan_iter(match="rl:usage:*"):
+            counters.update({k.decode(): int(v) for k, v in usage.hgetall(key).items()})
+    finally:
+        usage.close()
+    throttled = sum(v for k, v in counters.items() if k.startswith('["api_key"') and k.endswith("]l"))
+    assert throttled == 3, counters  # one refusal by the store, two from memory
+
+
+@pytest.mark.django_db
+def test_a_refused_credential_is_answered_before_authentication(stack: RedisServer) -> None:
+    ApiKeyFactory(raw="sk_local_early", tier="free")
+    client = caller("sk_local_early")
+    replies = [client.get("/v1/customers") for _ in range(6)]
+    assert [r.status_code for r in replies] == [200] * 5 + [429]
+    with CaptureQueriesContext(connection) as queries:
+        early = client.get("/v1/customers")
+    assert early.status_code == 429 and early["X-RateLimit-Local"] == "denial"
+    assert len(queries) == 0, [q["sql"] for q in queries]  # no API key looked up, no session read
+    same_refusal(replies[-1], early)
+    # Another endpoint the key was never refused on takes the normal path.
+    with CaptureQueriesContext(connection) as queries:
+        other = client.get("/v1/charges")
+    assert other.status_code == 429 and len(queries) > 0  # authenticated, then refused by the tier
+    # Unknown and invalid credentials are never refused early: the normal path gives their 401.
+    assert caller("sk_nobody_knows").get("/v1/customers").status_code == 401
+    wrong = APIClient(REMOTE_ADDR="198.51.100.40")
+    wrong.credentials(HTTP_AUTHORIZATION="Bearer sk_local_early ")  # a different header value
+    assert wrong.get("/v1/customers").status_code in (401, 429)
+
+
+@pytest.mark.django_db
+def test_the_worker_shedder_sheds_before_authentication(settings: Any, stack: RedisServer) -> None:
+    settings.RATELIMITS = {**settings.RATELIMITS, "WORKER_CAPACITY": 1, "SHED_THRESHOLDS": {"low": 1}}
+    settings.RATELIMITS["ENDPOINTS"] = {"ping": {"priority": "low"}}
+    engine.reset()
+    shedder = engine.get_worker_shedder()
+    assert shedder is not None and shedder.admit(engine.get_policy_source().endpoint_rule("x", "GET").priority)
+    try:
+        with CaptureQueriesContext(connection) as queries:
+            shed = caller("sk_unknown_but_shed").get("/t/ping")
+        assert shed.status_code == 503 and shed.json()["status"] == 503
+        assert int(shed["Retry-After"]) >= 1
+        assert len(queries) == 0
+    finally:
+        shedder.finish()
+    assert caller("sk_unknown_but_shed").get("/t/ping").status_code in (200, 401)
+
+
+# -- leases ---------------------------------------------------------------------------------------
+
+
+def script_calls(server: RedisServer) -> int:
+    client = server.client()
+    try:
+        stats = client.info("commandstats")
+    finally:
+        client.close()
+    return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("evalsha", "eval"))
+
+
+def test_leases_spend_tokens_taken_from_the_store_and_give_back_the_rest(own_redis: RedisServer) -> None:
+    limiter = limiter_on(own_redis, prefix="lease", local=LocalPathSettings(leases=True, lease_share=0.25))
+    hot = check("hot", "1000/s", 200, Algorithm.TOKEN_BUCKET, "frank")
+    client = own_redis.client()
+    client.config_resetstat()
+    admitted = 0
+    start = time.monotonic()
+    decisions = []
+    for i in range(1200):  # 800 a second (80% of the rate) for 1.5 s: paced, not synchronised
+        time.sleep(max(start + i / 800 - time.monotonic(), 0))
+        decision = limiter.decide([hot])
+        decisions.append(decision)
+        admitted += decision.allowed
+        limiter.return_leases()
+    elapsed = time.monotonic() - start
+    calls = script_calls(own_redis)
+    path = limiter.local_path
+    assert path is not None
+    leased = [d for d in decisions if d.local == LEASE]
+    assert len(leased) > 0.8 * len(decisions), path.counts
+    assert calls < 0.1 * len(decisions), (calls, path.counts)
+    # Every leased token was taken from the store first: no more admitted than the bucket allows.
+    assert admitted <= 200 + 1000 * elapsed + 1
+    # What a lease's response says is left: the bucket's remaining when it was taken, plus the lease's.
+    assert all(0 <= d.results[0].remaining <= 200 for d in leased)
+    # Stop: the leases run out (0.5 s) and what is unused goes back to the bucket.
+    deadline = time.monotonic() + 3
+    while path._expiring and time.monotonic() < deadline:
+        limiter.return_leases()
+        time.sleep(0.01)
+    assert not path._expiring
+    assert admitted == len(decisions)  # under its rate, nothing is refused
+    assert path.counts["tokens_returned"] + path.counts["tokens_unreturned"] > 0
+    counts = dict(path.counts)
+    print(f"\nleases: {len(decisions)} decisions, {calls} script calls, {admitted} admitted; {counts}")
+    client.close()
+
+
+def test_a_request_with_an_unleased_check_spends_its_lease_only_if_the_store_admits(
+    own_redis: RedisServer,
+) -> None:
+    limiter = limiter_on(own_redis, prefix="partial", local=LocalPathSettings(leases=True, lease_share=0.5))
+    hot = check("hot", "1000/s", 100, Algorithm.TOKEN_BUCKET, "gina")
+    for _ in range(5):
+        limiter.decide([hot])  # leased now
+    path = limiter.local_path
+    assert path is not None and path.counts["leases"] >= 1
+    lease = path._leases[hot.key("partial")]
+    tokens = lease.tokens
+    window = check("w", "1/h", 1, Algorithm.FIXED_WINDOW, "gina")
+    first = limiter.decide([hot, window])
+    assert first.allowed and first.local is None  # the window asked the store; the lease paid for hot
+    assert lease.tokens == tokens - 1
+    second = limiter.decide([hot, window])
+    assert not second.allowed  # the window denies: the lease's token is put back
+    assert lease.tokens == tokens - 1
