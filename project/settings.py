@@ -33,7 +33,10 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
-    # First: a client guessing keys is refused before sessions or API keys are looked up.
+    # First: what this worker knows it would refuse (a credential whose denial has not ended, a
+    # request the worker shedder would shed) is answered before sessions or API keys are read.
+    "ratelimits.middleware.EarlyRejectionMiddleware",
+    # Then a client guessing keys is refused before sessions or API keys are looked up.
     "ratelimits.middleware.FailedAuthenticationMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -93,6 +96,8 @@ RATELIMITS = {
     },
     # 20 failed authentications at once per client IP (and per key prefix), then 10 a minute.
     "FAILED_AUTH": {"rate": "10/m", "burst": 20},
+    # Denials remembered per worker (exact), leases for hot keys, and X-RateLimit-Local to show them.
+    "LOCAL_PATH": {"leases": True, "header": True},
 }
 
 LOGGING = {

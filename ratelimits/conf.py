@@ -346,7 +346,7 @@ class LocalPathSettings(NamedTuple):
     leases: bool = False
     #: How long a lease is spent before its unused tokens go back (seconds, at most 1).
     lease_ttl: float = 0.5
-    #: The most of a bucket's burst one lease takes.
+    #: The most of a limit's capacity (a bucket's burst, a window's limit) one lease takes.
     lease_share: float = 0.1
     #: The most denials (and leases) one worker remembers.
     max_entries: int = 10_000

@@ -363,3 +363,72 @@ def test_a_request_with_an_unleased_check_spends_its_lease_only_if_the_store_adm
     second = limiter.decide([hot, window])
     assert not second.allowed  # the window denies: the lease's token is put back
     assert lease.tokens == tokens - 1
+
+
+# -- faults ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fault", ["kill", "pause"])
+def test_tokens_in_hand_and_denials_outlast_a_store_that_is_down(own_redis: RedisServer, fault: str) -> None:
+    """Redis killed (or paused) while a lease and a denial are held: the lease's tokens are spent, the
+    denial keeps refusing until its end, and neither waits on the store; the rest go by fail mode."""
+    backend = RedisBackend(make_client(own_redis.url, 0.05, 0.05), prefix="rl")
+    breaker = CircuitBreaker(window=4, min_calls=2, failure_rate=0.5, cooldown=30.0)
+    settings = LocalPathSettings(leases=True, lease_share=0.5, lease_ttl=1.0)
+    path = LocalPath(backend, breaker, settings)
+    limiter = Limiter(backend, breaker, local=MemoryBackend(usage_cap=100), local_share=1.0, local_path=path)
+    hot = check("hot", "100/s", 200, Algorithm.TOKEN_BUCKET, "hank")
+    spent = check("spent", "1/h", 1, Algorithm.TOKEN_BUCKET, "hank")
+    other = check("other", "100/s", 100, Algorithm.TOKEN_BUCKET, "ivy")
+    for _ in range(12):  # leases grow with the rate seen: 2 tokens, then 5, then 12 or so
+        assert limiter.decide([hot]).allowed
+    assert limiter.decide([spent]).allowed and not limiter.decide([spent]).allowed
+    held = path._leases[hot.key("rl")].tokens
+    assert held >= 3, path.counts
+
+    own_redis.kill() if fault == "kill" else own_redis.pause()
+    try:
+        for _ in range(2):  # what no lease covers meets the dead store: it opens the breaker...
+            assert limiter.decide([other]).degraded
+        assert limiter.breaker.state == "open"
+        timed = []
+        for _ in range(held):  # ...while the lease is spent, with no wait on the store
+            started = time.perf_counter()
+            decision = limiter.decide([hot])
+            timed.append(time.perf_counter() - started)
+            assert decision.allowed and decision.local == LEASE and not decision.degraded
+        started = time.perf_counter()
+        refused = limiter.decide([spent])
+        timed.append(time.perf_counter() - started)
+        assert not refused.allowed and refused.local == DENIAL  # the store would refuse it too
+        after = limiter.decide([hot])  # the lease is spent: the policy's fail mode (open) decides
+        assert after.allowed and after.degraded
+        assert max(timed) < 0.005, timed  # none of them waited for the store (its timeout is 50 ms)
+    finally:
+        if fault == "pause":
+            own_redis.resume()
+    limiter.return_leases()  # nothing to give back, and the breaker is open: no call is made
+    print(f"\n{fault}: {held} leased tokens spent with the store down, slowest decision {max(timed) * 1e6:.0f} us")
+
+
+def test_a_retry_at_the_advised_time_is_admitted_and_one_clearly_earlier_is_not(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """Retry-After stays honest with the local path on: the wait is the time the bucket refills in,
+    counted from the store's answer (so never short), whether the refusal came from it or from memory."""
+    limiter = limiter_on(redis_server, prefix="honest", local=LocalPathSettings(leases=True))
+    spent = check("honest", "20/s", 2, Algorithm.TOKEN_BUCKET, "judy")
+    answered = set()
+    for _ in range(4):
+        while limiter.decide([spent]).allowed:  # spend the bucket (a lease may take part of it)
+            pass
+        refused = limiter.decide([spent])
+        assert not refused.allowed
+        answered.add(refused.local)
+        at = time.monotonic()
+        wait = refused.retry_after_us / US
+        time.sleep(wait / 2)  # clearly earlier: the bucket cannot have refilled yet
+        assert not limiter.decide([spent]).allowed
+        time.sleep(max(at + wait - time.monotonic(), 0))  # the advised moment
+        assert limiter.decide([spent]).allowed
+    assert DENIAL in answered  # the refusals were, at least once, answered from memory

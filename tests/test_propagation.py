@@ -130,9 +130,12 @@ class Seen:
     status: int
     policy: str
     remaining: int | None
+    #: ``X-RateLimit-Local``: "denial" or "lease" when the worker answered from memory.
+    local: str | None = None
 
     def __str__(self) -> str:
-        return f"{self.worker}:{self.status} {self.policy} r={self.remaining}"
+        local = f" ({self.local})" if self.local else ""
+        return f"{self.worker}:{self.status} {self.policy} r={self.remaining}{local}"
 
 
 def charge_list(worker: Service) -> Seen:
@@ -140,7 +143,8 @@ def charge_list(worker: Service) -> Seen:
     reply = api(worker.port, "/v1/charges")
     assert reply.status in (200, 429), (reply.status, reply.text)
     left = re.search(r";r=(\d+)", reply.headers.get("RateLimit", ""))
-    return Seen(worker.name, reply.status, reply.headers.get("RateLimit-Policy", ""), int(left[1]) if left else None)
+    policy, local = reply.headers.get("RateLimit-Policy", ""), reply.headers.get("X-RateLimit-Local")
+    return Seen(worker.name, reply.status, policy, int(left[1]) if left else None, local)
 
 
 def free_tier_limits(worker: Service) -> tuple[bool, dict[str, Any] | None]:
@@ -248,6 +252,61 @@ def test_admin_change_is_enforced_by_both_workers_within_one_request_each(stack:
         assert any(s.status == 429 and s.policy == NEW_POLICY for s in sequence), name
     stale = {name: sequence[0].policy == OLD_POLICY for name, sequence in per_worker.items()}
     print(f"  first request decided on the old policy: {stale}")
+
+
+#: What the next test makes of the free tier: a token bucket busy enough to be leased (100/s,
+#: burst 200), then a smaller one (20/s, burst 40). Both clear the guardrail (capacity >= 10).
+LEASED_RATE, LEASED_BURST = "100/s", 200
+LEASED_POLICY = f'"tier:free";q={LEASED_BURST};w=2'
+FINAL_RATE, FINAL_BURST = "20/s", 40
+FINAL_POLICY = f'"tier:free";q={FINAL_BURST};w=2'
+
+
+def test_a_change_reaches_workers_answering_from_memory_on_their_next_request(stack: Stack) -> None:
+    """The demo's workers remember denials and lease tokens (LOCAL_PATH): neither asks Redis for
+    such requests, so neither would see the version stamp. The invalidation channel tells them."""
+    a, b = stack.a, stack.b
+    # After the test above, Acme's 10/h window is spent: each worker refuses it from memory.
+    held = {w.name: [charge_list(w) for _ in range(3)] for w in (a, b)}
+    for name, sequence in held.items():
+        assert all(s.status == 429 and s.policy == NEW_POLICY for s in sequence), (name, [str(s) for s in sequence])
+        assert sequence[-1].local == "denial", (name, [str(s) for s in sequence])
+
+    # A request is answered from leases only if every check is leased: no slots (the seeded free
+    # tier's concurrency, the fleet's in-flight set). The fleet's capacity goes in the database,
+    # and is picked up with the tier change below (which bumps the version).
+    with psycopg.connect(stack.database_url, connect_timeout=10) as conn:
+        conn.execute("UPDATE ratelimits_fleetsettings SET capacity = NULL")
+    change_tier_through_admin(
+        a,
+        stack.free_tier_id,
+        {"rate": LEASED_RATE, "burst": str(LEASED_BURST), "algorithm": "token_bucket", "concurrency": ""},
+        f"local path test {secrets.token_hex(4)}",
+    )
+    # The very next request of each worker is decided on the new policy: no denial from memory.
+    after = {w.name: charge_list(w) for w in (b, a)}
+    assert all(s.status == 200 and s.policy == LEASED_POLICY and s.local is None for s in after.values()), after
+
+    # Busy enough for leases: each worker now spends tokens it took in its decide calls (of the tier,
+    # and of the IP and organisation backstops: a request is answered locally only if all are leased).
+    busy = {w.name: [charge_list(w) for _ in range(12)] for w in (a, b)}
+    for name, sequence in busy.items():
+        assert all(s.status == 200 for s in sequence), (name, sequence)
+        assert any(s.local == "lease" for s in sequence), (name, [str(s) for s in sequence])
+
+    change_tier_through_admin(
+        b,
+        stack.free_tier_id,
+        {"rate": FINAL_RATE, "burst": str(FINAL_BURST), "algorithm": "token_bucket"},
+        f"local path test {secrets.token_hex(4)}",
+    )
+    # The next request of each worker holding a lease is decided on the newer policy, not the lease.
+    final = {w.name: charge_list(w) for w in (a, b)}
+    print("\nanswered from memory, then a change:")
+    for name in (a.name, b.name):
+        print(f"  worker {name}: held {[str(s) for s in held[name]]}, then {after[name]}, leases "
+              f"{sum(s.local == 'lease' for s in busy[name])}/12, then {final[name]}")  # fmt: skip
+    assert all(s.policy == FINAL_POLICY and s.local is None for s in final.values()), final
 
 
 @dataclass

@@ -49,6 +49,9 @@ US = 1_000_000
 DENIAL = "denial"
 #: ... and of a request admitted with tokens this worker leased.
 LEASE = "lease"
+#: What leases are taken of: a token bucket's tokens, or a fixed window's (spent within the window).
+#: Not a sliding window's: its count weighs on the next window too.
+LEASED = frozenset({Algorithm.TOKEN_BUCKET, Algorithm.FIXED_WINDOW})
 #: The subjects every request presenting one credential on one endpoint has in common.
 CREDENTIAL_BOUND = frozenset({SubjectKind.API_KEY, SubjectKind.USER, SubjectKind.ENDPOINT})
 
@@ -145,9 +148,11 @@ class LocalPath:
         #: State key -> the lease spent from now; and every lease not given back yet, by expiry.
         self._leases: dict[str, Lease] = {}
         self._expiring: deque[Lease] = deque()
-        #: State key -> [window start, requests in it, requests in the window before]: this
-        #: worker's rate per key, in windows of one lease's length (what a lease's size follows).
-        self._seen: dict[str, list[float]] = {}
+        #: State key -> requests this worker made of it in this window and the one before, windows
+        #: one lease long: the worker's rate per key, which a lease's size follows.
+        self._current: dict[str, int] = {}
+        self._previous: dict[str, int] = {}
+        self._window_start = -math.inf
         self._leasing = settings.leases and backend.leases
         #: Local answers and the leases' bookkeeping, for the status page, the logs and the bench.
         self.counts: Counter[str] = Counter()
@@ -192,7 +197,7 @@ class LocalPath:
         # A forked child has the parent's memory but not its listener thread, nor the parent's
         # leases to spend (the parent spends those): start afresh.
         self._pid = os.getpid()
-        self._denials, self._early, self._leases, self._seen = {}, {}, {}, {}
+        self._denials, self._early, self._leases, self._current, self._previous = {}, {}, {}, {}, {}
         self._expiring, self.counts = deque(), Counter()
         self._lock = threading.Lock()
         self._subscription = self.backend.subscribe(self.on_message)
@@ -247,7 +252,7 @@ class LocalPath:
         """How many tokens to lease from each check in the store call about to be made (``None``: none).
 
         A token bucket this worker met more than once in the last lease-length (or in this one, so
-        far) is leased as many tokens as it spent there, up to ``lease_share`` of its burst: a
+        far) is leased as many tokens as it spent there, up to ``lease_share`` of its capacity: a
         lease lasts about as long as it is worth, and a worker never holds more than its share.
         """
         if not self._leasing:
@@ -265,32 +270,27 @@ class LocalPath:
     def _observe(self, check: Check, now: float) -> int:
         """Count a request of ``check`` in this worker's rate; the lease it would take (0: none)."""
         policy = check.policy
-        if policy.algorithm is not Algorithm.TOKEN_BUCKET or policy.shadow:
+        if policy.algorithm not in LEASED or policy.shadow:
             return 0
+        if now - self._window_start >= self.settings.lease_ttl:
+            # A new window: the one before is kept (one step per window, not per key), an older one dropped.
+            fresh = now - self._window_start < 2 * self.settings.lease_ttl
+            self._previous, self._current = (self._current if fresh else {}), {}
+            self._window_start = now
         key = check.key(self.prefix)
-        seen = self._seen
-        window = seen.get(key)
-        if window is None:
-            if len(seen) >= self.max_entries:
-                seen.clear()
-            seen[key] = [now, 1, 0]
-            return 0
-        ttl = self.settings.lease_ttl
-        if now - window[0] >= 2 * ttl:
-            window[:] = [now, 1, 0]
-        elif now - window[0] >= ttl:
-            window[:] = [now, 1, window[1]]
-        else:
-            window[1] += 1
+        current = self._current
+        seen = current.get(key, 0) + 1
+        if seen > 1 or len(current) < self.max_entries:  # bounded: a new key beyond it is not counted
+            current[key] = seen
         # As many as this window or the last one saw: a lease grows at once with a rising rate.
-        return min(int(max(window[1], window[2])) * check.cost, int(policy.burst * self.settings.lease_share))
+        return min(max(seen, self._previous.get(key, 0)) * check.cost, int(policy.capacity * self.settings.lease_share))
 
     def install(self, decision: Decision, grants: Sequence[Grant], sent: float) -> Decision:
         """Keep the leases a store call granted; ``decision`` with their tokens in what is remaining."""
         if not grants:
             return decision
         arrived = self.clock()
-        expires = sent + self.settings.lease_ttl
+        ttl = self.settings.lease_ttl
         prefix = self.prefix
         by_check = {grant.check: grant for grant in grants}
         results = list(decision.results)
@@ -299,6 +299,10 @@ class LocalPath:
                 grant = by_check.get(result.check)
                 if grant is None:
                     continue
+                expires = sent + ttl
+                if result.check.policy.algorithm is Algorithm.FIXED_WINDOW:
+                    # A window's tokens are spent in it: the lease ends with the window at the latest.
+                    expires = min(expires, sent + result.reset_us / US)
                 lease = Lease(grant, grant.tokens, expires, result.remaining, arrived + result.reset_us / US)
                 self._leases[result.check.key(prefix)] = lease  # one that is still live goes back as it expires
                 self._expiring.append(lease)

@@ -19,7 +19,8 @@
 -- ARGV[4]          the overflow row of the request's caller kind and endpoint
 -- ARGV[4 + i]      check i's state TTL in milliseconds, as the decimal PX takes
 -- ARGV[5 + n]      a leasing call's (consume = 3) wants: per check, LEASE packed, the tokens to
---                  take beyond its cost for the worker to spend itself (0: none; token buckets only)
+--                  take beyond its cost for the worker to spend itself (0: none; token buckets and
+--                  fixed windows only: a fixed window's are the current window's, spent in it)
 --
 -- State values (every key written with a PX TTL) round-trip exactly, at the least cost: packing
 -- a double costs a tenth of formatting it in %.17g decimal, as the previous layout did.
@@ -129,8 +130,9 @@ local function sliding_retry(previous, current, elapsed, period, limit, cost)
 end
 
 -- Each returns allowed, remaining, reset_us, retry_us, new_value. An admitted token bucket also
--- leaves its new arrival time and what it was given back so far here, for a refundable call, and
--- takes up to `want` more tokens (a leasing call's), leaving how many in `granted`.
+-- leaves its new arrival time and what it was given back so far here, for a refundable call. An
+-- admitted token bucket or fixed window takes up to `want` more tokens (a leasing call's), leaving
+-- how many in `granted`.
 local spent_tat, given_back = 0, 0
 local want, granted = 0, 0
 local function token_bucket(value, limit, period, burst, cost)
@@ -210,7 +212,10 @@ local function fixed_window(value, limit, period, burst, cost)
     if w == window then count = c end
   end
   if count + cost <= limit then
-    return true, limit - count - cost, until_next, 0, pack(FIXED_STATE, window, count + cost)
+    if want > 0 and count + cost < limit then
+      granted = math.min(want, limit - count - cost)
+    end
+    return true, limit - count - cost - granted, until_next, 0, pack(FIXED_STATE, window, count + cost + granted)
   end
   return false, max(limit - count, 0), until_next, until_next, nil
 end
@@ -266,7 +271,11 @@ for i = 1, n do
     if value == nil then value = stored[i + 1] end
   end
   granted = 0
-  if leasing and algorithm == TOKEN_BUCKET then want = unpack_args(LEASE, wants, 8 * i - 7) else want = 0 end
+  if leasing and (algorithm == TOKEN_BUCKET or algorithm == FIXED_WINDOW) then
+    want = unpack_args(LEASE, wants, 8 * i - 7)
+  else
+    want = 0
+  end
   local ok, allowed, remaining, reset, retry, new_value = pcall(algorithms[algorithm], value, limit, period, burst, cost)
   if not ok then
     -- This check cannot be decided: its key holds another type, or its arguments are out of range.

@@ -23,7 +23,12 @@ from typing import Any
 import redis
 
 from ratelimits.backends.cluster import ClusterBackend
+from ratelimits.backends.memory import MemoryBackend
 from ratelimits.backends.redis import RedisBackend, make_client
+from ratelimits.conf import LocalPathSettings
+from ratelimits.engine.breaker import CircuitBreaker
+from ratelimits.engine.limiter import Limiter
+from ratelimits.engine.local import LocalPath
 from ratelimits.policies import Check
 from ratelimits.redis_url import parse_redis_url
 
@@ -46,6 +51,8 @@ class Attempt:
     cost: int
     #: (pid, thread index) that made it.
     worker: tuple[int, int]
+    #: How the worker answered without the store ("denial", "lease"), if it did (a storm with the local path).
+    local: str | None = None
 
 
 @dataclass
@@ -100,8 +107,16 @@ def redis_time_us(client: redis.Redis) -> int:
     return int(seconds) * 1_000_000 + int(micros)
 
 
+def limiter_for(backend: RedisBackend, local: LocalPathSettings) -> Limiter:
+    """A worker's limiter on ``backend`` with the local fast path, as the engine builds one."""
+    breaker = CircuitBreaker(window=20, min_calls=5, failure_rate=0.5, cooldown=2.0)
+    path = LocalPath(backend, breaker, local)
+    return Limiter(backend, breaker, local=MemoryBackend(usage_cap=100), local_share=1.0, local_path=path)
+
+
 def _thread_body(
     backend: RedisBackend,
+    limiter: Limiter | None,
     checks: Sequence[Check | tuple[Check, ...]],
     attempts: int,
     barriers: tuple[Any, Any],
@@ -123,7 +138,7 @@ def _thread_body(
         for _ in range(attempts):
             for i, alternatives in shards:
                 pick[i] = rng.choice(alternatives)
-            decision = backend.decide(pick)  # type: ignore[arg-type]
+            decision = (limiter or backend).decide(pick)  # type: ignore[arg-type]
             out.append(
                 Attempt(
                     allowed=decision.allowed,
@@ -131,8 +146,11 @@ def _thread_body(
                     results=tuple((r.allowed, r.remaining) for r in decision.results),
                     cost=cost,
                     worker=(os.getpid(), index),
+                    local=decision.local,
                 )
             )
+            if limiter is not None:
+                limiter.return_leases()  # after the response, as request_finished does
     except BaseException:  # reported to the parent, which fails the test
         errors.append(traceback.format_exc())
         ready.abort()
@@ -140,15 +158,24 @@ def _thread_body(
 
 
 def process_main(
-    url: str, checks_per_thread: list[list[Check]], attempts: int, barriers: tuple[Any, Any], reports: Any
+    url: str,
+    checks_per_thread: list[list[Check]],
+    attempts: int,
+    barriers: tuple[Any, Any],
+    reports: Any,
+    local: LocalPathSettings | None = None,
 ) -> None:
-    """Child entry point: one backend (own client, Redis server clock), one thread per check list."""
+    """Child entry point: one backend (own client, Redis server clock), one thread per check list.
+
+    With ``local``, the threads decide through one limiter with the local fast path (a worker's).
+    """
     backend = backend_for(url)
+    limiter = limiter_for(backend, local) if local is not None else None
     outs: list[list[Attempt]] = [[] for _ in checks_per_thread]
     errors: list[str] = []
     threads = [
         threading.Thread(
-            target=_thread_body, args=(backend, checks, attempts, barriers, outs[i], errors, i), daemon=True
+            target=_thread_body, args=(backend, limiter, checks, attempts, barriers, outs[i], errors, i), daemon=True
         )
         for i, checks in enumerate(checks_per_thread)
     ]
@@ -169,6 +196,7 @@ def run_storm(
     threads: int = 8,
     attempts: int = 50,
     method: str = "spawn",
+    local: LocalPathSettings | None = None,
 ) -> StormReport:
     """Run ``processes`` x ``threads`` workers, each making ``attempts`` decisions.
 
@@ -188,7 +216,7 @@ def run_storm(
     barriers = (ctx.Barrier(processes * threads + 1), ctx.Barrier(processes * threads + 1))
     reports = ctx.Queue()
     children = [
-        ctx.Process(target=process_main, args=(url, plan[p], attempts, barriers, reports), daemon=True)
+        ctx.Process(target=process_main, args=(url, plan[p], attempts, barriers, reports, local), daemon=True)
         for p in range(processes)
     ]
     report = StormReport()
