@@ -88,10 +88,12 @@ class Durations:
     settle: float
     flood: float
     probe_rounds: int
+    #: Each phase measuring what one kind of request costs the workers.
+    cpu: float
 
 
-FULL = Durations(warm=1.0, unloaded=8.0, unloaded_on=5.0, settle=2.0, flood=14.0, probe_rounds=2)
-QUICK = Durations(warm=0.5, unloaded=2.0, unloaded_on=1.0, settle=0.5, flood=2.5, probe_rounds=1)
+FULL = Durations(warm=1.0, unloaded=8.0, unloaded_on=5.0, settle=2.0, flood=14.0, probe_rounds=2, cpu=5.0)
+QUICK = Durations(warm=0.5, unloaded=2.0, unloaded_on=1.0, settle=0.5, flood=2.5, probe_rounds=1, cpu=1.5)
 
 
 _STARTED = time.monotonic()
@@ -113,7 +115,7 @@ def setup_database() -> None:
     call_command("migrate", interactive=False, verbosity=0)
     keys = [raw for raw, _ in all_keys()]
     ApiKey.objects.bulk_create(
-        ApiKey(name=raw, prefix=raw[:12], key_hash=hash_key(raw), tier="bench", organization=org)
+        ApiKey(name=raw, prefix=raw[:12], key_hash=hash_key(raw), tier=tier_of(raw), organization=org)
         for raw, org in all_keys()
     )
     assert ApiKey.objects.filter(key_hash__in=[hash_key(k) for k in keys]).count() == len(keys)
@@ -127,9 +129,17 @@ def flood_keys() -> list[str]:
     return [f"sk_bench_export_{i:03d}" for i in range(FLOOD_CLIENTS)]
 
 
+#: The abusive caller: one key on the ``abusive`` tier (10/s), flooding ``GET /v1/customers``.
+ABUSIVE_KEY = "sk_bench_abusive_000"
+
+
 def all_keys() -> list[tuple[str, str]]:
     """Every raw key with its organisation (8 organisations; no limit applies to them)."""
-    return [(raw, f"org{i % 8}") for i, raw in enumerate(charge_keys() + flood_keys())]
+    return [(raw, f"org{i % 8}") for i, raw in enumerate([*charge_keys(), *flood_keys(), ABUSIVE_KEY])]
+
+
+def tier_of(raw: str) -> str:
+    return "abusive" if raw == ABUSIVE_KEY else "bench"
 
 
 # -- the load generator ------------------------------------------------------------------------
@@ -168,17 +178,29 @@ class Sample:
     shed_by: str | None = None
     degraded: bool = False
     error: str | None = None
+    #: ``X-RateLimit-Local``: "denial" when the 429 came from the worker's memory.
+    local: str | None = None
 
 
 CHARGE_BODY = json.dumps({"amount": 1999, "currency": "eur"}).encode()
 
 
+#: What each class of request sends: method, path, body.
+REQUESTS = {
+    "critical": ("POST", "/v1/charges", CHARGE_BODY),
+    "low": ("POST", "/v1/reports/export", None),
+    # GET /v1/customers: an ordinary admitted request (normal priority), or the abusive key's.
+    "normal": ("GET", "/v1/customers", None),
+    "abusive": ("GET", "/v1/customers", None),
+}
+
+
 def attempt(port: int, klass: str, key: str, due: float) -> Sample:
-    """Send one critical charge or one low-priority export and describe what came back."""
-    path, body = ("/v1/charges", CHARGE_BODY) if klass == "critical" else ("/v1/reports/export", None)
+    """Send one request of ``klass`` (see :data:`REQUESTS`) and describe what came back."""
+    method, path, body = REQUESTS[klass]
     sent = time.monotonic()
     try:
-        status, response = http_request(port, "POST", path, key=key, body=body, timeout=CLIENT_TIMEOUT)
+        status, response = http_request(port, method, path, key=key, body=body, timeout=CLIENT_TIMEOUT)
     except (OSError, http.client.HTTPException) as exc:
         return Sample(klass, due, sent, time.monotonic(), None, error=type(exc).__name__)
     done = time.monotonic()
@@ -189,7 +211,7 @@ def attempt(port: int, klass: str, key: str, due: float) -> Sample:
         described = response.getheader("X-RateLimit-Resource") or response.getheader("RateLimit-Policy")
         shed_by = "fleet" if described else "worker"
     degraded = response.getheader("X-RateLimit-Degraded") == "1"
-    return Sample(klass, due, sent, done, status, shed_by, degraded)
+    return Sample(klass, due, sent, done, status, shed_by, degraded, local=response.getheader("X-RateLimit-Local"))
 
 
 def sleep_until(moment: float) -> None:
@@ -198,18 +220,35 @@ def sleep_until(moment: float) -> None:
         time.sleep(delay)
 
 
-class Phase:
-    """One measured phase: charges at a fixed rate and, optionally, the export flood.
+#: Closed-loop floods (each connection sends its next request as soon as the last is answered):
+#: the flood's class, and how many connections.
+CLOSED_FLOODS = {
+    "exports32": ("low", 32),
+    "abusive32": ("abusive", 32),
+    # Without charges: what one kind of request costs the workers (CPU per request).
+    "cpu-admitted": ("normal", 8),
+    "cpu-early-429": ("abusive", 8),
+    "cpu-early-503": ("low", 32),
+}
 
-    Traffic starts at ``t0``; requests due before ``t0 + settle`` warm the phase up and are not
-    counted; nothing new is sent after ``end``, and what is in flight then is waited for.
+
+class Phase:
+    """One measured phase: charges at a fixed rate and, optionally, a flood.
+
+    ``flood``: ``None``, ``"periodic"`` (the export flood: one export a period from each of many
+    keys), or one of :data:`CLOSED_FLOODS`. Traffic starts at ``t0``; requests due before
+    ``t0 + settle`` warm the phase up and are not counted; nothing new is sent after ``end``, and
+    what is in flight then is waited for.
     """
 
-    def __init__(self, name: str, port: int, *, duration: float, settle: float, flood: bool) -> None:
+    def __init__(
+        self, name: str, port: int, *, duration: float, settle: float, flood: str | None, charges: bool = True
+    ) -> None:
         self.name = name
         self.port = port
         self.duration = duration
         self.flood = flood
+        self.charges = charges
         self.t0 = time.monotonic() + 0.05
         self.measure_from = self.t0 + settle
         self.end = self.measure_from + duration
@@ -223,11 +262,17 @@ class Phase:
             self.samples.append(sample)
 
     def run(self) -> None:
-        drivers = [threading.Thread(target=self._charges, name="charges", daemon=True)]
-        if self.flood:
+        drivers = [threading.Thread(target=self._charges, name="charges", daemon=True)] if self.charges else []
+        if self.flood == "periodic":
             drivers += [
                 threading.Thread(target=self._flood_client, args=(i, key), name=f"flood-{i}", daemon=True)
                 for i, key in enumerate(flood_keys())
+            ]
+        elif self.flood is not None:
+            klass, connections = CLOSED_FLOODS[self.flood]
+            drivers += [
+                threading.Thread(target=self._closed_loop, args=(klass, i), name=f"{klass}-{i}", daemon=True)
+                for i in range(connections)
             ]
         for thread in drivers:
             thread.start()
@@ -267,6 +312,15 @@ class Phase:
                 with self._lock:
                     self.flood_missed_periods += int(behind // FLOOD_PERIOD) + 1
                 due = time.monotonic()
+
+    def _closed_loop(self, klass: str, index: int) -> None:
+        keys = {"low": flood_keys(), "normal": charge_keys(), "abusive": [ABUSIVE_KEY]}[klass]
+        key = keys[index % len(keys)]
+        while True:
+            now = time.monotonic()
+            if now >= self.end:
+                return
+            self.record(attempt(self.port, klass, key, now))
 
     def measured(self, klass: str) -> list[Sample]:
         return [s for s in self.samples if s.klass == klass and self.measure_from <= s.due < self.end]
@@ -361,6 +415,7 @@ def summarize(samples: list[Sample], duration: float, *, open_loop: bool) -> dic
         },
         "errors": dict(Counter(s.error for s in samples if s.error)),
         "degraded": sum(s.degraded for s in samples),
+        "refused_from_memory": sum(s.local == "denial" for s in samples),
         "successes_per_s": round(len(ok) / duration, 1),
         "latency_successes": latency_summary([latency(s) for s in ok]),
         "latency_all": latency_summary([latency(s) for s in answered]),
@@ -369,11 +424,18 @@ def summarize(samples: list[Sample], duration: float, *, open_loop: bool) -> dic
 
 
 def run_phase(
-    name: str, port: int, *, duration: float, settle: float, flood: bool, pids: dict[str, list[int]]
+    name: str,
+    port: int,
+    *,
+    duration: float,
+    settle: float,
+    flood: str | None,
+    pids: dict[str, list[int]],
+    charges: bool = True,
 ) -> dict[str, Any]:
-    label = "charges and the export flood" if flood else "charges only"
+    label = ("charges and " if charges else "") + (f"the {flood} flood" if flood else "nothing else")
     log(f"phase {name}: {label}, {settle:g} s settle + {duration:g} s measured")
-    phase = Phase(name, port, duration=duration, settle=settle, flood=flood)
+    phase = Phase(name, port, duration=duration, settle=settle, flood=flood, charges=charges)
     started = time.monotonic()
     load = os.getloadavg()[0]
     meter = CpuMeter(pids)
@@ -384,19 +446,27 @@ def run_phase(
         "wall_s": round(time.monotonic() - started, 1),
         "load_average_1m_at_start": round(load, 2),
         "cpu": meter.stop(),
-        "critical": summarize(phase.measured("critical"), duration, open_loop=True),
     }
+    if charges:
+        result["critical"] = summarize(phase.measured("critical"), duration, open_loop=True)
     # Other work on the machine averaging more than a quarter of a CPU: latencies are suspect.
     result["noisy"] = result["cpu"]["other_s"] > NOISY_OTHER_CPUS * result["wall_s"]
-    if flood:
+    if flood == "periodic":
         result["low"] = summarize(phase.measured("low"), duration, open_loop=False)
         result["low"]["flood_missed_periods"] = phase.flood_missed_periods
+    elif flood is not None:
+        klass = CLOSED_FLOODS[flood][0]
+        # Every request of the phase, warm-up included: the CPU was measured over all of them.
+        every = len([s for s in phase.samples if s.klass == klass])
+        result[klass] = summarize(phase.measured(klass), duration, open_loop=False)
+        if not charges and every:
+            result[klass]["gunicorn_cpu_us_per_request"] = round(result["cpu"]["gunicorn_s"] * 1e6 / every, 1)
     return result
 
 
 def warm_up(port: int, seconds: float) -> None:
     """Untimed traffic after a (re)start: both workers import their views, open DB and Redis connections."""
-    Phase("warm-up", port, duration=seconds, settle=0, flood=False).run()
+    Phase("warm-up", port, duration=seconds, settle=0, flood=None).run()
     exports = [threading.Thread(target=attempt, args=(port, "low", key, time.monotonic())) for key in flood_keys()[:2]]
     for thread in exports:
         thread.start()
@@ -543,7 +613,7 @@ def run(args: argparse.Namespace, redis_server: RedisServer, workdir: Path, serv
         check=True,
         timeout=120,
     )
-    log(f"database migrated, {CHARGE_KEYS + FLOOD_CLIENTS} API keys seeded ({time.monotonic() - t:.1f} s)")
+    log(f"database migrated, {len(all_keys())} API keys seeded ({time.monotonic() - t:.1f} s)")
     report: dict[str, Any] = {
         "quick": args.quick,
         "machine": machine(),
@@ -554,20 +624,28 @@ def run(args: argparse.Namespace, redis_server: RedisServer, workdir: Path, serv
     }
     port = free_port()
     configurations = [
-        ("off", {}, [("unloaded", False), ("flood-off", True)]),
+        ("off", {}, [("unloaded", None), ("flood-off", "periodic")]),
         (
             "on",
             {
                 "BENCH_SHEDDING_FLEET_CAPACITY": str(FLEET_CAPACITY),
                 "BENCH_SHEDDING_WORKER_CAPACITY": str(WORKER_CAPACITY),
             },
-            [("unloaded-on", False), ("flood-on", True)],
+            [
+                ("unloaded-on", None),
+                ("flood-on", "periodic"),
+                ("exports32-on", "exports32"),
+                ("abusive32-on", "abusive32"),
+                ("cpu-admitted", "cpu-admitted"),
+                ("cpu-early-429", "cpu-early-429"),
+                ("cpu-early-503", "cpu-early-503"),
+            ],
         ),
     ]
     if args.fleet_only:
         # Informative: the fleet shedder without the worker shedder (one host, gthread workers).
         configurations.append(
-            ("fleet", {"BENCH_SHEDDING_FLEET_CAPACITY": str(FLEET_CAPACITY)}, [("flood-fleet", True)])
+            ("fleet", {"BENCH_SHEDDING_FLEET_CAPACITY": str(FLEET_CAPACITY)}, [("flood-fleet", "periodic")])
         )
     for shedding, env, phases in configurations:
         admin = redis_server.client()
@@ -595,7 +673,10 @@ def run(args: argparse.Namespace, redis_server: RedisServer, workdir: Path, serv
         )
         warm_up(port, durations.warm)
         for name, flood in phases:
-            if flood:
+            charges = not name.startswith("cpu-")
+            if not charges:
+                duration, settle = durations.cpu, durations.settle
+            elif flood:
                 duration, settle = durations.flood, durations.settle
             else:
                 duration = durations.unloaded if shedding == "off" else durations.unloaded_on
@@ -605,7 +686,9 @@ def run(args: argparse.Namespace, redis_server: RedisServer, workdir: Path, serv
                 "redis": [redis_server.pid],
                 "generator": [os.getpid()],
             }
-            report["phases"][name] = run_phase(name, port, duration=duration, settle=settle, flood=flood, pids=pids)
+            report["phases"][name] = run_phase(
+                name, port, duration=duration, settle=settle, flood=flood, pids=pids, charges=charges
+            )
             report["phases"][name]["shedding"] = shedding
         details: dict[str, Any] = {}
         if shedding != "off":
@@ -646,7 +729,37 @@ def targets(phases: dict[str, Any]) -> dict[str, Any]:
         "noisy_phases": [name for name, phase in phases.items() if phase["noisy"]],
         "flood_off_critical_success_rate": phases["flood-off"]["critical"]["success_rate"],
         "flood_off_critical_p99_ms": (phases["flood-off"]["critical"]["latency_all"] or {}).get("p99_ms"),
+        **local_path_targets(phases, base["p99_ms"] if base else None),
     }
+
+
+def local_path_targets(phases: dict[str, Any], unloaded_p99: float | None) -> dict[str, Any]:
+    """Issue 12's: critical p99 <= 3 x unloaded under 32 connections of exports, and of one abusive key;
+    a request refused before authentication (429 from memory, 503 from the worker shedder) costs the
+    workers <= 15 % of an admitted request's CPU.
+
+    Each cpu- phase sends one kind of request; its CPU per request is gunicorn's CPU over every
+    request sent. The early-503 phase's exports are mostly shed, the rest admitted (and costlier):
+    its figure is an upper bound of a shed request's.
+    """
+    floods = {}
+    for name in ("exports32-on", "abusive32-on"):
+        latency = phases[name]["critical"]["latency_all"]
+        p99 = latency["p99_ms"] if latency else None
+        ratio = round(p99 / unloaded_p99, 2) if p99 is not None and unloaded_p99 else None
+        floods[name] = {
+            "critical_p99_ms": p99,
+            "ratio": ratio,
+            "met": ratio is not None and ratio <= 3.0,
+            "critical_success_rate": phases[name]["critical"]["success_rate"],
+        }
+    admitted = phases["cpu-admitted"]["normal"].get("gunicorn_cpu_us_per_request")
+    cpu = {}
+    for name, klass in (("cpu-early-429", "abusive"), ("cpu-early-503", "low")):
+        per = phases[name][klass].get("gunicorn_cpu_us_per_request")
+        share = round(per / admitted, 3) if per is not None and admitted else None
+        cpu[name] = {"cpu_us_per_request": per, "share_of_admitted": share, "met": share is not None and share <= 0.15}
+    return {"local_path_floods": floods, "admitted_cpu_us_per_request": admitted, "early_refusal_cpu": cpu}
 
 
 def config(durations: Durations, *, fleet_only: bool) -> dict[str, Any]:
@@ -669,6 +782,7 @@ def config(durations: Durations, *, fleet_only: bool) -> dict[str, Any]:
             "unloaded_on": durations.unloaded_on,
             "flood_settle": durations.settle,
             "flood": durations.flood,
+            "cpu": durations.cpu,
         },
     }
 
@@ -719,6 +833,11 @@ PHASE_TITLES = {
     "flood-off": "2 flood, shedding off",
     "unloaded-on": "1b unloaded, shedding on",
     "flood-on": "3 flood, shedding on",
+    "exports32-on": "4 32 conns of exports, on",
+    "abusive32-on": "5 32 conns, 1 abusive key",
+    "cpu-admitted": "6a cpu: admitted GETs",
+    "cpu-early-429": "6b cpu: 429s from memory",
+    "cpu-early-503": "6c cpu: exports shed",
     "flood-fleet": "3f flood, fleet shedder only",
 }
 
@@ -742,7 +861,7 @@ def render(report: dict[str, Any]) -> str:
         "-" * len(header),
     ]
     for name, phase in report["phases"].items():
-        for i, klass in enumerate(k for k in ("critical", "low") if k in phase):
+        for i, klass in enumerate(k for k in ("critical", "low", "normal", "abusive") if k in phase):
             s = phase[klass]
             ok = s["latency_successes"] or {}
             every = s["latency_all"] or {}
@@ -775,6 +894,18 @@ def render(report: dict[str, Any]) -> str:
         f"{num(t['unloaded_p99_ms'])} ms = {t['p99_ratio']}x, {verdict(t['p99_met'])} "
         f"(vs unloaded with shedding on, {num(t['unloaded_on_p99_ms'])} ms: {t['p99_ratio_to_unloaded_on']}x)",
     ]
+    for name, flood in t["local_path_floods"].items():
+        lines.append(
+            f"target: critical p99 during {PHASE_TITLES[name].split(' ', 1)[1]} <= 3 x unloaded p99: "
+            f"{num(flood['critical_p99_ms'])} ms = {flood['ratio']}x, {verdict(flood['met'])} "
+            f"(critical success {flood['critical_success_rate']})"
+        )
+    for name, cpu in t["early_refusal_cpu"].items():
+        lines.append(
+            f"target: {PHASE_TITLES[name].split(': ', 1)[1]} cost <= 15 % of an admitted request's CPU "
+            f"({num(t['admitted_cpu_us_per_request'])} µs): {num(cpu['cpu_us_per_request'])} µs = "
+            f"{cpu['share_of_admitted']}, {verdict(cpu['met'])}"
+        )
     if t["noisy_phases"]:
         lines.append(
             f"WARNING: other work used more than {NOISY_OTHER_CPUS:g} CPU on average during "

@@ -69,7 +69,9 @@ class Limiter:
             return Decision(Verdict.ALLOW, ())
         local = self.local_path if consume else None
         if local is None:
-            return self._asked(checks, consume=consume, usage=usage)
+            decision = self._asked(checks, consume=consume, usage=usage)
+            # What is left, as a lease's responses say it: the store's, and this worker's lease.
+            return self.local_path.with_leases(decision) if self.local_path is not None else decision
         refusal = local.refuse(checks)
         if refusal is not None:
             self.count_local(usage, LIMITED)

@@ -248,6 +248,25 @@ class LocalPath:
         now = self.clock()
         return tuple(lease.result(check, now) for lease, check in spent)
 
+    def with_leases(self, decision: Decision) -> Decision:
+        """``decision`` (consuming nothing) with this worker's unspent lease tokens in what is remaining.
+
+        So ``/rate_limit`` and the admin say what a lease's responses say: the store's remaining
+        (other workers' leases counted as spent) and what is left of this worker's lease.
+        """
+        leases = self._leases
+        if not leases:
+            return decision
+        now = self.clock()
+        prefix = self.prefix
+        results = list(decision.results)
+        for i, result in enumerate(results):
+            lease = leases.get(result.check.key(prefix))
+            if lease is not None and not lease.closed and lease.expires > now and lease.tokens > 0:
+                remaining = min(result.remaining + lease.tokens, result.check.policy.capacity)
+                results[i] = result._replace(remaining=remaining)
+        return replace(decision, results=tuple(results))
+
     def wants(self, checks: Sequence[Check]) -> list[int] | None:
         """How many tokens to lease from each check in the store call about to be made (``None``: none).
 
