@@ -147,7 +147,11 @@ class EarlyRejectionMiddleware:
             decision = refuse_early(request, endpoint) if endpoint is not None else None
             if decision is not None:
                 request.ratelimit = decision  # type: ignore[attr-defined]
-                return problem_response(decision)
+                response = problem_response(decision)
+                # Not logged by django.request as every other 4xx is: a flood refused here would
+                # cost a log line a request, more than refusing it. Usage counts it instead.
+                response._has_been_logged = True  # type: ignore[attr-defined]
+                return response
         return self.get_response(request)
 
     def _endpoint(self, request: HttpRequest) -> str | None:
