@@ -675,6 +675,19 @@ def run(args: argparse.Namespace, redis_server: RedisServer, workdir: Path, serv
             ],
         ),
     ]
+    # The comparison: the same abusive flood, and its refusals' CPU, without the local path (every
+    # 429 authenticated and decided by the store, as before issue 12).
+    configurations.append(
+        (
+            "on-central",
+            {
+                "BENCH_SHEDDING_FLEET_CAPACITY": str(FLEET_CAPACITY),
+                "BENCH_SHEDDING_WORKER_CAPACITY": str(WORKER_CAPACITY),
+                "BENCH_SHEDDING_LOCAL": "0",
+            },
+            [("abusive32-central", "abusive32"), ("cpu-429-central", "cpu-early-429")],
+        )
+    )
     if args.fleet_only:
         # Informative: the fleet shedder without the worker shedder (one host, gthread workers).
         configurations.append(
@@ -792,7 +805,16 @@ def local_path_targets(phases: dict[str, Any], unloaded_p99: float | None) -> di
         per = phases[name][klass].get("gunicorn_cpu_us_per_request")
         share = round(per / admitted, 3) if per is not None and admitted else None
         cpu[name] = {"cpu_us_per_request": per, "share_of_admitted": share, "met": share is not None and share <= 0.15}
-    return {"local_path_floods": floods, "admitted_cpu_us_per_request": admitted, "early_refusal_cpu": cpu}
+    central = phases.get("cpu-429-central", {}).get("abusive", {}).get("gunicorn_cpu_us_per_request")
+    abusive_central = (phases.get("abusive32-central", {}).get("critical") or {}).get("latency_all") or {}
+    return {
+        "local_path_floods": floods,
+        "admitted_cpu_us_per_request": admitted,
+        "early_refusal_cpu": cpu,
+        # Without the local path, for comparison: a 429's CPU, and the abusive flood's critical p99.
+        "central_429_cpu_us_per_request": central,
+        "abusive_central_critical_p99_ms": abusive_central.get("p99_ms"),
+    }
 
 
 def config(durations: Durations, *, fleet_only: bool) -> dict[str, Any]:
@@ -871,6 +893,8 @@ PHASE_TITLES = {
     "cpu-admitted": "6a cpu: admitted GETs",
     "cpu-early-429": "6b cpu: 429s from memory",
     "cpu-early-503": "6c cpu: exports shed",
+    "abusive32-central": "7 as 5, no local path",
+    "cpu-429-central": "7b cpu: 429s, no local path",
     "flood-fleet": "3f flood, fleet shedder only",
 }
 
@@ -932,6 +956,11 @@ def render(report: dict[str, Any]) -> str:
             f"target: critical p99 during {PHASE_TITLES[name].split(' ', 1)[1]} <= 3 x unloaded p99: "
             f"{num(flood['critical_p99_ms'])} ms = {flood['ratio']}x, {verdict(flood['met'])} "
             f"(critical success {flood['critical_success_rate']})"
+        )
+    if t["central_429_cpu_us_per_request"] is not None:
+        lines.append(
+            f"without the local path: a 429 costs {num(t['central_429_cpu_us_per_request'])} µs of gunicorn CPU; "
+            f"critical p99 during the abusive flood {num(t['abusive_central_critical_p99_ms'])} ms"
         )
     for name, cpu in t["early_refusal_cpu"].items():
         lines.append(

@@ -9,6 +9,8 @@ no admin rows. Everything that changes between runs comes from the environment, 
 - ``BENCH_SHEDDING_REDIS_URL``: the benchmark's private Redis.
 - ``BENCH_SHEDDING_FLEET_CAPACITY`` / ``BENCH_SHEDDING_WORKER_CAPACITY``: an integer, or empty
   for ``None`` (that shedder off).
+- ``BENCH_SHEDDING_LOCAL``: ``0`` turns the local path's denials and ``EarlyRejectionMiddleware``
+  off (the comparison phases).
 """
 
 from __future__ import annotations
@@ -67,9 +69,13 @@ RATELIMITS = {
     "SHED_THRESHOLDS": {"low": 60, "normal": 75, "high": 90},
     "WORKER_CAPACITY": _optional_int("BENCH_SHEDDING_WORKER_CAPACITY"),
     # The demo's local path: refusals remembered (and answered before authentication by the demo's
-    # EarlyRejectionMiddleware), with X-RateLimit-Local to count them.
-    "LOCAL_PATH": {"header": True},
+    # EarlyRejectionMiddleware), with X-RateLimit-Local to count them. BENCH_SHEDDING_LOCAL=0 turns
+    # both off, for the comparison: every refusal then goes through authentication and the store.
+    "LOCAL_PATH": {"header": True, "denials": os.environ.get("BENCH_SHEDDING_LOCAL", "1") != "0"},
 }
+
+if os.environ.get("BENCH_SHEDDING_LOCAL", "1") == "0":
+    MIDDLEWARE = [m for m in MIDDLEWARE if m != "ratelimits.middleware.EarlyRejectionMiddleware"]  # noqa: F405
 
 LOGGING = {
     "version": 1,
