@@ -246,17 +246,18 @@ def sleep_until(moment: float) -> None:
 
 
 #: Closed-loop floods (each of its connections, kept open, sends its next request as soon as the
-#: last is answered): the flood's class, and how many connections.
+#: last is answered, or at most ``pace`` a second): the flood's class, connections, pace (0: none).
 CLOSED_FLOODS = {
-    "exports32": ("low", 32),
-    "abusive32": ("abusive", 32),
-    # Without charges: what one kind of request costs the workers (CPU per request). Two connections:
-    # the machine is then not saturated, and CPU time is not inflated by contention for its 2 cores.
-    "cpu-admitted": ("normal", 2),
-    "cpu-early-429": ("abusive", 2),
+    "exports32": ("low", 32, 0.0),
+    "abusive32": ("abusive", 32, 0.0),
+    # Without charges: what one kind of request costs the workers (CPU per request). Paced to 60
+    # a second in all: the machine is then far from saturated, and CPU time is not inflated by
+    # contention for its 2 cores (an admitted GET costs about 10 ms of CPU here).
+    "cpu-admitted": ("normal", 2, 30.0),
+    "cpu-early-429": ("abusive", 2, 30.0),
     # Enough exports in flight (0.5 s each) to keep both workers over the low class's threshold:
     # the rest are shed before authentication.
-    "cpu-early-503": ("low", 32),
+    "cpu-early-503": ("low", 32, 0.0),
 }
 
 
@@ -297,9 +298,9 @@ class Phase:
                 for i, key in enumerate(flood_keys())
             ]
         elif self.flood is not None:
-            klass, connections = CLOSED_FLOODS[self.flood]
+            klass, connections, pace = CLOSED_FLOODS[self.flood]
             drivers += [
-                threading.Thread(target=self._closed_loop, args=(klass, i), name=f"{klass}-{i}", daemon=True)
+                threading.Thread(target=self._closed_loop, args=(klass, i, pace), name=f"{klass}-{i}", daemon=True)
                 for i in range(connections)
             ]
         for thread in drivers:
@@ -341,13 +342,18 @@ class Phase:
                     self.flood_missed_periods += int(behind // FLOOD_PERIOD) + 1
                 due = time.monotonic()
 
-    def _closed_loop(self, klass: str, index: int) -> None:
-        """One connection of a closed-loop flood, kept open: its next request as soon as one is answered."""
+    def _closed_loop(self, klass: str, index: int, pace: float) -> None:
+        """One connection of a closed-loop flood, kept open: its next request as soon as one is answered
+        (no sooner than ``1 / pace`` after the last was sent, with a pace)."""
         keys = {"low": flood_keys(), "normal": charge_keys(), "abusive": [ABUSIVE_KEY]}[klass]
         key = keys[index % len(keys)]
         connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=CLIENT_TIMEOUT)
+        due = self.t0
         try:
             while True:
+                if pace:
+                    sleep_until(due)
+                    due += 1 / pace
                 now = time.monotonic()
                 if now >= self.end:
                     return

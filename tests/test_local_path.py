@@ -21,6 +21,7 @@ from rest_framework.test import APIClient
 
 from ratelimits import engine
 from ratelimits.algorithms import Algorithm
+from ratelimits.backends.cluster import ClusterBackend
 from ratelimits.backends.memory import MemoryBackend
 from ratelimits.backends.redis import RedisBackend, make_client
 from ratelimits.conf import LocalPathSettings
@@ -432,3 +433,27 @@ def test_a_retry_at_the_advised_time_is_admitted_and_one_clearly_earlier_is_not(
         time.sleep(max(at + wait - time.monotonic(), 0))  # the advised moment
         assert limiter.decide([spent]).allowed
     assert DENIAL in answered  # the refusals were, at least once, answered from memory
+
+
+def test_on_a_cluster_denials_are_remembered_and_forgotten_on_a_change(
+    redis_cluster: Any, cluster_client: redis.RedisCluster
+) -> None:
+    """A Redis Cluster carries the channel too (a PUBLISH reaches every node); it takes no leases yet."""
+
+    def worker() -> Limiter:
+        backend = ClusterBackend(make_client(redis_cluster.url, 2.0, 2.0))  # type: ignore[arg-type]
+        breaker = CircuitBreaker(window=20, min_calls=5, failure_rate=0.5, cooldown=1.0)
+        path = LocalPath(backend, breaker, LocalPathSettings(leases=True))
+        return Limiter(backend, breaker, local=MemoryBackend(usage_cap=100), local_share=1.0, local_path=path)
+
+    one, other = worker(), worker()
+    spent = check("c", "1/h", 1, Algorithm.TOKEN_BUCKET, "kim")
+    assert one.decide([spent]).allowed and not one.decide([spent]).allowed
+    assert one.decide([spent]).local == DENIAL
+    hot = check("hot", "1000/s", 100, Algorithm.TOKEN_BUCKET, "kim")
+    assert all(one.decide([hot]).local is None for _ in range(10))  # no leases on a cluster
+    other.backend.publish_version(3)
+    path = one.local_path
+    assert path is not None
+    assert wait_for(lambda: not path._denials), "the change never reached the other process"
+    assert one.decide([spent]).local is None

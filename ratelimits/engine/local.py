@@ -289,18 +289,22 @@ class LocalPath:
     def _observe(self, check: Check, now: float) -> int:
         """Count a request of ``check`` in this worker's rate; the lease it would take (0: none)."""
         policy = check.policy
-        if policy.algorithm not in LEASED or policy.shadow:
-            return 0
-        if now - self._window_start >= self.settings.lease_ttl:
+        algorithm = policy.algorithm
+        if (algorithm is not Algorithm.TOKEN_BUCKET and algorithm is not Algorithm.FIXED_WINDOW) or policy.shadow:
+            return 0  # only a bucket's or a fixed window's tokens are leased (LEASED)
+        ttl = self.settings.lease_ttl
+        if now - self._window_start >= ttl:
             # A new window: the one before is kept (one step per window, not per key), an older one dropped.
-            fresh = now - self._window_start < 2 * self.settings.lease_ttl
-            self._previous, self._current = (self._current if fresh else {}), {}
+            self._previous = self._current if now - self._window_start < 2 * ttl else {}
+            self._current = {}
             self._window_start = now
         key = check.key(self.prefix)
         current = self._current
         seen = current.get(key, 0) + 1
         if seen > 1 or len(current) < self.max_entries:  # bounded: a new key beyond it is not counted
             current[key] = seen
+        if seen < 2 and key not in self._previous:
+            return 0  # the common case of a cold key: met once, not before
         # As many as this window or the last one saw: a lease grows at once with a rising rate.
         return min(max(seen, self._previous.get(key, 0)) * check.cost, int(policy.capacity * self.settings.lease_share))
 
