@@ -250,11 +250,10 @@ def sleep_until(moment: float) -> None:
 CLOSED_FLOODS = {
     "exports32": ("low", 32, 0.0),
     "abusive32": ("abusive", 32, 0.0),
-    # Without charges: what one kind of request costs the workers (CPU per request). Paced to 60
-    # a second in all: the machine is then far from saturated, and CPU time is not inflated by
-    # contention for its 2 cores (an admitted GET costs about 10 ms of CPU here).
-    "cpu-admitted": ("normal", 2, 30.0),
-    "cpu-early-429": ("abusive", 2, 30.0),
+    # Without charges: what one kind of request costs the workers (CPU per request), on 2
+    # connections, less what the workers use idle (measured in the phase before them).
+    "cpu-admitted": ("normal", 2, 0.0),
+    "cpu-early-429": ("abusive", 2, 0.0),
     # Enough exports in flight (0.5 s each) to keep both workers over the low class's threshold:
     # the rest are shed before authentication.
     "cpu-early-503": ("low", 32, 0.0),
@@ -305,6 +304,8 @@ class Phase:
             ]
         for thread in drivers:
             thread.start()
+        if not drivers:
+            sleep_until(self.end)  # an idle phase: nothing is sent
         deadline = self.end + DRAIN_TIMEOUT
         for thread in drivers:
             thread.join(max(deadline - time.monotonic(), 0.1))
@@ -471,7 +472,10 @@ def run_phase(
     flood: str | None,
     pids: dict[str, list[int]],
     charges: bool = True,
+    idle_rate: float = 0.0,
 ) -> dict[str, Any]:
+    """One phase, measured. ``idle_rate``: CPU seconds a second gunicorn uses with nothing to do,
+    taken off the CPU a phase without charges used before it is divided by its requests."""
     label = ("charges and " if charges else "") + (f"the {flood} flood" if flood else "nothing else")
     log(f"phase {name}: {label}, {settle:g} s settle + {duration:g} s measured")
     phase = Phase(name, port, duration=duration, settle=settle, flood=flood, charges=charges)
@@ -499,7 +503,8 @@ def run_phase(
         every = len([s for s in phase.samples if s.klass == klass])
         result[klass] = summarize(phase.measured(klass), duration, open_loop=False)
         if not charges and every:
-            result[klass]["gunicorn_cpu_us_per_request"] = round(result["cpu"]["gunicorn_s"] * 1e6 / every, 1)
+            busy = result["cpu"]["gunicorn_s"] - idle_rate * result["wall_s"]
+            result[klass]["gunicorn_cpu_us_per_request"] = round(max(busy, 0.0) * 1e6 / every, 1)
     return result
 
 
@@ -675,6 +680,7 @@ def run(args: argparse.Namespace, redis_server: RedisServer, workdir: Path, serv
                 ("flood-on", "periodic"),
                 ("exports32-on", "exports32"),
                 ("abusive32-on", "abusive32"),
+                ("cpu-idle", None),
                 ("cpu-admitted", "cpu-admitted"),
                 ("cpu-early-429", "cpu-early-429"),
                 ("cpu-early-503", "cpu-early-503"),
@@ -691,7 +697,7 @@ def run(args: argparse.Namespace, redis_server: RedisServer, workdir: Path, serv
                 "BENCH_SHEDDING_WORKER_CAPACITY": str(WORKER_CAPACITY),
                 "BENCH_SHEDDING_LOCAL": "0",
             },
-            [("abusive32-central", "abusive32"), ("cpu-429-central", "cpu-early-429")],
+            [("abusive32-central", "abusive32"), ("cpu-idle-central", None), ("cpu-429-central", "cpu-early-429")],
         )
     )
     if args.fleet_only:
@@ -700,6 +706,7 @@ def run(args: argparse.Namespace, redis_server: RedisServer, workdir: Path, serv
             ("fleet", {"BENCH_SHEDDING_FLEET_CAPACITY": str(FLEET_CAPACITY)}, [("flood-fleet", "periodic")])
         )
     for shedding, env, phases in configurations:
+        idle = 0.0
         admin = redis_server.client()
         admin.flushall()
         admin.close()
@@ -739,8 +746,11 @@ def run(args: argparse.Namespace, redis_server: RedisServer, workdir: Path, serv
                 "generator": [os.getpid()],
             }
             report["phases"][name] = run_phase(
-                name, port, duration=duration, settle=settle, flood=flood, pids=pids, charges=charges
+                name, port, duration=duration, settle=settle, flood=flood, pids=pids, charges=charges, idle_rate=idle
             )
+            if name.startswith("cpu-idle"):
+                phase = report["phases"][name]
+                idle = phase["cpu"]["gunicorn_s"] / phase["wall_s"]
             report["phases"][name]["shedding"] = shedding
         details: dict[str, Any] = {}
         if shedding != "off":
@@ -896,6 +906,8 @@ PHASE_TITLES = {
     "flood-on": "3 flood, shedding on",
     "exports32-on": "4 32 conns of exports, on",
     "abusive32-on": "5 32 conns, 1 abusive key",
+    "cpu-idle": "6 cpu: idle",
+    "cpu-idle-central": "7a cpu: idle",
     "cpu-admitted": "6a cpu: admitted GETs",
     "cpu-early-429": "6b cpu: 429s from memory",
     "cpu-early-503": "6c cpu: exports shed",

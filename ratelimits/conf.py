@@ -348,7 +348,7 @@ class LocalPathSettings(NamedTuple):
     lease_ttl: float = 0.5
     #: The most of a limit's capacity (a bucket's burst, a window's limit) one lease takes.
     lease_share: float = 0.1
-    #: The most denials (and leases) one worker remembers.
+    #: The most denials one worker remembers (and credentials, and keys whose rate it counts).
     max_entries: int = 10_000
     #: Send ``X-RateLimit-Local`` on responses decided from memory (and log them at DEBUG).
     header: bool = False

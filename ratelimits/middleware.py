@@ -7,11 +7,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from django.http import HttpRequest, HttpResponse
-from django.urls import Resolver404, resolve
 
 from .decisions import Decision
 from .engine import evaluate
-from .engine.evaluation import early_refusals, refuse_early
+from .engine.evaluation import early_refusals, endpoint_of, refuse_early
 from .engine.failed_auth import get_failed_authentication
 from .headers import rate_limit_headers
 from .problems import problem_response
@@ -124,26 +123,28 @@ class EarlyRejectionMiddleware:
     Put it first in ``MIDDLEWARE``. Two kinds of request are answered here, with the same 503 or
     429 the throttle (or :class:`RateLimitMiddleware`) would give:
 
-    - one the worker shedder would shed now (``WORKER_CAPACITY``), its priority read from the
-      endpoint rule of the route the URL resolves to;
-    - one whose ``Authorization`` header was refused on this endpoint by a denial that has not
+    - one the worker shedder would shed now (``WORKER_CAPACITY``), by the priority of the endpoint
+      its path was limited as;
+    - one whose ``Authorization`` header was refused on that endpoint by a denial that has not
       ended (the exact denial cache, ``LOCAL_PATH``), looked up by its keyed hash: no database.
 
-    A credential is remembered only once it authenticated and was refused; an unknown or invalid
-    one always takes the normal path (its 401). Only denials every request with that credential
-    on that endpoint meets count: the API key's, its user's, the endpoint's; not the client
-    address's or the organisation's. ``TIER_FUNC`` and ``ORGANIZATION_FUNC`` are assumed to depend
-    on the credential, not on other headers.
+    Only paths the engine has limited are looked at, under the very endpoint it limited them as:
+    an exempt view, a view without the throttle, the admin or a health check is never refused
+    here. A credential is remembered only once it authenticated and was refused; an unknown or
+    invalid one always takes the normal path (its 401). The ``Authorization`` header is assumed
+    to be what authenticates the API key (a header shared by many keys, a gateway's, would let one
+    key's denial refuse the others). Only denials every request with that credential on that
+    endpoint meets count: the API key's, its user's, the endpoint's; not the client address's or
+    the organisation's. ``TIER_FUNC`` and ``ORGANIZATION_FUNC`` are assumed to depend on the
+    credential, not on other headers.
     """
 
     def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
         self.get_response = get_response
-        #: (urlconf, path) -> the endpoint the route is limited as; bounded like identity's memos.
-        self._endpoints: dict[tuple[Any, str], str | None] = {}
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
         if early_refusals():
-            endpoint = self._endpoint(request)
+            endpoint = endpoint_of(request)
             decision = refuse_early(request, endpoint) if endpoint is not None else None
             if decision is not None:
                 request.ratelimit = decision  # type: ignore[attr-defined]
@@ -153,32 +154,6 @@ class EarlyRejectionMiddleware:
                 response._has_been_logged = True  # type: ignore[attr-defined]
                 return response
         return self.get_response(request)
-
-    def _endpoint(self, request: HttpRequest) -> str | None:
-        """The endpoint the view of ``request``'s route is limited as (as the throttle names it), if it has one."""
-        urlconf = getattr(request, "urlconf", None)
-        key = (urlconf, request.path_info)
-        try:
-            return self._endpoints[key]
-        except KeyError:
-            pass
-        try:
-            match = resolve(request.path_info, urlconf=urlconf)
-        except Resolver404:
-            endpoint = None
-        else:
-            view = match.func
-            cls = getattr(view, "cls", None) or getattr(view, "view_class", None)
-            scope = getattr(cls, "throttle_scope", None) or getattr(view, "ratelimit_scope", None)
-            endpoint = str(scope) if scope else (match.view_name or None)
-        if len(self._endpoints) >= _ENDPOINTS_MEMO:
-            self._endpoints.clear()
-        self._endpoints[key] = endpoint
-        return endpoint
-
-
-#: Paths whose endpoint :class:`EarlyRejectionMiddleware` remembers before it starts over.
-_ENDPOINTS_MEMO = 4096
 
 
 def ratelimit(scope: str | None = None) -> Callable[[View], View]:

@@ -41,7 +41,7 @@ from ..exceptions import BackendUnavailable, PolicyFailed
 from ..policies.values import Check
 from . import layout
 from .base import StoreHealth, new_slot, slot_keys
-from .invalidation import RESET, version_message
+from .invalidation import version_message
 from .redis import (
     _REFUND_CHECK,
     _REFUND_NOW,
@@ -63,10 +63,9 @@ from .redis import (
 
 __all__ = ["REFUND", "ClusterBackend"]
 
-#: ``lua/refund.lua``'s packed request: its clock, then one record per check given back.
 #: The bytes a refundable decide call reports per check (``REFUNDABLE`` in ``lua/decide.lua``),
 #: which the refund takes as they are.
-_REFUNDABLE = 16
+_REFUNDABLE_SIZE = 16
 #: How many copies of the version stamp one round of :meth:`ClusterBackend.publish_version` writes.
 PUBLISH_BATCH = 2048
 #: Replies saying the store did not run a call: it may be sent again (:meth:`ClusterBackend._send_again`).
@@ -300,7 +299,9 @@ class ClusterBackend(RedisBackend):
                     continue  # a shadow check that would have denied wrote nothing
                 check = result.check
                 policy, rate = check.policy, check.policy.rate
-                spent = call.reply[-1][_REFUNDABLE * n : _REFUNDABLE * (n + 1)]  # as the decide call reported it
+                spent = call.reply[-1][
+                    _REFUNDABLE_SIZE * n : _REFUNDABLE_SIZE * (n + 1)
+                ]  # as the decide call reported it
                 record = (policy.algorithm.code, rate.limit, rate.period_us, check.cost, now_us)
                 records.append(_REFUND_CHECK.pack(*record) + spent)
                 keys.append(check.key(self.prefix))
@@ -468,7 +469,7 @@ class ClusterBackend(RedisBackend):
         with self._store():
             for group in _by_slot([check.key(self.prefix) for check in checks]).values():
                 self.client.delete(*group)
-        self.publish(RESET)
+        self.announce_reset()
 
     def subscription_connection(self) -> Any:
         """A connection to any node: a cluster's nodes pass every ``PUBLISH`` on to each other."""

@@ -23,6 +23,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import redis
+
 __all__ = ["RESET", "Subscription", "channel", "held", "version_message"]
 
 logger = logging.getLogger("ratelimits")
@@ -53,21 +55,29 @@ class Subscription:
     change of settings), the thread ends.
     """
 
-    def __init__(self, connect: Callable[[], Any], name: str, on_message: Callable[[bytes | None], None]) -> None:
+    def __init__(
+        self, connect: Callable[[], Any], name: str, on_message: Callable[[bytes | None], None], *, wait: bool = True
+    ) -> None:
         self.channel = name
         self._connect = connect
         self._on_message = held(on_message)
         self._live = False
+        #: The store refused the channel (an ACL without it): nothing is ever trusted, nor retried.
+        self.refused = False
         self._pid = os.getpid()
         self._stopped = threading.Event()
-        # The first subscription is made here, so memory is trusted from the first request on;
-        # if the store cannot be reached now, the thread keeps trying.
-        try:
-            first = self._subscribe()
-        except Exception as exc:
-            logger.warning("ratelimits: invalidation channel unavailable (%s); retrying in the background", exc)
-            first = None
-        threading.Thread(target=self._run, args=(first,), name="ratelimits-invalidations", daemon=True).start()
+        # With ``wait``, the first subscription is made here, so memory is trusted from the first
+        # request on; if the store cannot be reached now, the thread keeps trying.
+        first = None
+        if wait:
+            try:
+                first = self._subscribe()
+            except Exception as exc:
+                self._refused(exc)
+                if not self.refused:
+                    logger.warning("ratelimits: invalidation channel unavailable (%s); retrying in the background", exc)
+        if not self.refused:
+            threading.Thread(target=self._run, args=(first,), name="ratelimits-invalidations", daemon=True).start()
 
     @property
     def live(self) -> bool:
@@ -100,16 +110,23 @@ class Subscription:
         self._live = True
         return connection
 
+    def _refused(self, exc: BaseException) -> None:
+        if isinstance(exc, redis.exceptions.NoPermissionError):
+            self.refused = True
+            self.stop()
+            logger.warning("ratelimits: the store refuses the invalidation channel (%s): no local fast path", exc)
+
     def _run(self, connection: Any) -> None:
         delay, cap = BACKOFF_S
-        while not self._stopped.is_set():
+        while not self._stopped.is_set() and self._on_message() is not None:
             try:
                 if connection is None:
                     connection = self._subscribe()
-                    logger.info("ratelimits: invalidation channel subscribed again")
+                    logger.info("ratelimits: invalidation channel subscribed")
                 delay = BACKOFF_S[0]
                 self._listen(connection)
             except Exception as exc:  # any failure: nothing remembered is trusted until subscribed again
+                self._refused(exc)
                 logger.debug("ratelimits: invalidation channel unavailable (%s); retrying in %.2f s", exc, delay)
             finally:
                 self._live = False

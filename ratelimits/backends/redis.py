@@ -325,16 +325,27 @@ class RedisBackend(Backend):
     def clear(self, checks: Sequence[Check]) -> None:
         with self._store():
             self.client.delete(*[check.key(self.prefix) for check in checks])
-        self.publish(RESET)
+        self.announce_reset()
+
+    def announce_reset(self) -> None:
+        """Tell every process a reset happened; a reset that could not be told is still done (warned of)."""
+        try:
+            self.publish(RESET)
+        except BackendUnavailable as exc:
+            logger.warning(
+                "ratelimits: counters reset, but not announced (%s): other workers may refuse the subject "
+                "from memory until their denials end",
+                exc,
+            )
 
     def publish_version(self, version: int) -> str:
         stamp = str(int(self._run(PUBLISH_VERSION, [self.version_key], [version, layout.VERSION_TTL_S])))
         self.publish(version_message(version))
         return stamp
 
-    def subscribe(self, on_message: Callable[[bytes | None], None]) -> Subscription:
+    def subscribe(self, on_message: Callable[[bytes | None], None], *, wait: bool = True) -> Subscription:
         self._subscribers = [s for s in self._subscribers if s() is not None] + [held(on_message)]
-        return Subscription(self.subscription_connection, channel(self.prefix), on_message)
+        return Subscription(self.subscription_connection, channel(self.prefix), on_message, wait=wait)
 
     def subscription_connection(self) -> Any:
         """A new connection for the invalidation channel, made as the decisions' are."""

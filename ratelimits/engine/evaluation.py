@@ -18,7 +18,7 @@ from ..algorithms import SLOT_RETRY_US
 from ..conf import conf
 from ..counters import LIMITED, Usage, usage_for
 from ..decisions import Decision, Verdict
-from ..identity import Identity, SubjectKind, identify, subject_of
+from ..identity import Identity, SubjectKind, identify, remember, subject_of
 from ..policies.source import get_policy_source
 from ..policies.values import Check
 from .limiter import Limiter, current_limiter, get_limiter
@@ -27,7 +27,15 @@ from .shedding import WorkerShedder, get_worker_shedder
 if TYPE_CHECKING:
     from django.http import HttpRequest
 
-__all__ = ["early_refusals", "evaluate", "presented_credential", "refuse_early", "release_held", "usage_of"]
+__all__ = [
+    "early_refusals",
+    "endpoint_of",
+    "evaluate",
+    "presented_credential",
+    "refuse_early",
+    "release_held",
+    "usage_of",
+]
 
 logger = logging.getLogger("ratelimits")
 
@@ -49,12 +57,19 @@ def evaluate(
     """
     identity = identify(request, endpoint=endpoint, auth=auth, user=user)
     source = get_policy_source()
+    if consume:
+        # What refuse_early looks the path up as: exactly what this view is limited as.
+        remember(_endpoints, (getattr(request, "urlconf", None), request.path_info), endpoint)
     shedder = get_worker_shedder() if consume else None
     if shedder is not None and not shedder.admit(source.endpoint_rule(endpoint, request.method or "GET").priority):
         return identity, Decision(Verdict.SHED, (), retry_after_us=SLOT_RETRY_US)
     try:
-        checks = source.checks_for(request, identity)
         limiter = get_limiter()
+        # Taken before the checks: what a refusal is remembered under, for refusals before authentication.
+        local = limiter.local_path
+        generation = local.generation if local is not None else 0
+        snapshot = source.snapshot() if local is not None else None
+        checks = source.checks_for(request, identity)
         usage = usage_of(identity, checks) if consume and conf.usage_counting else None
         decision = limiter.decide(checks, consume=consume, usage=usage)
     except BaseException:
@@ -85,11 +100,19 @@ def evaluate(
                 decision.local,
                 extra={"ratelimit_local": decision.local},
             )
-        if decision.verdict is Verdict.LIMITED and identity.api_key is not None and usage is not None:
+        if decision.verdict is Verdict.LIMITED and identity.api_key is not None and consume:
             credential = presented_credential(request)
             if credential is not None:
-                method = request.method or "GET"
-                local.note_credential(credential, endpoint, method, decision, usage.field, usage.tokens)
+                local.note_credential(
+                    credential,
+                    endpoint,
+                    request.method or "GET",
+                    decision,
+                    snapshot=snapshot,
+                    generation=generation,
+                    usage_field=usage.field if usage is not None else "",
+                    tokens=usage.tokens if usage is not None else 1,
+                )
     return identity, decision
 
 
@@ -99,6 +122,15 @@ def presented_credential(request: HttpRequest) -> str | None:
     if not isinstance(header, str) or not header.strip():
         return None
     return subject_of(SubjectKind.CREDENTIAL, header.strip()).digest
+
+
+#: (urlconf, path) -> the endpoint a consuming decision limited it as: what refuse_early reads.
+_endpoints: dict[tuple[Any, str], str] = {}
+
+
+def endpoint_of(request: HttpRequest) -> str | None:
+    """The endpoint ``request``'s path was last limited as, if a request to it was (else: not limited here)."""
+    return _endpoints.get((getattr(request, "urlconf", None), request.path_info))
 
 
 def early_refusals() -> bool:
@@ -130,7 +162,7 @@ def refuse_early(request: HttpRequest, endpoint: str) -> Decision | None:
     if found is None:
         return None
     decision, early = found
-    if conf.usage_counting:
+    if early.usage_field:
         limiter.count_local(Usage(int(time.time() // 60), early.usage_field, early.tokens, ""), LIMITED)  # type: ignore[union-attr]
     return decision
 

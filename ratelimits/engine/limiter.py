@@ -97,7 +97,7 @@ class Limiter:
         if self.breaker.allow():
             local = self.local_path if consume else None
             try:
-                sent = local.clock() if local is not None else 0.0
+                sent, generation = (local.clock(), local.generation) if local is not None else (0.0, 0)
                 if wants is None:
                     decision = self.backend.decide(checks, consume=consume, usage=usage)
                 else:
@@ -119,9 +119,9 @@ class Limiter:
             else:
                 self.breaker.record_success()
                 if local is not None:
-                    local.learn(decision, sent)
+                    local.learn(decision, sent, generation)
                     if wants is not None:
-                        decision = local.install(decision, grants, sent)
+                        decision = local.install(decision, grants, sent, generation)
                 return decision
         return self._unanswered(checks, consume=consume, usage=usage)
 
@@ -160,7 +160,7 @@ class Limiter:
             local.counts["tokens_unreturned"] += tokens
             logger.info("ratelimits: leased tokens not given back: %s", exc)
         else:
-            local.counts["tokens_returned"] += tokens
+            local.returned(unused)
 
     def count_local(self, usage: Usage | None, metric: str) -> None:
         """Count ``usage`` as a request answered from memory (``metric``: allowed or limited)."""
@@ -289,7 +289,8 @@ class Limiter:
 def _build() -> Limiter:
     backend, breaker, settings = get_backend(), CircuitBreaker(**conf.breaker), conf.local_path
     # A backend whose state is the process's (memory) answers from memory already.
-    local_path = LocalPath(backend, breaker, settings) if backend.shared and settings.denials else None
+    wanted = settings.denials or (settings.leases and backend.leases)
+    local_path = LocalPath(backend, breaker, settings) if backend.shared and wanted else None
     return Limiter(
         backend, breaker, local=MemoryBackend(), local_share=conf.local_fallback_share, local_path=local_path
     )

@@ -27,9 +27,12 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+
+from django.utils import timezone
 
 from ..algorithms import Algorithm
 from ..backends import Backend
@@ -38,6 +41,7 @@ from ..backends.invalidation import RESET
 from ..conf import LocalPathSettings
 from ..decisions import Decision, Result, Verdict
 from ..identity import SubjectKind
+from ..policies.snapshot import PolicySnapshot
 from ..policies.source import get_policy_source
 from ..policies.values import Check
 from .breaker import BreakerState, CircuitBreaker
@@ -49,6 +53,9 @@ US = 1_000_000
 DENIAL = "denial"
 #: ... and of a request admitted with tokens this worker leased.
 LEASE = "lease"
+#: The longest a denial is refused from memory before the store is asked again (seconds): a long
+#: one (a day's quota) is measured on this worker's clock, which need not keep Redis' rate for a day.
+MAX_DENIAL_S = 60.0
 #: What leases are taken of: a token bucket's tokens, or a fixed window's (spent within the window).
 #: Not a sliding window's: its count weighs on the next window too.
 LEASED = frozenset({Algorithm.TOKEN_BUCKET, Algorithm.FIXED_WINDOW})
@@ -113,11 +120,16 @@ class Lease:
 class EarlyDenial:
     """A credential's denial on one endpoint, as the pre-authentication middleware looks it up."""
 
-    #: The state keys of the denials the credential's request met (none on its client address).
+    #: The state keys of the denials the credential's request met (none on its client address),
+    #: and what that request cost under each.
     keys: tuple[str, ...]
+    costs: tuple[int, ...]
     #: The policies the denials were made under: a reload of them (a new snapshot) ends it.
     snapshot: object
-    #: Where the refusal is counted: the usage row the authenticated request was counted in.
+    #: Monotonic seconds: refused before authentication until then at the latest.
+    ends: float
+    #: Where the refusal is counted: the usage row the authenticated request was counted in ("":
+    #: usage is not counted).
     usage_field: str
     tokens: int
 
@@ -154,10 +166,17 @@ class LocalPath:
         self._previous: dict[str, int] = {}
         self._window_start = -math.inf
         self._leasing = settings.leases and backend.leases
+        #: When the last credential entry's denials end (monotonic): after it, they are all dropped.
+        self._early_ends = -math.inf
+        #: Raised by every :meth:`forget`: a store answer to a call sent before it is not learned.
+        self.generation = 0
+        #: The newest policy version the channel announced.
+        self._version = 0
         #: Local answers and the leases' bookkeeping, for the status page, the logs and the bench.
         self.counts: Counter[str] = Counter()
-        self._pid = os.getpid()
         self._subscription = backend.subscribe(self.on_message)
+        after_fork = weakref.WeakMethod(self._after_fork)
+        os.register_at_fork(after_in_child=lambda: _call(after_fork))
 
     # -- trust ---------------------------------------------------------------------------------
 
@@ -167,24 +186,30 @@ class LocalPath:
         While the store is down nothing can be published, and memory is the best this worker knows
         of it (``store_down``: a call just failed; else the breaker says so).
         """
-        if self._pid != os.getpid():
-            self._after_fork()
-            return False
         subscription = self._subscription
-        if subscription is None:
-            return False
+        if subscription is None or subscription.refused:
+            return False  # no channel, or a store that refuses it: a reset elsewhere would go unheard
         return store_down or subscription.live or self.breaker.state is not BreakerState.CLOSED
 
     def on_message(self, message: bytes | None) -> None:
-        """An invalidation: a policy change or a reset somewhere (or a new subscription): forget everything."""
+        """An invalidation: a reset somewhere, a new policy version, or a new subscription: forget everything.
+
+        A version already announced (this process's own publication heard again on the channel,
+        or a worker publishing a lagging stamp again) changes nothing.
+        """
+        version = parse_version(message)
+        if version is not None:
+            if version <= self._version:
+                return
+            self._version = version
         self.forget()
-        if message is not None and message != RESET:
-            # A new policy version: reload before the next request, rather than after it.
-            get_policy_source().invalidate()
+        if version is not None:
+            get_policy_source().invalidate()  # reload before the next request, rather than after it
 
     def forget(self) -> None:
         """Forget every denial and drop every lease (its tokens are not given back: the bucket may be new)."""
         with self._lock:
+            self.generation += 1
             self._denials.clear()
             self._early.clear()
             self._leases.clear()
@@ -194,13 +219,14 @@ class LocalPath:
             self._expiring.clear()
 
     def _after_fork(self) -> None:
-        # A forked child has the parent's memory but not its listener thread, nor the parent's
-        # leases to spend (the parent spends those): start afresh.
-        self._pid = os.getpid()
+        """In a forked child (one thread, right after the fork): the parent's memory, leases (the parent
+        spends those) and listener thread are not the child's. Start afresh, subscribing in the background.
+        """
         self._denials, self._early, self._leases, self._current, self._previous = {}, {}, {}, {}, {}
         self._expiring, self.counts = deque(), Counter()
         self._lock = threading.Lock()
-        self._subscription = self.backend.subscribe(self.on_message)
+        self.generation += 1
+        self._subscription = self.backend.subscribe(self.on_message, wait=False)
 
     # -- leases --------------------------------------------------------------------------------
 
@@ -270,16 +296,23 @@ class LocalPath:
     def wants(self, checks: Sequence[Check]) -> list[int] | None:
         """How many tokens to lease from each check in the store call about to be made (``None``: none).
 
-        A token bucket this worker met more than once in the last lease-length (or in this one, so
-        far) is leased as many tokens as it spent there, up to ``lease_share`` of its capacity: a
-        lease lasts about as long as it is worth, and a worker never holds more than its share.
+        A token bucket or fixed window this worker met more than once in the last lease-length (or
+        in this one, so far) is leased as many tokens as it spent there, up to ``lease_share`` of
+        its capacity: a lease lasts about as long as it is worth, and one lease holds at most that
+        share. None while a live lease of the key holds enough, or for less than one request's cost.
         """
-        if not self._leasing:
-            return None
+        if not self._leasing or not self.trusted():
+            return None  # a lease nobody may spend would only keep its tokens from everyone
         now = self.clock()
         wants: list[int] | None = None
+        leases, prefix = self._leases, self.prefix
         for i, check in enumerate(checks):
             want = self._observe(check, now)
+            if want < max(check.cost, 2):
+                continue  # not busy enough, or a lease too small to pay for one request
+            lease = leases.get(check.key(prefix))
+            if lease is not None and lease.expires > now and lease.tokens >= check.cost:
+                continue  # it still holds enough: another check sent the request here
             if want >= 2:
                 if wants is None:
                     wants = [0] * len(checks)
@@ -308,9 +341,17 @@ class LocalPath:
         # As many as this window or the last one saw: a lease grows at once with a rising rate.
         return min(max(seen, self._previous.get(key, 0)) * check.cost, int(policy.capacity * self.settings.lease_share))
 
-    def install(self, decision: Decision, grants: Sequence[Grant], sent: float) -> Decision:
-        """Keep the leases a store call granted; ``decision`` with their tokens in what is remaining."""
+    def install(self, decision: Decision, grants: Sequence[Grant], sent: float, generation: int) -> Decision:
+        """Keep the leases a store call granted; ``decision`` with their tokens in what is remaining.
+
+        Not if memory was emptied since the call was sent (``generation``): they were taken under
+        policies (or from a bucket) that may be gone. Their tokens are lost to this worker.
+        """
         if not grants:
+            return decision
+        if generation != self.generation:
+            with self._lock:
+                self.counts["tokens_dropped"] += sum(grant.tokens for grant in grants)
             return decision
         arrived = self.clock()
         ttl = self.settings.lease_ttl
@@ -337,7 +378,7 @@ class LocalPath:
     def expired(self) -> list[tuple[Grant, int]]:
         """Close the leases that have run out; their grants and unused tokens, to give back."""
         expiring = self._expiring
-        if not expiring or expiring[0].expires > self.clock():
+        if not expiring:
             return []
         now = self.clock()
         unused = []
@@ -351,6 +392,14 @@ class LocalPath:
                 if lease.tokens > 0:
                     unused.append((lease.grant, lease.tokens))
         return unused
+
+    def returned(self, unused: Sequence[tuple[Grant, int]]) -> None:
+        """Tokens of ``unused`` went back to their buckets: a denial remembered of them may end sooner now."""
+        prefix = self.prefix
+        with self._lock:
+            for grant, _ in unused:
+                self._denials.pop(grant.check.key(prefix), None)
+            self.counts["tokens_returned"] += sum(n for _, n in unused)
 
     # -- denials -------------------------------------------------------------------------------
 
@@ -392,19 +441,21 @@ class LocalPath:
             local=DENIAL,
         )
 
-    def learn(self, decision: Decision, sent: float) -> None:
+    def learn(self, decision: Decision, sent: float, generation: int) -> None:
         """Remember the denials of ``decision``, a consuming answer of the store to a call sent at ``sent``.
 
         An admitted request spent from its checks: a denial remembered of one of them (at a higher
         cost) now ends later than remembered, so it is forgotten, to be learned again exactly.
         """
         if decision.verdict is not Verdict.LIMITED or decision.degraded:
-            denials = self._denials
-            if denials and decision.allowed:
+            if self._denials and decision.allowed:
                 prefix = self.prefix
-                for result in decision.results:
-                    denials.pop(result.check.key(prefix), None)
+                with self._lock:
+                    for result in decision.results:
+                        self._denials.pop(result.check.key(prefix), None)
             return
+        if generation != self.generation or not self.settings.denials:
+            return  # memory was emptied since the call was sent: its answer may be stale already
         arrived = self.clock()
         prefix = self.prefix
         for result in decision.violated:
@@ -412,7 +463,8 @@ class LocalPath:
             if check.policy.holds_slots:
                 continue  # slots free when requests finish: a denial of them can end early
             wait = result.retry_us / US
-            denial = Denial(check, sent + wait, arrived + wait, arrived + result.reset_us / US, result.remaining)
+            ends = sent + min(wait, MAX_DENIAL_S)
+            denial = Denial(check, ends, arrived + wait, arrived + result.reset_us / US, result.remaining)
             self._remember(check.key(prefix), denial, arrived)
 
     def _remember(self, key: str, denial: Denial, now: float) -> None:
@@ -421,7 +473,11 @@ class LocalPath:
             if key not in denials and len(denials) >= self.max_entries:
                 expired = [k for k, d in denials.items() if d.ends <= now]
                 # Expired first; if few have, the oldest tenth (a dict keeps insertion order).
-                for k in expired if len(expired) * 10 >= self.max_entries else list(denials)[: self.max_entries // 10]:
+                for k in (
+                    expired
+                    if len(expired) * 10 >= self.max_entries
+                    else list(denials)[: max(self.max_entries // 10, 1)]
+                ):
                     del denials[k]
                 early = self._early
                 for request in [r for r, e in early.items() if not all(k in denials for k in e.keys)]:
@@ -433,30 +489,59 @@ class LocalPath:
     @property
     def refuses_credentials(self) -> bool:
         """Whether any credential is remembered as refused (the pre-authentication check's shortcut)."""
-        return bool(self._early)
+        if not self._early:
+            return False
+        if self.clock() < self._early_ends:
+            return True
+        with self._lock:
+            self._early.clear()  # every one of their denials has ended
+        return False
 
     def note_credential(
-        self, credential: str, endpoint: str, method: str, decision: Decision, usage_field: str, tokens: int
+        self,
+        credential: str,
+        endpoint: str,
+        method: str,
+        decision: Decision,
+        *,
+        snapshot: object,
+        generation: int,
+        usage_field: str,
+        tokens: int,
     ) -> None:
         """Remember that the request presenting ``credential`` (its digest) was refused by ``decision``.
 
         Only denials every request presenting it there meets count: its API key's, its user's and
         the endpoint's, not its client address's or organisation's, which another request with the
-        same credential need not share.
+        same credential need not share, nor a sharded budget's (the next request may meet another
+        shard). Remembered until the denials end, or until an assignment or override starts or ends
+        (that may change the checks without a new snapshot), whichever is first; and not at all if
+        memory was emptied since the request was decided (``generation``).
         """
-        prefix = self.prefix
-        keys = tuple(
-            r.check.key(prefix)
-            for r in decision.violated
-            if not r.check.policy.holds_slots and r.check.subject.kind in CREDENTIAL_BOUND
-        )
-        if not keys or not all(key in self._denials for key in keys):
+        if generation != self.generation:
             return
-        early = EarlyDenial(keys, get_policy_source().snapshot(), usage_field, tokens)
+        prefix = self.prefix
+        met = [
+            (r.check.key(prefix), r.check.cost)
+            for r in decision.violated
+            if not r.check.policy.holds_slots
+            and not r.check.policy.is_shard
+            and r.check.subject.kind in CREDENTIAL_BOUND
+        ]
+        denials = [self._denials.get(key) for key, _ in met]
+        if not met or any(d is None for d in denials):
+            return
+        keys, costs = zip(*met, strict=True)
+        ends = max(d.ends for d in denials if d is not None)
+        change = snapshot.next_change(timezone.now()) if isinstance(snapshot, PolicySnapshot) else None
+        if change is not None:
+            ends = min(ends, self.clock() + (change - timezone.now()).total_seconds())
+        early = EarlyDenial(keys, costs, snapshot, ends, usage_field, tokens)
         with self._lock:
             if len(self._early) >= self.max_entries:
                 self._early.clear()  # rebuilt by the next refusals; each costs one authenticated request
             self._early[(credential, endpoint, method)] = early
+            self._early_ends = max(self._early_ends, ends)
 
     def refuse_credential(self, credential: str, endpoint: str, method: str) -> tuple[Decision, EarlyDenial] | None:
         """The 429 for a request presenting ``credential`` on ``endpoint``, if it is remembered as refused there."""
@@ -466,8 +551,33 @@ class LocalPath:
         if early is None or early.snapshot is not get_policy_source().snapshot():
             return None
         now = self.clock()
-        met = [self._denials.get(key) for key in early.keys]
-        live = [(d, d.check, 0.0) for d in met if d is not None and d.ends > now]
+        if early.ends <= now:
+            return None
+        live = []
+        for key, cost in zip(early.keys, early.costs, strict=True):
+            denial = self._denials.get(key)
+            if denial is None or denial.ends <= now:
+                continue
+            longer = denial.longer_for(cost)  # the denial may have been learned at another cost since
+            if longer is not None:
+                live.append((denial, denial.check, longer))
         if not live or not self.trusted():
             return None
         return self._refusal(live, now), early
+
+
+def parse_version(message: bytes | None) -> int | None:
+    """The policy version a channel message announces; ``None`` for a reset, a (re)subscription or junk."""
+    if message is None or message == RESET or not message.startswith(b"v"):
+        return None
+    try:
+        return int(message[1:])
+    except ValueError:
+        return None
+
+
+def _call(method: weakref.WeakMethod[Callable[[], None]]) -> None:
+    """Call a weakly held method if its object is still alive (fork hooks outlive limiters)."""
+    bound = method()
+    if bound is not None:
+        bound()

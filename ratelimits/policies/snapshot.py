@@ -153,6 +153,8 @@ class PolicySnapshot:
     #: Tier names ``TIER_FUNC`` returned that are not tiers here, each logged once (up to a bound).
     reported: set[str] = field(default_factory=set)
     _fleet_resolved: dict[Priority, tuple[Check, Origin]] | None = field(default=None, repr=False)
+    #: (asked at, the answer) of :meth:`next_change`, valid until that answer.
+    _next_change: tuple[datetime, datetime | None] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.checked_at = self.checked_at or self.loaded_at
@@ -177,6 +179,23 @@ class PolicySnapshot:
     def has_windows(self) -> bool:
         """Whether anything here applies only for a while (then resolving needs the time)."""
         return bool(self.assignments or self.networks or self.overrides)
+
+    def next_change(self, now: datetime) -> datetime | None:
+        """The first moment after ``now`` an assignment or override starts or ends (``None``: never).
+
+        Until then, a request resolves to the same checks. Worked out once, then again only when
+        that moment has passed.
+        """
+        cached = self._next_change
+        if cached is not None and cached[0] <= now and (cached[1] is None or now < cached[1]):
+            return cached[1]
+        windows = [a.window for entries in self.assignments.values() for a in entries]
+        windows += [a.window for _, a in self.networks]
+        windows += [o.window for rules in self.overrides.values() for o in rules]
+        bounds = [t for w in windows for t in (w.starts, w.expires) if t is not None and t > now]
+        answer = min(bounds, default=None)
+        self._next_change = (now, answer)
+        return answer
 
 
 def endpoint_key(name: str) -> str:
