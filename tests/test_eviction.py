@@ -28,7 +28,7 @@ from ratelimits.policies.values import Check, Policy
 from ratelimits.policies.versioning import bump_policy_version
 from ratelimits.rates import parse_rate
 
-from .support.redis_server import RedisServer, free_port
+from .support.redis_server import RedisServer, free_port, script_calls
 
 #: Small enough to fill in a moment, above what an empty redis-server uses on its own.
 MAXMEMORY = "4mb"
@@ -210,15 +210,6 @@ def test_a_full_noeviction_store_degrades_loudly(settings: Any, start: Any) -> N
 
 
 # -- the policy version stamp, evicted -----------------------------------------------------------
-
-
-def script_calls(server: RedisServer) -> int:
-    client = server.client()
-    try:
-        stats = client.info("commandstats")
-    finally:
-        client.close()
-    return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("evalsha", "eval"))
 
 
 @pytest.mark.django_db

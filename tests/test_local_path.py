@@ -34,7 +34,7 @@ from ratelimits.rates import parse_rate
 
 from .factories import ApiKeyFactory
 from .support.clock import FakeClock
-from .support.redis_server import RedisServer
+from .support.redis_server import RedisServer, script_calls
 
 US = 1_000_000
 #: How long a test waits for a message on the invalidation channel to arrive (a bounded poll).
@@ -303,15 +303,6 @@ def test_the_worker_shedder_sheds_before_authentication(settings: Any, stack: Re
 
 
 # -- leases ---------------------------------------------------------------------------------------
-
-
-def script_calls(server: RedisServer) -> int:
-    client = server.client()
-    try:
-        stats = client.info("commandstats")
-    finally:
-        client.close()
-    return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("evalsha", "eval"))
 
 
 def test_leases_spend_tokens_taken_from_the_store_and_give_back_the_rest(own_redis: RedisServer) -> None:
