@@ -129,12 +129,19 @@ class Backend(ABC):
         """Give unused leased tokens back, ``(grant, tokens)`` each; how many buckets took something back."""
         raise NotImplementedError(f"{type(self).__name__} takes no leases")
 
-    def subscribe(self, on_message: Callable[[bytes | None], None], *, wait: bool = True) -> Subscription | None:
+    def subscribe(
+        self,
+        on_message: Callable[[bytes | None], None],
+        *,
+        wait: bool = True,
+        on_tick: Callable[[], None] | None = None,
+    ) -> Subscription | None:
         """Hear every invalidation (a new policy version, a reset) published from now on, anywhere.
 
         ``on_message`` is called with each message, and with ``None`` whenever the subscription
         (re)starts: messages may have been missed. With ``wait``, the first subscription is made
-        before this returns. ``None``: this backend publishes nothing, and the local fast path
+        before this returns. ``on_tick`` is called in the listener's thread at least every second
+        while subscribed. ``None``: this backend publishes nothing, and the local fast path
         (:mod:`ratelimits.engine.local`) stays off.
         """
         return None

@@ -21,7 +21,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
@@ -56,11 +56,20 @@ class Subscription:
     """
 
     def __init__(
-        self, connect: Callable[[], Any], name: str, on_message: Callable[[bytes | None], None], *, wait: bool = True
+        self,
+        connect: Callable[[], Any],
+        name: str,
+        on_message: Callable[[bytes | None], None],
+        *,
+        wait: bool = True,
+        on_tick: Callable[[], None] | None = None,
     ) -> None:
         self.channel = name
         self._connect = connect
         self._on_message = held(on_message)
+        #: Called (held as ``on_message`` is) at least every PING_EVERY_S while subscribed: work a
+        #: process does in the background, off the request path (adding usage counted in memory).
+        self._on_tick = held(on_tick) if on_tick is not None else None
         self._live = False
         #: The store refused the channel (an ACL without it): nothing is ever trusted, nor retried.
         self.refused = False
@@ -136,9 +145,18 @@ class Subscription:
             self._stopped.wait(delay)  # backoff between attempts, in this thread only
             delay = min(delay * 2, cap)
 
+    def _tick(self) -> None:
+        tick = self._on_tick() if self._on_tick is not None else None
+        if tick is not None:
+            try:
+                tick()
+            except Exception as exc:  # the channel outlives whatever the tick ran into
+                logger.debug("ratelimits: background work on the invalidation thread failed: %s", exc)
+
     def _listen(self, connection: Any) -> None:
         pinged_at: float | None = None
         while not self._stopped.is_set():
+            self._tick()
             if not connection.can_read(timeout=PING_EVERY_S):
                 if self._on_message() is None:
                     self.stop()
@@ -158,7 +176,10 @@ class Subscription:
                 raise ConnectionError(f"unexpected message on the invalidation channel: {reply!r}")
 
 
-def held(callback: Callable[[bytes | None], None]) -> Callable[[], Callable[[bytes | None], None] | None]:
+C = TypeVar("C", bound=Callable[..., None])
+
+
+def held(callback: C) -> Callable[[], C | None]:
     """A weak reference to a bound method (a strong one to anything else), called to get it back."""
     if inspect.ismethod(callback):
         return weakref.WeakMethod(callback)

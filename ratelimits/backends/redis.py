@@ -343,9 +343,15 @@ class RedisBackend(Backend):
         self.publish(version_message(version))
         return stamp
 
-    def subscribe(self, on_message: Callable[[bytes | None], None], *, wait: bool = True) -> Subscription:
+    def subscribe(
+        self,
+        on_message: Callable[[bytes | None], None],
+        *,
+        wait: bool = True,
+        on_tick: Callable[[], None] | None = None,
+    ) -> Subscription:
         self._subscribers = [s for s in self._subscribers if s() is not None] + [held(on_message)]
-        return Subscription(self.subscription_connection, channel(self.prefix), on_message, wait=wait)
+        return Subscription(self.subscription_connection, channel(self.prefix), on_message, wait=wait, on_tick=on_tick)
 
     def subscription_connection(self) -> Any:
         """A new connection for the invalidation channel, made as the decisions' are."""

@@ -155,7 +155,7 @@ def refuse_early(request: HttpRequest, endpoint: str) -> Decision | None:
         return Decision(Verdict.SHED, (), retry_after_us=SLOT_RETRY_US)
     limiter = current_limiter()
     local = limiter.local_path if limiter is not None else None
-    if local is None or not local.refuses_credentials:
+    if limiter is None or local is None or not local.refuses_credentials:
         return None
     credential = presented_credential(request)
     found = local.refuse_credential(credential, endpoint, method) if credential is not None else None
@@ -163,7 +163,7 @@ def refuse_early(request: HttpRequest, endpoint: str) -> Decision | None:
         return None
     decision, early = found
     if early.usage_field:
-        limiter.count_local(Usage(int(time.time() // 60), early.usage_field, early.tokens, ""), LIMITED)  # type: ignore[union-attr]
+        limiter.count_local(Usage(int(time.time() // 60), early.usage_field, early.tokens, ""), LIMITED)
     return decision
 
 

@@ -6,6 +6,7 @@ import logging
 import math
 import threading
 import time
+import weakref
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import replace
@@ -19,7 +20,7 @@ from ..decisions import Decision, Verdict
 from ..exceptions import BackendUnavailable, PolicyFailed
 from ..policies.values import Check
 from .breaker import BreakerState, CircuitBreaker
-from .local import LEASE, LocalPath
+from .local import LEASE, LocalPath, call_weakly
 
 __all__ = ["Limiter", "get_limiter"]
 
@@ -47,6 +48,11 @@ class Limiter:
         self.local_share = local_share
         #: What this worker answers without the store (``LOCAL_PATH``); ``None``: every decision asks it.
         self.local_path = local_path
+        if local_path is not None:
+            # Usage answered from memory reaches the store within a second even if no request
+            # follows (request_finished flushes too): the listener's thread does it.
+            flush = weakref.WeakMethod(self.flush_usage)
+            local_path.tick = lambda: call_weakly(flush)
         self.degraded_count = 0
         self._count_lock = threading.Lock()
         #: Usage of degraded decisions, per (minute, field), waiting for the store to come back.
@@ -60,10 +66,13 @@ class Limiter:
         self._unreleased: deque[tuple[Backend, str, tuple[str, ...]]] = deque(maxlen=10_000)
 
     def decide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
-        """Decide ``checks`` in one backend round trip; degrade by fail mode if that fails.
+        """Decide ``checks`` in one backend round trip, or none; degrade by fail mode if the store fails.
 
-        ``usage`` is counted by the backend in the same call; a degraded decision is counted
-        here and added to the store's counters once it answers again (:meth:`flush_usage`).
+        With the local path (:mod:`.local`), a consuming decision may be answered from memory: a
+        remembered denial, or tokens this worker leased (a request partly covered by leases asks
+        the store about the rest). ``usage`` is counted by the backend in the same call; a
+        decision degraded or answered from memory is counted here and added to the store's
+        counters later (:meth:`flush_usage`).
         """
         if not checks:
             return Decision(Verdict.ALLOW, ())

@@ -7,7 +7,8 @@ Two kinds of answer are made here, never a guess:
   spend, they never give back. So until then this worker refuses that check at that cost (or
   more) from memory, with the same 429, and ``Retry-After`` counted down from the store's wait.
   Slots (concurrency, the fleet's in-flight set) free early when requests finish: never cached.
-- **Tokens leased from the store** (:mod:`.leases`), spent here until they run out or expire.
+- **Tokens leased from the store** in the decide call (:class:`Lease`), spent here until they run
+  out or the lease ends.
 
 A request is refused locally as soon as one of its checks has a live denial (a request the store
 would admit is never refused: the property ``tests/test_local_path.py`` replays). Deadlines are
@@ -16,9 +17,10 @@ later than the store's own. ``Retry-After`` counts from when the answer *arrived
 
 What is remembered is trusted only while the invalidation channel is live
 (:mod:`ratelimits.backends.invalidation`), or while the store is down (nothing can be published
-then, and the breaker keeps the store's wait honoured). A policy change or an admin's reset
+then, and memory is the best this worker knows of it). A policy change or an admin's reset
 anywhere empties the memory of every process, this one at once. The memory is bounded:
-:attr:`LocalPath.max_entries` denials, the expired dropped first, then the oldest.
+``max_entries`` denials, the expired dropped first, then the oldest. docs/local-path.md has the
+whole design, its bounds and its figures.
 """
 
 from __future__ import annotations
@@ -56,9 +58,6 @@ LEASE = "lease"
 #: The longest a denial is refused from memory before the store is asked again (seconds): a long
 #: one (a day's quota) is measured on this worker's clock, which need not keep Redis' rate for a day.
 MAX_DENIAL_S = 60.0
-#: What leases are taken of: a token bucket's tokens, or a fixed window's (spent within the window).
-#: Not a sliding window's: its count weighs on the next window too.
-LEASED = frozenset({Algorithm.TOKEN_BUCKET, Algorithm.FIXED_WINDOW})
 #: The subjects every request presenting one credential on one endpoint has in common.
 CREDENTIAL_BOUND = frozenset({SubjectKind.API_KEY, SubjectKind.USER, SubjectKind.ENDPOINT})
 
@@ -174,9 +173,11 @@ class LocalPath:
         self._version = 0
         #: Local answers and the leases' bookkeeping, for the status page, the logs and the bench.
         self.counts: Counter[str] = Counter()
-        self._subscription = backend.subscribe(self.on_message)
+        #: Background work the listener's thread does every second (the limiter's usage flush).
+        self.tick: Callable[[], None] | None = None
+        self._subscription = backend.subscribe(self.on_message, on_tick=self.on_tick)
         after_fork = weakref.WeakMethod(self._after_fork)
-        os.register_at_fork(after_in_child=lambda: _call(after_fork))
+        os.register_at_fork(after_in_child=lambda: call_weakly(after_fork))
 
     # -- trust ---------------------------------------------------------------------------------
 
@@ -206,6 +207,11 @@ class LocalPath:
         if version is not None:
             get_policy_source().invalidate()  # reload before the next request, rather than after it
 
+    def on_tick(self) -> None:
+        tick = self.tick
+        if tick is not None:
+            tick()
+
     def forget(self) -> None:
         """Forget every denial and drop every lease (its tokens are not given back: the bucket may be new)."""
         with self._lock:
@@ -226,7 +232,7 @@ class LocalPath:
         self._expiring, self.counts = deque(), Counter()
         self._lock = threading.Lock()
         self.generation += 1
-        self._subscription = self.backend.subscribe(self.on_message, wait=False)
+        self._subscription = self.backend.subscribe(self.on_message, wait=False, on_tick=self.on_tick)
 
     # -- leases --------------------------------------------------------------------------------
 
@@ -324,7 +330,9 @@ class LocalPath:
         policy = check.policy
         algorithm = policy.algorithm
         if (algorithm is not Algorithm.TOKEN_BUCKET and algorithm is not Algorithm.FIXED_WINDOW) or policy.shadow:
-            return 0  # only a bucket's or a fixed window's tokens are leased (LEASED)
+            # Only a bucket's tokens are leased, or a fixed window's (spent within the window): not a
+            # sliding window's, whose count weighs on the next window too.
+            return 0
         ttl = self.settings.lease_ttl
         if now - self._window_start >= ttl:
             # A new window: the one before is kept (one step per window, not per key), an older one dropped.
@@ -576,7 +584,7 @@ def parse_version(message: bytes | None) -> int | None:
         return None
 
 
-def _call(method: weakref.WeakMethod[Callable[[], None]]) -> None:
+def call_weakly(method: weakref.WeakMethod[Callable[..., None]]) -> None:
     """Call a weakly held method if its object is still alive (fork hooks outlive limiters)."""
     bound = method()
     if bound is not None:
