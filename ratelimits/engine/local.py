@@ -45,7 +45,7 @@ from ..decisions import Decision, Result, Verdict
 from ..identity import SubjectKind
 from ..policies.snapshot import PolicySnapshot
 from ..policies.source import get_policy_source
-from ..policies.values import Check
+from ..policies.values import Check, Role
 from .breaker import BreakerState, CircuitBreaker
 
 __all__ = ["DENIAL", "LEASE", "LocalPath"]
@@ -329,9 +329,14 @@ class LocalPath:
         """Count a request of ``check`` in this worker's rate; the lease it would take (0: none)."""
         policy = check.policy
         algorithm = policy.algorithm
-        if (algorithm is not Algorithm.TOKEN_BUCKET and algorithm is not Algorithm.FIXED_WINDOW) or policy.shadow:
+        if (
+            (algorithm is not Algorithm.TOKEN_BUCKET and algorithm is not Algorithm.FIXED_WINDOW)
+            or policy.shadow
+            or policy.role is Role.FAILED_AUTH
+        ):
             # Only a bucket's tokens are leased, or a fixed window's (spent within the window): not a
-            # sliding window's, whose count weighs on the next window too.
+            # sliding window's, whose count weighs on the next window too. Nor the failed-
+            # authentication limit's: it must let exactly its burst of failures through, fleet-wide.
             return 0
         ttl = self.settings.lease_ttl
         if now - self._window_start >= ttl:
