@@ -401,7 +401,7 @@ def test_tokens_in_hand_and_denials_outlast_a_store_that_is_down(own_redis: Redi
         assert not refused.allowed and refused.local == DENIAL  # the store would refuse it too
         after = limiter.decide([hot])  # the lease is spent: the policy's fail mode (open) decides
         assert after.allowed and after.degraded
-        assert max(timed) < 0.005, timed  # none of them waited for the store (its timeout is 50 ms)
+        assert max(timed) < 0.025, timed  # none of them waited for the store (its timeout is 50 ms)
     finally:
         if fault == "pause":
             own_redis.resume()
@@ -416,8 +416,8 @@ def test_a_retry_at_the_advised_time_is_admitted_and_one_clearly_earlier_is_not(
     counted from the store's answer (so never short), whether the refusal came from it or from memory."""
     limiter = limiter_on(redis_server, prefix="honest", local=LocalPathSettings(leases=True))
     spent = check("honest", "20/s", 2, Algorithm.TOKEN_BUCKET, "judy")
-    answered = set()
-    for _ in range(4):
+    answered, early_checked = set(), 0
+    for _ in range(6):
         while limiter.decide([spent]).allowed:  # spend the bucket (a lease may take part of it)
             pass
         refused = limiter.decide([spent])
@@ -426,9 +426,16 @@ def test_a_retry_at_the_advised_time_is_admitted_and_one_clearly_earlier_is_not(
         at = time.monotonic()
         wait = refused.retry_after_us / US
         time.sleep(wait / 2)  # clearly earlier: the bucket cannot have refilled yet
-        assert not limiter.decide([spent]).allowed
+        asked = time.monotonic()
+        too_early = limiter.decide([spent])
+        if asked < at + 0.8 * wait:  # unless this thread overslept (a loaded machine): then not asked early
+            assert not too_early.allowed
+            early_checked += 1
+        elif too_early.allowed:
+            continue  # overslept past the refill: that request took the token the next one would have
         time.sleep(max(at + wait - time.monotonic(), 0))  # the advised moment
         assert limiter.decide([spent]).allowed
+    assert early_checked >= 3, early_checked
     assert DENIAL in answered  # the refusals were, at least once, answered from memory
 
 
