@@ -45,6 +45,7 @@ from .invalidation import version_message
 from .redis import (
     _REFUND_CHECK,
     _REFUND_NOW,
+    _REFUNDABLE,
     ADD_USAGE,
     DECIDE,
     PUBLISH_VERSION,
@@ -63,9 +64,6 @@ from .redis import (
 
 __all__ = ["REFUND", "ClusterBackend"]
 
-#: The bytes a refundable decide call reports per check (``REFUNDABLE`` in ``lua/decide.lua``),
-#: which the refund takes as they are.
-_REFUNDABLE_SIZE = 16
 #: How many copies of the version stamp one round of :meth:`ClusterBackend.publish_version` writes.
 PUBLISH_BATCH = 2048
 #: Replies saying the store did not run a call: it may be sent again (:meth:`ClusterBackend._send_again`).
@@ -300,7 +298,7 @@ class ClusterBackend(RedisBackend):
                 check = result.check
                 policy, rate = check.policy, check.policy.rate
                 spent = call.reply[-1][
-                    _REFUNDABLE_SIZE * n : _REFUNDABLE_SIZE * (n + 1)
+                    _REFUNDABLE.size * n : _REFUNDABLE.size * (n + 1)
                 ]  # as the decide call reported it
                 record = (policy.algorithm.code, rate.limit, rate.period_us, check.cost, now_us)
                 records.append(_REFUND_CHECK.pack(*record) + spent)

@@ -81,7 +81,8 @@ _REQUEST = struct.Struct("<dBddd")
 #: ``lua/refund.lua``'s packed header (now) and each check's record before what the decide call reported.
 _REFUND_NOW = struct.Struct("<d")
 _REFUND_CHECK = struct.Struct("<Bdddd")
-#: A leasing decide call's report per check: REFUNDABLE (what a refund needs) and LEASE (tokens taken).
+#: A refundable decide call's report per check (``REFUNDABLE`` in ``lua/decide.lua``: what a refund
+#: needs, passed on as it came), and a leasing one's (``LEASE``: the tokens taken).
 _REFUNDABLE = struct.Struct("<dd")
 _LEASE = struct.Struct("<d")
 

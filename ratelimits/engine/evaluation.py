@@ -21,6 +21,7 @@ from ..decisions import Decision, Verdict
 from ..identity import Identity, SubjectKind, identify, remember, subject_of
 from ..policies.source import get_policy_source
 from ..policies.values import Check
+from .failed_auth import presented_authorization
 from .limiter import Limiter, current_limiter, get_limiter
 from .shedding import WorkerShedder, get_worker_shedder
 
@@ -118,10 +119,8 @@ def evaluate(
 
 def presented_credential(request: HttpRequest) -> str | None:
     """The keyed hash of the request's ``Authorization`` header (as subjects are hashed); ``None`` without one."""
-    header = request.META.get("HTTP_AUTHORIZATION", "")
-    if not isinstance(header, str) or not header.strip():
-        return None
-    return subject_of(SubjectKind.CREDENTIAL, header.strip()).digest
+    header = presented_authorization(request)
+    return subject_of(SubjectKind.CREDENTIAL, header).digest if header is not None else None
 
 
 #: (urlconf, path) -> the endpoint a consuming decision limited it as: what refuse_early reads.

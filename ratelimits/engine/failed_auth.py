@@ -34,7 +34,7 @@ from .limiter import get_limiter
 if TYPE_CHECKING:
     from django.http import HttpRequest
 
-__all__ = ["FailedAuthentication", "get_failed_authentication"]
+__all__ = ["FailedAuthentication", "get_failed_authentication", "presented_authorization"]
 
 #: Denials each worker remembers at most; beyond it the soonest to end are forgotten first (their
 #: subjects then cost one more failed attempt's round trip, which the store refuses just the same).
@@ -63,7 +63,7 @@ class FailedAuthentication:
         Empty for a request that presents no credential (an ``Authorization`` header): a caller
         who never tried to authenticate has not failed to.
         """
-        header = _credentials(request)
+        header = presented_authorization(request)
         if header is None:
             return []
         subjects = [Subject(SubjectKind.IP, client_ip(request))]
@@ -83,7 +83,7 @@ class FailedAuthentication:
                 if now >= self._last_end:
                     self._denied.clear()  # every denial has run out
             return None
-        if _credentials(request) is None:
+        if presented_authorization(request) is None:
             return None
         entry = self._denied.get(Subject(SubjectKind.IP, client_ip(request)))
         if entry is None or entry[0] <= now:
@@ -120,7 +120,7 @@ class FailedAuthentication:
         self._last_end = max(self._last_end, ends)
 
 
-def _credentials(request: HttpRequest) -> str | None:
+def presented_authorization(request: HttpRequest) -> str | None:
     """The ``Authorization`` header the request presented, stripped; ``None`` if it presented none."""
     header = request.META.get("HTTP_AUTHORIZATION", "")
     return (header.strip() or None) if isinstance(header, str) else None
