@@ -35,12 +35,10 @@ django.setup()
 
 import redis  # noqa: E402  (after django.setup)
 
-from ratelimits.backends.memory import MemoryBackend  # noqa: E402
 from ratelimits.backends.redis import RedisBackend, make_client  # noqa: E402
 from ratelimits.conf import LocalPathSettings  # noqa: E402
 from ratelimits.engine.breaker import CircuitBreaker  # noqa: E402
-from ratelimits.engine.limiter import Limiter  # noqa: E402
-from ratelimits.engine.local import LocalPath  # noqa: E402
+from ratelimits.engine.limiter import Limiter, build_limiter  # noqa: E402
 from ratelimits.identity import Subject, SubjectKind  # noqa: E402
 from ratelimits.policies.values import Check, Policy  # noqa: E402
 from ratelimits.rates import parse_rate  # noqa: E402
@@ -76,10 +74,9 @@ SCENARIOS = [
 
 def limiter_for(url: str, mode: str) -> Limiter:
     """A worker's limiter, as ``ratelimits.engine.limiter`` builds one: with the local path, or without."""
-    backend = RedisBackend(make_client(url, 1.0, 1.0))
     breaker = CircuitBreaker(window=20, min_calls=5, failure_rate=0.5, cooldown=2.0)
-    local = LocalPath(backend, breaker, LOCAL) if mode == "local" else None
-    return Limiter(backend, breaker, local=MemoryBackend(usage_cap=100), local_share=1.0, local_path=local)
+    settings = LOCAL if mode == "local" else LocalPathSettings(denials=False)
+    return build_limiter(RedisBackend(make_client(url, 1.0, 1.0)), breaker, settings, usage_cap=100)
 
 
 def _thread(

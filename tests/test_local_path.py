@@ -22,12 +22,11 @@ from rest_framework.test import APIClient
 from ratelimits import engine
 from ratelimits.algorithms import Algorithm
 from ratelimits.backends.cluster import ClusterBackend
-from ratelimits.backends.memory import MemoryBackend
 from ratelimits.backends.redis import RedisBackend, make_client
 from ratelimits.conf import LocalPathSettings
 from ratelimits.engine.breaker import CircuitBreaker
-from ratelimits.engine.limiter import Limiter
-from ratelimits.engine.local import DENIAL, LEASE, LocalPath
+from ratelimits.engine.limiter import Limiter, build_limiter
+from ratelimits.engine.local import DENIAL, LEASE
 from ratelimits.identity import Subject, SubjectKind
 from ratelimits.policies.values import Check, Policy
 from ratelimits.rates import parse_rate
@@ -57,12 +56,12 @@ def limiter_on(
     """A limiter on ``server`` as ``_build`` makes one, with or without the local path."""
     backend = RedisBackend(make_client(server.url, 2.0, 2.0), prefix=prefix, clock=clock)
     breaker = CircuitBreaker(window=20, min_calls=5, failure_rate=0.5, cooldown=1.0)
-    path = None
+    seconds = (lambda: clock() / US) if clock is not None else time.monotonic
+    settings = local if local is not None else LocalPathSettings(denials=False)
+    limiter = build_limiter(backend, breaker, settings, usage_cap=100, clock=seconds)
     if local is not None:
-        seconds = (lambda: clock() / US) if clock is not None else time.monotonic
-        path = LocalPath(backend, breaker, local, clock=seconds)
-        assert path.trusted(), "the invalidation channel is subscribed before the first request"
-    return Limiter(backend, breaker, local=MemoryBackend(usage_cap=100), local_share=1.0, local_path=path)
+        assert limiter.local_path is not None and limiter.local_path.trusted(), "subscribed before the first request"
+    return limiter
 
 
 def check(name: str, rate: str, burst: int, algorithm: Algorithm, subject: str, cost: int = 1) -> Check:
@@ -372,9 +371,11 @@ def test_tokens_in_hand_and_denials_outlast_a_store_that_is_down(own_redis: Redi
     denial keeps refusing until its end, and neither waits on the store; the rest go by fail mode."""
     backend = RedisBackend(make_client(own_redis.url, 0.05, 0.05), prefix="rl")
     breaker = CircuitBreaker(window=4, min_calls=2, failure_rate=0.5, cooldown=30.0)
-    settings = LocalPathSettings(leases=True, lease_share=0.5, lease_ttl=1.0)
-    path = LocalPath(backend, breaker, settings)
-    limiter = Limiter(backend, breaker, local=MemoryBackend(usage_cap=100), local_share=1.0, local_path=path)
+    limiter = build_limiter(
+        backend, breaker, LocalPathSettings(leases=True, lease_share=0.5, lease_ttl=1.0), usage_cap=100
+    )
+    path = limiter.local_path
+    assert path is not None
     hot = check("hot", "100/s", 200, Algorithm.TOKEN_BUCKET, "hank")
     spent = check("spent", "1/h", 1, Algorithm.TOKEN_BUCKET, "hank")
     other = check("other", "100/s", 100, Algorithm.TOKEN_BUCKET, "ivy")
@@ -447,8 +448,7 @@ def test_on_a_cluster_denials_are_remembered_and_forgotten_on_a_change(
     def worker() -> Limiter:
         backend = ClusterBackend(make_client(redis_cluster.url, 2.0, 2.0))  # type: ignore[arg-type]
         breaker = CircuitBreaker(window=20, min_calls=5, failure_rate=0.5, cooldown=1.0)
-        path = LocalPath(backend, breaker, LocalPathSettings(leases=True))
-        return Limiter(backend, breaker, local=MemoryBackend(usage_cap=100), local_share=1.0, local_path=path)
+        return build_limiter(backend, breaker, LocalPathSettings(leases=True), usage_cap=100)
 
     one, other = worker(), worker()
     spent = check("c", "1/h", 1, Algorithm.TOKEN_BUCKET, "kim")

@@ -8,13 +8,13 @@ import threading
 import time
 import weakref
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from ..backends import Backend, get_backend
 from ..backends.memory import MemoryBackend
 from ..choices import FailMode
-from ..conf import ProcessWide, conf
+from ..conf import LocalPathSettings, ProcessWide, conf
 from ..counters import ALLOWED, DEGRADED, EXTRA_TOKENS, LIMITED, Usage
 from ..decisions import Decision, Verdict
 from ..exceptions import BackendUnavailable, PolicyFailed
@@ -22,7 +22,7 @@ from ..policies.values import Check
 from .breaker import BreakerState, CircuitBreaker
 from .local import LEASE, LocalPath, call_weakly
 
-__all__ = ["Limiter", "get_limiter"]
+__all__ = ["Limiter", "build_limiter", "get_limiter"]
 
 logger = logging.getLogger("ratelimits")
 
@@ -295,13 +295,31 @@ class Limiter:
         )
 
 
-def _build() -> Limiter:
-    backend, breaker, settings = get_backend(), CircuitBreaker(**conf.breaker), conf.local_path
-    # A backend whose state is the process's (memory) answers from memory already.
+def build_limiter(
+    backend: Backend,
+    breaker: CircuitBreaker,
+    settings: LocalPathSettings,
+    *,
+    local_share: float = 1.0,
+    usage_cap: int | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> Limiter:
+    """A limiter on ``backend`` with the local path ``settings`` ask for (``LOCAL_PATH``'s shape).
+
+    None over a backend whose state is the process's (memory): it answers from memory already.
+    ``usage_cap`` is the fallback backend's (``USAGE_MAX_SUBJECTS`` if ``None``); ``clock`` the
+    local path's (monotonic seconds).
+    """
     wanted = settings.denials or (settings.leases and backend.leases)
-    local_path = LocalPath(backend, breaker, settings) if backend.shared and wanted else None
+    local_path = LocalPath(backend, breaker, settings, clock=clock) if backend.shared and wanted else None
     return Limiter(
-        backend, breaker, local=MemoryBackend(), local_share=conf.local_fallback_share, local_path=local_path
+        backend, breaker, local=MemoryBackend(usage_cap=usage_cap), local_share=local_share, local_path=local_path
+    )
+
+
+def _build() -> Limiter:
+    return build_limiter(
+        get_backend(), CircuitBreaker(**conf.breaker), conf.local_path, local_share=conf.local_fallback_share
     )
 
 

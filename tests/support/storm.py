@@ -23,12 +23,10 @@ from typing import Any
 import redis
 
 from ratelimits.backends.cluster import ClusterBackend
-from ratelimits.backends.memory import MemoryBackend
 from ratelimits.backends.redis import RedisBackend, make_client
 from ratelimits.conf import LocalPathSettings
 from ratelimits.engine.breaker import CircuitBreaker
-from ratelimits.engine.limiter import Limiter
-from ratelimits.engine.local import LocalPath
+from ratelimits.engine.limiter import Limiter, build_limiter
 from ratelimits.policies import Check
 from ratelimits.redis_url import parse_redis_url
 
@@ -110,8 +108,7 @@ def redis_time_us(client: redis.Redis) -> int:
 def limiter_for(backend: RedisBackend, local: LocalPathSettings) -> Limiter:
     """A worker's limiter on ``backend`` with the local fast path, as the engine builds one."""
     breaker = CircuitBreaker(window=20, min_calls=5, failure_rate=0.5, cooldown=2.0)
-    path = LocalPath(backend, breaker, local)
-    return Limiter(backend, breaker, local=MemoryBackend(usage_cap=100), local_share=1.0, local_path=path)
+    return build_limiter(backend, breaker, local, usage_cap=100)
 
 
 def _thread_body(
