@@ -1,6 +1,7 @@
 """The demo's Celery app and beat schedule (used when CELERY_BROKER_URL is set)."""
 
 import os
+from typing import Any
 
 from celery import Celery
 
@@ -17,3 +18,18 @@ app.conf.beat_schedule = {
     "expire-policies": {"task": "ratelimits.expire_policies", "schedule": 60 * 60.0},
     "near-limit-digest": {"task": "ratelimits.near_limit_digest", "schedule": 24 * 60 * 60.0},
 }
+
+
+@app.on_after_configure.connect  # type: ignore[untyped-decorator]
+def schedule_reconciliation(sender: Celery, **kwargs: Any) -> None:
+    """With ``RATELIMITS['REGIONS']``: a reconciliation round every ``RECONCILE['interval']`` (1 s).
+
+    ``expires``: a round not started within its interval is dropped, not run late in a burst.
+    """
+    from ratelimits.conf import conf
+
+    if conf.regions:
+        interval = conf.reconcile.interval
+        sender.add_periodic_task(
+            interval, sender.signature("ratelimits.reconcile_regions"), name="reconcile-regions", expires=interval
+        )

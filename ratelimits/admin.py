@@ -39,7 +39,7 @@ from .models import (
 from .policies.audit import audit_context, record_reset
 from .policies.source import get_policy_source
 from .policies.values import every_shard
-from .status import Caller, effective_limits, stand_in
+from .status import Caller, RegionShare, effective_limits, stand_in
 from .usage.report import usage_report_view
 
 
@@ -162,8 +162,8 @@ SHADOW_OFF = _switch("shadow", False, "Shadow mode off")
 
 @admin.register(Tier)
 class TierAdmin(AuditedAdmin):
-    list_display = ("name", "limits", "concurrency", "quota", "algorithm", "fail_mode", "enabled", "shadow")
-    list_filter = ("enabled", "shadow", "algorithm", "fail_mode")
+    list_display = ("name", "limits", "concurrency", "quota", "algorithm", "fail_mode", "scope", "enabled", "shadow")
+    list_filter = ("enabled", "shadow", "algorithm", "fail_mode", "scope")
     search_fields = ("name", "description")
     actions = (ENABLE, DISABLE, SHADOW_ON, SHADOW_OFF)
     fields = (
@@ -173,6 +173,7 @@ class TierAdmin(AuditedAdmin):
         "quota",
         "algorithm",
         "fail_mode",
+        "scope",
         ("enabled", "shadow"),
         "description",
         "change_reason",
@@ -249,6 +250,7 @@ class OverrideAdmin(AuditedAdmin):
         "endpoint",
         ("rate", "burst"),
         "multiplier",
+        "scope",
         "concurrency",
         "reason",
         "expires_at",
@@ -350,6 +352,7 @@ class FleetSettingsAdmin(AuditedAdmin):
                         "limit": entry.limit,
                         "remaining": entry.peek.remaining if entry.peek else None,
                         "reset_seconds": entry.peek.reset_after_seconds if entry.peek else None,
+                        "region_share": _region_note(entry.region_share) if entry.region_share else "",
                     }
                 )
         context = {
@@ -453,3 +456,9 @@ class EffectivePolicyForm(forms.Form):
                 "A request made with the key may be placed differently."
             ]
         return []
+
+
+def _region_note(share: RegionShare) -> str:
+    """``"global: region eu holds 42% (burst 42), reconciled 2026-12-01 12:00:01 UTC"``."""
+    when = f"reconciled {share.reconciled_at:%Y-%m-%d %H:%M:%S} UTC" if share.reconciled_at else "never reconciled"
+    return f"global: region {share.region or '-'} holds {share.share:.0%} (burst {share.capacity}), {when}"

@@ -199,6 +199,37 @@ def slots(held: dict[str, int], now: int, limit: int, ttl_us: int, cost: int) ->
     return Outcome(False, max(limit - count, 0), earliest - now, min(earliest - now, SLOT_RETRY_US), ()), live
 
 
+#: A global bucket's share that is ``EPSILON`` tokens short of a cost still pays it (``lua/decide.lua``).
+EPSILON = 1e-9
+#: How soon a global check whose region's share holds less than its cost is told to retry.
+RESHARE_RETRY_US = 1_000_000
+
+
+def global_bucket(
+    state: State | None, now: int, limit: int, period_us: int, burst: int, cost: int, share: float
+) -> Outcome:
+    """A global policy's token bucket in one region: ``share`` of its rate and burst (``lua/decide.lua``).
+
+    The state is ``(tokens, time, share spent at, rate per us, burst)``: tokens, so that a share
+    change keeps what the region holds. Refilled at the lesser of the two shares since it was spent.
+    """
+    full = limit / period_us
+    capacity = burst * share
+    speed = full * share
+    held = capacity
+    if state is not None:
+        held, at, spent_share = state[0], state[1], state[2]
+        if now > at:
+            held += (now - at) * full * min(share, spent_share)
+        held = min(held, capacity)
+    if held + EPSILON >= cost:
+        held = max(held - cost, 0.0)
+        reset = math.ceil((capacity - held) / speed)
+        return Outcome(True, math.floor(held + EPSILON), reset, 0, (held, float(now), share, full, float(burst)))
+    retry = max(math.ceil((cost - held) / speed), 1) if cost <= capacity else RESHARE_RETRY_US
+    return Outcome(False, math.floor(held + EPSILON), math.ceil((capacity - held) / speed), retry, state or ())
+
+
 ALGORITHMS = {
     Algorithm.TOKEN_BUCKET: token_bucket,
     Algorithm.SLIDING_WINDOW: sliding_window,

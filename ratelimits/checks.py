@@ -16,7 +16,7 @@ from django.core.checks import CheckMessage, Error, Info, Tags, Warning, registe
 
 from .backends import backend_class, get_backend
 from .backends.redis import RedisBackend
-from .conf import BACKEND, POLICY_SOURCE, SETTINGS, conf
+from .conf import BACKEND, POLICY_SOURCE, REGION, REGIONS, SETTINGS, conf
 from .exceptions import BackendUnavailable, ConfigurationError
 from .policies.settings import dimensions_from_settings
 from .policies.source import get_policy_source
@@ -94,6 +94,9 @@ SETTING_IDS: dict[str, str] = {
     "BREAKER_COOLDOWN": "ratelimits.E135",
     "FAILED_AUTH": "ratelimits.E137",
     "IMPORT_MAX_SIZE": "ratelimits.E138",
+    "REGION": "ratelimits.E144",
+    "REGIONS": "ratelimits.E145",
+    "RECONCILE": "ratelimits.E146",
 }
 
 
@@ -117,6 +120,12 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         except ConfigurationError as exc:
             invalid.add(name)
             messages.append(Error(str(exc), id=SETTING_IDS[exc.setting or name]))
+    if not invalid & {REGION.name, REGIONS.name}:
+        try:
+            _ = conf.region  # one of REGIONS, and named whenever REGIONS is set
+        except ConfigurationError as exc:
+            invalid.add(REGION.name)
+            messages.append(Error(str(exc), id=SETTING_IDS[REGION.name]))
     if not invalid:
         # Policies build on the settings above: report them only once those are sound. The
         # backstops apply under any source (the database source loads them on first use). The

@@ -376,6 +376,65 @@ def _local_path(value: object, field: str) -> LocalPathSettings:
     )
 
 
+#: A region's name: it appears in settings, the admin and logs, never in keys.
+_REGION_NAME = re.compile(r"[A-Za-z0-9_.-]{1,50}", re.ASCII)
+
+
+def _region(value: object, field: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _REGION_NAME.fullmatch(value):
+        raise ConfigurationError(f"{field}: {value!r} must be a region name matching {_REGION_NAME.pattern}")
+    return value
+
+
+def _regions(value: object, field: str) -> dict[str, str]:
+    """``{name: {"REDIS_URL": url}}``: every region, and where the reconciler reaches its store."""
+    regions = {}
+    for name, config in _mapping(value, field).items():
+        _region(name, f"{field} key")
+        entry = _mapping(config, f"{field}[{name!r}]")
+        unknown = set(entry) - {"REDIS_URL"}
+        if unknown:
+            raise ConfigurationError(f"{field}[{name!r}]: unknown keys {', '.join(sorted(unknown))}; use REDIS_URL")
+        if "REDIS_URL" not in entry:
+            raise ConfigurationError(f"{field}[{name!r}]: 'REDIS_URL' is required")
+        regions[name] = _redis_url(entry["REDIS_URL"], f"{field}[{name!r}]['REDIS_URL']")
+    return dict(sorted(regions.items()))  # sorted: every process numbers the regions alike
+
+
+class ReconcileSettings(NamedTuple):
+    """``RECONCILE``: how the reconciler moves global policies' shares (docs/regions.md)."""
+
+    #: Seconds between rounds (the beat schedule's; the demo's ``project/celery.py`` reads it).
+    interval: float = 1.0
+    #: The least share of a global limit a region holds while others are busy, so a quiet region
+    #: can still serve a first request (raised to one request's worth of the burst if that is more).
+    floor: float = 0.05
+    #: A share not written for this long (the reconciler cannot reach its region) starts to decay.
+    stale_after: float = 10.0
+    #: Seconds a stale share takes to decay linearly to an even split (1 / the number of regions).
+    decay: float = 30.0
+
+
+def _reconcile(value: object, field: str) -> ReconcileSettings:
+    config = _mapping(value, field)
+    known = ReconcileSettings._fields
+    unknown = set(config) - set(known)
+    if unknown:
+        raise ConfigurationError(f"{field}: unknown keys {', '.join(sorted(unknown))}; use {', '.join(known)}")
+    defaults = ReconcileSettings()
+    floor = config.get("floor", defaults.floor)
+    if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0 < floor < 0.5:
+        raise ConfigurationError(f"{field}['floor']: {floor!r} must be a share above 0 and below 0.5")
+    return ReconcileSettings(
+        interval=_seconds(config.get("interval", defaults.interval), f"{field}['interval']"),
+        floor=float(floor),
+        stale_after=_seconds(config.get("stale_after", defaults.stale_after), f"{field}['stale_after']"),
+        decay=_seconds(config.get("decay", defaults.decay), f"{field}['decay']"),
+    )
+
+
 def _fail_mode(value: object, field: str) -> FailMode:
     return FailMode.parse(value, field=field)
 
@@ -445,6 +504,9 @@ BREAKER_MIN_CALLS = Setting("BREAKER_MIN_CALLS", 5, _positive_int)
 BREAKER_FAILURE_RATE = Setting("BREAKER_FAILURE_RATE", 0.5, _share)
 BREAKER_COOLDOWN = Setting("BREAKER_COOLDOWN", "2s", _seconds)
 IMPORT_MAX_SIZE = Setting("IMPORT_MAX_SIZE", "10MB", _size)
+REGION = Setting("REGION", None, _region)
+REGIONS = Setting("REGIONS", {}, _regions)
+RECONCILE = Setting("RECONCILE", {}, _reconcile)
 
 #: Every setting, by name, in the order docs/configuration.md lists them.
 SETTINGS: dict[str, Setting[Any]] = {
@@ -493,6 +555,9 @@ SETTINGS: dict[str, Setting[Any]] = {
         BREAKER_COOLDOWN,
         FAILED_AUTH,
         IMPORT_MAX_SIZE,
+        REGION,
+        REGIONS,
+        RECONCILE,
     )
 }
 
@@ -707,6 +772,37 @@ class Settings:
     def import_max_size(self) -> int:
         """The largest document ``ratelimits_import`` reads, in bytes."""
         return self.value(IMPORT_MAX_SIZE)
+
+    @cached_property
+    def regions(self) -> dict[str, str]:
+        """Every region's store URL by name, sorted by name (``REGIONS``); empty in a one-region deployment."""
+        return self.value(REGIONS)
+
+    @cached_property
+    def region(self) -> str | None:
+        """This deployment's region (``REGION``): one of ``REGIONS``, or ``None`` without regions."""
+        region = self.value(REGION)
+        regions = self.regions
+        if region is None and regions:
+            raise ConfigurationError(
+                "RATELIMITS['REGION'] must name this deployment's region: RATELIMITS['REGIONS'] is set",
+                setting="REGION",
+            )
+        if region is not None and region not in regions:
+            names = ", ".join(regions) or "none: set REGIONS"
+            raise ConfigurationError(
+                f"RATELIMITS['REGION']: {region!r} is not one of RATELIMITS['REGIONS'] ({names})", setting="REGION"
+            )
+        return region
+
+    @cached_property
+    def region_count(self) -> int:
+        """How many regions share a global policy's limit (1 without ``REGIONS``)."""
+        return max(len(self.regions), 1)
+
+    @cached_property
+    def reconcile(self) -> ReconcileSettings:
+        return self.value(RECONCILE)
 
 
 conf = Settings()

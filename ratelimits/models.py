@@ -30,6 +30,8 @@ ALGORITHM_CHOICES = [(a.value, a.value.replace("_", " ")) for a in RATE_ALGORITH
 FAIL_MODE_CHOICES = [("", "fleet default"), *((mode.value, mode.description) for mode in FailMode)]
 PRIORITY_CHOICES = [(p.value, p.value) for p in Priority]
 METHOD_CHOICES = [(m, m) for m in ("ANY", *HTTP_METHODS)]
+SCOPE_CHOICES = [("region", "each region"), ("global", "global: shared by every region")]
+_SCOPE_HELP = "Global: one limit for every region together, each enforcing its share (token bucket only)."
 SUBJECT_KINDS = [(kind.value, kind.label) for kind in ASSIGNABLE_KINDS]
 
 #: Sent by a policy queryset's ``update()`` with the rows as they were (``before``) and the
@@ -199,6 +201,7 @@ class Tier(Revisioned):
     )
     algorithm = models.CharField(max_length=20, choices=ALGORITHM_CHOICES, default=Algorithm.TOKEN_BUCKET.value)
     fail_mode = models.CharField(max_length=10, choices=FAIL_MODE_CHOICES, blank=True)
+    scope = models.CharField(max_length=10, choices=SCOPE_CHOICES, default="region", help_text=_SCOPE_HELP)
     enabled = models.BooleanField(default=True, help_text="A disabled tier's limits are not applied.")
     shadow = models.BooleanField(default=False, help_text="Count and report, but never deny.")
     description = models.TextField(blank=True)
@@ -221,6 +224,8 @@ class Tier(Revisioned):
     def clean(self) -> None:
         """Refuse limits the store cannot carry, or under which every request of some endpoint would be denied."""
         validate_storable(self, rates=(("rate", "burst"),), counts=("concurrency",))
+        if self.scope == "global":
+            validate_global(self.algorithm, self.quota)
         capacity = self.capacity
         if capacity is None or not self.enabled:
             return  # the field validator reports a bad rate; a disabled tier limits nothing
@@ -383,6 +388,12 @@ class Override(Revisioned):
         validators=[MinValueValidator(1)],
         help_text="Replacement limit on requests in flight (optional).",
     )
+    scope = models.CharField(
+        max_length=10,
+        choices=[("", "as the tier's"), *SCOPE_CHOICES],
+        blank=True,
+        help_text="Of the replacement rate or the multiplied one. " + _SCOPE_HELP,
+    )
     reason = models.TextField(help_text="Why: shown in the audit trail.")
     expires_at = models.DateTimeField(help_text="After this the override stops applying on its own.")
     created_by = models.ForeignKey(
@@ -425,7 +436,21 @@ class Override(Revisioned):
             raise ValidationError({"burst": "A burst needs a rate."})
         if self.multiplier is None and not self.rate and not self.concurrency:
             raise ValidationError("Give a replacement rate, a multiplier, or a concurrency limit.")
+        if self.scope and self.multiplier is None and not self.rate:
+            raise ValidationError({"scope": "A scope applies to a rate: give a replacement rate or a multiplier."})
         validate_storable(self, rates=(("rate", "burst"),), counts=("concurrency",))
+
+
+def validate_global(algorithm: str, quota: str) -> None:
+    """A global tier counts a token bucket, and has no quota (a window's count cannot be split between regions)."""
+    if algorithm != Algorithm.TOKEN_BUCKET.value:
+        raise ValidationError(
+            {"scope": f"A global tier needs the token bucket algorithm, not {algorithm.replace('_', ' ')}."}
+        )
+    if quota:
+        raise ValidationError(
+            {"quota": "A global tier cannot have a quota: keep the quota on a regional tier (docs/regions.md)."}
+        )
 
 
 class FleetSettings(Revisioned):

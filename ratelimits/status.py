@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from typing import Any
 
 from django.contrib.auth import get_user_model
@@ -27,8 +28,9 @@ from rest_framework.request import Request
 
 from .choices import FailMode
 from .conf import conf
-from .decisions import Decision, Peek, peek
+from .decisions import US, Decision, Peek, peek
 from .engine import get_limiter
+from .exceptions import BackendUnavailable
 from .identity import Identity, Subject, SubjectKind, identify, normalize_ip
 from .policies.snapshot import endpoint_slug
 from .policies.source import get_policy_source
@@ -39,11 +41,25 @@ __all__ = [
     "Caller",
     "EffectiveCheck",
     "EffectiveLimits",
+    "RegionShare",
     "current_limits",
     "effective_limits",
     "limit_status_call",
     "stand_in",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class RegionShare:
+    """This region's part of a global policy (``scope`` ``global``): what it enforces of the limit."""
+
+    region: str | None
+    #: The share of the global rate and burst this region enforces now (decayed, if stale).
+    share: float
+    #: The burst this region holds of the global one (``share`` of it, rounded down).
+    capacity: int
+    #: When the reconciler last wrote the share (``None``: never: the even split).
+    reconciled_at: datetime | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +71,8 @@ class EffectiveCheck:
     kind: OriginKind
     #: ``None`` when the store could not be read (the limiter is degraded).
     peek: Peek | None
+    #: For a global policy: this region's share of it (``None`` for a regional one).
+    region_share: RegionShare | None = None
 
     @property
     def limit(self) -> int:
@@ -81,12 +99,32 @@ def effective_limits(request: HttpRequest, identity: Identity, *, method: str | 
     # Matched by policy and subject: a degraded decision has results only for the checks it could
     # decide in this process (fail mode "local"), under the same names.
     results = {(r.check.policy.name, r.check.subject): r for r in decision.results}
+    shares = _region_shares([e.check for e in explained if e.check.policy.is_global], decision.now_us)
     checks = []
     for entry in explained:
         result = results.get((entry.check.policy.name, entry.check.subject))
         seen = peek(result, now_us=decision.now_us) if result is not None else None
-        checks.append(EffectiveCheck(entry.check, entry.origin, entry.kind, seen))
+        share = shares.get(entry.check) if entry.check.policy.is_global else None
+        checks.append(EffectiveCheck(entry.check, entry.origin, entry.kind, seen, share))
     return EffectiveLimits(identity, tuple(checks), decision.degraded)
+
+
+def _region_shares(checks: list[Check], now_us: int) -> dict[Check, RegionShare]:
+    """This region's share of each global check (the even split where the reconciler wrote none)."""
+    if not checks:
+        return {}
+    backend = get_limiter().backend
+    try:
+        records = backend.shares(checks)
+    except BackendUnavailable:
+        return {}
+    found = {}
+    for check in checks:
+        record = records.get(check.key(backend.prefix))
+        share = record.effective(now_us) if record else 1 / conf.region_count
+        written = datetime.fromtimestamp(record.written_us / US, UTC) if record else None
+        found[check] = RegionShare(conf.region, share, int(check.policy.burst * share + 1e-9), written)
+    return found
 
 
 def current_limits(request: Request, *, endpoint: str, method: str | None = None) -> dict[str, Any]:
@@ -113,6 +151,8 @@ def current_limits(request: Request, *, endpoint: str, method: str | None = None
                 "reset": seen.reset_at if seen else None,
                 "window_seconds": policy.window_seconds,
                 "cost": entry.check.cost,
+                "scope": policy.scope.value,
+                **(_region_fields(entry.region_share) if entry.region_share else {}),
             }
         )
     return {
@@ -121,6 +161,16 @@ def current_limits(request: Request, *, endpoint: str, method: str | None = None
         "degraded": limits.degraded,
         "resources": resources,
         "today": today_usage(identity),
+    }
+
+
+def _region_fields(share: RegionShare) -> dict[str, Any]:
+    """A global policy's figures in this region: ``limit`` stays the global burst, ``remaining`` is this region's."""
+    return {
+        "region": share.region,
+        "region_share": round(share.share, 6),
+        "region_limit": share.capacity,
+        "reconciled_at": share.reconciled_at.isoformat() if share.reconciled_at else None,
     }
 
 

@@ -6,15 +6,17 @@ worker killed mid-drain has its task delivered again; the drain is exactly-once 
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from celery import shared_task
 
 from . import usage
 from .policies.expiry import expire_policies as _expire_policies
+from .reconciler import reconcile
 from .usage.digest import send_digest
 
-__all__ = ["drain_usage", "expire_policies", "maintain_usage", "near_limit_digest"]
+__all__ = ["drain_usage", "expire_policies", "maintain_usage", "near_limit_digest", "reconcile_regions"]
 
 
 @shared_task(name="ratelimits.drain_usage", acks_late=True, reject_on_worker_lost=True)
@@ -39,3 +41,14 @@ def expire_policies() -> int:
 def near_limit_digest() -> str:
     """Mail yesterday's near-limit digest to the site's ADMINS; return its text."""
     return send_digest().render()
+
+
+@shared_task(name="ratelimits.reconcile_regions", ignore_result=True)
+def reconcile_regions() -> dict[str, Any]:
+    """Move global policies' regional shares toward demand (one round); return what it did.
+
+    Not ``acks_late``: a round lost with its worker is simply the next one. Schedule it with an
+    ``expires`` of its interval (``project/celery.py`` does), so rounds a stalled worker missed
+    are dropped, not run in a burst.
+    """
+    return asdict(reconcile())

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from ..counters import Usage
     from ..decisions import Decision
     from ..policies.values import Check
+    from ..shares import ShareRecord
     from .invalidation import Subscription
 
 
@@ -56,6 +57,8 @@ class Backend(ABC):
     shared: bool = True
     #: Whether :meth:`lease` and :meth:`give_back` work (token leases of the local fast path).
     leases: bool = False
+    #: What every key this backend writes starts with (``KEY_PREFIX``).
+    prefix: str
 
     @classmethod
     @abstractmethod
@@ -145,6 +148,13 @@ class Backend(ABC):
         (:mod:`ratelimits.engine.local`) stays off.
         """
         return None
+
+    def shares(self, checks: Sequence[Check]) -> dict[str, ShareRecord]:
+        """The share records of these checks' global policies in this region's store, by state key.
+
+        A check without one holds the even split. A store no reconciler writes to (``memory``) has none.
+        """
+        return {}
 
     def store_health(self) -> StoreHealth | None:
         """Whether the store may evict the limiter's keys, and how many it has; ``None``: nothing to report.

@@ -469,6 +469,9 @@ class ClusterBackend(RedisBackend):
                 self.client.delete(*group)
         self.announce_reset()
 
+    def _read_many(self, keys: list[str]) -> list[Any]:
+        return list(self.client.mget_nonatomic(keys))  # a key per slot: one MGET per node
+
     def subscription_connection(self) -> Any:
         """A connection to any node: a cluster's nodes pass every ``PUBLISH`` on to each other."""
         nodes = [n for n in self.client.nodes_manager.nodes_cache.values() if n.redis_connection is not None]

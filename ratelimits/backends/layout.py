@@ -18,13 +18,18 @@ import functools
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 __all__ = [
+    "DEMAND_TTL_S",
     "REDIS_CLUSTER_HASH_SLOTS",
     "USAGE_TTL_S",
     "VERSION_TTL_S",
+    "demand_key",
+    "demand_prefix",
     "drain_key",
     "drain_prefix",
     "key_slot",
     "lease_key",
+    "reconciled_key",
+    "share_key",
     "slot_tag",
     "usage_key",
     "usage_prefix",
@@ -64,6 +69,33 @@ def drain_prefix(prefix: str, tag: str | None = None) -> str:
 def drain_key(prefix: str, minute: int, batch: str, tag: str | None = None) -> str:
     """A minute's counters once a drain has claimed them (renamed out of the live set, in the same slot)."""
     return f"{drain_prefix(prefix, tag)}{minute}:{batch}"
+
+
+#: How long a second's demand hash lives: the reconciler reads the last complete second.
+DEMAND_TTL_S = 10
+
+
+def demand_key(prefix: str, second: int, tag: str | None = None) -> str:
+    """The hash of one second's demand for global policies: field a state key, value the tokens asked.
+
+    Every request a global check meets adds its cost, admitted or not: what the region wants, for
+    the reconciler to move shares toward (on a cluster, one per slot).
+    """
+    return f"{_base(prefix, tag)}demand:{second}"
+
+
+def demand_prefix(prefix: str, tag: str | None = None) -> str:
+    return f"{_base(prefix, tag)}demand:"
+
+
+def reconciled_key(prefix: str) -> str:
+    """What the reconciler's last round did, as it wrote it into this region (JSON, for the admin)."""
+    return f"{prefix}:reconciled"
+
+
+def share_key(state_key: str) -> str:
+    """A global check's share record (:class:`ratelimits.shares.ShareRecord`), beside its state (same slot)."""
+    return f"{state_key}#share"
 
 
 def lease_key(prefix: str, batch: str) -> str:

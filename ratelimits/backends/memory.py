@@ -8,7 +8,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 
-from ..algorithms import ALGORITHMS, State, slots
+from ..algorithms import ALGORITHMS, State, global_bucket, slots
 from ..conf import conf
 from ..counters import ALLOWED, EXTRA_TOKENS, LIMITED, SHED, Usage, count, overflow_of
 from ..decisions import Decision, Result, Verdict
@@ -74,9 +74,21 @@ class MemoryBackend(Backend):
                     self._slots[key] = live
                 else:
                     state = pending[key] if key in pending else self._load(key, now)
-                    outcome = ALGORITHMS[policy.algorithm](
-                        state, now, policy.rate.limit, policy.rate.period_us, policy.burst, check.cost
-                    )
+                    if policy.is_global:
+                        # No reconciler reaches a process's memory: the region keeps its even split.
+                        outcome = global_bucket(
+                            state,
+                            now,
+                            policy.rate.limit,
+                            policy.rate.period_us,
+                            policy.burst,
+                            check.cost,
+                            1 / conf.region_count,
+                        )
+                    else:
+                        outcome = ALGORITHMS[policy.algorithm](
+                            state, now, policy.rate.limit, policy.rate.period_us, policy.burst, check.cost
+                        )
                     if outcome.allowed:
                         pending[key] = outcome.new_state
                         writes.append((key, outcome.new_state, now + policy.state_ttl_ms * 1000))

@@ -29,6 +29,7 @@ from ..counters import Usage, overflow_of
 from ..decisions import Decision, Result
 from ..exceptions import BackendUnavailable, PolicyFailed
 from ..policies.values import Check
+from ..shares import ShareRecord
 from . import layout
 from .base import Backend, Grant, StoreHealth, new_slot, slot_keys
 from .connection import make_client as new_client
@@ -77,7 +78,7 @@ _FAILED = -1
 _USAGE_TTL = str(layout.USAGE_TTL_S)
 #: The decide script's packed request header (``REQUEST`` in ``lua/decide.lua``; a check packs
 #: its own record, :attr:`Check.script_record <ratelimits.policies.values.Check.script_record>`).
-_REQUEST = struct.Struct("<dBddd")
+_REQUEST = struct.Struct("<dBdddd")
 #: ``lua/refund.lua``'s packed header (now) and each check's record before what the decide call reported.
 _REFUND_NOW = struct.Struct("<d")
 _REFUND_CHECK = struct.Struct("<Bdddd")
@@ -234,14 +235,26 @@ class RedisBackend(Backend):
         """
         now = -1.0 if self.clock is None else self.clock()  # negative: the script reads Redis TIME
         mode = (3 if wants is not None else 2 if refundable else 1) if consume else 0
-        record = [_REQUEST.pack(now, mode, usage.tokens if usage else 1, layout.USAGE_TTL_S, self.usage_cap)]
         script_keys = [self.version_key if tag is None else layout.version_key(self.prefix, tag)]
+        record = [b""]
         ttls: list[str | bytes] = []
         prefix = self.prefix
+        shares = []
         for check in checks:
-            script_keys.append(check.key(prefix))
+            key = check.key(prefix)
+            script_keys.append(key)
             record.append(check.script_record)
             ttls.append(check.policy.script_ttl)
+            if check.policy.is_global:
+                shares.append(layout.share_key(key))
+        if shares:
+            # The second of the app's clock even under Redis TIME: the key is named before the
+            # script runs, and the reconciler reads the seconds that are over by its own clock.
+            second = int(now // 1_000_000) if now >= 0 else int(time.time())
+            script_keys += shares
+            script_keys.append(layout.demand_key(prefix, second, tag))
+        tokens = usage.tokens if usage else 1
+        record[0] = _REQUEST.pack(now, mode, tokens, layout.USAGE_TTL_S, self.usage_cap, len(shares))
         if wants is not None:
             ttls.append(b"".join(_LEASE.pack(want) for want in wants))
         if usage:
@@ -327,6 +340,17 @@ class RedisBackend(Backend):
         with self._store():
             self.client.delete(*[check.key(self.prefix) for check in checks])
         self.announce_reset()
+
+    def shares(self, checks: Sequence[Check]) -> dict[str, ShareRecord]:
+        keys = [check.key(self.prefix) for check in checks if check.policy.is_global]
+        if not keys:
+            return {}
+        with self._store():
+            values = self._read_many([layout.share_key(key) for key in keys])
+        return {key: ShareRecord.unpack(value) for key, value in zip(keys, values, strict=True) if value}
+
+    def _read_many(self, keys: list[str]) -> list[Any]:
+        return list(self.client.mget(keys))
 
     def announce_reset(self) -> None:
         """Tell every process a reset happened; a reset that could not be told is still done (warned of)."""

@@ -333,10 +333,12 @@ class LocalPath:
             (algorithm is not Algorithm.TOKEN_BUCKET and algorithm is not Algorithm.FIXED_WINDOW)
             or policy.shadow
             or policy.role is Role.FAILED_AUTH
+            or policy.is_global
         ):
             # Only a bucket's tokens are leased, or a fixed window's (spent within the window): not a
             # sliding window's, whose count weighs on the next window too. Nor the failed-
             # authentication limit's: it must let exactly its burst of failures through, fleet-wide.
+            # Nor a global policy's: its region's share changes under it (docs/regions.md).
             return 0
         ttl = self.settings.lease_ttl
         if now - self._window_start >= ttl:
@@ -473,8 +475,10 @@ class LocalPath:
         prefix = self.prefix
         for result in decision.violated:
             check = result.check
-            if check.policy.holds_slots:
-                continue  # slots free when requests finish: a denial of them can end early
+            if check.policy.holds_slots or check.policy.is_global:
+                # Slots free when requests finish, and a global policy's region may be given a
+                # bigger share by the next reconciliation: a denial of either can end early.
+                continue
             wait = result.retry_us / US
             ends = sent + min(wait, MAX_DENIAL_S)
             denial = Denial(check, ends, arrived + wait, arrived + result.reset_us / US, result.remaining)

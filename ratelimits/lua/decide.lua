@@ -4,7 +4,11 @@
 --
 -- KEYS[1]          policy version stamp (read only; returned so workers notice policy changes)
 -- KEYS[1 + i]      state key of check i, for i = 1..n
--- KEYS[n + 2]      with a usage row (ARGV[2]): this minute's usage hash, which gains <row>a
+-- KEYS[n + 1 + j]  with g global checks (the request's header says how many): the share record of
+--                  the j-th (ratelimits/shares.py), read in the same MGET as the states
+-- KEYS[n + g + 2]  with global checks: this second's demand hash, which gains each global check's
+--                  cost under its state key, admitted or not (what the reconciler reads)
+-- last             with a usage row (ARGV[2]): this minute's usage hash, which gains <row>a
 --                  (allowed), <row>l (limited, 429), <row>s (shed, 503) and <row>x (tokens spent
 --                  beyond one per allowed request). A row's first field also sets the field <row>
 --                  and adds one to the field "#" (the minute's rows); a row beyond the cap is
@@ -33,6 +37,10 @@
 --                  then on.
 --   sliding window window index, current count, previous count, packed (24 bytes)
 --   fixed window   window index, count, packed (16 bytes)
+--   global bucket  a global policy's token bucket (layout letter g): tokens, time (us), the
+--                  region's share it was last spent at, the limit's rate (tokens per us) and
+--                  burst, packed (40 bytes). Tokens, not an arrival time: a share change must
+--                  keep the tokens a region holds (lua/reshare.lua converts them when it writes one)
 --   slots          a sorted set of slot ids scored by their expiry (us); expired ones are purged
 --                  before counting, so a worker killed while holding slots loses them on its own
 --
@@ -55,21 +63,31 @@ local CONCURRENCY, FLEET = 4, 5
 local SLOT_RETRY_US = 1000000
 -- The packed layouts (struct formats). REQUEST: now (negative: read the Redis clock, TIME),
 -- consume (1; 2: consume, and say what a refund needs) or only report (0), the tokens the request spends (its endpoint's cost, for the
--- usage count), seconds an undrained usage hash lives, the most rows a minute counts.
--- CHECK: algorithm code, shadow (1: reported but never denies), limit (requests per period;
--- slots), period (us; a slot's TTL), burst (GCRA capacity in requests), cost (tokens it spends).
-local REQUEST, CHECK = '<dBddd', '<BBdddd'
+-- usage count), seconds an undrained usage hash lives, the most rows a minute counts, and how
+-- many checks are of global policies.
+-- CHECK: algorithm code, flags (1: shadow, reported but never denies; 2: a global policy), limit
+-- (requests per period; slots), period (us; a slot's TTL), burst (GCRA capacity in requests), cost
+-- (tokens it spends); a global policy's adds FALLBACK: its share while it has no record.
+local REQUEST, CHECK, FALLBACK = '<dBdddd', '<BBdddd', '<d'
 local GCRA_STATE, SLIDING_STATE, FIXED_STATE = '<d', '<ddd', '<dd'
 -- A bucket given back to: arrival time, us given back so far, and a last byte no decimal has
 -- (a 17-byte decimal arrival time is 300 years away). Also each check's REFUNDABLE part.
 local REFUNDED_STATE, REFUNDED_MARK, REFUNDABLE = '<ddB', 255, '<dd'
 local LEASE = '<d'
+local GLOBAL_STATE, SHARE = '<ddddd', '<ddddd'
+-- Seconds a second's demand hash lives (ratelimits.backends.layout.DEMAND_TTL_S).
+local DEMAND_TTL = 10
+-- A global check whose share holds less than its cost is retried after this: the next
+-- reconciliation may give it more.
+local RESHARE_RETRY_US = 1000000
+-- Spent tokens are doubles: a retry computed to the microsecond may leave a rounding error short.
+local EPSILON = 1e-9
 -- How many ARGV come before the checks' TTLs.
 local HEADER = 4
 
 local unpack_args, pack, byte, format = struct.unpack, struct.pack, string.byte, string.format
 local DIGIT_9 = 57
-local now, consume, tokens, usage_ttl, usage_cap, pos = unpack_args(REQUEST, ARGV[1])
+local now, consume, tokens, usage_ttl, usage_cap, globals, pos = unpack_args(REQUEST, ARGV[1])
 if now < 0 then
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -78,7 +96,8 @@ local leasing = consume == 3
 local refundable = consume >= 2
 consume = consume >= 1
 local usage = ARGV[2]
-local n = #KEYS - 1
+local n = #KEYS - 1 - globals
+if globals > 0 then n = n - 1 end
 if usage ~= '' then n = n - 1 end
 local floor, ceil, max = math.floor, math.ceil, math.max
 
@@ -220,6 +239,42 @@ local function fixed_window(value, limit, period, burst, cost)
   return false, max(limit - count, 0), until_next, until_next, nil
 end
 
+-- A global policy's bucket in this region: its share (`share`, set per check) of the rate and
+-- burst. Refilled since it was last spent at the lesser of that spend's share and this one: the
+-- share moves only by a write (which converts the tokens, lua/reshare.lua) or by a stale share's
+-- steady decay, so the lesser end never credits more than the share in force did.
+local share = 1
+local function global_bucket(value, limit, period, burst, cost)
+  local full = limit / period
+  local capacity = burst * share
+  local speed = full * share
+  local held = capacity
+  if value then
+    local at, spent_share
+    held, at, spent_share = unpack_args(GLOBAL_STATE, value)
+    if now > at then held = held + (now - at) * full * math.min(share, spent_share) end
+    if held > capacity then held = capacity end
+  end
+  if held + EPSILON >= cost then
+    held = math.max(held - cost, 0)
+    return true, floor(held + EPSILON), ceil((capacity - held) / speed), 0,
+      pack(GLOBAL_STATE, held, now, share, full, burst)
+  end
+  local retry = RESHARE_RETRY_US
+  if cost <= capacity then retry = max(ceil((cost - held) / speed), 1) end
+  return false, floor(held + EPSILON), ceil((capacity - held) / speed), retry, nil
+end
+
+-- The share in force of a record (ratelimits/shares.py, ShareRecord.effective).
+local function share_of(record, fallback)
+  if not record then return fallback end
+  local written_share, written, stale, decay, target = unpack_args(SHARE, record)
+  local age = now - written - stale
+  if age <= 0 then return written_share end
+  if age >= decay then return target end
+  return written_share + (target - written_share) * age / decay
+end
+
 -- Slots are counted live (a sorted set, not a string), so they take the key, not its value.
 -- Purging expired slots is a write even when the request is denied: it removes only what
 -- no request holds any more.
@@ -251,7 +306,9 @@ end
 -- value of its earlier check, so duplicates cannot double-spend.
 -- One MGET reads the version stamp and every state: each redis.call costs more than the Lua
 -- around it. The reply is filled in place: {now, version, per-check triples}.
-local stored = redis.call('MGET', unpack(KEYS, 1, n + 1))
+local stored = redis.call('MGET', unpack(KEYS, 1, n + 1 + globals))
+local global_index = 0
+local demand = globals > 0 and KEYS[n + globals + 2]
 local reply = {now, stored[1]}
 local pending = {}
 local writes = {}  -- per admitted check: its index i (a slot's is negative) and new value
@@ -265,6 +322,18 @@ for i = 1, n do
   local algorithm, shadow, limit, period, burst, cost
   algorithm, shadow, limit, period, burst, cost, pos = unpack_args(CHECK, ARGV[1], pos)
   local holds_slot = algorithm >= CONCURRENCY  -- CONCURRENCY and FLEET, the codes after the rate algorithms
+  local decide = algorithms[algorithm]
+  if shadow >= 2 then  -- a global policy: its region's share of a token bucket
+    local fallback
+    fallback, pos = unpack_args(FALLBACK, ARGV[1], pos)
+    global_index = global_index + 1
+    share = share_of(stored[n + 1 + global_index], fallback)
+    shadow = shadow - 2
+    decide = global_bucket
+    if consume then
+      if redis.call('HINCRBY', demand, key, cost) == cost then redis.call('EXPIRE', demand, DEMAND_TTL) end
+    end
+  end
   local value = key  -- a slot check takes its key
   if not holds_slot then
     value = pending[key]
@@ -276,7 +345,7 @@ for i = 1, n do
   else
     want = 0
   end
-  local ok, allowed, remaining, reset, retry, new_value = pcall(algorithms[algorithm], value, limit, period, burst, cost)
+  local ok, allowed, remaining, reset, retry, new_value = pcall(decide, value, limit, period, burst, cost)
   if not ok then
     -- This check cannot be decided: its key holds another type, or its arguments are out of range.
     -- (The store's own errors, READONLY, OOM and the like, fail the whole call as ever.) The check
@@ -305,7 +374,7 @@ for i = 1, n do
   reply[out + 1], reply[out + 2], reply[out + 3] = remaining, reset, retry
   out = out + 3
   if refundable then
-    if algorithm == TOKEN_BUCKET and retry == 0 then
+    if decide == token_bucket and retry == 0 then
       refunds[i] = pack(REFUNDABLE, spent_tat, given_back)
     else
       refunds[i] = pack(REFUNDABLE, 0, 0)

@@ -39,7 +39,7 @@ from .snapshot import (
     tier_policies,
 )
 from .source import SnapshotPolicySource
-from .values import EndpointRule, Origin, OriginKind, Policy, fleet_checks
+from .values import EndpointRule, Origin, OriginKind, Policy, Scope, fleet_checks
 from .versioning import committed_version, publish_version, stamp_version
 
 if TYPE_CHECKING:
@@ -206,6 +206,7 @@ def _tier(tier: Tier, mode: FailMode, shadow: bool) -> tuple[Policy, ...]:
         "burst": tier.burst or parse_rate(tier.rate, field=f"tier {tier.name} rate").limit,
         "algorithm": tier.algorithm,
         "fail_mode": tier.fail_mode or mode,
+        "scope": tier.scope or "region",
         "quota": tier.quota or None,
         "concurrency": tier.concurrency or None,  # the admin stores "none" as empty, never as 0
     }
@@ -302,6 +303,7 @@ def _overrides(snapshot: PolicySnapshot, now: datetime, shadow: bool) -> None:
                 burst=row.burst,
                 multiplier=float(row.multiplier) if row.multiplier is not None else None,
                 concurrency=row.concurrency,
+                scope=Scope.parse(row.scope, field=f"override #{row.pk} scope") if row.scope else None,
                 shadow=row.shadow or shadow,
                 origin=Origin(OriginKind.OVERRIDE, f"override #{row.pk}: {row.reason[:80]}"),
             )

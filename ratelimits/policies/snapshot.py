@@ -29,6 +29,7 @@ from .values import (
     OriginKind,
     Policy,
     Role,
+    Scope,
     concurrency_policy,
     policy_from_config,
     positive_int,
@@ -86,22 +87,29 @@ class OverrideRule:
     concurrency: int | None
     shadow: bool
     origin: Origin
+    #: The scope of the policy it makes (``None``: its base's).
+    scope: Scope | None = None
 
     def apply(self, base: Policy | None, *, name: str, fail_mode: FailMode) -> Policy | None:
         """The policy this override makes of ``base`` (``None`` if a multiplier has nothing to scale).
 
         ``fail_mode`` is used when there is no base to take it from.
         """
+        algorithm = base.algorithm if base else Algorithm.TOKEN_BUCKET
+        scope = self.scope or (base.scope if base else Scope.REGION)
+        if scope is Scope.GLOBAL and algorithm is not Algorithm.TOKEN_BUCKET:
+            scope = Scope.REGION  # the admin refuses this; a row saved around it limits each region
         if self.rate is not None:
             return Policy(
                 name,
                 self.rate,
                 self.burst or self.rate.limit,
-                base.algorithm if base else Algorithm.TOKEN_BUCKET,
+                algorithm,
                 base.fail_mode if base else fail_mode,
                 self.shadow or bool(base and base.shadow),
                 base.tier if base else None,
                 base.role if base else Role.RATE,
+                scope=scope,
             )
         if base is None or self.multiplier is None:
             return None
@@ -110,7 +118,12 @@ class OverrideRule:
         burst = min(max(round(base.burst * self.multiplier), 1), MAX_BURST)
         burst = min(burst, MAX_REFILL_US * limit // base.rate.period_us)  # rounding can stretch the refill
         return replace(
-            base, name=name, rate=Rate(limit, base.rate.period_us), burst=burst, shadow=self.shadow or base.shadow
+            base,
+            name=name,
+            rate=Rate(limit, base.rate.period_us),
+            burst=burst,
+            shadow=self.shadow or base.shadow,
+            scope=scope,
         )
 
 
@@ -229,6 +242,11 @@ def tier_policies(
     rate = replace(rate, shadow=shadow) if shadow else rate
     policies = [rate]
     quota = config.get("quota") if isinstance(config, Mapping) else None
+    if quota is not None and rate.is_global:
+        raise ConfigurationError(
+            f"{field}['quota']: a global tier cannot have a quota: a fixed window's count cannot be split "
+            "between regions without over-admitting (docs/regions.md); keep the quota on a regional tier"
+        )
     if quota is not None:
         limit = parse_rate(quota, field=f"{field}['quota']")
         policies.append(

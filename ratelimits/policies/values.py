@@ -25,6 +25,7 @@ __all__ = [
     "OriginKind",
     "Policy",
     "Role",
+    "Scope",
     "check_for",
     "concurrency_policy",
     "every_shard",
@@ -51,6 +52,28 @@ STATE_LAYOUTS = {
 #: How the decide script takes a policy's numbers (``lua/decide.lua``, ``CHECK`` less the cost).
 _SCRIPT_POLICY = struct.Struct("<BBddd")
 _SCRIPT_COST = struct.Struct("<d")
+#: What a global policy's check record adds after its cost: the region's share without a record.
+_SCRIPT_FALLBACK = struct.Struct("<d")
+#: The flags byte of a check record: bit 0 shadow, bit 1 a global policy (``lua/decide.lua``).
+_GLOBAL_FLAG = 2
+#: The state layout letter of a global token bucket (tokens, time, share: ``lua/decide.lua``).
+GLOBAL_LAYOUT = "g"
+
+
+class Scope(StrEnum):
+    """Where a policy's limit holds: in each region on its own, or once across every region."""
+
+    #: Each region's store enforces the whole limit (the only scope of a one-region deployment).
+    REGION = "region"
+    #: One limit for every region together: each region enforces its share of the rate and
+    #: burst, and the reconciler moves the shares toward demand (docs/regions.md).
+    GLOBAL = "global"
+
+    @classmethod
+    def parse(cls, value: object, *, field: str) -> Scope:
+        if isinstance(value, str) and value in cls._value2member_map_:
+            return cls(value)
+        raise ConfigurationError(f"{field}: {value!r} must be 'region' or 'global'")
 
 
 class Role(StrEnum):
@@ -95,11 +118,16 @@ class Policy:
     shards: int = 1
     #: Whether this is one sub-bucket of a sharded policy (:attr:`shard`), not a policy of its own.
     is_shard: bool = False
+    #: ``GLOBAL``: one limit across every region, each region enforcing its share (token buckets only).
+    scope: Scope = Scope.REGION
 
     #: The most a subject can spend at once: the burst for a bucket, the limit for windows.
     capacity: int = field(init=False, repr=False, compare=False)
     #: The policy's part of a decide script check record, packed once (see ``lua/decide.lua``).
     script_record: bytes = field(init=False, repr=False, compare=False)
+    #: What a check record adds after its cost: for a global policy, the region's share of it
+    #: until the reconciler has written one (an even split: 1 / the number of regions).
+    script_tail: bytes = field(init=False, repr=False, compare=False)
     #: The state TTL in milliseconds as the script passes it to ``PX``.
     script_ttl: str = field(init=False, repr=False, compare=False)
     #: What follows the subject in this policy's state keys.
@@ -113,17 +141,40 @@ class Policy:
         if not _POLICY_NAME.fullmatch(self.name):
             raise ConfigurationError(f"policy name {self.name!r} must match {_POLICY_NAME.pattern}")
         check_burst(self.rate, self.burst, field=f"{self.name}: burst")  # every policy fits the store
+        if self.scope is not Scope.REGION:
+            self._check_global()
         if type(self.fail_mode) is not FailMode:
             object.__setattr__(self, "fail_mode", FailMode.parse(self.fail_mode, field=f"{self.name}: fail_mode"))
         # Derived once here: all of them are read on every decision.
         capacity = self.burst if self.algorithm is Algorithm.TOKEN_BUCKET else self.rate.limit
         object.__setattr__(self, "capacity", capacity)
-        record = _SCRIPT_POLICY.pack(self.algorithm.code, self.shadow, self.rate.limit, self.rate.period_us, self.burst)
+        is_global = self.scope is Scope.GLOBAL
+        flags = self.shadow | (_GLOBAL_FLAG if is_global else 0)
+        record = _SCRIPT_POLICY.pack(self.algorithm.code, flags, self.rate.limit, self.rate.period_us, self.burst)
         object.__setattr__(self, "script_record", record)
+        tail = _SCRIPT_FALLBACK.pack(1 / conf.region_count) if is_global else b""
+        object.__setattr__(self, "script_tail", tail)
         object.__setattr__(self, "script_ttl", str(self.state_ttl_ms))
-        object.__setattr__(self, "key_suffix", f":{self.name}:{self.algorithm.code}{STATE_LAYOUTS[self.algorithm]}")
+        layout = GLOBAL_LAYOUT if is_global else STATE_LAYOUTS[self.algorithm]
+        object.__setattr__(self, "key_suffix", f":{self.name}:{self.algorithm.code}{layout}")
         object.__setattr__(self, "holds_slots", self.algorithm.holds_slots)
         object.__setattr__(self, "shard", self._shard() if not self.is_shard else None)
+
+    def _check_global(self) -> None:
+        if type(self.scope) is not Scope:
+            object.__setattr__(self, "scope", Scope.parse(self.scope, field=f"{self.name}: scope"))
+        if self.scope is Scope.GLOBAL and self.algorithm is not Algorithm.TOKEN_BUCKET:
+            raise ConfigurationError(
+                f"{self.name}: scope 'global' needs the token_bucket algorithm, not {self.algorithm.value} "
+                "(a window's count cannot be split between regions and moved without over-admitting)"
+            )
+        if self.scope is Scope.GLOBAL and self.shards != 1:
+            raise ConfigurationError(f"{self.name}: a global policy cannot be sharded (shards {self.shards})")
+
+    @property
+    def is_global(self) -> bool:
+        """Whether each region enforces only its share of this policy (``scope`` ``global``)."""
+        return self.scope is Scope.GLOBAL
 
     def _shard(self) -> Policy | None:
         """One sub-bucket's policy: a token bucket's period ``shards`` times longer (the rate split
@@ -161,6 +212,10 @@ class Policy:
         period = self.rate.period_us
         if self.algorithm is Algorithm.TOKEN_BUCKET:
             span = -(-self.burst * period // self.rate.limit)
+            if self.scope is Scope.GLOBAL:
+                # A region's bucket refills at its share of the rate, at worst the reconciler's
+                # floor: kept until even that has refilled it (then it reads as full, as it is).
+                span = int(span / conf.reconcile.floor)
         elif self.algorithm is Algorithm.SLIDING_WINDOW:
             span = 2 * period
         else:
@@ -225,7 +280,8 @@ class Check:
                     f"{self.policy.name}: cost {self.cost} exceeds its capacity {self.policy.capacity}; "
                     "such a request could never be admitted"
                 )
-        object.__setattr__(self, "script_record", self.policy.script_record + _SCRIPT_COST.pack(self.cost))
+        record = self.policy.script_record + _SCRIPT_COST.pack(self.cost) + self.policy.script_tail
+        object.__setattr__(self, "script_record", record)
 
     def key(self, prefix: str) -> str:
         """The state key: hash-tagged by subject, so one subject's keys share a Cluster slot."""
@@ -396,7 +452,7 @@ def policy_from_config(
         config = {"rate": config}
     if not isinstance(config, Mapping):
         raise ConfigurationError(f"{field}: expected a dict with at least 'rate', got {config!r}")
-    unknown = set(config) - {"rate", "burst", "algorithm", "fail_mode", "shards"} - extra_keys
+    unknown = set(config) - {"rate", "burst", "algorithm", "fail_mode", "shards", "scope"} - extra_keys
     if unknown:
         raise ConfigurationError(f"{field}: unknown keys {', '.join(sorted(unknown))}")
     if "rate" not in config:
@@ -410,9 +466,18 @@ def policy_from_config(
     algorithm = Algorithm(algorithm_name)
     mode = FailMode.parse(config.get("fail_mode", default_fail_mode), field=f"{field}['fail_mode']")
     shards = positive_int(config.get("shards", 1), field=f"{field}['shards']")
+    scope = Scope.parse(config.get("scope", Scope.REGION.value), field=f"{field}['scope']")
     try:
         return Policy(
-            name=name, rate=rate, burst=burst, algorithm=algorithm, fail_mode=mode, tier=tier, role=role, shards=shards
+            name=name,
+            rate=rate,
+            burst=burst,
+            algorithm=algorithm,
+            fail_mode=mode,
+            tier=tier,
+            role=role,
+            shards=shards,
+            scope=scope,
         )
     except ConfigurationError as exc:
         raise ConfigurationError(f"{field}: {exc}") from None

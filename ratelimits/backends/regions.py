@@ -1,0 +1,129 @@
+"""One region's store as the reconciler reaches it: its demand, its share records, and writing new ones.
+
+Any topology ``REDIS_URL`` takes (one server, Sentinel, a cluster). On a cluster the demand hashes
+are one per slot (:mod:`.layout`), and a share write runs once per slot of the subjects it names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import redis
+from redis.cluster import RedisCluster
+
+from ..exceptions import BackendUnavailable
+from ..shares import ShareRecord
+from . import layout
+from .redis import STORE_ERRORS, Script, make_client
+
+__all__ = ["RegionStore", "Written"]
+
+RESHARE = Script.load("reshare.lua")
+_EPOCH = struct.Struct("<d")
+#: Subjects per share write on one server: a script holds the server while it runs.
+WRITE_BATCH = 500
+#: Keys per MGET of share records.
+READ_BATCH = 1000
+#: The outcome of a share write per subject: written, or refused because another round wrote it first.
+Written = Mapping[str, bool]
+
+
+class RegionStore:
+    """The reconciler's client of one region's store (its own timeouts, longer than a decision's)."""
+
+    def __init__(self, name: str, client: redis.Redis | RedisCluster, *, prefix: str) -> None:
+        self.name = name
+        self.client = client
+        self.prefix = prefix
+        self.cluster = isinstance(client, RedisCluster)
+
+    @classmethod
+    def from_url(cls, name: str, url: str, *, prefix: str, timeout: float, options: Mapping[str, Any]) -> RegionStore:
+        return cls(name, make_client(url, timeout, timeout, options), prefix=prefix)
+
+    def demand(self, second: int) -> dict[str, float]:
+        """Tokens asked of each global subject (by state key) in ``second``, a second that is over."""
+        keys = (
+            [layout.demand_key(self.prefix, second, layout.slot_tag(s)) for s in range(layout.REDIS_CLUSTER_HASH_SLOTS)]
+            if self.cluster
+            else [layout.demand_key(self.prefix, second)]
+        )
+        demand: dict[str, float] = {}
+        with _reached(self.name):
+            if not self.cluster:  # HSCAN: a busy second's hash is too big for one reply in time
+                for field, value in self.client.hscan_iter(keys[0], count=1000):
+                    demand[_text(field)] = float(value)
+                return demand
+            with self.client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.hgetall(key)
+                for fields in pipe.execute():
+                    for field, value in fields.items():
+                        demand[_text(field)] = float(value)
+        return demand
+
+    def records(self, state_keys: Sequence[str]) -> dict[str, ShareRecord]:
+        """The share records these subjects have here (a subject without one holds the even split)."""
+        found: dict[str, ShareRecord] = {}
+        with _reached(self.name):
+            for start in range(0, len(state_keys), READ_BATCH):
+                batch = state_keys[start : start + READ_BATCH]
+                keys = [layout.share_key(key) for key in batch]
+                client = self.client
+                values = client.mget_nonatomic(keys) if isinstance(client, RedisCluster) else client.mget(keys)
+                for key, value in zip(batch, values, strict=True):
+                    if isinstance(value, bytes) and value:
+                        found[key] = ShareRecord.unpack(value)
+        return found
+
+    def write(self, records: Iterable[tuple[str, int, ShareRecord]], ttl_ms: int) -> dict[str, bool]:
+        """Write ``(state key, epoch read, new record)`` where each subject's epoch is still the one read.
+
+        One script call per batch (per slot and batch on a cluster); a batch whose call failed is
+        missing from the answer: its outcome is unknown.
+        """
+        groups: dict[int, list[tuple[str, int, ShareRecord]]] = defaultdict(list)
+        for entry in records:
+            groups[layout.key_slot(entry[0].encode()) if self.cluster else 0].append(entry)
+        written: dict[str, bool] = {}
+        with _reached(self.name):
+            for entries in groups.values():
+                for start in range(0, len(entries), WRITE_BATCH):
+                    batch = entries[start : start + WRITE_BATCH]
+                    keys: list[str] = []
+                    args: list[Any] = [ttl_ms]
+                    for state_key, epoch, record in batch:
+                        keys += (state_key, layout.share_key(state_key))
+                        args.append(_EPOCH.pack(epoch) + record.pack())
+                    reply = self._run(keys, args)
+                    for (state_key, _, _), outcome in zip(batch, _text(reply), strict=True):
+                        written[state_key] = outcome == "w"
+        return written
+
+    def write_status(self, status: str, ttl_s: int) -> None:
+        """What the last round did, for this region's admin and ``/v1/rate_limit``."""
+        with _reached(self.name):
+            self.client.set(layout.reconciled_key(self.prefix), status, ex=ttl_s)
+
+    def _run(self, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return self.client.evalsha(RESHARE.sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:
+            return self.client.eval(RESHARE.text, len(keys), *keys, *args)
+
+
+@contextlib.contextmanager
+def _reached(name: str) -> Iterator[None]:
+    """The store's errors as :class:`BackendUnavailable`, naming the region."""
+    try:
+        yield
+    except (*STORE_ERRORS, redis.RedisError) as exc:
+        raise BackendUnavailable(f"region {name}: {type(exc).__name__}: {exc}") from exc
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

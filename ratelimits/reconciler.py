@@ -1,0 +1,209 @@
+"""The reconciler: a round moves each global subject's regional shares toward where its demand is.
+
+A Celery beat task (``ratelimits.reconcile_regions``) runs :func:`reconcile` every
+``RECONCILE['interval']`` (1 s). A round:
+
+1. reads every region's demand of the last second that is over (``lua/decide.lua`` counts it),
+   and the share records of every subject that had demand somewhere;
+2. gives each subject's reachable regions new shares: the floor each, the rest in proportion to
+   demand, out of what the unreachable regions do not hold (each is assumed to hold the most it
+   can come to by decay: ``max(its last share, 1 / regions)``), so the shares never sum above the limit;
+3. writes the regions whose share goes down first, then, only if all of those were written, the
+   others: at no moment do the written shares sum above the limit. Each write names the epoch it
+   read (compare and set): a round racing another loses the subjects the other wrote first, and
+   takes nothing from them.
+
+Two rounds at once (two beats after a failover, a duplicate delivery) are kept apart by a
+PostgreSQL advisory lock held for the round (on another database only the compare and set guards
+them). docs/regions.md derives the bounds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+
+from django.db import connection, transaction
+
+from .backends.regions import RegionStore
+from .conf import conf
+from .exceptions import BackendUnavailable
+from .shares import ShareRecord, target_shares
+
+__all__ = ["Round", "reconcile", "region_stores"]
+
+logger = logging.getLogger("ratelimits.reconciler")
+
+#: How long the reconciler waits on one region's store, at most: a region slower than this is
+#: unreachable for the round (it keeps its share). Well under the interval, so rounds keep time.
+STORE_TIMEOUT_S = 0.5
+#: How long the last round's summary stays in each region's store for the admin.
+STATUS_TTL_S = 86_400
+
+
+@dataclass
+class Round:
+    """What one round did."""
+
+    #: When it started (Unix seconds).
+    at: float
+    #: The second whose demand it read.
+    second: int
+    reached: list[str] = field(default_factory=list)
+    unreachable: list[str] = field(default_factory=list)
+    #: Global subjects with demand in a reachable region.
+    subjects: int = 0
+    #: Share records written, and refused because another round had written them since they were read.
+    written: int = 0
+    conflicts: int = 0
+    #: Another round held the lock: this one did nothing.
+    skipped: bool = False
+    seconds: float = 0.0
+
+
+def region_stores() -> dict[str, RegionStore]:
+    """A store client per region of ``REGIONS`` (one per process and URL, reused by every round)."""
+    timeout = min(STORE_TIMEOUT_S, conf.reconcile.interval / 2)
+    return {
+        name: RegionStore.from_url(name, url, prefix=conf.key_prefix, timeout=timeout, options=conf.redis_options)
+        for name, url in conf.regions.items()
+    }
+
+
+def reconcile(*, stores: Mapping[str, RegionStore] | None = None, now: float | None = None, lock: bool = True) -> Round:
+    """Run one round (``stores``: by region name, every region of ``REGIONS`` by default)."""
+    started = time.monotonic()
+    at = time.time() if now is None else now
+    result = Round(at=at, second=int(at) - 1)
+    stores = region_stores() if stores is None else stores
+    if len(stores) < 2:
+        return result  # one region: a global limit is its own
+    with _round_lock(lock) as held:
+        if not held:
+            result.skipped = True
+            logger.info("ratelimits: reconciliation skipped: another round holds the lock")
+            return result
+        _round(result, dict(sorted(stores.items())))
+    result.seconds = time.monotonic() - started
+    logger.info(
+        "ratelimits: reconciled %d global subjects in %.0f ms: %d shares written, %d conflicts; unreachable: %s",
+        result.subjects,
+        result.seconds * 1000,
+        result.written,
+        result.conflicts,
+        ", ".join(result.unreachable) or "none",
+    )
+    return result
+
+
+def _round(result: Round, stores: dict[str, RegionStore]) -> None:
+    names = list(stores)
+    count = len(names)
+    settings = conf.reconcile
+    even = 1 / count
+    now_us = result.at * 1_000_000
+    demand: dict[str, dict[str, float]] = {}
+    for name, store in stores.items():
+        try:
+            demand[name] = store.demand(result.second)
+        except BackendUnavailable as exc:
+            logger.warning("ratelimits: reconciliation: %s", exc)
+    subjects = sorted({key for asked in demand.values() for key in asked})
+    records: dict[str, dict[str, ShareRecord]] = {}
+    for name in list(demand):
+        try:
+            records[name] = stores[name].records(subjects)
+        except BackendUnavailable as exc:
+            logger.warning("ratelimits: reconciliation: %s", exc)
+            del demand[name]
+    reached = [name for name in names if name in demand]
+    result.reached, result.unreachable = reached, [name for name in names if name not in demand]
+    result.subjects = len(subjects)
+    if len(reached) == 0 or not subjects:
+        _publish_status(result, stores)
+        return
+    lowering: dict[str, list[tuple[str, int, ShareRecord]]] = {name: [] for name in reached}
+    rest: dict[str, list[tuple[str, int, ShareRecord]]] = {name: [] for name in reached}
+    for key in subjects:
+        seen = {name: records[name][key] for name in reached if key in records[name]}
+        assumed = {}
+        for index, name in enumerate(names):
+            if name not in demand:  # unreachable: the most it can hold until it is written again
+                last = max(
+                    (record.shares[index] for record in seen.values() if len(record.shares) == count), default=even
+                )
+                assumed[name] = max(last, even)
+        current = {name: seen[name].effective(now_us) if name in seen else even for name in reached}
+        budget = max(1.0 - sum(assumed.values()), 0.0)
+        floor = min(settings.floor, even)
+        shares = target_shares({name: demand[name].get(key, 0.0) for name in reached}, budget, floor, current)
+        vector = tuple(shares.get(name, assumed.get(name, even)) for name in names)
+        epoch = max((record.epoch for record in seen.values()), default=0) + 1
+        for name in reached:
+            record = ShareRecord(
+                shares[name], now_us, settings.stale_after * 1e6, settings.decay * 1e6, even, epoch, vector
+            )
+            entry = (key, seen[name].epoch if name in seen else 0, record)
+            (lowering if shares[name] < current[name] else rest)[name].append(entry)
+    ttl_ms = int((settings.stale_after + settings.decay) * 1000) + 60_000  # expired: the even split, as decayed
+    settled = _write(lowering, stores, ttl_ms, result)
+    # Only a subject whose every lowered share was written may be raised: otherwise the raise
+    # could take what a region not yet lowered still holds.
+    refused = {key for name, entries in lowering.items() for key, _, _ in entries if not settled[name].get(key, False)}
+    _write(
+        {name: [e for e in entries if e[0] not in refused] for name, entries in rest.items()}, stores, ttl_ms, result
+    )
+    _publish_status(result, stores)
+
+
+def _write(
+    entries: Mapping[str, Sequence[tuple[str, int, ShareRecord]]],
+    stores: Mapping[str, RegionStore],
+    ttl_ms: int,
+    result: Round,
+) -> dict[str, dict[str, bool]]:
+    """Write each region's entries; per region, which subjects were written (missing: outcome unknown)."""
+    settled: dict[str, dict[str, bool]] = {}
+    for name, batch in entries.items():
+        settled[name] = {}
+        if not batch:
+            continue
+        try:
+            settled[name] = stores[name].write(batch, ttl_ms)
+        except BackendUnavailable as exc:
+            logger.warning("ratelimits: reconciliation: %s", exc)
+        result.written += sum(settled[name].values())
+        result.conflicts += sum(not ok for ok in settled[name].values())
+    return settled
+
+
+def _publish_status(result: Round, stores: Mapping[str, RegionStore]) -> None:
+    status = json.dumps({**asdict(result), "at": datetime.fromtimestamp(result.at, UTC).isoformat()})
+    for name in result.reached:
+        with contextlib.suppress(BackendUnavailable):
+            stores[name].write_status(status, STATUS_TTL_S)
+
+
+@contextlib.contextmanager
+def _round_lock(wanted: bool) -> Iterator[bool]:
+    """Whether this round may run: it holds the fleet's reconciliation lock (PostgreSQL), or there is none."""
+    if not wanted or connection.vendor != "postgresql":
+        yield True
+        return
+    with transaction.atomic(), connection.cursor() as cursor:
+        # A transaction-level advisory lock: released at commit, or by PostgreSQL when the
+        # connection dies, so a killed reconciler never keeps it.
+        cursor.execute("SELECT pg_try_advisory_xact_lock(%s)", [_lock_id()])
+        yield bool(cursor.fetchone()[0])
+
+
+def _lock_id() -> int:
+    """The advisory lock of this fleet (by key prefix): fleets sharing a database do not wait on each other."""
+    digest = hashlib.blake2b(f"ratelimits.reconcile:{conf.key_prefix}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)

@@ -1,0 +1,96 @@
+"""Regional shares of a global limit: the record each region's store holds, and the arithmetic on it.
+
+A global policy (``scope: "global"``) is one limit for every region together. Each region's store
+enforces its *share* of it, a fraction of the rate and of the burst; the reconciler
+(:mod:`ratelimits.reconciler`) moves the shares toward each region's demand and writes them into
+every region it reaches. ``lua/decide.lua`` reads a check's share record in the same ``MGET`` as
+its state, and ``lua/reshare.lua`` writes it; this module is the same arithmetic in Python, for
+the reconciler, the status view and the tests (a test holds the two to the same numbers).
+
+The rules (docs/regions.md says why each holds):
+
+* Without a record a region holds an even split, ``1 / regions``: the shares sum to the limit.
+* A record not rewritten for ``stale_after`` (its region unreachable, or the reconciler stopped)
+  decays linearly to the even split over ``decay``. Every region's records of a subject are
+  written in the same round with the same time, so regions that all go stale decay in step and
+  their sum stays at or under the limit.
+* A region the reconciler cannot reach is assumed to hold the most it can come to hold by decay,
+  ``max(last share, 1 / regions)``; the reachable regions share only what is left.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["ShareRecord", "target_shares"]
+
+#: share, written (us), stale after (us), decay (us), decay target, epoch; then the share of every
+#: region as this record's round set it (regions by sorted name). ``lua/decide.lua`` reads the
+#: first five; ``lua/reshare.lua`` checks the epoch.
+_HEADER = struct.Struct("<dddddd")
+
+
+@dataclass(frozen=True, slots=True)
+class ShareRecord:
+    """One region's share of one global subject's limit, as the reconciler last wrote it."""
+
+    share: float
+    written_us: float
+    stale_us: float
+    decay_us: float
+    #: The even split a stale share decays to (``1 / regions``).
+    target: float
+    #: Bumped by every round that writes the subject: a write names the epoch it read (compare and set).
+    epoch: int
+    #: Every region's share as the round that wrote this record left them (sorted region names).
+    shares: tuple[float, ...]
+
+    def pack(self) -> bytes:
+        head = _HEADER.pack(self.share, self.written_us, self.stale_us, self.decay_us, self.target, self.epoch)
+        return head + struct.pack(f"<{len(self.shares)}d", *self.shares)
+
+    @classmethod
+    def unpack(cls, value: bytes) -> ShareRecord:
+        share, written, stale, decay, target, epoch = _HEADER.unpack_from(value)
+        count = (len(value) - _HEADER.size) // 8
+        shares = struct.unpack_from(f"<{count}d", value, _HEADER.size)
+        return cls(share, written, stale, decay, target, int(epoch), tuple(shares))
+
+    def effective(self, now_us: float) -> float:
+        """The share in force at ``now_us``: as written, or decaying to the even split once stale."""
+        age = now_us - self.written_us - self.stale_us
+        if age <= 0:
+            return self.share
+        if age >= self.decay_us:
+            return self.target
+        return self.share + (self.target - self.share) * age / self.decay_us
+
+    def most(self) -> float:
+        """The most this region can come to hold without another write: decay only moves toward the target."""
+        return max(self.share, self.target)
+
+
+def target_shares(
+    demand: Mapping[str, float], budget: float, floor: float, current: Mapping[str, float]
+) -> dict[str, float]:
+    """New shares for the regions in ``demand`` (the reachable ones), summing to at most ``budget``.
+
+    Each region gets ``floor``, and what is left of the budget goes in proportion to demand. With
+    no demand anywhere the current shares stand (scaled down if they no longer fit the budget). A
+    budget too small for every floor is split evenly.
+    """
+    regions = sorted(demand)
+    if not regions or budget <= 0:
+        return dict.fromkeys(regions, 0.0)
+    total = sum(demand.values())
+    if budget < floor * len(regions):
+        return dict.fromkeys(regions, budget / len(regions))
+    if total <= 0:
+        held = sum(current.get(r, 0.0) for r in regions)
+        if 0 < held <= budget:
+            return {r: current.get(r, 0.0) for r in regions}
+        return dict.fromkeys(regions, budget / len(regions))
+    spare = budget - floor * len(regions)
+    return {r: floor + spare * demand[r] / total for r in regions}
