@@ -1,0 +1,354 @@
+"""Global policies across regions: each region enforces its share, and a reconciler round moves the shares.
+
+Two private redis-servers are the two regions' stores (started here, stopped by PID). The
+reconciler's rounds are called directly (``tests/test_regions_celery.py`` runs them under a real
+Celery beat and worker); demand is real decisions in each region. What must hold:
+
+- without any round, each region enforces an even split, so the regions together admit no more
+  than the global burst;
+- a round moves the shares toward demand, they sum to exactly the limit, and a share change
+  keeps the tokens a region holds (lowered: capped at its new burst; raised: refilled, not given);
+- the script and the Python mirror decide a global bucket alike;
+- a stale share decays linearly to the even split, in the script as in :class:`ShareRecord`;
+- a region the round cannot reach (SIGSTOP) keeps its share and the others share the rest;
+- two rounds at once never leave the shares summing above the limit (compare and set), and with
+  PostgreSQL the second round waits its turn (an advisory lock).
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from django.core.exceptions import ValidationError
+from django.db import connection
+from django.test import override_settings
+from rest_framework.test import APIClient
+
+from ratelimits import engine
+from ratelimits.algorithms import Algorithm, global_bucket
+from ratelimits.backends import layout
+from ratelimits.backends.memory import MemoryBackend
+from ratelimits.backends.redis import RedisBackend
+from ratelimits.backends.regions import RegionStore
+from ratelimits.choices import FailMode
+from ratelimits.conf import conf
+from ratelimits.exceptions import ConfigurationError
+from ratelimits.identity import Subject, SubjectKind
+from ratelimits.models import Override, Tier
+from ratelimits.policies.snapshot import tier_policies
+from ratelimits.policies.values import Check, Policy, Scope
+from ratelimits.rates import parse_rate
+from ratelimits.reconciler import _lock_id, reconcile
+from ratelimits.shares import ShareRecord, target_shares
+
+from .support.redis_server import RedisServer
+from .support.regions import PREFIX, global_check, region_settings, share_in
+
+US = 1_000_000
+
+
+@pytest.fixture
+def servers() -> Iterator[dict[str, RedisServer]]:
+    with RedisServer() as a, RedisServer() as b:
+        yield {"a": a, "b": b}
+
+
+@pytest.fixture
+def regions(settings: Any, servers: dict[str, RedisServer]) -> dict[str, RedisServer]:
+    settings.RATELIMITS = {**settings.RATELIMITS, "BACKEND": "redis", **region_settings(servers, "a")}
+    conf.clear()
+    return servers
+
+
+def backend(server: RedisServer) -> RedisBackend:
+    return RedisBackend(server.client(), prefix=PREFIX)
+
+
+def burst_admitted(server: RedisServer, check: Check, requests: int) -> int:
+    store = backend(server)
+    return sum(store.decide([check]).allowed for _ in range(requests))
+
+
+def ask(server: RedisServer, check: Check, seconds: float, every: float = 0.005) -> None:
+    """Decisions for ``seconds``: demand the next round reads (the second they fall in is then over)."""
+    store = backend(server)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        store.decide([check])
+        time.sleep(every)
+
+
+def wait_for_next_second() -> None:
+    time.sleep(1.02 - time.time() % 1)  # the round reads the second before its own
+
+
+# -- enforcing a share ------------------------------------------------------------------------------
+
+
+def test_without_a_round_each_region_enforces_an_even_split(regions: dict[str, RedisServer]) -> None:
+    check = global_check("10/m", 100)
+    admitted = {name: burst_admitted(server, check, 80) for name, server in regions.items()}
+    assert admitted == {"a": 50, "b": 50}  # the burst split in two; 10 a minute refills nothing meanwhile
+    assert sum(admitted.values()) <= check.policy.burst
+
+
+def test_a_global_policy_needs_a_token_bucket_and_no_shards() -> None:
+    with pytest.raises(ConfigurationError, match="scope 'global' needs the token_bucket algorithm"):
+        Policy("g", parse_rate("10/s"), 10, algorithm=Algorithm.FIXED_WINDOW, scope=Scope.GLOBAL)
+    with pytest.raises(ConfigurationError, match="cannot be sharded"):
+        Policy("g", parse_rate("10/s"), 10, shards=2, scope=Scope.GLOBAL)
+
+
+def test_the_script_and_the_python_mirror_decide_a_global_bucket_alike(own_redis: RedisServer) -> None:
+    """Random costs and gaps against the same share (the even split of two regions): the same verdicts and figures."""
+    rng = random.Random(13)
+    client = own_redis.client()
+    store = RedisBackend(client, prefix=PREFIX, clock=lambda: clock[0])
+    with_regions = {"REGION": "a", "REGIONS": {"a": {"REDIS_URL": own_redis.url}, "b": {"REDIS_URL": own_redis.url}}}
+    with override_settings(RATELIMITS=with_regions):
+        conf.clear()
+        check = Check(Policy("g", parse_rate("7/s"), 9, scope=Scope.GLOBAL), Subject(SubjectKind.USER, "u"), 1)
+        clock = [1_000_000_000_000]
+        state = None
+        for _ in range(400):
+            clock[0] += rng.choice([0, 1, 1000, 50_000, 140_000, 400_000])
+            cost = rng.choice([1, 1, 1, 2, 4])
+            costly = Check(check.policy, check.subject, cost)
+            ours = global_bucket(state, clock[0], 7, US, 9, cost, 0.5)
+            theirs = store.decide([costly]).results[0]
+            assert (theirs.allowed, theirs.remaining, theirs.retry_us) == (ours.allowed, ours.remaining, ours.retry_us)
+            assert abs(theirs.reset_us - ours.reset_us) <= 1
+            if ours.allowed:
+                state = ours.new_state
+                assert struct.unpack("<ddddd", client.get(check.key(PREFIX))) == pytest.approx(state, rel=1e-12)
+    conf.clear()
+
+
+def test_the_memory_backend_enforces_the_even_split(settings: Any) -> None:
+    settings.RATELIMITS = {
+        **settings.RATELIMITS,
+        "REGION": "a",
+        "REGIONS": {name: {"REDIS_URL": "redis://127.0.0.1:6379/0"} for name in ("a", "b", "c", "d")},
+    }
+    conf.clear()
+    check = global_check("1/m", 40)
+    store = MemoryBackend()
+    assert sum(store.decide([check]).allowed for _ in range(20)) == 10  # a quarter of the burst
+
+
+# -- a round -----------------------------------------------------------------------------------------
+
+
+def test_a_round_moves_the_shares_toward_demand_and_they_sum_to_the_limit(regions: dict[str, RedisServer]) -> None:
+    check = global_check("100/s", 100)
+    wait_for_next_second()
+    ask(regions["a"], check, 0.9)
+    wait_for_next_second()
+    done = reconcile()
+    assert done.reached == ["a", "b"] and done.subjects == 1 and done.written == 2, done
+    a, b = (share_in(regions[name], check, 2) for name in ("a", "b"))
+    floor = conf.reconcile.floor
+    assert a == pytest.approx(1 - floor) and b == pytest.approx(floor)
+    assert a + b == pytest.approx(1.0, abs=1e-12)
+    # Demand in both, three to one: the floor each, the rest three to one.
+    wait_for_next_second()
+    thread = threading.Thread(target=ask, args=(regions["b"], check, 0.9, 0.015))
+    thread.start()
+    ask(regions["a"], check, 0.9)
+    thread.join()
+    wait_for_next_second()
+    reconcile()
+    records = {
+        name: ShareRecord.unpack(regions[name].client().get(layout.share_key(check.key(PREFIX)))) for name in regions
+    }
+    assert records["a"].epoch == records["b"].epoch == 2
+    assert records["a"].shares == records["b"].shares  # every region holds the round's whole vector
+    assert records["a"].share + records["b"].share == pytest.approx(1.0, abs=1e-12)
+    assert records["a"].share > records["b"].share > floor
+
+
+def test_a_share_change_keeps_the_tokens_each_region_holds(regions: dict[str, RedisServer]) -> None:
+    """Lowered, a region keeps what fits its new burst; raised, it gets capacity, not tokens."""
+    check = global_check("1/m", 100)  # refills nothing meanwhile
+    assert burst_admitted(regions["a"], check, 50) == 50  # a has spent its whole half
+    assert burst_admitted(regions["b"], check, 1) == 1  # b spent 1 of its 50
+    wait_for_next_second()
+    ask(regions["a"], check, 0.5)  # then demand in a only (all denied): a's share goes up
+    wait_for_next_second()
+    reconcile()
+    assert share_in(regions["a"], check, 2) == pytest.approx(0.95)
+    # a holds 95 of capacity but no tokens were made: still none; b keeps 5 of its 49.
+    assert burst_admitted(regions["a"], check, 20) == 0
+    assert burst_admitted(regions["b"], check, 20) == 5
+    assert check.policy.burst >= 50 + 1 + 5
+
+
+def test_a_stale_share_decays_to_the_even_split_in_the_script_as_in_the_record(
+    regions: dict[str, RedisServer],
+) -> None:
+    check = global_check("1/h", 1000)
+    settings = conf.reconcile
+    # Written by a round long ago: a's 0.95 went stale half the decay ago.
+    long_ago = time.time() - settings.stale_after - settings.decay / 2
+    store = RegionStore("a", regions["a"].client(), prefix=PREFIX)
+    record = ShareRecord(0.95, long_ago * US, settings.stale_after * US, settings.decay * US, 0.5, 7, (0.95, 0.05))
+    assert store.write([(check.key(PREFIX), 0, record)], 600_000) == {check.key(PREFIX): True}
+    now_us = time.time() * US
+    expected = record.effective(now_us)
+    assert expected == pytest.approx(0.725, abs=0.01)  # half way from 0.95 to 0.5
+    assert burst_admitted(regions["a"], check, 1000) == pytest.approx(1000 * expected, abs=3)
+
+
+def test_an_unreachable_region_keeps_its_share_and_the_others_get_only_the_rest(
+    regions: dict[str, RedisServer],
+) -> None:
+    check = global_check("100/s", 100)
+    wait_for_next_second()
+    ask(regions["b"], check, 0.9)
+    wait_for_next_second()
+    reconcile()
+    assert share_in(regions["b"], check, 2) == pytest.approx(0.95)
+    wait_for_next_second()
+    ask(regions["a"], check, 0.9)  # demand moves to a, but b cannot be reached
+    wait_for_next_second()
+    regions["b"].pause()
+    try:
+        done = reconcile()
+    finally:
+        regions["b"].resume()
+    assert done.unreachable == ["b"] and done.reached == ["a"], done
+    # b may still hold 0.95: a may not be raised above what is left.
+    assert share_in(regions["a"], check, 2) == pytest.approx(0.05)
+    assert share_in(regions["b"], check, 2) == pytest.approx(0.95)
+    # Reached again, the shares follow demand.
+    wait_for_next_second()
+    ask(regions["a"], check, 0.9)
+    wait_for_next_second()
+    done = reconcile()
+    assert done.unreachable == []
+    assert share_in(regions["a"], check, 2) == pytest.approx(0.95)
+    assert share_in(regions["b"], check, 2) == pytest.approx(0.05)
+
+
+def test_target_shares_give_the_floor_and_the_rest_by_demand() -> None:
+    assert target_shares({"a": 30.0, "b": 10.0}, 1.0, 0.1, {}) == pytest.approx({"a": 0.7, "b": 0.3})
+    assert target_shares({"a": 0.0, "b": 0.0}, 1.0, 0.1, {"a": 0.2, "b": 0.8}) == {"a": 0.2, "b": 0.8}
+    assert target_shares({"a": 5.0}, 0.5, 0.05, {}) == pytest.approx({"a": 0.5})  # b unreachable, holds 0.5
+    assert target_shares({"a": 1.0, "b": 1.0, "c": 1.0}, 0.12, 0.05, {}) == pytest.approx(dict.fromkeys("abc", 0.04))
+
+
+# -- two rounds at once --------------------------------------------------------------------------------
+
+
+def test_two_rounds_at_once_never_leave_the_shares_above_the_limit(regions: dict[str, RedisServer]) -> None:
+    """Rounds that read different seconds (demand in a, then in b) race on every subject.
+
+    Each lowers one region and raises the other. Without the compare and set, the interleaving
+    lower, lower, raise, raise leaves both regions at 0.95. Run without the lock (as on a database
+    other than PostgreSQL), many times from the same start.
+    """
+    checks = [global_check("100/s", 100, subject=f"org-{i}") for i in range(20)]
+    wait_for_next_second()
+    first = int(time.time())
+    for check in checks:
+        ask(regions["a"], check, 0.03, every=0.001)
+    wait_for_next_second()
+    for check in checks:
+        ask(regions["b"], check, 0.03, every=0.001)
+    wait_for_next_second()
+    conflicts = 0
+    for _ in range(15):
+        for server in regions.values():
+            server.client().delete(*[layout.share_key(c.key(PREFIX)) for c in checks])
+        barrier = threading.Barrier(2)
+        rounds: list[Any] = []
+        threads = [
+            threading.Thread(target=race, args=(regions, second, barrier, rounds)) for second in (first, first + 1)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        conflicts += sum(r.conflicts for r in rounds)
+        for check in checks:
+            total = sum(share_in(server, check, 2) for server in regions.values())
+            assert total <= 1 + 1e-9, (check.subject, total, rounds)
+    print(f"\n15 races of 2 rounds on 20 subjects: {conflicts} writes refused by the compare and set")
+
+
+def race(regions: dict[str, RedisServer], second: int, barrier: threading.Barrier, rounds: list[Any]) -> None:
+    """One round reading ``second``'s demand, started with another (the barrier)."""
+    stores = {name: RegionStore(name, server.client(), prefix=PREFIX) for name, server in regions.items()}
+    barrier.wait(5)
+    rounds.append(reconcile(stores=stores, now=second + 1.5, lock=False))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_second_round_waits_for_the_first_on_postgresql(regions: dict[str, RedisServer]) -> None:
+    if connection.vendor != "postgresql":
+        pytest.skip("the reconciliation lock is PostgreSQL's advisory lock (the PostgreSQL run has it)")
+    params = connection.get_connection_params()
+    holder = psycopg.connect(**{k: v for k, v in params.items() if k in ("dbname", "user", "host", "port", "password")})
+    try:
+        holder.execute("SELECT pg_advisory_lock(%s)", [_lock_id()])
+        assert reconcile().skipped
+    finally:
+        holder.close()  # the lock goes with the connection
+    assert not reconcile().skipped
+
+
+# -- settings and the admin ---------------------------------------------------------------------------
+
+
+def test_a_global_tier_in_the_settings_and_its_quota(settings: Any) -> None:
+    (rate,) = tier_policies("gold", {"rate": "10/s", "scope": "global"}, field="t", fail_mode=FailMode.OPEN)
+    assert rate.is_global and rate.key_suffix.endswith("g")
+    with pytest.raises(ConfigurationError, match=r"t\['quota'\]: a global tier cannot have a quota"):
+        tier_policies("gold", {"rate": "10/s", "scope": "global", "quota": "100/d"}, field="t", fail_mode=FailMode.OPEN)
+    with pytest.raises(ConfigurationError, match=r"t\['scope'\]: 'planet' must be 'region' or 'global'"):
+        tier_policies("gold", {"rate": "10/s", "scope": "planet"}, field="t", fail_mode=FailMode.OPEN)
+
+
+@pytest.mark.django_db
+def test_the_admin_refuses_a_global_tier_it_cannot_split() -> None:
+    tier = Tier(name="g", rate="10/s", scope="global", algorithm="sliding_window")
+    with pytest.raises(ValidationError) as refused:
+        tier.full_clean()
+    assert "scope" in refused.value.message_dict
+    tier = Tier(name="g", rate="10/s", scope="global", quota="100/d")
+    with pytest.raises(ValidationError) as refused:
+        tier.full_clean()
+    assert "quota" in refused.value.message_dict
+    override = Override(
+        subject_kind="user", subject_id="7", concurrency=3, scope="global", reason="x", expires_at="2099-01-01T00:00Z"
+    )
+    with pytest.raises(ValidationError) as refused:
+        override.full_clean()
+    assert "scope" in refused.value.message_dict
+
+
+@pytest.mark.django_db
+def test_the_rate_limit_view_shows_the_global_limit_and_this_regions_share(
+    regions: dict[str, RedisServer], settings: Any
+) -> None:
+    settings.RATELIMITS = {
+        **settings.RATELIMITS,
+        "REDIS_URL": regions["a"].url,
+        "KEY_PREFIX": PREFIX,
+        "TIERS": {"anonymous": {"rate": "100/s", "burst": 100, "scope": "global"}, "authenticated": {"rate": "100/s"}},
+    }
+    conf.clear()
+    engine.reset()
+    client = APIClient(REMOTE_ADDR="203.0.113.9")
+    body = client.get("/v1/rate_limit").json()
+    (tier,) = [r for r in body["resources"] if r["policy"] == "tier:anonymous"]
+    assert tier["scope"] == "global" and tier["region"] == "a"
+    assert tier["region_share"] == 0.5 and tier["region_limit"] == 50 and tier["reconciled_at"] is None
+    assert tier["limit"] == 100
