@@ -7,7 +7,8 @@ A Celery beat task (``ratelimits.reconcile_regions``) runs :func:`reconcile` eve
    and the share records of every subject that had demand somewhere;
 2. gives each subject's reachable regions new shares: the floor each, the rest in proportion to
    demand, out of what the unreachable regions do not hold (each is assumed to hold the most it
-   can come to by decay: ``max(its last share, 1 / regions)``), so the shares never sum above the limit;
+   can come to without a write: ``max(its last share as decayed, 1 / regions)``), so the shares
+   never sum above the limit;
 3. writes the regions whose share goes down first, then, only if all of those were written, the
    others: at no moment do the written shares sum above the limit. Each write names the epoch it
    read (compare and set): a round racing another loses the subjects the other wrote first, and
@@ -135,10 +136,8 @@ def _round(result: Round, stores: dict[str, RegionStore]) -> None:
         assumed = {}
         for index, name in enumerate(names):
             if name not in demand:  # unreachable: the most it can hold until it is written again
-                last = max(
-                    (record.shares[index] for record in seen.values() if len(record.shares) == count), default=even
-                )
-                assumed[name] = max(last, even)
+                bounds = [r.most_of(index, now_us) for r in seen.values() if len(r.shares) == count]
+                assumed[name] = max(bounds, default=even)
         current = {name: seen[name].effective(now_us) if name in seen else even for name in reached}
         budget = max(1.0 - sum(assumed.values()), 0.0)
         floor = min(settings.floor, even)

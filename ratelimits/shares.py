@@ -14,8 +14,8 @@ The rules (docs/regions.md says why each holds):
   decays linearly to the even split over ``decay``. Every region's records of a subject are
   written in the same round with the same time, so regions that all go stale decay in step and
   their sum stays at or under the limit.
-* A region the reconciler cannot reach is assumed to hold the most it can come to hold by decay,
-  ``max(last share, 1 / regions)``; the reachable regions share only what is left.
+* A region the reconciler cannot reach is assumed to hold the most it can come to without a write,
+  ``max(its last share as decayed, 1 / regions)``; the reachable regions share only what is left.
 """
 
 from __future__ import annotations
@@ -60,16 +60,24 @@ class ShareRecord:
 
     def effective(self, now_us: float) -> float:
         """The share in force at ``now_us``: as written, or decaying to the even split once stale."""
+        return self._decayed(self.share, now_us)
+
+    def most_of(self, index: int, now_us: float) -> float:
+        """The most region ``index`` of this record's vector can hold from ``now_us`` on without a write.
+
+        The vector's entry is what the round that wrote this record left that region with (or, out of
+        reach then, the most it could hold): it decays on the same clock as this record, and decay
+        only moves toward the even split.
+        """
+        return max(self._decayed(self.shares[index], now_us), self.target)
+
+    def _decayed(self, share: float, now_us: float) -> float:
         age = now_us - self.written_us - self.stale_us
         if age <= 0:
-            return self.share
+            return share
         if age >= self.decay_us:
             return self.target
-        return self.share + (self.target - self.share) * age / self.decay_us
-
-    def most(self) -> float:
-        """The most this region can come to hold without another write: decay only moves toward the target."""
-        return max(self.share, self.target)
+        return share + (self.target - share) * age / self.decay_us
 
 
 def target_shares(

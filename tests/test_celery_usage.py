@@ -33,7 +33,6 @@ import os
 import re
 import secrets
 import shutil
-import socket
 import tempfile
 import time
 import urllib.parse
@@ -59,13 +58,13 @@ from ratelimits.models import UsageSubject
 from ratelimits.usage.records import GRACE_S, LEASE_S
 from ratelimits.usage.subjects import write_pending
 
+from .support.celery_app import BROKER_URL, broker_reachable, celery, delete_queue, worker_argv
 from .support.postgres import throwaway_database
-from .support.processes import REPO, VENV_BIN, Service, manage
+from .support.processes import REPO, Service, manage
 from .support.redis_server import RedisServer
 
 pytestmark = pytest.mark.slow
 
-BROKER_URL = os.environ.get("RATELIMITS_TEST_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")
 DRAIN_EVERY_S = 2.0
 
 #: The anonymous tier in this process: a request's counters go to its IP (``ip``, endpoint ``ping``).
@@ -96,11 +95,6 @@ Totals = tuple[int, int, int, int, int]
 # -- processes ---------------------------------------------------------------------------------
 
 
-def celery(name: str, logs: Path, *argv: str) -> Service:
-    """``celery -A project <argv>`` (the demo's Celery app), its pool children in its process group."""
-    return Service(name, [str(VENV_BIN / "celery"), "-A", "project", *argv], logs)
-
-
 @dataclass
 class Stack:
     redis_server: RedisServer
@@ -121,18 +115,9 @@ class Stack:
         return self.redis_server.client()
 
 
-def _broker_reachable() -> bool:
-    parts = urllib.parse.urlsplit(BROKER_URL)
-    try:
-        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 5672), timeout=2):
-            return True
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
-    if not _broker_reachable():
+    if not broker_reachable():
         pytest.skip(f"no AMQP broker at {BROKER_URL} (set RATELIMITS_TEST_BROKER_URL)")
     failed_before = request.session.testsfailed
     token = secrets.token_hex(4)
@@ -158,37 +143,12 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
         client = Celery("ratelimits-celery-usage-test", broker=BROKER_URL, set_as_current=False, fixups=[])
         cleanup.callback(client.close)
 
-        def delete_queue() -> None:
-            # Durable, and named for this run: nobody else would ever delete it.
-            with client.connection_for_write() as conn:
-                conn.default_channel.queue_delete(queue=queue)
-                conn.default_channel.exchange_delete(exchange=queue)
-
-        cleanup.callback(delete_queue)  # runs after the worker and beat are stopped
+        cleanup.callback(delete_queue, client, queue)  # runs after the worker and beat are stopped
 
         logs = Path(tempfile.mkdtemp(prefix="ratelimits-celery-"))
         cleanup.callback(shutil.rmtree, logs, ignore_errors=True)
-        worker = celery(
-            "worker",
-            logs,
-            *[
-                "worker",
-                "-Q",
-                queue,
-                "-n",
-                f"ratelimits-test-{token}@%h",
-                # Two pool processes, so that two deliveries of one task can run at the same time.
-                "--concurrency",
-                "2",
-                "--pool",
-                "prefork",
-                "--without-gossip",
-                "--without-mingle",
-                "--without-heartbeat",
-                "-l",
-                "info",
-            ],
-        )
+        # Two pool processes, so that two deliveries of one task can run at the same time.
+        worker = celery("worker", logs, *worker_argv(queue, f"ratelimits-test-{token}", concurrency=2))
         beat = celery("beat", logs, "beat", "-s", str(logs / "beat-schedule"), "--max-interval", "1", "-l", "info")
         stack = Stack(redis_server, database_url, env, queue, client, worker, beat)
         cleanup.callback(worker.stop)

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from ratelimits.backends import layout
 from ratelimits.backends.redis import RedisBackend
@@ -31,8 +33,14 @@ PREFIX = "rl"
 
 
 def quick_client(server: RedisServer) -> redis.Redis:
-    """A client that gives up on a stopped server in 250 ms (a partition test stops one)."""
-    return redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=0.25, socket_connect_timeout=0.25)
+    """A client that gives up on a stopped server in 250 ms, once (a partition test stops one)."""
+    return redis.Redis(
+        host="127.0.0.1",
+        port=server.port,
+        socket_timeout=0.25,
+        socket_connect_timeout=0.25,
+        retry=Retry(NoBackoff(), 0),  # redis-py's default retries would wait seconds on a stopped server
+    )
 
 
 def region_settings(servers: Mapping[str, RedisServer], region: str) -> dict[str, Any]:
@@ -100,6 +108,10 @@ class MovingDemand:
         """The largest sum of every region's share in any sample where every region answered."""
         sums = [sum(shares.values()) for _, shares in self.samples]
         return max((total for total in sums if not math.isnan(total)), default=math.nan)
+
+    def over(self) -> list[tuple[float, dict[str, float]]]:
+        """The samples whose shares sum above the limit (none, if the reconciler is right)."""
+        return [(at, shares) for at, shares in self.samples if sum(shares.values()) > 1 + 1e-9]
 
     def report(self) -> str:
         lines = [
@@ -175,16 +187,23 @@ def run_moving_demand(
             result.admitted[name] += admitted
             result.degraded += degraded
 
+    def read() -> dict[str, float]:
+        shares = {}
+        for name, server in servers.items():
+            try:
+                shares[name] = share_in(server, check, len(servers))
+            except redis.RedisError:
+                shares[name] = math.nan  # stopped: its share is what it last was
+        return shares
+
     def sample() -> None:
         while not done.wait(0.05):
             now = time.monotonic() - start
-            shares = {}
-            for name, server in servers.items():
-                try:
-                    shares[name] = share_in(server, check, len(servers))
-                except redis.RedisError:
-                    shares[name] = math.nan  # stopped: its share is what it last was
-            result.samples.append((now, shares))
+            # The regions are read one after the other, so a round may fall between two reads: read
+            # them all twice and keep each one's least. A round lowers before it raises, so some
+            # pair of reads is of one moment's shares, and the least of each is never above it.
+            first, second = read(), read()
+            result.samples.append((now, {name: min(first[name], second[name]) for name in servers}))
             if during is not None:
                 during(now)
 

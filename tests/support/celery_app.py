@@ -1,0 +1,62 @@
+"""The demo's Celery worker and beat as processes of a test's own, on RabbitMQ and a queue named for the run.
+
+``RATELIMITS_TEST_BROKER_URL`` names the broker (by default ``amqp://guest:guest@127.0.0.1:5672//``).
+Tasks go to a queue of the run's own, so that runs sharing the broker's vhost never take each
+other's tasks; the queue is deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import urllib.parse
+from pathlib import Path
+
+from celery import Celery
+
+from .processes import VENV_BIN, Service
+
+__all__ = ["BROKER_URL", "broker_reachable", "celery", "delete_queue", "worker_argv"]
+
+BROKER_URL = os.environ.get("RATELIMITS_TEST_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")
+
+
+def broker_reachable() -> bool:
+    parts = urllib.parse.urlsplit(BROKER_URL)
+    try:
+        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 5672), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def celery(name: str, logs: Path, *argv: str) -> Service:
+    """``celery -A project <argv>`` (the demo's Celery app), its pool children in its process group."""
+    return Service(name, [str(VENV_BIN / "celery"), "-A", "project", *argv], logs)
+
+
+def worker_argv(queue: str, node: str, concurrency: int = 2) -> list[str]:
+    """A worker on ``queue`` only, without the cluster chatter a test does not need."""
+    return [
+        "worker",
+        "-Q",
+        queue,
+        "-n",
+        f"{node}@%h",
+        "--concurrency",
+        str(concurrency),
+        "--pool",
+        "prefork",
+        "--without-gossip",
+        "--without-mingle",
+        "--without-heartbeat",
+        "-l",
+        "info",
+    ]
+
+
+def delete_queue(client: Celery, queue: str) -> None:
+    # Durable, and named for this run: nobody else would ever delete it.
+    with client.connection_for_write() as conn:
+        conn.default_channel.queue_delete(queue=queue)
+        conn.default_channel.exchange_delete(exchange=queue)

@@ -1,0 +1,155 @@
+"""Regional shares reconciled by a real Celery beat and worker: demand moving, and a partition.
+
+Two private redis-servers are regions ``a`` and ``b``; a PostgreSQL database of this module's own
+(created, migrated, dropped afterwards) holds the reconciliation lock; ``celery -A project worker``
+and ``celery -A project beat`` run on RabbitMQ (a queue named for this run) with the demo's
+settings and ``REGIONS`` naming the two servers, so beat schedules ``ratelimits.reconcile_regions``
+every second (``project/celery.py``). This process sends the traffic: one paced thread per region
+deciding one global subject's requests (``tests/support/regions.py``, as ``python -m bench.regions``).
+
+1. Demand moves a -> b -> a over 60 s (twice the global rate in the busy region, 5 % of it in the
+   other). The busy region's share passes 0.4 within 2 s of each move; the shares sampled never sum
+   above the limit; admissions summed over both regions stay within ``burst + rate x elapsed`` + 1 %.
+2. Demand in b, then b's store is stopped (SIGSTOP) for 10 s while demand moves to a, then resumed.
+   Meanwhile the reconciler cannot reach b: b keeps its share, and a is not given it (docs/regions.md:
+   a region out of reach counts as holding ``max(last share, 1 / regions)``), so admissions stay
+   within the same bound. Once b answers again, a's share reaches 0.9 within 3 s.
+
+Every wait is a bounded poll; every process started here is stopped by its PID.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from celery import Celery
+
+from .support.celery_app import BROKER_URL, broker_reachable, celery, delete_queue, worker_argv
+from .support.postgres import throwaway_database
+from .support.processes import REPO, Service, manage
+from .support.redis_server import RedisServer
+from .support.regions import MovingDemand, global_check, region_settings, run_moving_demand
+
+pytestmark = pytest.mark.slow
+
+START_TIMEOUT = 60.0
+ROUND = re.compile(r"Task ratelimits\.reconcile_regions\[[0-9a-f-]+\] succeeded")
+#: The global limit: 200 a second, burst 200, split between the two regions.
+RATE, BURST = 200, 200
+
+
+@dataclass
+class Regions:
+    servers: dict[str, RedisServer]
+    worker: Service
+    beat: Service
+
+
+@pytest.fixture(scope="module")
+def regions(request: pytest.FixtureRequest) -> Iterator[Regions]:
+    if not broker_reachable():
+        pytest.skip(f"no AMQP broker at {BROKER_URL} (set RATELIMITS_TEST_BROKER_URL)")
+    failed_before = request.session.testsfailed
+    token = secrets.token_hex(4)
+    with contextlib.ExitStack() as cleanup:
+        servers = {name: cleanup.enter_context(RedisServer()) for name in ("a", "b")}
+        database_url = cleanup.enter_context(throwaway_database("ratelimits_regions"))
+        queue = f"ratelimits-regions-{token}"
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+            "DJANGO_SETTINGS_MODULE": "tests.support.celery_settings",
+            "DATABASE_URL": database_url,
+            "REDIS_URL": servers["a"].url,
+            "CELERY_BROKER_URL": BROKER_URL,
+            "RATELIMITS_TEST_CELERY_QUEUE": queue,
+            "RATELIMITS_TEST_REGIONS": json.dumps(region_settings(servers, "a")),
+            "SECRET_KEY": "regions-test-" + secrets.token_hex(8),
+            "DEBUG": "0",
+            "PYTHONUNBUFFERED": "1",
+        }
+        manage(env, "migrate", "--noinput", "-v", "0")
+        client = Celery("ratelimits-regions-test", broker=BROKER_URL, set_as_current=False, fixups=[])
+        cleanup.callback(client.close)
+        cleanup.callback(delete_queue, client, queue)  # after the worker and beat are stopped
+        logs = Path(tempfile.mkdtemp(prefix="ratelimits-regions-"))
+        cleanup.callback(shutil.rmtree, logs, ignore_errors=True)
+        worker = celery("worker", logs, *worker_argv(queue, f"ratelimits-regions-{token}"))
+        beat = celery("beat", logs, "beat", "-s", str(logs / "beat-schedule"), "--max-interval", "1", "-l", "info")
+        cleanup.callback(worker.stop)
+        cleanup.callback(beat.stop)
+        worker.start(env)
+        worker.wait_for_log(r"@\S+ ready\.", START_TIMEOUT, "ready line")
+        beat.start(env)
+        beat.wait_for_log("beat: Starting", START_TIMEOUT, "start")
+        worker.wait_for_log(ROUND, START_TIMEOUT, "a reconciliation round from beat")
+        yield Regions(servers, worker, beat)
+        if request.session.testsfailed != failed_before:
+            for process in (worker, beat):
+                print(f"\n--- {process.name} log {process.log} (tail) ---\n{process.tail()}")
+
+
+def check_bound(run: MovingDemand) -> None:
+    print("\n" + run.report())
+    assert not run.over(), run.over()
+    assert run.total <= run.bound * 1.01, run.report()
+
+
+def test_demand_moving_twice_moves_the_shares_within_2_s_and_never_over_admits(regions: Regions) -> None:
+    check = global_check(f"{RATE}/s", BURST, subject="moving")
+    run = run_moving_demand(
+        regions.servers, check, phases=[(20, "a"), (20, "b"), (20, "a")], offered=2 * RATE, trickle=0.05 * RATE
+    )
+    check_bound(run)
+    for phase, busy in ((1, "b"), (2, "a")):
+        grew = run.growth(phase, busy, 0.4)
+        assert grew is not None and grew <= 2.0, (phase, busy, grew, run.report())
+    # Demand was there to take what the limit allowed: the regions together admitted most of it.
+    assert run.total >= 0.85 * run.bound, run.report()
+
+
+def test_a_region_out_of_reach_keeps_its_share_and_the_shares_recover_after(regions: Regions) -> None:
+    check = global_check(f"{RATE}/s", BURST, subject="partitioned")
+    b = regions.servers["b"]
+    stopped: list[float] = []
+
+    def partition(now: float) -> None:
+        if not stopped and now >= 10:
+            b.pause()
+            stopped.append(now)
+        elif len(stopped) == 1 and now >= 20:
+            b.resume()
+            stopped.append(now)
+
+    try:
+        run = run_moving_demand(
+            regions.servers,
+            check,
+            phases=[(10, "b"), (10, "a"), (10, "a")],
+            offered=2 * RATE,
+            trickle=0.05 * RATE,
+            during=partition,
+        )
+    finally:
+        if len(stopped) == 1:
+            b.resume()
+    check_bound(run)
+    assert len(stopped) == 2 and run.degraded > 0  # b's own traffic failed while it was stopped
+    before = [shares["b"] for at, shares in run.samples if 8 <= at < 10]
+    assert before and min(before) >= 0.9  # b held the demand before it stopped
+    # While b is out of reach, a is not given b's share: it keeps at most what b does not hold.
+    during = [shares["a"] for at, shares in run.samples if stopped[0] + 1 <= at < stopped[1]]
+    assert during and max(during) <= 1 - min(before) + 1e-9, during
+    # Reached again, the shares follow the demand in a.
+    recovered = next((at for at, shares in run.samples if at >= stopped[1] and shares["a"] >= 0.9), None)
+    assert recovered is not None and recovered - stopped[1] <= 3.0, (recovered, stopped, run.report())
