@@ -80,7 +80,7 @@ def moving(servers: dict[str, RedisServer], phase_s: float) -> None:
 def round_cost(servers: dict[str, RedisServer], subjects: int, rounds: int) -> None:
     checks = [global_check("100/s", 100, subject=f"org-{i}") for i in range(subjects)]
     clients = {name: server.client() for name, server in servers.items()}
-    for name, client in clients.items():  # a state per subject in each region (real decisions)
+    for client in clients.values():  # a state per subject in each region (real decisions)
         backend = RedisBackend(client, prefix=PREFIX)
         for check in checks:
             backend.decide([check])
