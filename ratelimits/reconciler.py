@@ -26,9 +26,11 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
+from typing import TypeVar
 
 from django.db import connection, transaction
 
@@ -40,6 +42,7 @@ from .shares import ShareRecord, target_shares
 __all__ = ["Round", "reconcile", "region_stores"]
 
 logger = logging.getLogger("ratelimits.reconciler")
+T = TypeVar("T")
 
 #: How long the reconciler waits on one region's store, at most: a region slower than this is
 #: unreachable for the round (it keeps its share). Well under the interval, so rounds keep time.
@@ -109,20 +112,10 @@ def _round(result: Round, stores: dict[str, RegionStore]) -> None:
     settings = conf.reconcile
     even = 1 / count
     now_us = result.at * 1_000_000
-    demand: dict[str, dict[str, float]] = {}
-    for name, store in stores.items():
-        try:
-            demand[name] = store.demand(result.second)
-        except BackendUnavailable as exc:
-            logger.warning("ratelimits: reconciliation: %s", exc)
+    demand = _in_each(stores, lambda store: store.demand(result.second))
     subjects = sorted({key for asked in demand.values() for key in asked})
-    records: dict[str, dict[str, ShareRecord]] = {}
-    for name in list(demand):
-        try:
-            records[name] = stores[name].records(subjects)
-        except BackendUnavailable as exc:
-            logger.warning("ratelimits: reconciliation: %s", exc)
-            del demand[name]
+    records = _in_each({name: stores[name] for name in demand}, lambda store: store.records(subjects))
+    demand = {name: asked for name, asked in demand.items() if name in records}
     reached = [name for name in names if name in demand]
     result.reached, result.unreachable = reached, [name for name in names if name not in demand]
     result.subjects = len(subjects)
@@ -168,18 +161,30 @@ def _write(
     result: Round,
 ) -> dict[str, dict[str, bool]]:
     """Write each region's entries; per region, which subjects were written (missing: outcome unknown)."""
-    settled: dict[str, dict[str, bool]] = {}
-    for name, batch in entries.items():
-        settled[name] = {}
-        if not batch:
-            continue
-        try:
-            settled[name] = stores[name].write(batch, ttl_ms)
-        except BackendUnavailable as exc:
-            logger.warning("ratelimits: reconciliation: %s", exc)
-        result.written += sum(settled[name].values())
-        result.conflicts += sum(not ok for ok in settled[name].values())
+    busy = {name: stores[name] for name, batch in entries.items() if batch}
+    written = _in_each(busy, lambda store: store.write(entries[store.name], ttl_ms))
+    settled = {name: written.get(name, {}) for name in entries}
+    for outcomes in settled.values():
+        result.written += sum(outcomes.values())
+        result.conflicts += sum(not ok for ok in outcomes.values())
     return settled
+
+
+def _in_each(stores: Mapping[str, RegionStore], work: Callable[[RegionStore], T]) -> dict[str, T]:
+    """``work`` on every region's store at once (a thread each: the regions are far apart, and
+    each waits on its own network); the regions that answered, by name.
+    """
+    if not stores:
+        return {}
+    done: dict[str, T] = {}
+    with ThreadPoolExecutor(max_workers=len(stores), thread_name_prefix="ratelimits-reconcile") as pool:
+        futures = {name: pool.submit(work, store) for name, store in stores.items()}
+        for name, future in futures.items():
+            try:
+                done[name] = future.result()
+            except BackendUnavailable as exc:
+                logger.warning("ratelimits: reconciliation: %s", exc)
+    return done
 
 
 def _publish_status(result: Round, stores: Mapping[str, RegionStore]) -> None:

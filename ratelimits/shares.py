@@ -20,6 +20,7 @@ The rules (docs/regions.md says why each holds):
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,6 +31,12 @@ __all__ = ["ShareRecord", "target_shares"]
 #: region as this record's round set it (regions by sorted name). ``lua/decide.lua`` reads the
 #: first five; ``lua/reshare.lua`` checks the epoch.
 _HEADER = struct.Struct("<dddddd")
+
+
+@functools.cache
+def _layout(regions: int) -> struct.Struct:
+    """A whole record's layout, for a vector of ``regions`` shares."""
+    return struct.Struct(f"{_HEADER.format}{regions}d")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,14 +55,12 @@ class ShareRecord:
     shares: tuple[float, ...]
 
     def pack(self) -> bytes:
-        head = _HEADER.pack(self.share, self.written_us, self.stale_us, self.decay_us, self.target, self.epoch)
-        return head + struct.pack(f"<{len(self.shares)}d", *self.shares)
+        fields = (self.share, self.written_us, self.stale_us, self.decay_us, self.target, self.epoch, *self.shares)
+        return _layout(len(self.shares)).pack(*fields)
 
     @classmethod
     def unpack(cls, value: bytes) -> ShareRecord:
-        share, written, stale, decay, target, epoch = _HEADER.unpack_from(value)
-        count = (len(value) - _HEADER.size) // 8
-        shares = struct.unpack_from(f"<{count}d", value, _HEADER.size)
+        share, written, stale, decay, target, epoch, *shares = _layout((len(value) - _HEADER.size) // 8).unpack(value)
         return cls(share, written, stale, decay, target, int(epoch), tuple(shares))
 
     def effective(self, now_us: float) -> float:
