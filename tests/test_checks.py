@@ -65,6 +65,18 @@ BAD_VALUES = [
     ("POLICY_LOAD_TIMEOUT", "soon", "ratelimits.E136", "is not a duration"),
     ("TIERS", {"a": {"rate": "0/s"}}, "ratelimits.E110", "RATELIMITS['TIERS']['a']['rate']: '0/s'"),
     ("TIERS", [], "ratelimits.E110", "expected a dict"),
+    (
+        "TIERS",
+        {"anonymous": {"rate": "10/s", "scope": "global", "quota": "100/d"}, "authenticated": {"rate": "9/s"}},
+        "ratelimits.E110",
+        "['anonymous']['quota']: a global tier cannot have a quota",
+    ),
+    (
+        "TIERS",
+        {"anonymous": {"rate": "10/s", "scope": "planet"}, "authenticated": {"rate": "9/s"}},
+        "ratelimits.E110",
+        "['anonymous']['scope']: 'planet' must be 'region' or 'global'",
+    ),
     ("DEFAULT_TIERS", {"anonymous": "gold"}, "ratelimits.E111", "'gold' is not in RATELIMITS['TIERS']"),
     ("DEFAULT_TIERS", {"robots": "anonymous"}, "ratelimits.E111", "unknown keys robots"),
     ("TIER_FUNC", "no.such.func", "ratelimits.E112", "cannot import"),

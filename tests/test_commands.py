@@ -237,6 +237,7 @@ def test_export_document_uses_natural_keys() -> None:
         "quota": "1000/d",
         "algorithm": "token_bucket",
         "fail_mode": "",
+        "scope": "region",
         "enabled": True,
         "shadow": False,
         "description": "Paying customers.",
