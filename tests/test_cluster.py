@@ -32,6 +32,7 @@ from ratelimits.engine.limiter import Limiter
 from ratelimits.exceptions import BackendUnavailable
 from ratelimits.identity import Subject
 from ratelimits.policies import Check, Policy
+from ratelimits.policies.values import Scope
 from ratelimits.rates import parse_rate
 from ratelimits.redis_url import parse_redis_url
 
@@ -252,6 +253,25 @@ def test_a_cross_slot_denial_gives_back_what_the_other_groups_consumed(
     after = backend.decide(checks[:2], consume=False).results
     assert [r.remaining for r in after] == [r.remaining for r in before]  # nothing kept: tokens or slots
     assert cluster_client.zcard(checks[1].key("rl")) == 1  # only the admitted request's slot
+
+
+def test_a_cross_slot_denial_gives_back_a_global_policys_tokens(redis_cluster: Cluster, cluster_client: Any) -> None:
+    """A global bucket's state is tokens (docs/regions.md): the refund puts the request's cost back."""
+    clock = FakeClock()
+    backend = cluster_backend(redis_cluster, clock)
+    shared = Policy("shared", parse_rate("10/m"), 10, scope=Scope.GLOBAL)
+    tight = policy("1/m", name="tight")
+    subjects = spread(many_subjects(200), cluster_client)
+    checks = [Check(shared, subjects[0]), Check(tight, subjects[1])]
+    assert backend.decide(checks).allowed
+    before = backend.decide(checks[:1], consume=False).results[0].remaining
+    for _ in range(5):
+        assert backend.decide(checks).verdict is Verdict.LIMITED
+    assert backend.decide(checks[:1], consume=False).results[0].remaining == before
+    # Its demand was counted in the demand hash of its own slot.
+    key = checks[0].key("rl")
+    demand = layout.demand_key("rl", clock() // 1_000_000, layout.slot_tag(layout.key_slot(key.encode())))
+    assert int(cluster_client.hget(demand, key)) == 6  # the six consuming calls, not the two that only looked
 
 
 def test_a_refund_corrects_the_usage_the_caller_group_counted(redis_cluster: Cluster, cluster_client: Any) -> None:

@@ -42,6 +42,8 @@
 -- Returns how many checks gave something back.
 
 local TOKEN_BUCKET, SLIDING_WINDOW, FIXED_WINDOW = 1, 2, 3
+-- A global policy's bucket state (GLOBAL_STATE in lua/decide.lua): tokens, time, share, rate, burst.
+local GLOBAL_STATE, GLOBAL_SIZE = '<ddddd', 40
 local NOW, CHECK = '<d', '<Bdddddd'
 local GCRA_STATE, SLIDING_STATE, FIXED_STATE = '<d', '<ddd', '<dd'
 local REFUNDED_STATE, REFUNDED_MARK = '<ddB', 255  -- as decide.lua's
@@ -75,7 +77,17 @@ for i = 1, n do
   else
     local value = redis.call('GET', key)
     if value then
-      if algorithm == TOKEN_BUCKET then
+      if algorithm == TOKEN_BUCKET and #value == GLOBAL_SIZE then
+        -- A global policy's bucket holds tokens (lua/decide.lua): the request's cost goes back, as
+        -- of the state's own time, capped at the burst of the share it was spent at. The next
+        -- decision refills from there as it would have: nothing that time paid is given twice.
+        local held, at, spent_share, full, burst = unpack_args(GLOBAL_STATE, value)
+        local back = math.min(held + cost, burst * spent_share)
+        if back > held then
+          redis.call('SET', key, pack(GLOBAL_STATE, back, at, spent_share, full, burst), 'KEEPTTL')
+          given = given + 1
+        end
+      elseif algorithm == TOKEN_BUCKET then
         local tat, refunded = nil, 0
         local size = #value
         if size == 17 and byte(value, 17) == REFUNDED_MARK then
