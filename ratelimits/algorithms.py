@@ -213,6 +213,8 @@ def global_bucket(
     The state is ``(tokens, time, share spent at, rate per us, burst)``: tokens, so that a share
     change keeps what the region holds. Refilled at the lesser of the two shares since it was spent.
     """
+    if share <= 0:  # every other region out of reach holds what there is
+        return Outcome(False, 0, 0, RESHARE_RETRY_US, state or ())
     full = limit / period_us
     capacity = burst * share
     speed = full * share

@@ -408,12 +408,14 @@ class ReconcileSettings(NamedTuple):
 
     #: Seconds between rounds (the beat schedule's; the demo's ``project/celery.py`` reads it).
     interval: float = 1.0
-    #: The least share of a global limit a region holds while others are busy, so a quiet region
-    #: can still serve a first request (raised to one request's worth of the burst if that is more).
+    #: The least share of a global limit a reachable region is given while others are busy, so a
+    #: quiet region can still serve a first request (at most the even split; choose it so that
+    #: ``floor x burst`` is at least one request's cost).
     floor: float = 0.05
-    #: A share not written for this long (the reconciler cannot reach its region) starts to decay.
+    #: A share above the even split not written for this long (the reconciler cannot reach its
+    #: region, or has stopped) starts to decay down to it; a share below it never rises unwritten.
     stale_after: float = 10.0
-    #: Seconds a stale share takes to decay linearly to an even split (1 / the number of regions).
+    #: Seconds a stale share takes to decay linearly down to the even split (1 / the number of regions).
     decay: float = 30.0
 
 

@@ -34,10 +34,10 @@ from typing import TypeVar
 
 from django.db import connection, transaction
 
-from .backends.regions import RegionStore
+from .backends.regions import RegionStore, ShareWrite
 from .conf import conf
 from .exceptions import BackendUnavailable
-from .shares import ShareRecord, target_shares
+from .shares import RECORD_TTL_EXTRA_S, ShareRecord, target_shares
 
 __all__ = ["Round", "reconcile", "region_stores"]
 
@@ -71,9 +71,14 @@ class Round:
     seconds: float = 0.0
 
 
+def store_timeout() -> float:
+    """How long a round waits on one region's store (``STORE_TIMEOUT_S``, or half the interval if less)."""
+    return min(STORE_TIMEOUT_S, conf.reconcile.interval / 2)
+
+
 def region_stores() -> dict[str, RegionStore]:
     """A store client per region of ``REGIONS`` (one per process and URL, reused by every round)."""
-    timeout = min(STORE_TIMEOUT_S, conf.reconcile.interval / 2)
+    timeout = store_timeout()
     return {
         name: RegionStore.from_url(name, url, prefix=conf.key_prefix, timeout=timeout, options=conf.redis_options)
         for name, url in conf.regions.items()
@@ -113,7 +118,8 @@ def _round(result: Round, stores: dict[str, RegionStore]) -> None:
     even = 1 / count
     now_us = result.at * 1_000_000
     demand = _in_each(stores, lambda store: store.demand(result.second))
-    subjects = sorted({key for asked in demand.values() for key in asked})
+    subjects = sorted({key for seen in demand.values() for key in seen.asked})
+    policies = {key: numbers for seen in demand.values() for key, numbers in seen.policies.items()}
     records = _in_each({name: stores[name] for name in demand}, lambda store: store.records(subjects))
     demand = {name: asked for name, asked in demand.items() if name in records}
     reached = [name for name in names if name in demand]
@@ -122,8 +128,8 @@ def _round(result: Round, stores: dict[str, RegionStore]) -> None:
     if len(reached) == 0 or not subjects:
         _publish_status(result, stores)
         return
-    lowering: dict[str, list[tuple[str, int, ShareRecord]]] = {name: [] for name in reached}
-    rest: dict[str, list[tuple[str, int, ShareRecord]]] = {name: [] for name in reached}
+    lowering: dict[str, list[ShareWrite]] = {name: [] for name in reached}
+    rest: dict[str, list[ShareWrite]] = {name: [] for name in reached}
     for key in subjects:
         seen = {name: records[name][key] for name in reached if key in records[name]}
         assumed = {}
@@ -134,35 +140,40 @@ def _round(result: Round, stores: dict[str, RegionStore]) -> None:
         current = {name: seen[name].effective(now_us) if name in seen else even for name in reached}
         budget = max(1.0 - sum(assumed.values()), 0.0)
         floor = min(settings.floor, even)
-        shares = target_shares({name: demand[name].get(key, 0.0) for name in reached}, budget, floor, current)
+        shares = target_shares({name: demand[name].asked.get(key, 0.0) for name in reached}, budget, floor, current)
         vector = tuple(shares.get(name, assumed.get(name, even)) for name in names)
         epoch = max((record.epoch for record in seen.values()), default=0) + 1
+        rate, burst = policies.get(key, (0.0, 0.0))
         for name in reached:
             record = ShareRecord(
                 shares[name], now_us, settings.stale_after * 1e6, settings.decay * 1e6, even, epoch, vector
             )
-            entry = (key, seen[name].epoch if name in seen else 0, record)
+            entry = ShareWrite(key, seen[name].epoch if name in seen else 0, record, rate, burst)
             (lowering if shares[name] < current[name] else rest)[name].append(entry)
-    ttl_ms = int((settings.stale_after + settings.decay) * 1000) + 60_000  # expired: the even split, as decayed
+    ttl_ms = int((settings.stale_after + settings.decay + RECORD_TTL_EXTRA_S) * 1000)
     settled = _write(lowering, stores, ttl_ms, result)
     # Only a subject whose every lowered share was written may be raised: otherwise the raise
     # could take what a region not yet lowered still holds.
-    refused = {key for name, entries in lowering.items() for key, _, _ in entries if not settled[name].get(key, False)}
+    refused = {e.state_key for name, batch in lowering.items() for e in batch if not settled[name].get(e.state_key)}
     _write(
-        {name: [e for e in entries if e[0] not in refused] for name, entries in rest.items()}, stores, ttl_ms, result
+        {name: [e for e in batch if e.state_key not in refused] for name, batch in rest.items()}, stores, ttl_ms, result
     )
     _publish_status(result, stores)
 
 
 def _write(
-    entries: Mapping[str, Sequence[tuple[str, int, ShareRecord]]],
+    entries: Mapping[str, Sequence[ShareWrite]],
     stores: Mapping[str, RegionStore],
     ttl_ms: int,
     result: Round,
 ) -> dict[str, dict[str, bool]]:
     """Write each region's entries; per region, which subjects were written (missing: outcome unknown)."""
     busy = {name: stores[name] for name, batch in entries.items() if batch}
-    written = _in_each(busy, lambda store: store.write(entries[store.name], ttl_ms))
+    # A write may land no later than half the store timeout after it was sent: the round that sent
+    # it has not ended by then (it waits that long for the answer), so no later round has read
+    # the region yet (rounds hold the lock one after the other).
+    timeout = store_timeout()
+    written = _in_each(busy, lambda store: store.write(entries[store.name], ttl_ms, timeout / 2))
     settled = {name: written.get(name, {}) for name in entries}
     for outcomes in settled.values():
         result.written += sum(outcomes.values())

@@ -10,10 +10,10 @@ the reconciler, the status view and the tests (a test holds the two to the same 
 The rules (docs/regions.md says why each holds):
 
 * Without a record a region holds an even split, ``1 / regions``: the shares sum to the limit.
-* A record not rewritten for ``stale_after`` (its region unreachable, or the reconciler stopped)
-  decays linearly to the even split over ``decay``. Every region's records of a subject are
-  written in the same round with the same time, so regions that all go stale decay in step and
-  their sum stays at or under the limit.
+* A share above the even split, not rewritten for ``stale_after`` (its region unreachable, or the
+  reconciler stopped), decays linearly down to the even split over ``decay``. A share never rises
+  without a write: a region below the even split stays there until the reconciler raises it, or
+  until its record expires, an hour after it has decayed.
 * A region the reconciler cannot reach is assumed to hold the most it can come to without a write,
   ``max(its last share as decayed, 1 / regions)``; the reachable regions share only what is left.
 """
@@ -25,12 +25,16 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["ShareRecord", "target_shares"]
+__all__ = ["RECORD_TTL_EXTRA_S", "ShareRecord", "target_shares"]
 
 #: share, written (us), stale after (us), decay (us), decay target, epoch; then the share of every
 #: region as this record's round set it (regions by sorted name). ``lua/decide.lua`` reads the
 #: first five; ``lua/reshare.lua`` checks the epoch.
 _HEADER = struct.Struct("<dddddd")
+#: A record lives ``stale_after + decay`` and then this long (s): well past its decay, so that two
+#: records of one subject written rounds apart have both decayed before either expires to the even
+#: split (which raises a share below it).
+RECORD_TTL_EXTRA_S = 3600
 
 
 @functools.cache
@@ -60,25 +64,42 @@ class ShareRecord:
 
     @classmethod
     def unpack(cls, value: bytes) -> ShareRecord:
-        share, written, stale, decay, target, epoch, *shares = _layout((len(value) - _HEADER.size) // 8).unpack(value)
+        """The record ``value`` holds; :class:`ValueError` if it is not one (another length)."""
+        extra = len(value) - _HEADER.size
+        if extra < 0 or extra % 8:
+            raise ValueError(f"a share record is {_HEADER.size} bytes and 8 per region, not {len(value)}")
+        share, written, stale, decay, target, epoch, *shares = _layout(extra // 8).unpack(value)
         return cls(share, written, stale, decay, target, int(epoch), tuple(shares))
 
+    @classmethod
+    def read(cls, value: bytes | None) -> ShareRecord | None:
+        """The record ``value`` holds, or ``None`` for none or a malformed one (read as the even
+        split, as ``lua/decide.lua`` reads it)."""
+        try:
+            return cls.unpack(value) if value else None
+        except ValueError:
+            return None
+
     def effective(self, now_us: float) -> float:
-        """The share in force at ``now_us``: as written, or decaying to the even split once stale."""
+        """The share in force at ``now_us``: as written, or once stale decaying down to the even split.
+
+        A share at or below the even split stays as it is: only a write raises a share (and the
+        record's expiry, after :data:`RECORD_TTL_EXTRA_S` more, which makes it the even split).
+        """
         return self._decayed(self.share, now_us)
 
     def most_of(self, index: int, now_us: float) -> float:
         """The most region ``index`` of this record's vector can hold from ``now_us`` on without a write.
 
         The vector's entry is what the round that wrote this record left that region with (or, out of
-        reach then, the most it could hold): it decays on the same clock as this record, and decay
-        only moves toward the even split.
+        reach then, the most it could hold). It decays no sooner than this record (written no later
+        than the region's own), and the region's record expires to the even split.
         """
         return max(self._decayed(self.shares[index], now_us), self.target)
 
     def _decayed(self, share: float, now_us: float) -> float:
         age = now_us - self.written_us - self.stale_us
-        if age <= 0:
+        if age <= 0 or share <= self.target:
             return share
         if age >= self.decay_us:
             return self.target

@@ -36,7 +36,7 @@ from ratelimits.algorithms import Algorithm, global_bucket
 from ratelimits.backends import layout
 from ratelimits.backends.memory import MemoryBackend
 from ratelimits.backends.redis import RedisBackend
-from ratelimits.backends.regions import RegionStore
+from ratelimits.backends.regions import RESHARE, RegionStore, ShareWrite
 from ratelimits.choices import FailMode
 from ratelimits.conf import conf
 from ratelimits.exceptions import ConfigurationError
@@ -199,11 +199,90 @@ def test_a_stale_share_decays_to_the_even_split_in_the_script_as_in_the_record(
     long_ago = time.time() - settings.stale_after - settings.decay / 2
     store = RegionStore("a", regions["a"].client(), prefix=PREFIX)
     record = ShareRecord(0.95, long_ago * US, settings.stale_after * US, settings.decay * US, 0.5, 7, (0.95, 0.05))
-    assert store.write([(check.key(PREFIX), 0, record)], 600_000) == {check.key(PREFIX): True}
+    key = check.key(PREFIX)
+    assert store.write([ShareWrite(key, 0, record, 0.0, 0.0)], 600_000, 1.0) == {key: True}
     now_us = time.time() * US
     expected = record.effective(now_us)
     assert expected == pytest.approx(0.725, abs=0.01)  # half way from 0.95 to 0.5
     assert burst_admitted(regions["a"], check, 1000) == pytest.approx(1000 * expected, abs=3)
+
+
+def test_a_share_below_the_even_split_never_rises_by_decay(regions: dict[str, RedisServer]) -> None:
+    """Only a write raises a share: a region left low by a round the others outlived cannot grow on its own."""
+    check = global_check("1/h", 1000)
+    settings = conf.reconcile
+    long_ago = time.time() - settings.stale_after - settings.decay * 2  # fully decayed, were it above
+    record = ShareRecord(0.05, long_ago * US, settings.stale_after * US, settings.decay * US, 0.5, 3, (0.95, 0.05))
+    store = RegionStore("b", regions["b"].client(), prefix=PREFIX)
+    key = check.key(PREFIX)
+    assert store.write([ShareWrite(key, 0, record, 0.0, 0.0)], 600_000, 1.0) == {key: True}
+    assert record.effective(time.time() * US) == 0.05
+    assert burst_admitted(regions["b"], check, 1000) == 50
+
+
+def test_a_region_raised_before_it_ever_admitted_gets_capacity_not_tokens(regions: dict[str, RedisServer]) -> None:
+    """A region with demand but no state (everything it asked was denied) is not made a full bucket by a raise."""
+    check = global_check("1/m", 100)  # refills nothing meanwhile
+    costly = Check(check.policy, check.subject, 60)  # more than b's even half holds: always denied there
+    assert burst_admitted(regions["a"], check, 50) == 50  # a spent its half
+    wait_for_next_second()
+    assert burst_admitted(regions["b"], costly, 10) == 0  # demand in b, and no state
+    wait_for_next_second()
+    reconcile()
+    assert share_in(regions["b"], check, 2) == pytest.approx(0.95)
+    # b was a full half (50) when raised: it holds those 50 and may refill to 95, but is given nothing.
+    assert burst_admitted(regions["b"], costly, 1) == 0
+    assert burst_admitted(regions["b"], check, 100) == 50
+    assert burst_admitted(regions["a"], check, 10) == 0  # together 100: the burst, no more
+
+
+def test_a_write_that_arrives_too_late_is_refused(regions: dict[str, RedisServer]) -> None:
+    """A stopped store runs what queued up once resumed: a share write that old must not land."""
+    check = global_check("1/h", 1000)
+    key = check.key(PREFIX)
+    settings = conf.reconcile
+    record = ShareRecord(0.9, time.time() * US, settings.stale_after * US, settings.decay * US, 0.5, 1, (0.9, 0.1))
+    store = RegionStore("a", regions["a"].client(), prefix=PREFIX)  # 5 s timeout: waits out the stop
+    store.client.script_load(RESHARE.text)  # so the write is sent once, not again after a NOSCRIPT
+    regions["a"].pause()
+    outcome: list[dict[str, bool]] = []
+    writer = threading.Thread(
+        target=lambda: outcome.append(store.write([ShareWrite(key, 0, record, 0, 0)], 60_000, 0.1))
+    )
+    writer.start()
+    try:
+        writer.join(0.4)  # the write is on its way to a store that does not answer
+        assert writer.is_alive()
+    finally:
+        regions["a"].resume()
+    writer.join(5)
+    assert outcome == [{key: False}]
+    assert regions["a"].client().get(layout.share_key(key)) is None
+
+
+def test_a_malformed_share_record_reads_as_the_even_split(regions: dict[str, RedisServer]) -> None:
+    check = global_check("1/h", 100)
+    key = check.key(PREFIX)
+    regions["a"].client().set(layout.share_key(key), b"not a record")
+    assert burst_admitted(regions["a"], check, 80) == 50
+    assert backend(regions["a"]).shares([check]) == {}
+    wait_for_next_second()
+    ask(regions["a"], check, 0.2)
+    wait_for_next_second()
+    done = reconcile()  # reads it as none, and writes a record over it
+    assert done.written == 2
+    assert share_in(regions["a"], check, 2) == pytest.approx(0.95)
+
+
+def test_a_region_left_nothing_admits_nothing_and_says_when_to_retry(own_redis: RedisServer) -> None:
+    check = global_check("10/s", 10)
+    now_us = time.time() * US
+    record = ShareRecord(0.0, now_us, 10 * US, 30 * US, 0.5, 1, (0.0, 1.0))
+    own_redis.client().set(layout.share_key(check.key(PREFIX)), record.pack())
+    result = backend(own_redis).decide([check]).results[0]
+    assert (result.allowed, result.remaining, result.reset_us, result.retry_us) == (False, 0, 0, 1_000_000)
+    mirror = global_bucket(None, int(now_us), 10, US, 10, 1, 0.0)
+    assert (mirror.allowed, mirror.remaining, mirror.reset_us, mirror.retry_us) == (False, 0, 0, 1_000_000)
 
 
 def test_an_unreachable_region_keeps_its_share_and_the_others_get_only_the_rest(

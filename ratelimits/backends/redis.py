@@ -347,7 +347,8 @@ class RedisBackend(Backend):
             return {}
         with self._store():
             values = self._read_many([layout.share_key(key) for key in keys])
-        return {key: ShareRecord.unpack(value) for key, value in zip(keys, values, strict=True) if value}
+        found = {key: ShareRecord.read(value) for key, value in zip(keys, values, strict=True)}
+        return {key: record for key, record in found.items() if record is not None}
 
     def _read_many(self, keys: list[str]) -> list[Any]:
         return list(self.client.mget(keys))

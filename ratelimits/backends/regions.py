@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import struct
+import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import redis
 from redis.cluster import RedisCluster
@@ -20,18 +22,54 @@ from ..shares import ShareRecord
 from . import layout
 from .redis import STORE_ERRORS, Script, make_client
 
-__all__ = ["RegionStore", "Written"]
+__all__ = ["Demand", "RegionStore", "ShareWrite"]
 
 RESHARE = Script.load("reshare.lua")
-_EPOCH = struct.Struct("<d")
+#: ``lua/reshare.lua``'s packed ARGV: when a write was sent and how late it may land (us); per
+#: subject, the epoch read and the policy's rate (tokens per us) and burst, before its record.
+_SENT = struct.Struct("<dd")
+_SUBJECT = struct.Struct("<ddd")
+#: ``lua/decide.lua``'s packed policy numbers in the demand hash (``<state key>#p``).
+_POLICY = struct.Struct("<dd")
+_POLICY_MARK = "#p"
 #: Subjects per share-write script: a script holds its server while it runs (about 10 µs a
 #: subject), so a batch stays well under a millisecond of the decisions it delays. The batches
 #: are pipelined: their round trips overlap, and other clients' commands run between them.
 WRITE_BATCH = 50
 #: Keys per MGET of share records.
 READ_BATCH = 1000
-#: The outcome of a share write per subject: written, or refused because another round wrote it first.
-Written = Mapping[str, bool]
+
+
+class ShareWrite(NamedTuple):
+    """One subject's new record for one region, and what the write needs to convert its bucket."""
+
+    state_key: str
+    #: The record's epoch as read there (0: none): the write is refused if it moved on.
+    epoch: int
+    record: ShareRecord
+    #: The policy's rate (tokens per us) and burst (0 when not known: the state's own are used).
+    rate: float
+    burst: float
+
+
+@dataclass
+class Demand:
+    """One region's demand hash of one second."""
+
+    #: Tokens asked, by state key.
+    asked: dict[str, float]
+    #: Each subject's policy numbers, ``(rate per us, burst)``, by state key.
+    policies: dict[str, tuple[float, float]]
+
+    def add(self, field: bytes | str, value: bytes | str) -> None:
+        name = _text(field)
+        if name.endswith(_POLICY_MARK):
+            raw = value if isinstance(value, bytes) else value.encode()
+            if len(raw) == _POLICY.size:
+                self.policies[name.removesuffix(_POLICY_MARK)] = _POLICY.unpack(raw)
+            return
+        with contextlib.suppress(ValueError):
+            self.asked[name] = float(value)
 
 
 class RegionStore:
@@ -47,25 +85,26 @@ class RegionStore:
     def from_url(cls, name: str, url: str, *, prefix: str, timeout: float, options: Mapping[str, Any]) -> RegionStore:
         return cls(name, make_client(url, timeout, timeout, options), prefix=prefix)
 
-    def demand(self, second: int) -> dict[str, float]:
-        """Tokens asked of each global subject (by state key) in ``second``, a second that is over."""
+    def demand(self, second: int) -> Demand:
+        """Tokens asked of each global subject (by state key) in ``second``, a second that is over,
+        and each one's policy numbers (``lua/decide.lua`` writes both)."""
         keys = (
             [layout.demand_key(self.prefix, second, layout.slot_tag(s)) for s in range(layout.REDIS_CLUSTER_HASH_SLOTS)]
             if self.cluster
             else [layout.demand_key(self.prefix, second)]
         )
-        demand: dict[str, float] = {}
+        demand = Demand({}, {})
         with _reached(self.name):
             if not self.cluster:  # HSCAN: a busy second's hash is too big for one reply in time
                 for field, value in self.client.hscan_iter(keys[0], count=1000):
-                    demand[_text(field)] = float(value)
+                    demand.add(field, value)
                 return demand
             with self.client.pipeline(transaction=False) as pipe:
                 for key in keys:
                     pipe.hgetall(key)
                 for fields in pipe.execute():
                     for field, value in fields.items():
-                        demand[_text(field)] = float(value)
+                        demand.add(field, value)
         return demand
 
     def records(self, state_keys: Sequence[str]) -> dict[str, ShareRecord]:
@@ -78,19 +117,22 @@ class RegionStore:
                 client = self.client
                 values = client.mget_nonatomic(keys) if isinstance(client, RedisCluster) else client.mget(keys)
                 for key, value in zip(batch, values, strict=True):
-                    if isinstance(value, bytes) and value:
-                        found[key] = ShareRecord.unpack(value)
+                    record = ShareRecord.read(value if isinstance(value, bytes) else None)
+                    if record is not None:
+                        found[key] = record
         return found
 
-    def write(self, records: Iterable[tuple[str, int, ShareRecord]], ttl_ms: int) -> dict[str, bool]:
-        """Write ``(state key, epoch read, new record)`` where each subject's epoch is still the one read.
+    def write(self, records: Iterable[ShareWrite], ttl_ms: int, max_age_s: float) -> dict[str, bool]:
+        """Write each new record where its subject's epoch is still the one read.
 
-        One script call per batch (per slot and batch on a cluster), all pipelined. If the store
-        fails, nothing is answered: the outcome of every write is unknown.
+        One script call per batch (per slot and batch on a cluster), all pipelined. A batch that
+        reaches the store more than ``max_age_s`` after it was sent is refused whole (a later
+        round may have read the store since). If the store fails, nothing is answered: the outcome
+        of every write is unknown.
         """
-        groups: dict[int, list[tuple[str, int, ShareRecord]]] = defaultdict(list)
+        groups: dict[int, list[ShareWrite]] = defaultdict(list)
         for entry in records:
-            groups[layout.key_slot(entry[0].encode()) if self.cluster else 0].append(entry)
+            groups[layout.key_slot(entry.state_key.encode()) if self.cluster else 0].append(entry)
         batches = [
             entries[start : start + WRITE_BATCH]
             for entries in groups.values()
@@ -100,15 +142,15 @@ class RegionStore:
         with _reached(self.name):
             for attempt in range(2):
                 try:
-                    replies = self._run(batches, ttl_ms)
+                    replies = self._run(batches, ttl_ms, max_age_s)
                     break
                 except redis.exceptions.NoScriptError:
                     if attempt:
                         raise
                     self.client.script_load(RESHARE.text)  # the store restarted, or never had it
             for batch, reply in zip(batches, replies, strict=True):
-                for (state_key, _, _), outcome in zip(batch, _text(reply), strict=True):
-                    written[state_key] = outcome == "w"
+                for entry, outcome in zip(batch, _text(reply), strict=True):
+                    written[entry.state_key] = outcome == "w"
         return written
 
     def write_status(self, status: str, ttl_s: int) -> None:
@@ -116,14 +158,15 @@ class RegionStore:
         with _reached(self.name):
             self.client.set(layout.reconciled_key(self.prefix), status, ex=ttl_s)
 
-    def _run(self, batches: list[list[tuple[str, int, ShareRecord]]], ttl_ms: int) -> list[Any]:
+    def _run(self, batches: list[list[ShareWrite]], ttl_ms: int, max_age_s: float) -> list[Any]:
+        sent = _SENT.pack(time.time() * 1_000_000, max_age_s * 1_000_000)
         with self.client.pipeline(transaction=False) as pipe:
             for batch in batches:
                 keys: list[str] = []
-                args: list[Any] = [ttl_ms]
-                for state_key, epoch, record in batch:
-                    keys += (state_key, layout.share_key(state_key))
-                    args.append(_EPOCH.pack(epoch) + record.pack())
+                args: list[Any] = [ttl_ms, sent]
+                for entry in batch:
+                    keys += (entry.state_key, layout.share_key(entry.state_key))
+                    args.append(_SUBJECT.pack(entry.epoch, entry.rate, entry.burst) + entry.record.pack())
                 pipe.evalsha(RESHARE.sha, len(keys), *keys, *args)
             return list(pipe.execute())
 

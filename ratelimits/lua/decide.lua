@@ -7,7 +7,8 @@
 -- KEYS[n + 1 + j]  with g global checks (the request's header says how many): the share record of
 --                  the j-th (ratelimits/shares.py), read in the same MGET as the states
 -- KEYS[n + g + 2]  with global checks: this second's demand hash, which gains each global check's
---                  cost under its state key, admitted or not (what the reconciler reads)
+--                  cost under its state key, admitted or not (what the reconciler reads), and once
+--                  a second under <state key>#p the policy's rate and burst
 -- last             with a usage row (ARGV[2]): this minute's usage hash, which gains <row>a
 --                  (allowed), <row>l (limited, 429), <row>s (shed, 503) and <row>x (tokens spent
 --                  beyond one per allowed request). A row's first field also sets the field <row>
@@ -74,7 +75,10 @@ local GCRA_STATE, SLIDING_STATE, FIXED_STATE = '<d', '<ddd', '<dd'
 -- (a 17-byte decimal arrival time is 300 years away). Also each check's REFUNDABLE part.
 local REFUNDED_STATE, REFUNDED_MARK, REFUNDABLE = '<ddB', 255, '<dd'
 local LEASE = '<d'
-local GLOBAL_STATE, SHARE = '<ddddd', '<ddddd'
+-- SHARE_SIZE: a record's header (ratelimits/shares.py), before its vector of every region's share.
+local GLOBAL_STATE, SHARE, SHARE_SIZE = '<ddddd', '<ddddd', 48
+-- A global subject's numbers in the demand hash, under <state key>#p: its rate (tokens per us), burst.
+local POLICY = '<dd'
 -- Seconds a second's demand hash lives (ratelimits.backends.layout.DEMAND_TTL_S).
 local DEMAND_TTL = 10
 -- A global check whose share holds less than its cost is retried after this: the next
@@ -241,10 +245,12 @@ end
 
 -- A global policy's bucket in this region: its share (`share`, set per check) of the rate and
 -- burst. Refilled since it was last spent at the lesser of that spend's share and this one: the
--- share moves only by a write (which converts the tokens, lua/reshare.lua) or by a stale share's
--- steady decay, so the lesser end never credits more than the share in force did.
+-- share moves up only by a write (which converts the tokens, lua/reshare.lua), and down by a
+-- stale share's steady decay, so the lesser end never credits more than the share in force did.
+-- A region whose share is nil (every other region out of reach holds what there is) admits nothing.
 local share = 1
 local function global_bucket(value, limit, period, burst, cost)
+  if share <= 0 then return false, 0, 0, RESHARE_RETRY_US, nil end
   local full = limit / period
   local capacity = burst * share
   local speed = full * share
@@ -265,12 +271,14 @@ local function global_bucket(value, limit, period, burst, cost)
   return false, floor(held + EPSILON), ceil((capacity - held) / speed), retry, nil
 end
 
--- The share in force of a record (ratelimits/shares.py, ShareRecord.effective).
+-- The share in force of a record (ratelimits/shares.py, ShareRecord.effective): as written, or,
+-- once stale, decaying down to the even split (a share below it stays: only a write raises one).
+-- A record of another length than a whole one is none (the even split).
 local function share_of(record, fallback)
-  if not record then return fallback end
+  if not record or #record < SHARE_SIZE or (#record - SHARE_SIZE) % 8 ~= 0 then return fallback end
   local written_share, written, stale, decay, target = unpack_args(SHARE, record)
   local age = now - written - stale
-  if age <= 0 then return written_share end
+  if age <= 0 or written_share <= target then return written_share end
   if age >= decay then return target end
   return written_share + (target - written_share) * age / decay
 end
@@ -330,8 +338,11 @@ for i = 1, n do
     share = share_of(stored[n + 1 + global_index], fallback)
     shadow = shadow - 2
     decide = global_bucket
-    if consume then
-      if redis.call('HINCRBY', demand, key, cost) == cost then redis.call('EXPIRE', demand, DEMAND_TTL) end
+    if consume and redis.call('HINCRBY', demand, key, cost) == cost then
+      -- The subject's first demand this second: the hash's TTL, and the policy's numbers, which
+      -- the reconciler's write needs to convert (or make) the bucket.
+      redis.call('HSET', demand, key .. '#p', pack(POLICY, limit / period, burst))
+      redis.call('EXPIRE', demand, DEMAND_TTL)
     end
   end
   local value = key  -- a slot check takes its key

@@ -4,52 +4,70 @@
 --                   its share record (ratelimits/shares.py, ShareRecord); KEYS[2i - 1], KEYS[2i]
 --                   subject i's
 -- ARGV[1]           the share records' TTL in milliseconds
--- ARGV[1 + i]       subject i: the epoch the reconciler read here (0: no record), packed '<d', then
---                   the new record
+-- ARGV[2]           packed '<dd': when the reconciler sent this write (us, its clock), and the
+--                   most it may have been on its way (us)
+-- ARGV[2 + i]       subject i, packed: the epoch the reconciler read here (0: no record), '<d';
+--                   the policy's rate (tokens per us) and burst, '<dd' (0: not known); then the
+--                   new record
 --
--- A record is written only if its epoch is still the one read: of two rounds racing on a subject
--- one writes it, and the other is told (compare and set). Writing a share converts the bucket's
--- state at once: its tokens refilled up to now at the old share, then capped at the new share's
--- burst. So a bucket's share only moves between two of its writes by steady decay, which the
--- decide script's refill (at the lesser share) never over-credits.
+-- A write that arrives later than it may (a store that was stopped, a network that held it) is
+-- refused whole: by then a later round may have read this region, and this write would land
+-- under it. Otherwise a record is written only if its epoch is still the one read: of two rounds
+-- racing on a subject one writes it, and the other is told (compare and set).
 --
--- Returns one byte per subject: 'w' written, 'c' its epoch moved on (another round wrote it).
+-- Writing a share converts the bucket at once: its tokens refilled up to now at the old share,
+-- then capped at the new share's burst. A bucket with no state yet (every request of it denied,
+-- or none made here) is made, holding the lesser of the two shares' bursts: a missing state reads
+-- as a full bucket, and would otherwise be full at the new share. So no share change creates
+-- tokens, and between two writes a share only decays, which the decide script's refill (at the
+-- lesser share) never over-credits.
+--
+-- Returns one byte per subject: 'w' written, 'c' its epoch moved on (another round wrote it), or
+-- 'l' for every subject: the write came too late.
 
 local unpack_args, pack = struct.unpack, struct.pack
-local GLOBAL_STATE, SHARE, EPOCH = '<ddddd', '<dddddd', '<d'
+local GLOBAL_STATE, GLOBAL_SIZE, SHARE, SHARE_SIZE = '<ddddd', 40, '<dddddd', 48
+local SUBJECT = '<ddd'  -- epoch read, rate, burst
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local ttl = ARGV[1]
+local n = #KEYS / 2
 
-local function share_of(record)
-  local share, written, stale, decay, target = unpack_args(SHARE, record)
+local sent, max_age = unpack_args('<dd', ARGV[2])
+if now - sent > max_age then return string.rep('l', n) end
+
+-- As lua/decide.lua reads a record: decaying down to the even split once stale; a malformed one is none.
+local function read(record)
+  if not record or #record < SHARE_SIZE or (#record - SHARE_SIZE) % 8 ~= 0 then return nil end
+  local share, written, stale, decay, target, epoch = unpack_args(SHARE, record)
   local age = now - written - stale
-  if age <= 0 then return share end
-  if age >= decay then return target end
-  return share + (target - share) * age / decay
+  if age > 0 and share > target then
+    if age >= decay then share = target else share = share + (target - share) * age / decay end
+  end
+  return share, epoch
 end
 
 local out = {}
-for i = 1, #KEYS / 2 do
+for i = 1, n do
   local state_key, share_key = KEYS[2 * i - 1], KEYS[2 * i]
-  local expected, at = unpack_args(EPOCH, ARGV[1 + i])
-  local record = string.sub(ARGV[1 + i], at)
+  local expected, rate, burst, at = unpack_args(SUBJECT, ARGV[2 + i])
+  local record = string.sub(ARGV[2 + i], at)
   local new_share, _, _, _, target = unpack_args(SHARE, record)
-  local current = redis.call('GET', share_key)
-  local epoch, old_share = 0, target
-  if current then
-    old_share = share_of(current)
-    epoch = select(6, unpack_args(SHARE, current))
-  end
+  local old_share, epoch = read(redis.call('GET', share_key))
+  if not old_share then old_share, epoch = target, 0 end
   if epoch ~= expected then
     out[i] = 'c'
   else
     local state = redis.call('GET', state_key)
-    if state and #state == 40 then
-      local held, spent_at, spent_share, full, burst = unpack_args(GLOBAL_STATE, state)
-      if now > spent_at then held = held + (now - spent_at) * full * math.min(old_share, spent_share) end
+    if state and #state == GLOBAL_SIZE then
+      local held, spent_at, spent_share, spent_rate, spent_burst = unpack_args(GLOBAL_STATE, state)
+      if rate <= 0 then rate, burst = spent_rate, spent_burst end
+      if now > spent_at then held = held + (now - spent_at) * rate * math.min(old_share, spent_share) end
       held = math.min(held, burst * old_share, burst * new_share)
-      redis.call('SET', state_key, pack(GLOBAL_STATE, held, now, new_share, full, burst), 'KEEPTTL')
+      redis.call('SET', state_key, pack(GLOBAL_STATE, held, now, new_share, rate, burst), 'KEEPTTL')
+    elseif not state and rate > 0 then
+      local held = burst * math.min(old_share, new_share)
+      redis.call('SET', state_key, pack(GLOBAL_STATE, held, now, new_share, rate, burst), 'PX', ttl)
     end
     redis.call('SET', share_key, record, 'PX', ttl)
     out[i] = 'w'
