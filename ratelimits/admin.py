@@ -338,6 +338,8 @@ class FleetSettingsAdmin(AuditedAdmin):
             limits = effective_limits(caller.request, caller.identity)
             degraded = limits.degraded
             notes = form.notes(caller)
+            if any(entry.region_share for entry in limits.checks):
+                notes.append(_reconciliation_note())
             for entry in limits.checks:
                 policy = entry.check.policy
                 rows.append(
@@ -462,3 +464,18 @@ def _region_note(share: RegionShare) -> str:
     """``"global: region eu holds 42% (burst 42), reconciled 2026-12-01 12:00:01 UTC"``."""
     when = f"reconciled {share.reconciled_at:%Y-%m-%d %H:%M:%S} UTC" if share.reconciled_at else "never reconciled"
     return f"global: region {share.region or '-'} holds {share.share:.0%} (burst {share.capacity}), {when}"
+
+
+def _reconciliation_note() -> str:
+    """The last reconciliation round this region's store heard of, in words."""
+    try:
+        status = get_backend().last_reconciliation()
+    except BackendUnavailable:
+        return "The last reconciliation round is not known: the store could not be read."
+    if not status:
+        return "No reconciliation round has reached this region yet: each region holds an even split."
+    unreachable = ", ".join(status.get("unreachable") or []) or "none"
+    return (
+        f"Last reconciliation round: {status.get('at')}, {status.get('subjects')} global subjects, "
+        f"{status.get('written')} shares written; regions out of reach: {unreachable}."
+    )

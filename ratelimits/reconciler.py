@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from django.db import connection, transaction
 
@@ -47,6 +47,11 @@ T = TypeVar("T")
 #: How long the reconciler waits on one region's store, at most: a region slower than this is
 #: unreachable for the round (it keeps its share). Well under the interval, so rounds keep time.
 STORE_TIMEOUT_S = 0.5
+#: How long a round's share writes have to run in their store: room for a whole pipelined write
+#: (10,000 subjects take about 0.15 s of a store's time). A write not answered is waited out.
+WRITE_WINDOW_S = 1.0
+#: How far the reconciler's clock and a store's may disagree, waited on top of a write's deadline.
+CLOCK_MARGIN_S = 0.1
 #: How long the last round's summary stays in each region's store for the admin.
 STATUS_TTL_S = 86_400
 
@@ -69,6 +74,12 @@ class Round:
     #: Another round held the lock: this one did nothing.
     skipped: bool = False
     seconds: float = 0.0
+    started: float = field(default_factory=time.monotonic, repr=False)
+
+    def summary(self) -> dict[str, Any]:
+        """What the round did, for JSON: the task's result, and each region's ``<prefix>:reconciled``."""
+        summary = {k: v for k, v in asdict(self).items() if k != "started"}
+        return {**summary, "at": datetime.fromtimestamp(self.at, UTC).isoformat()}
 
 
 def store_timeout() -> float:
@@ -87,7 +98,6 @@ def region_stores() -> dict[str, RegionStore]:
 
 def reconcile(*, stores: Mapping[str, RegionStore] | None = None, now: float | None = None, lock: bool = True) -> Round:
     """Run one round (``stores``: by region name, every region of ``REGIONS`` by default)."""
-    started = time.monotonic()
     at = time.time() if now is None else now
     result = Round(at=at, second=int(at) - 1)
     stores = region_stores() if stores is None else stores
@@ -99,7 +109,6 @@ def reconcile(*, stores: Mapping[str, RegionStore] | None = None, now: float | N
             logger.info("ratelimits: reconciliation skipped: another round holds the lock")
             return result
         _round(result, dict(sorted(stores.items())))
-    result.seconds = time.monotonic() - started
     logger.info(
         "ratelimits: reconciled %d global subjects in %.0f ms: %d shares written, %d conflicts; unreachable: %s",
         result.subjects,
@@ -169,11 +178,13 @@ def _write(
 ) -> dict[str, dict[str, bool]]:
     """Write each region's entries; per region, which subjects were written (missing: outcome unknown)."""
     busy = {name: stores[name] for name, batch in entries.items() if batch}
-    # A write may land no later than half the store timeout after it was sent: the round that sent
-    # it has not ended by then (it waits that long for the answer), so no later round has read
-    # the region yet (rounds hold the lock one after the other).
-    timeout = store_timeout()
-    written = _in_each(busy, lambda store: store.write(entries[store.name], ttl_ms, timeout / 2))
+    # A write runs by its deadline or not at all. One whose answer did not come (it may still be
+    # on its way) is waited out: the round ends after the deadline, so no later round (rounds hold
+    # the lock one after the other) reads the region before the write has run or been refused.
+    deadline = time.time() + WRITE_WINDOW_S
+    written = _in_each(busy, lambda store: store.write(entries[store.name], ttl_ms, deadline))
+    if set(written) != set(busy):
+        time.sleep(max(deadline + CLOCK_MARGIN_S - time.time(), 0))
     settled = {name: written.get(name, {}) for name in entries}
     for outcomes in settled.values():
         result.written += sum(outcomes.values())
@@ -199,7 +210,8 @@ def _in_each(stores: Mapping[str, RegionStore], work: Callable[[RegionStore], T]
 
 
 def _publish_status(result: Round, stores: Mapping[str, RegionStore]) -> None:
-    status = json.dumps({**asdict(result), "at": datetime.fromtimestamp(result.at, UTC).isoformat()})
+    result.seconds = time.monotonic() - result.started
+    status = json.dumps(result.summary())
     for name in result.reached:
         with contextlib.suppress(BackendUnavailable):
             stores[name].write_status(status, STATUS_TTL_S)

@@ -6,7 +6,6 @@ worker killed mid-drain has its task delivered again; the drain is exactly-once 
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any
 
 from celery import shared_task
@@ -51,4 +50,4 @@ def reconcile_regions() -> dict[str, Any]:
     ``expires`` of its interval (``project/celery.py`` does), so rounds a stalled worker missed
     are dropped, not run in a burst.
     """
-    return asdict(reconcile())
+    return reconcile().summary()

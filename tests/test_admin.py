@@ -7,6 +7,7 @@ Rows are created directly (not through tests/factories.py). The migrations seed 
 from __future__ import annotations
 
 import datetime as dt
+import time
 from typing import Any
 
 import pytest
@@ -16,9 +17,13 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
+from ratelimits import engine
 from ratelimits.admin import EffectivePolicyForm
 from ratelimits.engine import get_limiter, get_policy_source
 from ratelimits.models import AuditEntry, EndpointPolicy, FleetSettings, Override, SubjectAssignment, Tier
+from ratelimits.reconciler import reconcile
+
+from .support.redis_server import RedisServer
 
 pytestmark = pytest.mark.django_db
 
@@ -476,6 +481,33 @@ def spend(times: int) -> None:
     checks = get_policy_source().checks_for(caller.request, caller.identity)
     for _ in range(times):
         assert get_limiter().decide(checks).allowed
+
+
+def test_effective_policy_shows_a_global_policys_share_here_and_the_last_round(
+    admin_client: Client, policies: dict[str, Any], use_redis: RedisServer, settings: Any
+) -> None:
+    with RedisServer() as other:
+        settings.RATELIMITS = {
+            **settings.RATELIMITS,
+            "REGION": "eu",
+            "REGIONS": {"eu": {"REDIS_URL": use_redis.url}, "us": {"REDIS_URL": other.url}},
+        }
+        Tier.objects.filter(name="enterprise").update(scope="global")
+        engine.reset()  # the policies are read afresh
+        page = admin_client.get(url("effective_policy"), EFFECTIVE)
+        rows = effective_rows(page)
+        assert rows["tier:enterprise"]["region_share"].startswith("global: region eu holds 50% (burst ")
+        assert rows["tier:enterprise"]["region_share"].endswith("never reconciled")
+        assert "No reconciliation round has reached this region yet" in page.content.decode()
+        spend(1)  # demand in eu, for the round to read
+        time.sleep(1.02 - time.time() % 1)  # the round reads the second before its own
+        done = reconcile()
+        assert done.reached == ["eu", "us"] and done.subjects >= 1
+        page = admin_client.get(url("effective_policy"), EFFECTIVE)
+        rows = effective_rows(page)
+        assert rows["tier:enterprise"]["region_share"].startswith("global: region eu holds 95% (burst ")
+        assert "reconciled " in rows["tier:enterprise"]["region_share"]
+        assert f"Last reconciliation round: {done.summary()['at']}" in page.content.decode()
 
 
 def test_effective_policy_shows_checks_origins_and_live_remaining(

@@ -200,7 +200,7 @@ def test_a_stale_share_decays_to_the_even_split_in_the_script_as_in_the_record(
     store = RegionStore("a", regions["a"].client(), prefix=PREFIX)
     record = ShareRecord(0.95, long_ago * US, settings.stale_after * US, settings.decay * US, 0.5, 7, (0.95, 0.05))
     key = check.key(PREFIX)
-    assert store.write([ShareWrite(key, 0, record, 0.0, 0.0)], 600_000, 1.0) == {key: True}
+    assert store.write([ShareWrite(key, 0, record, 0.0, 0.0)], 600_000, time.time() + 5) == {key: True}
     now_us = time.time() * US
     expected = record.effective(now_us)
     assert expected == pytest.approx(0.725, abs=0.01)  # half way from 0.95 to 0.5
@@ -215,7 +215,7 @@ def test_a_share_below_the_even_split_never_rises_by_decay(regions: dict[str, Re
     record = ShareRecord(0.05, long_ago * US, settings.stale_after * US, settings.decay * US, 0.5, 3, (0.95, 0.05))
     store = RegionStore("b", regions["b"].client(), prefix=PREFIX)
     key = check.key(PREFIX)
-    assert store.write([ShareWrite(key, 0, record, 0.0, 0.0)], 600_000, 1.0) == {key: True}
+    assert store.write([ShareWrite(key, 0, record, 0.0, 0.0)], 600_000, time.time() + 5) == {key: True}
     assert record.effective(time.time() * US) == 0.05
     assert burst_admitted(regions["b"], check, 1000) == 50
 
@@ -247,7 +247,7 @@ def test_a_write_that_arrives_too_late_is_refused(regions: dict[str, RedisServer
     regions["a"].pause()
     outcome: list[dict[str, bool]] = []
     writer = threading.Thread(
-        target=lambda: outcome.append(store.write([ShareWrite(key, 0, record, 0, 0)], 60_000, 0.1))
+        target=lambda: outcome.append(store.write([ShareWrite(key, 0, record, 0, 0)], 60_000, time.time() + 0.1))
     )
     writer.start()
     try:

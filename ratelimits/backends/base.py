@@ -6,7 +6,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..counters import Usage
@@ -155,6 +155,10 @@ class Backend(ABC):
         A check without one holds the even split. A store no reconciler writes to (``memory``) has none.
         """
         return {}
+
+    def last_reconciliation(self) -> dict[str, Any] | None:
+        """What the reconciler's last round did, as it wrote it into this region's store (``None``: none yet)."""
+        return None
 
     def store_health(self) -> StoreHealth | None:
         """Whether the store may evict the limiter's keys, and how many it has; ``None``: nothing to report.

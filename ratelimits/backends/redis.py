@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import struct
@@ -349,6 +350,15 @@ class RedisBackend(Backend):
             values = self._read_many([layout.share_key(key) for key in keys])
         found = {key: ShareRecord.read(value) for key, value in zip(keys, values, strict=True)}
         return {key: record for key, record in found.items() if record is not None}
+
+    def last_reconciliation(self) -> dict[str, Any] | None:
+        with self._store():
+            value = self.client.get(layout.reconciled_key(self.prefix))
+        try:
+            status = json.loads(value) if value else None
+        except ValueError:
+            return None
+        return status if isinstance(status, dict) else None
 
     def _read_many(self, keys: list[str]) -> list[Any]:
         return list(self.client.mget(keys))

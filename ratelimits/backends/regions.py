@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import struct
-import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,9 +24,9 @@ from .redis import STORE_ERRORS, Script, make_client
 __all__ = ["Demand", "RegionStore", "ShareWrite"]
 
 RESHARE = Script.load("reshare.lua")
-#: ``lua/reshare.lua``'s packed ARGV: when a write was sent and how late it may land (us); per
-#: subject, the epoch read and the policy's rate (tokens per us) and burst, before its record.
-_SENT = struct.Struct("<dd")
+#: ``lua/reshare.lua``'s packed ARGV: the write's deadline (us); per subject, the epoch read and
+#: the policy's rate (tokens per us) and burst, before its record.
+_DEADLINE = struct.Struct("<d")
 _SUBJECT = struct.Struct("<ddd")
 #: ``lua/decide.lua``'s packed policy numbers in the demand hash (``<state key>#p``).
 _POLICY = struct.Struct("<dd")
@@ -122,13 +121,12 @@ class RegionStore:
                         found[key] = record
         return found
 
-    def write(self, records: Iterable[ShareWrite], ttl_ms: int, max_age_s: float) -> dict[str, bool]:
+    def write(self, records: Iterable[ShareWrite], ttl_ms: int, deadline: float) -> dict[str, bool]:
         """Write each new record where its subject's epoch is still the one read.
 
         One script call per batch (per slot and batch on a cluster), all pipelined. A batch that
-        reaches the store more than ``max_age_s`` after it was sent is refused whole (a later
-        round may have read the store since). If the store fails, nothing is answered: the outcome
-        of every write is unknown.
+        runs after ``deadline`` (Unix seconds, this process's clock) is refused whole. If the store
+        fails, nothing is answered: the outcome of every write is unknown, until the deadline.
         """
         groups: dict[int, list[ShareWrite]] = defaultdict(list)
         for entry in records:
@@ -142,7 +140,7 @@ class RegionStore:
         with _reached(self.name):
             for attempt in range(2):
                 try:
-                    replies = self._run(batches, ttl_ms, max_age_s)
+                    replies = self._run(batches, ttl_ms, deadline)
                     break
                 except redis.exceptions.NoScriptError:
                     if attempt:
@@ -158,8 +156,8 @@ class RegionStore:
         with _reached(self.name):
             self.client.set(layout.reconciled_key(self.prefix), status, ex=ttl_s)
 
-    def _run(self, batches: list[list[ShareWrite]], ttl_ms: int, max_age_s: float) -> list[Any]:
-        sent = _SENT.pack(time.time() * 1_000_000, max_age_s * 1_000_000)
+    def _run(self, batches: list[list[ShareWrite]], ttl_ms: int, deadline: float) -> list[Any]:
+        sent = _DEADLINE.pack(deadline * 1_000_000)
         with self.client.pipeline(transaction=False) as pipe:
             for batch in batches:
                 keys: list[str] = []

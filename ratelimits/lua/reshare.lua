@@ -4,15 +4,14 @@
 --                   its share record (ratelimits/shares.py, ShareRecord); KEYS[2i - 1], KEYS[2i]
 --                   subject i's
 -- ARGV[1]           the share records' TTL in milliseconds
--- ARGV[2]           packed '<dd': when the reconciler sent this write (us, its clock), and the
---                   most it may have been on its way (us)
+-- ARGV[2]           packed '<d': the write's deadline (us, the reconciler's clock)
 -- ARGV[2 + i]       subject i, packed: the epoch the reconciler read here (0: no record), '<d';
 --                   the policy's rate (tokens per us) and burst, '<dd' (0: not known); then the
 --                   new record
 --
--- A write that arrives later than it may (a store that was stopped, a network that held it) is
--- refused whole: by then a later round may have read this region, and this write would land
--- under it. Otherwise a record is written only if its epoch is still the one read: of two rounds
+-- A write that runs after its deadline (a store that was stopped, a network that held it) is
+-- refused whole: a round whose write may not have landed waits out its deadline before it ends,
+-- so a later round may have read this region since, and this write would land under it. Otherwise a record is written only if its epoch is still the one read: of two rounds
 -- racing on a subject one writes it, and the other is told (compare and set).
 --
 -- Writing a share converts the bucket at once: its tokens refilled up to now at the old share,
@@ -23,7 +22,7 @@
 -- lesser share) never over-credits.
 --
 -- Returns one byte per subject: 'w' written, 'c' its epoch moved on (another round wrote it), or
--- 'l' for every subject: the write came too late.
+-- 'l' for every subject: the write ran after its deadline.
 
 local unpack_args, pack = struct.unpack, struct.pack
 local GLOBAL_STATE, GLOBAL_SIZE, SHARE, SHARE_SIZE = '<ddddd', 40, '<dddddd', 48
@@ -33,8 +32,7 @@ local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local ttl = ARGV[1]
 local n = #KEYS / 2
 
-local sent, max_age = unpack_args('<dd', ARGV[2])
-if now - sent > max_age then return string.rep('l', n) end
+if now > unpack_args('<d', ARGV[2]) then return string.rep('l', n) end
 
 -- As lua/decide.lua reads a record: decaying down to the even split once stale; a malformed one is none.
 local function read(record)
