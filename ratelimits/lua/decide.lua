@@ -247,7 +247,7 @@ end
 -- burst. Refilled since it was last spent at the lesser of that spend's share and this one: the
 -- share moves up only by a write (which converts the tokens, lua/reshare.lua), and down by a
 -- stale share's steady decay, so the lesser end never credits more than the share in force did.
--- A region whose share is nil (every other region out of reach holds what there is) admits nothing.
+-- A region whose share is zero (the regions out of reach may hold all there is) admits nothing.
 local share = 1
 local function global_bucket(value, limit, period, burst, cost)
   if share <= 0 then return false, 0, 0, RESHARE_RETRY_US, nil end
