@@ -354,12 +354,17 @@ class LocalPathSettings(NamedTuple):
     header: bool = False
 
 
-def _local_path(value: object, field: str) -> LocalPathSettings:
+def _fields_of(value: object, field: str, known: Sequence[str]) -> dict[str, Any]:
+    """``value`` as a dict of the settings group whose keys are ``known`` (an unknown one is an error)."""
     config = _mapping(value, field)
-    known = LocalPathSettings._fields
     unknown = set(config) - set(known)
     if unknown:
         raise ConfigurationError(f"{field}: unknown keys {', '.join(sorted(unknown))}; use {', '.join(known)}")
+    return config
+
+
+def _local_path(value: object, field: str) -> LocalPathSettings:
+    config = _fields_of(value, field, LocalPathSettings._fields)
     defaults = LocalPathSettings()
     ttl = _seconds(config.get("lease_ttl", defaults.lease_ttl), f"{field}['lease_ttl']")
     if ttl > 1:
@@ -420,11 +425,7 @@ class ReconcileSettings(NamedTuple):
 
 
 def _reconcile(value: object, field: str) -> ReconcileSettings:
-    config = _mapping(value, field)
-    known = ReconcileSettings._fields
-    unknown = set(config) - set(known)
-    if unknown:
-        raise ConfigurationError(f"{field}: unknown keys {', '.join(sorted(unknown))}; use {', '.join(known)}")
+    config = _fields_of(value, field, ReconcileSettings._fields)
     defaults = ReconcileSettings()
     floor = config.get("floor", defaults.floor)
     if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0 < floor < 0.5:

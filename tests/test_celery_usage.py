@@ -29,7 +29,6 @@ Every wait is a bounded poll of a condition; every process started here is stopp
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import secrets
 import shutil
@@ -58,9 +57,9 @@ from ratelimits.models import UsageSubject
 from ratelimits.usage.records import GRACE_S, LEASE_S
 from ratelimits.usage.subjects import write_pending
 
-from .support.celery_app import BROKER_URL, broker_reachable, celery, delete_queue, worker_argv
+from .support.celery_app import BROKER_URL, broker_reachable, celery, celery_env, delete_queue, worker_argv
 from .support.postgres import throwaway_database
-from .support.processes import REPO, Service, manage
+from .support.processes import Service, manage
 from .support.redis_server import RedisServer
 
 pytestmark = pytest.mark.slow
@@ -125,19 +124,12 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
         redis_server = cleanup.enter_context(RedisServer())
         database_url = cleanup.enter_context(throwaway_database("ratelimits_celery"))
         queue = f"ratelimits-test-{token}"
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
-            "DJANGO_SETTINGS_MODULE": "tests.support.celery_settings",
-            "DATABASE_URL": database_url,
-            "REDIS_URL": redis_server.url,
-            "CELERY_BROKER_URL": BROKER_URL,
-            "RATELIMITS_TEST_CELERY_QUEUE": queue,
-            "RATELIMITS_TEST_DRAIN_EVERY": f"{DRAIN_EVERY_S:g}",
-            "SECRET_KEY": "celery-usage-test-" + secrets.token_hex(8),
-            "DEBUG": "0",
-            "PYTHONUNBUFFERED": "1",
-        }
+        env = celery_env(
+            database_url=database_url,
+            redis_url=redis_server.url,
+            queue=queue,
+            RATELIMITS_TEST_DRAIN_EVERY=f"{DRAIN_EVERY_S:g}",
+        )
         manage(env, "migrate", "--noinput", "-v", "0")
 
         client = Celery("ratelimits-celery-usage-test", broker=BROKER_URL, set_as_current=False, fixups=[])

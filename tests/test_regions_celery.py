@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import secrets
 import shutil
@@ -34,9 +33,9 @@ from pathlib import Path
 import pytest
 from celery import Celery
 
-from .support.celery_app import BROKER_URL, broker_reachable, celery, delete_queue, worker_argv
+from .support.celery_app import BROKER_URL, broker_reachable, celery, celery_env, delete_queue, worker_argv
 from .support.postgres import throwaway_database
-from .support.processes import REPO, Service, manage
+from .support.processes import Service, manage
 from .support.redis_server import RedisServer
 from .support.regions import MovingDemand, global_check, region_settings, run_moving_demand
 
@@ -65,19 +64,12 @@ def regions(request: pytest.FixtureRequest) -> Iterator[Regions]:
         servers = {name: cleanup.enter_context(RedisServer()) for name in ("a", "b")}
         database_url = cleanup.enter_context(throwaway_database("ratelimits_regions"))
         queue = f"ratelimits-regions-{token}"
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
-            "DJANGO_SETTINGS_MODULE": "tests.support.celery_settings",
-            "DATABASE_URL": database_url,
-            "REDIS_URL": servers["a"].url,
-            "CELERY_BROKER_URL": BROKER_URL,
-            "RATELIMITS_TEST_CELERY_QUEUE": queue,
-            "RATELIMITS_TEST_REGIONS": json.dumps(region_settings(servers, "a")),
-            "SECRET_KEY": "regions-test-" + secrets.token_hex(8),
-            "DEBUG": "0",
-            "PYTHONUNBUFFERED": "1",
-        }
+        env = celery_env(
+            database_url=database_url,
+            redis_url=servers["a"].url,
+            queue=queue,
+            RATELIMITS_TEST_REGIONS=json.dumps(region_settings(servers, "a")),
+        )
         manage(env, "migrate", "--noinput", "-v", "0")
         client = Celery("ratelimits-regions-test", broker=BROKER_URL, set_as_current=False, fixups=[])
         cleanup.callback(client.close)

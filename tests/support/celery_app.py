@@ -8,15 +8,16 @@ other's tasks; the queue is deleted afterwards.
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import urllib.parse
 from pathlib import Path
 
 from celery import Celery
 
-from .processes import VENV_BIN, Service
+from .processes import REPO, VENV_BIN, Service
 
-__all__ = ["BROKER_URL", "broker_reachable", "celery", "delete_queue", "worker_argv"]
+__all__ = ["BROKER_URL", "broker_reachable", "celery", "celery_env", "delete_queue", "worker_argv"]
 
 BROKER_URL = os.environ.get("RATELIMITS_TEST_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")
 
@@ -60,3 +61,20 @@ def delete_queue(client: Celery, queue: str) -> None:
     with client.connection_for_write() as conn:
         conn.default_channel.queue_delete(queue=queue)
         conn.default_channel.exchange_delete(exchange=queue)
+
+
+def celery_env(*, database_url: str, redis_url: str, queue: str, **extra: str) -> dict[str, str]:
+    """The environment of a worker and beat on ``tests.support.celery_settings`` (``extra``: more of it)."""
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+        "DJANGO_SETTINGS_MODULE": "tests.support.celery_settings",
+        "DATABASE_URL": database_url,
+        "REDIS_URL": redis_url,
+        "CELERY_BROKER_URL": BROKER_URL,
+        "RATELIMITS_TEST_CELERY_QUEUE": queue,
+        "SECRET_KEY": "celery-test-" + secrets.token_hex(8),
+        "DEBUG": "0",
+        "PYTHONUNBUFFERED": "1",
+        **extra,
+    }
