@@ -164,13 +164,14 @@ class Peek:
         return None if self.reset_after_us is None else math.ceil(self.reset_after_us / US)
 
 
-def peek(result: Result, *, now_us: int) -> Peek:
+def peek(result: Result, *, now_us: int, share: float = 1.0) -> Peek:
     """Remaining, used and reset under ``result``, a check of a decision made with ``consume=False``.
 
     Such a decision looks one request ahead: it reports what would be left *after* a request of
     the check's cost. The request is added back, so the peek says what is left now. The reset is
     the time until the limit is whole again: none when nothing is spent; for a bucket, the
     looked-ahead request's refill is taken off again; a window is whole when it rolls over.
+    ``share``: for a global policy, the region's share of it, whose bucket refills that much slower.
     """
     check = result.check
     policy = check.policy
@@ -181,7 +182,7 @@ def peek(result: Result, *, now_us: int) -> Peek:
     if remaining >= limit:
         reset_us = 0
     elif result.allowed and policy.algorithm is Algorithm.TOKEN_BUCKET:
-        reset_us = max(math.ceil(result.reset_us - check.cost * policy.rate.interval_us), 0)
+        reset_us = max(math.ceil(result.reset_us - check.cost * policy.rate.interval_us / share), 0)
     else:
         reset_us = result.reset_us
     return Peek(limit, remaining, limit - remaining, reset_us, math.ceil((now_us + reset_us) / US))

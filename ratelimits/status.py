@@ -103,8 +103,9 @@ def effective_limits(request: HttpRequest, identity: Identity, *, method: str | 
     checks = []
     for entry in explained:
         result = results.get((entry.check.policy.name, entry.check.subject))
-        seen = peek(result, now_us=decision.now_us) if result is not None else None
         share = shares.get(entry.check) if entry.check.policy.is_global else None
+        part = share.share if share is not None and share.share > 0 else 1.0
+        seen = peek(result, now_us=decision.now_us, share=part) if result is not None else None
         checks.append(EffectiveCheck(entry.check, entry.origin, entry.kind, seen, share))
     return EffectiveLimits(identity, tuple(checks), decision.degraded)
 

@@ -34,11 +34,13 @@ from rest_framework.test import APIClient
 from ratelimits import engine
 from ratelimits.algorithms import Algorithm, global_bucket
 from ratelimits.backends import layout
+from ratelimits.backends.cluster import ClusterBackend
 from ratelimits.backends.memory import MemoryBackend
-from ratelimits.backends.redis import RedisBackend
+from ratelimits.backends.redis import RedisBackend, make_client
 from ratelimits.backends.regions import RESHARE, RegionStore, ShareWrite
 from ratelimits.choices import FailMode
 from ratelimits.conf import conf
+from ratelimits.decisions import peek
 from ratelimits.exceptions import ConfigurationError
 from ratelimits.identity import Subject, SubjectKind
 from ratelimits.models import Override, Tier
@@ -48,10 +50,13 @@ from ratelimits.rates import parse_rate
 from ratelimits.reconciler import _lock_id, reconcile
 from ratelimits.shares import ShareRecord, target_shares
 
+from .support.redis_cluster import Cluster
 from .support.redis_server import RedisServer
 from .support.regions import PREFIX, global_check, region_settings, share_in
 
 US = 1_000_000
+#: A round takes the reconciliation lock in the database (on PostgreSQL).
+pytestmark = pytest.mark.django_db
 
 
 @pytest.fixture
@@ -395,7 +400,6 @@ def test_a_global_tier_in_the_settings_and_its_quota(settings: Any) -> None:
         tier_policies("gold", {"rate": "10/s", "scope": "planet"}, field="t", fail_mode=FailMode.OPEN)
 
 
-@pytest.mark.django_db
 def test_the_admin_refuses_a_global_tier_it_cannot_split() -> None:
     tier = Tier(name="g", rate="10/s", scope="global", algorithm="sliding_window")
     with pytest.raises(ValidationError) as refused:
@@ -413,7 +417,6 @@ def test_the_admin_refuses_a_global_tier_it_cannot_split() -> None:
     assert "scope" in refused.value.message_dict
 
 
-@pytest.mark.django_db
 def test_the_rate_limit_view_shows_the_global_limit_and_this_regions_share(
     regions: dict[str, RedisServer], settings: Any
 ) -> None:
@@ -431,3 +434,50 @@ def test_the_rate_limit_view_shows_the_global_limit_and_this_regions_share(
     assert tier["scope"] == "global" and tier["region"] == "a"
     assert tier["region_share"] == 0.5 and tier["region_limit"] == 50 and tier["reconciled_at"] is None
     assert tier["limit"] == 100
+
+
+# -- a cluster as a region -----------------------------------------------------------------------------
+
+
+def test_a_cluster_region_is_reconciled_like_a_single_server(
+    settings: Any, own_redis: RedisServer, redis_cluster: Cluster, cluster_client: Any
+) -> None:
+    """Region b on a Redis Cluster: demand counted per slot, read from every node, shares written per slot."""
+    settings.RATELIMITS = {
+        **settings.RATELIMITS,
+        "REGION": "a",
+        "REGIONS": {"a": {"REDIS_URL": own_redis.url}, "b": {"REDIS_URL": redis_cluster.url}},
+    }
+    conf.clear()
+    in_b = ClusterBackend(make_client(redis_cluster.url, 2.0, 2.0), prefix=PREFIX)  # type: ignore[arg-type]
+    checks = [global_check("1/m", 100, subject=f"org-{i}") for i in range(12)]  # over every master; no refill
+    wait_for_next_second()
+    for check in checks:
+        for _ in range(5):
+            in_b.decide([check])
+    wait_for_next_second()
+    done = reconcile()
+    assert done.reached == ["a", "b"] and done.subjects == len(checks) and done.written == 2 * len(checks), done
+    shares = in_b.shares(checks)
+    assert len(shares) == len(checks)
+    for check in checks:
+        assert shares[check.key(PREFIX)].effective(time.time() * US) == pytest.approx(0.95)
+        assert share_in(own_redis, check, 2) == pytest.approx(0.05)
+    # b's buckets were converted where they live: the 45 of 50 they held are kept, under a burst of 95
+    # (a look that spends nothing answers what would be left after one more request).
+    assert in_b.decide([checks[0]], consume=False).results[0].remaining == 44
+
+
+def test_what_is_left_of_a_global_policy_counts_this_regions_slower_refill(own_redis: RedisServer) -> None:
+    """A region at share 0.5 refills 50 of 100/s: 10 spent are whole again in 0.2 s, not 0.1 s."""
+    store = RedisBackend(own_redis.client(), prefix=PREFIX, clock=lambda: clock[0])
+    clock = [1_800_000_000_000_000]
+    with override_settings(RATELIMITS={"REGION": "a", "REGIONS": {n: {"REDIS_URL": own_redis.url} for n in "ab"}}):
+        conf.clear()
+        check = global_check("100/s", 100)
+        for _ in range(10):
+            assert store.decide([check]).allowed
+        looked = store.decide([check], consume=False).results[0]
+        seen = peek(looked, now_us=clock[0], share=0.5)
+        assert (seen.limit, seen.remaining, seen.reset_after_us) == (100, 40, 200_000)
+    conf.clear()

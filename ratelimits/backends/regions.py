@@ -157,16 +157,39 @@ class RegionStore:
             self.client.set(layout.reconciled_key(self.prefix), status, ex=ttl_s)
 
     def _run(self, batches: list[list[ShareWrite]], ttl_ms: int, deadline: float) -> list[Any]:
+        """Every batch's script call, pipelined: to the one server, or to each batch's node on a cluster
+        (a cluster client pipelines no scripts; each batch's keys are in one slot, on one node)."""
         sent = _DEADLINE.pack(deadline * 1_000_000)
-        with self.client.pipeline(transaction=False) as pipe:
-            for batch in batches:
-                keys: list[str] = []
-                args: list[Any] = [ttl_ms, sent]
-                for entry in batch:
-                    keys += (entry.state_key, layout.share_key(entry.state_key))
-                    args.append(_SUBJECT.pack(entry.epoch, entry.rate, entry.burst) + entry.record.pack())
-                pipe.evalsha(RESHARE.sha, len(keys), *keys, *args)
-            return list(pipe.execute())
+        calls = []
+        for batch in batches:
+            keys: list[str] = []
+            args: list[Any] = [ttl_ms, sent]
+            for entry in batch:
+                keys += (entry.state_key, layout.share_key(entry.state_key))
+                args.append(_SUBJECT.pack(entry.epoch, entry.rate, entry.burst) + entry.record.pack())
+            calls.append((keys, args))
+        client = self.client
+        if not isinstance(client, RedisCluster):
+            return _pipelined(client, calls)
+        by_node: dict[str, list[int]] = defaultdict(list)
+        nodes = {}
+        for i, (keys, _) in enumerate(calls):
+            node = client.get_node_from_key(keys[0])  # type: ignore[no-untyped-call]
+            nodes[node.name] = node
+            by_node[node.name].append(i)
+        replies: list[Any] = [None] * len(calls)
+        for name, indexes in by_node.items():
+            connection = client.get_redis_connection(nodes[name])
+            for i, reply in zip(indexes, _pipelined(connection, [calls[i] for i in indexes]), strict=True):
+                replies[i] = reply
+        return replies
+
+
+def _pipelined(client: redis.Redis, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+    with client.pipeline(transaction=False) as pipe:
+        for keys, args in calls:
+            pipe.evalsha(RESHARE.sha, len(keys), *keys, *args)
+        return list(pipe.execute())
 
 
 @contextlib.contextmanager
