@@ -17,6 +17,7 @@ Celery beat and worker); demand is real decisions in each region. What must hold
 
 from __future__ import annotations
 
+import datetime as dt
 import random
 import struct
 import threading
@@ -29,6 +30,7 @@ import pytest
 from django.core.exceptions import ValidationError
 from django.db import connection
 from django.test import override_settings
+from django.utils import timezone
 from rest_framework.test import APIClient
 
 from ratelimits import engine
@@ -44,6 +46,7 @@ from ratelimits.decisions import peek
 from ratelimits.exceptions import ConfigurationError
 from ratelimits.identity import Subject, SubjectKind
 from ratelimits.models import Override, Tier
+from ratelimits.policies.database import load_snapshot
 from ratelimits.policies.snapshot import tier_policies
 from ratelimits.policies.values import Check, Policy, Scope
 from ratelimits.rates import parse_rate
@@ -481,3 +484,16 @@ def test_what_is_left_of_a_global_policy_counts_this_regions_slower_refill(own_r
         seen = peek(looked, now_us=clock[0], share=0.5)
         assert (seen.limit, seen.remaining, seen.reset_after_us) == (100, 40, 200_000)
     conf.clear()
+
+
+def test_an_override_saved_with_a_bad_scope_is_left_out_not_fatal(caplog: pytest.LogCaptureFixture) -> None:
+    expires = timezone.now() + dt.timedelta(days=1)
+    good = Override.objects.create(
+        subject_kind="user", subject_id="7", rate="5/s", scope="global", reason="r", expires_at=expires
+    )
+    Override.objects.create(
+        subject_kind="user", subject_id="8", rate="5/s", scope="planet", reason="r", expires_at=expires
+    )
+    snapshot = load_snapshot()
+    assert [rule.id for rules in snapshot.overrides.values() for rule in rules] == [good.pk]
+    assert "override #" in caplog.text and "'planet' must be 'region' or 'global'" in caplog.text

@@ -289,6 +289,7 @@ def _overrides(snapshot: PolicySnapshot, now: datetime, shadow: bool) -> None:
                 check_burst(rate, row.burst or rate.limit, field=f"override #{row.pk} burst")
             if row.concurrency is not None and row.concurrency > MAX_LIMIT:
                 raise ConfigurationError(f"override #{row.pk} concurrency: {row.concurrency} is too large")
+            scope = Scope.parse(row.scope, field=f"override #{row.pk} scope") if row.scope else None
         except ConfigurationError as exc:
             logger.error("ratelimits: %s", exc)
             continue
@@ -303,7 +304,7 @@ def _overrides(snapshot: PolicySnapshot, now: datetime, shadow: bool) -> None:
                 burst=row.burst,
                 multiplier=float(row.multiplier) if row.multiplier is not None else None,
                 concurrency=row.concurrency,
-                scope=Scope.parse(row.scope, field=f"override #{row.pk} scope") if row.scope else None,
+                scope=scope,
                 shadow=row.shadow or shadow,
                 origin=Origin(OriginKind.OVERRIDE, f"override #{row.pk}: {row.reason[:80]}"),
             )
