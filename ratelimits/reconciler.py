@@ -68,9 +68,11 @@ class Round:
     unreachable: list[str] = field(default_factory=list)
     #: Global subjects with demand in a reachable region.
     subjects: int = 0
-    #: Share records written, and refused because another round had written them since they were read.
+    #: Share records written; refused because another round had written them since they were read;
+    #: refused because they ran after their deadline.
     written: int = 0
     conflicts: int = 0
+    late: int = 0
     #: Another round held the lock: this one did nothing.
     skipped: bool = False
     seconds: float = 0.0
@@ -137,8 +139,11 @@ def _round(result: Round, stores: dict[str, RegionStore]) -> None:
     if len(reached) == 0 or not subjects:
         _publish_status(result, stores)
         return
-    lowering: dict[str, list[ShareWrite]] = {name: [] for name in reached}
-    rest: dict[str, list[ShareWrite]] = {name: [] for name in reached}
+    # Phase 1 writes every reached region: its new share where it goes down or stays, its current
+    # one where it goes up; every record with the round's whole vector (so that whichever region is
+    # read later, its vector bounds every other). Phase 2 raises, once all of phase 1 landed.
+    first: dict[str, list[ShareWrite]] = {name: [] for name in reached}
+    raises: dict[str, list[ShareWrite]] = {name: [] for name in reached}
     for key in subjects:
         seen = {name: records[name][key] for name in reached if key in records[name]}
         assumed = {}
@@ -152,20 +157,26 @@ def _round(result: Round, stores: dict[str, RegionStore]) -> None:
         shares = target_shares({name: demand[name].asked.get(key, 0.0) for name in reached}, budget, floor, current)
         vector = tuple(shares.get(name, assumed.get(name, even)) for name in names)
         epoch = max((record.epoch for record in seen.values()), default=0) + 1
-        rate, burst = policies.get(key, (0.0, 0.0))
+        rate, burst, state_ttl = policies.get(key, (0.0, 0.0, 0.0))
+        stale, decay = settings.stale_after * 1e6, settings.decay * 1e6
         for name in reached:
-            record = ShareRecord(
-                shares[name], now_us, settings.stale_after * 1e6, settings.decay * 1e6, even, epoch, vector
-            )
-            entry = ShareWrite(key, seen[name].epoch if name in seen else 0, record, rate, burst)
-            (lowering if shares[name] < current[name] else rest)[name].append(entry)
+            held = min(shares[name], current[name])
+            record = ShareRecord(held, now_us, stale, decay, even, epoch, vector)
+            first[name].append(ShareWrite(key, seen[name].epoch if name in seen else 0, record, rate, burst, state_ttl))
+            if shares[name] > held:
+                raised = ShareRecord(shares[name], now_us, stale, decay, even, epoch + 1, vector)
+                raises[name].append(ShareWrite(key, epoch, raised, rate, burst, state_ttl))
     ttl_ms = int((settings.stale_after + settings.decay + RECORD_TTL_EXTRA_S) * 1000)
-    settled = _write(lowering, stores, ttl_ms, result)
-    # Only a subject whose every lowered share was written may be raised: otherwise the raise
-    # could take what a region not yet lowered still holds.
-    refused = {e.state_key for name, batch in lowering.items() for e in batch if not settled[name].get(e.state_key)}
+    settled = _write(first, stores, ttl_ms, result)
+    # Only a subject whose every phase-1 write landed may be raised: otherwise the raise could take
+    # what a region not yet lowered still holds, or a region not yet told the vector could be read
+    # later as a bound of this one.
+    missed = {e.state_key for name, batch in first.items() for e in batch if settled[name].get(e.state_key) != "w"}
     _write(
-        {name: [e for e in batch if e.state_key not in refused] for name, batch in rest.items()}, stores, ttl_ms, result
+        {name: [e for e in batch if e.state_key not in missed] for name, batch in raises.items()},
+        stores,
+        ttl_ms,
+        result,
     )
     _publish_status(result, stores)
 
@@ -175,20 +186,32 @@ def _write(
     stores: Mapping[str, RegionStore],
     ttl_ms: int,
     result: Round,
-) -> dict[str, dict[str, bool]]:
-    """Write each region's entries; per region, which subjects were written (missing: outcome unknown)."""
+) -> dict[str, dict[str, str]]:
+    """Write each region's entries; per region, each subject's outcome (missing: unknown)."""
     busy = {name: stores[name] for name, batch in entries.items() if batch}
     # A write runs by its deadline or not at all. One whose answer did not come (it may still be
     # on its way) is waited out: the round ends after the deadline, so no later round (rounds hold
     # the lock one after the other) reads the region before the write has run or been refused.
     deadline = time.time() + WRITE_WINDOW_S
-    written = _in_each(busy, lambda store: store.write(entries[store.name], ttl_ms, deadline))
-    if set(written) != set(busy):
-        time.sleep(max(deadline + CLOCK_MARGIN_S - time.time(), 0))
+    written: dict[str, dict[str, str]] = {}
+    try:
+        written = _in_each(busy, lambda store: store.write(entries[store.name], ttl_ms, deadline))
+    finally:
+        if set(written) != set(busy):
+            time.sleep(max(deadline + CLOCK_MARGIN_S - time.time(), 0))
     settled = {name: written.get(name, {}) for name in entries}
-    for outcomes in settled.values():
-        result.written += sum(outcomes.values())
-        result.conflicts += sum(not ok for ok in outcomes.values())
+    for name, outcomes in settled.items():
+        late = sum(outcome == "l" for outcome in outcomes.values())
+        if late:
+            logger.warning(
+                "ratelimits: reconciliation: region %s ran %d share writes after their deadline and refused them: "
+                "is its clock ahead of the reconciler's?",
+                name,
+                late,
+            )
+        result.written += sum(outcome == "w" for outcome in outcomes.values())
+        result.conflicts += sum(outcome == "c" for outcome in outcomes.values())
+        result.late += late
     return settled
 
 
@@ -206,6 +229,8 @@ def _in_each(stores: Mapping[str, RegionStore], work: Callable[[RegionStore], T]
                 done[name] = future.result()
             except BackendUnavailable as exc:
                 logger.warning("ratelimits: reconciliation: %s", exc)
+            except Exception:  # a bug or the unforeseen: this region did not answer, the others did
+                logger.exception("ratelimits: reconciliation: region %s failed", name)
     return done
 
 

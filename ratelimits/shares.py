@@ -21,6 +21,7 @@ The rules (docs/regions.md says why each holds):
 from __future__ import annotations
 
 import functools
+import math
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -69,6 +70,10 @@ class ShareRecord:
         if extra < 0 or extra % 8:
             raise ValueError(f"a share record is {_HEADER.size} bytes and 8 per region, not {len(value)}")
         share, written, stale, decay, target, epoch, *shares = _layout(extra // 8).unpack(value)
+        if not all(math.isfinite(v) for v in (written, stale, decay, epoch)) or not all(
+            0 <= v <= 1 for v in (share, target, *shares)
+        ):
+            raise ValueError("a share record holds values no reconciler writes")
         return cls(share, written, stale, decay, target, int(epoch), tuple(shares))
 
     @classmethod

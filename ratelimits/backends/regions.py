@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import redis
 from redis.cluster import RedisCluster
+from redis.exceptions import RedisClusterException
 
 from ..exceptions import BackendUnavailable
 from ..shares import ShareRecord
@@ -27,9 +28,10 @@ RESHARE = Script.load("reshare.lua")
 #: ``lua/reshare.lua``'s packed ARGV: the write's deadline (us); per subject, the epoch read and
 #: the policy's rate (tokens per us) and burst, before its record.
 _DEADLINE = struct.Struct("<d")
-_SUBJECT = struct.Struct("<ddd")
-#: ``lua/decide.lua``'s packed policy numbers in the demand hash (``<state key>#p``).
-_POLICY = struct.Struct("<dd")
+_SUBJECT = struct.Struct("<dddd")
+#: ``lua/decide.lua``'s packed policy numbers in the demand hash (``<state key>#p``): rate per us,
+#: burst, state TTL in ms.
+_POLICY = struct.Struct("<ddd")
 _POLICY_MARK = "#p"
 #: Subjects per share-write script: a script holds its server while it runs (about 10 µs a
 #: subject), so a batch stays well under a millisecond of the decisions it delays. The batches
@@ -46,9 +48,11 @@ class ShareWrite(NamedTuple):
     #: The record's epoch as read there (0: none): the write is refused if it moved on.
     epoch: int
     record: ShareRecord
-    #: The policy's rate (tokens per us) and burst (0 when not known: the state's own are used).
+    #: The policy's rate (tokens per us), burst and state TTL in ms (0 when not known: the
+    #: state's own are used, and a bucket without state is not made).
     rate: float
     burst: float
+    state_ttl_ms: float
 
 
 @dataclass
@@ -57,8 +61,8 @@ class Demand:
 
     #: Tokens asked, by state key.
     asked: dict[str, float]
-    #: Each subject's policy numbers, ``(rate per us, burst)``, by state key.
-    policies: dict[str, tuple[float, float]]
+    #: Each subject's policy numbers, ``(rate per us, burst, state TTL ms)``, by state key.
+    policies: dict[str, tuple[float, float, float]]
 
     def add(self, field: bytes | str, value: bytes | str) -> None:
         name = _text(field)
@@ -121,8 +125,9 @@ class RegionStore:
                         found[key] = record
         return found
 
-    def write(self, records: Iterable[ShareWrite], ttl_ms: int, deadline: float) -> dict[str, bool]:
-        """Write each new record where its subject's epoch is still the one read.
+    def write(self, records: Iterable[ShareWrite], ttl_ms: int, deadline: float) -> dict[str, str]:
+        """Write each new record where its subject's epoch is still the one read; per subject ``w``
+        (written), ``c`` (its epoch moved on) or ``l`` (the write ran after its deadline).
 
         One script call per batch (per slot and batch on a cluster), all pipelined. A batch that
         runs after ``deadline`` (Unix seconds, this process's clock) is refused whole. If the store
@@ -136,7 +141,7 @@ class RegionStore:
             for entries in groups.values()
             for start in range(0, len(entries), WRITE_BATCH)
         ]
-        written: dict[str, bool] = {}
+        written: dict[str, str] = {}
         with _reached(self.name):
             for attempt in range(2):
                 try:
@@ -148,7 +153,7 @@ class RegionStore:
                     self.client.script_load(RESHARE.text)  # the store restarted, or never had it
             for batch, reply in zip(batches, replies, strict=True):
                 for entry, outcome in zip(batch, _text(reply), strict=True):
-                    written[entry.state_key] = outcome == "w"
+                    written[entry.state_key] = outcome
         return written
 
     def write_status(self, status: str, ttl_s: int) -> None:
@@ -166,7 +171,8 @@ class RegionStore:
             args: list[Any] = [ttl_ms, sent]
             for entry in batch:
                 keys += (entry.state_key, layout.share_key(entry.state_key))
-                args.append(_SUBJECT.pack(entry.epoch, entry.rate, entry.burst) + entry.record.pack())
+                subject = _SUBJECT.pack(entry.epoch, entry.rate, entry.burst, entry.state_ttl_ms)
+                args.append(subject + entry.record.pack())
             calls.append((keys, args))
         client = self.client
         if not isinstance(client, RedisCluster):
@@ -197,7 +203,7 @@ def _reached(name: str) -> Iterator[None]:
     """The store's errors as :class:`BackendUnavailable`, naming the region."""
     try:
         yield
-    except (*STORE_ERRORS, redis.RedisError) as exc:
+    except (*STORE_ERRORS, redis.RedisError, RedisClusterException) as exc:
         raise BackendUnavailable(f"region {name}: {type(exc).__name__}: {exc}") from exc
 
 

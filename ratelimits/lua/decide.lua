@@ -8,7 +8,7 @@
 --                  the j-th (ratelimits/shares.py), read in the same MGET as the states
 -- KEYS[n + g + 2]  with global checks: this second's demand hash, which gains each global check's
 --                  cost under its state key, admitted or not (what the reconciler reads), and once
---                  a second under <state key>#p the policy's rate and burst
+--                  a second under <state key>#p the policy's rate, burst and state TTL
 -- last             with a usage row (ARGV[2]): this minute's usage hash, which gains <row>a
 --                  (allowed), <row>l (limited, 429), <row>s (shed, 503) and <row>x (tokens spent
 --                  beyond one per allowed request). A row's first field also sets the field <row>
@@ -77,8 +77,9 @@ local REFUNDED_STATE, REFUNDED_MARK, REFUNDABLE = '<ddB', 255, '<dd'
 local LEASE = '<d'
 -- SHARE_SIZE: a record's header (ratelimits/shares.py), before its vector of every region's share.
 local GLOBAL_STATE, SHARE, SHARE_SIZE = '<ddddd', '<ddddd', 48
--- A global subject's numbers in the demand hash, under <state key>#p: its rate (tokens per us), burst.
-local POLICY = '<dd'
+-- A global subject's numbers in the demand hash, under <state key>#p: its rate (tokens per us),
+-- burst, and state TTL (ms), for the reconciler's write to convert or make its bucket.
+local POLICY = '<ddd'
 -- Seconds a second's demand hash lives (ratelimits.backends.layout.DEMAND_TTL_S).
 local DEMAND_TTL = 10
 -- A global check whose share holds less than its cost is retried after this: the next
@@ -277,10 +278,13 @@ end
 local function share_of(record, fallback)
   if not record or #record < SHARE_SIZE or (#record - SHARE_SIZE) % 8 ~= 0 then return fallback end
   local written_share, written, stale, decay, target = unpack_args(SHARE, record)
+  if not (written_share >= 0 and written_share <= 1 and target > 0 and target <= 1) then return fallback end
   local age = now - written - stale
-  if age <= 0 or written_share <= target then return written_share end
-  if age >= decay then return target end
-  return written_share + (target - written_share) * age / decay
+  if not (age <= 0 or written_share <= target) then
+    if age >= decay then return target end
+    written_share = written_share + (target - written_share) * age / decay
+  end
+  return written_share
 end
 
 -- Slots are counted live (a sorted set, not a string), so they take the key, not its value.
@@ -341,7 +345,7 @@ for i = 1, n do
     if consume and redis.call('HINCRBY', demand, key, cost) == cost then
       -- The subject's first demand this second: the hash's TTL, and the policy's numbers, which
       -- the reconciler's write needs to convert (or make) the bucket.
-      redis.call('HSET', demand, key .. '#p', pack(POLICY, limit / period, burst))
+      redis.call('HSET', demand, key .. '#p', pack(POLICY, limit / period, burst, tonumber(ARGV[HEADER + i])))
       redis.call('EXPIRE', demand, DEMAND_TTL)
     end
   end

@@ -6,8 +6,8 @@
 -- ARGV[1]           the share records' TTL in milliseconds
 -- ARGV[2]           packed '<d': the write's deadline (us, the reconciler's clock)
 -- ARGV[2 + i]       subject i, packed: the epoch the reconciler read here (0: no record), '<d';
---                   the policy's rate (tokens per us) and burst, '<dd' (0: not known); then the
---                   new record
+--                   the policy's rate (tokens per us), burst and state TTL (ms), '<ddd' (0: not
+--                   known); then the new record
 --
 -- A write that runs after its deadline (a store that was stopped, a network that held it) is
 -- refused whole: a round whose write may not have landed waits out its deadline before it ends,
@@ -26,7 +26,7 @@
 
 local unpack_args, pack = struct.unpack, struct.pack
 local GLOBAL_STATE, GLOBAL_SIZE, SHARE, SHARE_SIZE = '<ddddd', 40, '<dddddd', 48
-local SUBJECT = '<ddd'  -- epoch read, rate, burst
+local SUBJECT = '<dddd'  -- epoch read, rate, burst, state TTL (ms)
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local ttl = ARGV[1]
@@ -38,6 +38,7 @@ if now > unpack_args('<d', ARGV[2]) then return string.rep('l', n) end
 local function read(record)
   if not record or #record < SHARE_SIZE or (#record - SHARE_SIZE) % 8 ~= 0 then return nil end
   local share, written, stale, decay, target, epoch = unpack_args(SHARE, record)
+  if not (share >= 0 and share <= 1 and target > 0 and target <= 1) then return nil end
   local age = now - written - stale
   if age > 0 and share > target then
     if age >= decay then share = target else share = share + (target - share) * age / decay end
@@ -48,7 +49,7 @@ end
 local out = {}
 for i = 1, n do
   local state_key, share_key = KEYS[2 * i - 1], KEYS[2 * i]
-  local expected, rate, burst, at = unpack_args(SUBJECT, ARGV[2 + i])
+  local expected, rate, burst, state_ttl, at = unpack_args(SUBJECT, ARGV[2 + i])
   local record = string.sub(ARGV[2 + i], at)
   local new_share, _, _, _, target = unpack_args(SHARE, record)
   local old_share, epoch = read(redis.call('GET', share_key))
@@ -65,7 +66,7 @@ for i = 1, n do
       redis.call('SET', state_key, pack(GLOBAL_STATE, held, now, new_share, rate, burst), 'KEEPTTL')
     elseif not state and rate > 0 then
       local held = burst * math.min(old_share, new_share)
-      redis.call('SET', state_key, pack(GLOBAL_STATE, held, now, new_share, rate, burst), 'PX', ttl)
+      redis.call('SET', state_key, pack(GLOBAL_STATE, held, now, new_share, rate, burst), 'PX', math.max(state_ttl, 1))
     end
     redis.call('SET', share_key, record, 'PX', ttl)
     out[i] = 'w'
