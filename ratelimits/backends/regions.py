@@ -33,8 +33,8 @@ _SUBJECT = struct.Struct("<dddd")
 #: burst, state TTL in ms.
 _POLICY = struct.Struct("<ddd")
 _POLICY_MARK = "#p"
-#: Subjects per share-write script: a script holds its server while it runs (about 10 µs a
-#: subject), so a batch stays well under a millisecond of the decisions it delays. The batches
+#: Subjects per share-write script: a script holds its server while it runs (10-25 µs a
+#: subject on a slow VM), so a batch delays the decisions behind it by a millisecond or two. The batches
 #: are pipelined: their round trips overlap, and other clients' commands run between them.
 WRITE_BATCH = 50
 #: Keys per MGET of share records.
