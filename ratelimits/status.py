@@ -122,7 +122,7 @@ def _region_shares(checks: list[Check], now_us: int) -> dict[Check, RegionShare]
     found = {}
     for check in checks:
         record = records.get(check.key(backend.prefix))
-        share = record.effective(now_us) if record else 1 / conf.region_count
+        share = record.effective(now_us) if record else check.policy.even_share
         written = datetime.fromtimestamp(record.written_us / US, UTC) if record else None
         found[check] = RegionShare(conf.region, share, int(check.policy.burst * share + 1e-9), written)
     return found

@@ -83,7 +83,7 @@ class MemoryBackend(Backend):
                             policy.rate.period_us,
                             policy.burst,
                             check.cost,
-                            1 / conf.region_count,
+                            policy.even_share,
                         )
                     else:
                         outcome = ALGORITHMS[policy.algorithm](

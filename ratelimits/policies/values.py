@@ -125,8 +125,12 @@ class Policy:
     capacity: int = field(init=False, repr=False, compare=False)
     #: The policy's part of a decide script check record, packed once (see ``lua/decide.lua``).
     script_record: bytes = field(init=False, repr=False, compare=False)
-    #: What a check record adds after its cost: for a global policy, the region's share of it
-    #: until the reconciler has written one (an even split: 1 / the number of regions).
+    #: Whether each region enforces only its share of this policy (``scope`` ``global``).
+    is_global: bool = field(init=False, repr=False, compare=False)
+    #: A global policy's share in a region the reconciler has written none to: an even split,
+    #: 1 / the number of regions (1 for a regional policy).
+    even_share: float = field(init=False, repr=False, compare=False)
+    #: What a check record adds after its cost: for a global policy, its ``even_share``.
     script_tail: bytes = field(init=False, repr=False, compare=False)
     #: The state TTL in milliseconds as the script passes it to ``PX``.
     script_ttl: str = field(init=False, repr=False, compare=False)
@@ -149,11 +153,12 @@ class Policy:
         capacity = self.burst if self.algorithm is Algorithm.TOKEN_BUCKET else self.rate.limit
         object.__setattr__(self, "capacity", capacity)
         is_global = self.scope is Scope.GLOBAL
+        object.__setattr__(self, "is_global", is_global)
+        object.__setattr__(self, "even_share", 1 / conf.region_count if is_global else 1.0)
         flags = self.shadow | (_GLOBAL_FLAG if is_global else 0)
         record = _SCRIPT_POLICY.pack(self.algorithm.code, flags, self.rate.limit, self.rate.period_us, self.burst)
         object.__setattr__(self, "script_record", record)
-        tail = _SCRIPT_FALLBACK.pack(1 / conf.region_count) if is_global else b""
-        object.__setattr__(self, "script_tail", tail)
+        object.__setattr__(self, "script_tail", _SCRIPT_FALLBACK.pack(self.even_share) if is_global else b"")
         object.__setattr__(self, "script_ttl", str(self.state_ttl_ms))
         layout = GLOBAL_LAYOUT if is_global else STATE_LAYOUTS[self.algorithm]
         object.__setattr__(self, "key_suffix", f":{self.name}:{self.algorithm.code}{layout}")
@@ -170,11 +175,6 @@ class Policy:
             )
         if self.scope is Scope.GLOBAL and self.shards != 1:
             raise ConfigurationError(f"{self.name}: a global policy cannot be sharded (shards {self.shards})")
-
-    @property
-    def is_global(self) -> bool:
-        """Whether each region enforces only its share of this policy (``scope`` ``global``)."""
-        return self.scope is Scope.GLOBAL
 
     def _shard(self) -> Policy | None:
         """One sub-bucket's policy: a token bucket's period ``shards`` times longer (the rate split
