@@ -31,8 +31,6 @@ from __future__ import annotations
 import contextlib
 import re
 import secrets
-import shutil
-import tempfile
 import time
 import urllib.parse
 import uuid
@@ -40,7 +38,6 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -57,7 +54,7 @@ from ratelimits.models import UsageSubject
 from ratelimits.usage.records import GRACE_S, LEASE_S
 from ratelimits.usage.subjects import write_pending
 
-from .support.celery_app import BROKER_URL, broker_reachable, celery, celery_env, delete_queue, worker_argv
+from .support.celery_app import BROKER_URL, broker_reachable, celery_env, celery_processes
 from .support.postgres import throwaway_database
 from .support.processes import Service, manage
 from .support.redis_server import RedisServer
@@ -131,20 +128,10 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
             RATELIMITS_TEST_DRAIN_EVERY=f"{DRAIN_EVERY_S:g}",
         )
         manage(env, "migrate", "--noinput", "-v", "0")
-
-        client = Celery("ratelimits-celery-usage-test", broker=BROKER_URL, set_as_current=False, fixups=[])
-        cleanup.callback(client.close)
-
-        cleanup.callback(delete_queue, client, queue)  # runs after the worker and beat are stopped
-
-        logs = Path(tempfile.mkdtemp(prefix="ratelimits-celery-"))
-        cleanup.callback(shutil.rmtree, logs, ignore_errors=True)
         # Two pool processes, so that two deliveries of one task can run at the same time.
-        worker = celery("worker", logs, *worker_argv(queue, f"ratelimits-test-{token}", concurrency=2))
-        beat = celery("beat", logs, "beat", "-s", str(logs / "beat-schedule"), "--max-interval", "1", "-l", "info")
+        processes = celery_processes(cleanup, queue=queue, node=f"ratelimits-test-{token}", concurrency=2)
+        client, worker, beat = processes
         stack = Stack(redis_server, database_url, env, queue, client, worker, beat)
-        cleanup.callback(worker.stop)
-        cleanup.callback(beat.stop)
         stack.start_worker()
         beat.start(env)
         beat.wait_for_log("beat: Starting", START_TIMEOUT, "start")
@@ -153,8 +140,7 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
         assert store_state(stack) == ([], [])
         yield stack
         if request.session.testsfailed != failed_before:
-            for process in (worker, beat):
-                print(f"\n--- {process.name} log {process.log} (tail) ---\n{process.tail()}")
+            processes.print_logs()
 
 
 # -- traffic and totals ------------------------------------------------------------------------

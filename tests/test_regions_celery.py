@@ -24,17 +24,13 @@ import contextlib
 import json
 import re
 import secrets
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
-from celery import Celery
 
-from .support.celery_app import BROKER_URL, broker_reachable, celery, celery_env, delete_queue, worker_argv
+from .support.celery_app import BROKER_URL, broker_reachable, celery_env, celery_processes
 from .support.postgres import throwaway_database
 from .support.processes import Service, manage
 from .support.redis_server import RedisServer
@@ -74,15 +70,8 @@ def regions(request: pytest.FixtureRequest) -> Iterator[Regions]:
             RATELIMITS_TEST_REGIONS=json.dumps(region_settings(servers, "a")),
         )
         manage(env, "migrate", "--noinput", "-v", "0")
-        client = Celery("ratelimits-regions-test", broker=BROKER_URL, set_as_current=False, fixups=[])
-        cleanup.callback(client.close)
-        cleanup.callback(delete_queue, client, queue)  # after the worker and beat are stopped
-        logs = Path(tempfile.mkdtemp(prefix="ratelimits-regions-"))
-        cleanup.callback(shutil.rmtree, logs, ignore_errors=True)
-        worker = celery("worker", logs, *worker_argv(queue, f"ratelimits-regions-{token}"))
-        beat = celery("beat", logs, "beat", "-s", str(logs / "beat-schedule"), "--max-interval", "1", "-l", "info")
-        cleanup.callback(worker.stop)
-        cleanup.callback(beat.stop)
+        processes = celery_processes(cleanup, queue=queue, node=f"ratelimits-regions-{token}")
+        _, worker, beat = processes
         worker.start(env)
         worker.wait_for_log(r"@\S+ ready\.", START_TIMEOUT, "ready line")
         beat.start(env)
@@ -90,8 +79,7 @@ def regions(request: pytest.FixtureRequest) -> Iterator[Regions]:
         worker.wait_for_log(ROUND, START_TIMEOUT, "a reconciliation round from beat")
         yield Regions(servers, worker, beat)
         if request.session.testsfailed != failed_before:
-            for process in (worker, beat):
-                print(f"\n--- {process.name} log {process.log} (tail) ---\n{process.tail()}")
+            processes.print_logs()
 
 
 def check_bound(run: MovingDemand) -> None:

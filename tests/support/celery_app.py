@@ -7,17 +7,30 @@ other's tasks; the queue is deleted afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import shutil
 import socket
+import tempfile
 import urllib.parse
 from pathlib import Path
+from typing import NamedTuple
 
 from celery import Celery
 
 from .processes import REPO, VENV_BIN, Service
 
-__all__ = ["BROKER_URL", "broker_reachable", "celery", "celery_env", "delete_queue", "worker_argv"]
+__all__ = [
+    "BROKER_URL",
+    "CeleryProcesses",
+    "broker_reachable",
+    "celery",
+    "celery_env",
+    "celery_processes",
+    "delete_queue",
+    "worker_argv",
+]
 
 BROKER_URL = os.environ.get("RATELIMITS_TEST_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")
 
@@ -78,3 +91,32 @@ def celery_env(*, database_url: str, redis_url: str, queue: str, **extra: str) -
         "PYTHONUNBUFFERED": "1",
         **extra,
     }
+
+
+class CeleryProcesses(NamedTuple):
+    """A test's own worker and beat (not started), and a client of the broker to publish with."""
+
+    client: Celery
+    worker: Service
+    beat: Service
+
+    def print_logs(self) -> None:
+        for process in (self.worker, self.beat):
+            print(f"\n--- {process.name} log {process.log} (tail) ---\n{process.tail()}")
+
+
+def celery_processes(cleanup: contextlib.ExitStack, *, queue: str, node: str, concurrency: int = 2) -> CeleryProcesses:
+    """A worker (``concurrency`` pool processes) on ``queue`` and a beat ticking at least every second.
+
+    ``cleanup`` stops both when it closes, then deletes their logs and the run's queue.
+    """
+    client = Celery(f"{node}-client", broker=BROKER_URL, set_as_current=False, fixups=[])
+    cleanup.callback(client.close)
+    cleanup.callback(delete_queue, client, queue)  # runs after the worker and beat are stopped
+    logs = Path(tempfile.mkdtemp(prefix=f"{node}-"))
+    cleanup.callback(shutil.rmtree, logs, ignore_errors=True)
+    worker = celery("worker", logs, *worker_argv(queue, node, concurrency))
+    beat = celery("beat", logs, "beat", "-s", str(logs / "beat-schedule"), "--max-interval", "1", "-l", "info")
+    cleanup.callback(worker.stop)
+    cleanup.callback(beat.stop)
+    return CeleryProcesses(client, worker, beat)
