@@ -23,7 +23,6 @@ __all__ = [
     "USAGE_TTL_S",
     "VERSION_TTL_S",
     "demand_key",
-    "demand_prefix",
     "drain_key",
     "drain_prefix",
     "key_slot",
@@ -82,10 +81,6 @@ def demand_key(prefix: str, second: int, tag: str | None = None) -> str:
     the reconciler to move shares toward (on a cluster, one per slot).
     """
     return f"{_base(prefix, tag)}demand:{second}"
-
-
-def demand_prefix(prefix: str, tag: str | None = None) -> str:
-    return f"{_base(prefix, tag)}demand:"
 
 
 def reconciled_key(prefix: str) -> str:
