@@ -1,4 +1,4 @@
-"""``python -m bench.shedding [--quick] [--fleet-only]``: do critical requests stay fast while a flood is shed?
+"""``python -m bench.shedding [--quick] [--fleet-only | --adaptive]``: do critical requests stay fast under a flood?
 
 The demo API runs under gunicorn (gthread, 2 workers x 8 threads, ``--no-control-socket``) on a
 free loopback port, against a private ``redis-server`` and a temporary SQLite database, with the
@@ -299,7 +299,9 @@ class Phase:
         elif self.flood is not None:
             klass, connections, pace = CLOSED_FLOODS[self.flood]
             drivers += [
-                threading.Thread(target=self._closed_loop, args=(klass, i, pace), name=f"{klass}-{i}", daemon=True)
+                threading.Thread(
+                    target=self._closed_loop, args=(klass, i, pace, connections), name=f"{klass}-{i}", daemon=True
+                )
                 for i in range(connections)
             ]
         for thread in drivers:
@@ -343,13 +345,14 @@ class Phase:
                     self.flood_missed_periods += int(behind // FLOOD_PERIOD) + 1
                 due = time.monotonic()
 
-    def _closed_loop(self, klass: str, index: int, pace: float) -> None:
+    def _closed_loop(self, klass: str, index: int, pace: float, connections: int) -> None:
         """One connection of a closed-loop flood, kept open: its next request as soon as one is answered
         (no sooner than ``1 / pace`` after the last was sent, with a pace)."""
         keys = {"low": flood_keys(), "normal": charge_keys(), "abusive": [ABUSIVE_KEY]}[klass]
         key = keys[index % len(keys)]
         connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=CLIENT_TIMEOUT)
-        due = self.t0
+        # Paced connections take turns: together they send evenly, not all at once each period.
+        due = self.t0 + (index / (pace * connections) if pace else 0.0)
         try:
             while True:
                 if pace:
@@ -591,7 +594,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="add a flood phase with the fleet shedder alone (WORKER_CAPACITY None), about 20 s more",
     )
-    parser.add_argument("--json", type=Path, default=RESULTS / "shedding.json", help="where to write the results")
+    parser.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="instead: fixed worker capacities against the adaptive one while exports slow down 5x "
+        "(bench/adaptive.py; about 4 min, 1.5 with --quick)",
+    )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help="where to write the results (bench/results/shedding.json, adaptive.json)",
+    )
     return parser.parse_args(argv)
 
 
@@ -606,6 +620,11 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, terminate)
     sys.setswitchinterval(0.001)  # the generator's threads wake promptly when a response arrives
+    if args.adaptive:
+        from .adaptive import run as run_adaptive  # it builds on this module's load generator
+
+        return run_adaptive(args.quick, args.json)
+    args.json = args.json or RESULTS / "shedding.json"
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
     started = time.monotonic()
     workdir = Path(tempfile.mkdtemp(prefix="ratelimits-shedding-"))

@@ -11,10 +11,14 @@ no admin rows. Everything that changes between runs comes from the environment, 
   for ``None`` (that shedder off).
 - ``BENCH_SHEDDING_LOCAL``: ``0`` turns the local path's denials and ``EarlyRejectionMiddleware``
   off (the comparison phases).
+- ``BENCH_SHEDDING_ADAPTIVE``: ``1`` sets ``ADAPTIVE_CAPACITY`` (its defaults): the worker
+  shedder's capacity follows latency, up to ``WORKER_CAPACITY``.
+- ``BENCH_SHEDDING_DOWNSTREAM``: the demo's ``DEMO_DOWNSTREAM``, as JSON (project/payments/downstream.py).
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 from project.settings import *  # noqa: F403
@@ -74,13 +78,20 @@ RATELIMITS = {
     "LOCAL_PATH": {"header": True, "denials": os.environ.get("BENCH_SHEDDING_LOCAL", "1") != "0"},
 }
 
+if os.environ.get("BENCH_SHEDDING_ADAPTIVE") == "1":
+    RATELIMITS["ADAPTIVE_CAPACITY"] = {}
+if os.environ.get("BENCH_SHEDDING_DOWNSTREAM"):
+    DEMO_DOWNSTREAM = json.loads(os.environ["BENCH_SHEDDING_DOWNSTREAM"])
+
 if os.environ.get("BENCH_SHEDDING_LOCAL", "1") == "0":
     MIDDLEWARE = [m for m in MIDDLEWARE if m != "ratelimits.middleware.EarlyRejectionMiddleware"]  # noqa: F405
 
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    # Each line stamped with its Unix time: the adaptive scenario places capacity moves against the step.
+    "formatters": {"stamped": {"format": "%(created).3f %(process)d %(levelname)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "stamped"}},
     # A degraded decision (warning) or a release left to expiry (info): the run counts them.
     "loggers": {"ratelimits": {"handlers": ["console"], "level": "INFO"}},
 }

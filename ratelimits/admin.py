@@ -6,6 +6,7 @@ trail knows who did it and why; every committed change reaches every worker on i
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 from django import forms
@@ -304,7 +305,24 @@ class FleetSettingsAdmin(AuditedAdmin):
             store_error = ""
         except BackendUnavailable as exc:
             store, store_error = None, str(exc)
-        context = {"store": store, "store_error": store_error, "backend": conf.backend, **(extra_context or {})}
+        workers: list[dict[str, Any]] = []
+        workers_error = ""
+        adaptive = conf.adaptive_capacity is not None
+        if adaptive:
+            try:
+                workers = [{**worker, "moved": _moment(worker.get("moved_at"))} for worker in get_backend().workers()]
+            except BackendUnavailable as exc:
+                workers_error = str(exc)
+        context = {
+            "store": store,
+            "store_error": store_error,
+            "backend": conf.backend,
+            "adaptive": adaptive,
+            "worker_capacity": conf.worker_capacity,
+            "workers": workers,
+            "workers_error": workers_error,
+            **(extra_context or {}),
+        }
         return super().changelist_view(request, context)
 
     def get_urls(self) -> list[Any]:
@@ -479,3 +497,10 @@ def _reconciliation_note() -> str:
         f"Last reconciliation round: {status.get('at')}, {status.get('subjects')} global subjects, "
         f"{status.get('written')} shares written; regions out of reach: {unreachable}."
     )
+
+
+def _moment(timestamp: object) -> Any:
+    """A Unix time a worker published, as an aware datetime (``None`` if it is none)."""
+    if isinstance(timestamp, bool) or not isinstance(timestamp, (int, float)):
+        return None
+    return datetime.fromtimestamp(timestamp, tz=UTC)

@@ -16,7 +16,7 @@ from django.core.checks import CheckMessage, Error, Info, Tags, Warning, registe
 
 from .backends import backend_class, get_backend
 from .backends.redis import RedisBackend
-from .conf import BACKEND, POLICY_SOURCE, REGION, REGIONS, SETTINGS, conf
+from .conf import ADAPTIVE_CAPACITY, BACKEND, POLICY_SOURCE, REGION, REGIONS, SETTINGS, WORKER_CAPACITY, conf
 from .exceptions import BackendUnavailable, ConfigurationError
 from .policies.settings import dimensions_from_settings
 from .policies.source import get_policy_source
@@ -33,6 +33,7 @@ __all__ = [
     "W003",
     "W004",
     "W005",
+    "W006",
     "check_deployment",
     "check_settings",
     "check_store",
@@ -48,6 +49,7 @@ W002 = "ratelimits.W002"  # throttle installed without the problem+json exceptio
 W003 = "ratelimits.W003"  # a setting is set that the configured policy source does not read
 W004 = "ratelimits.W004"  # the limiter's Redis may evict its keys (a maxmemory-policy other than noeviction)
 W005 = "ratelimits.W005"  # FAILED_AUTH is set but its middleware is not installed
+W006 = "ratelimits.W006"  # ADAPTIVE_CAPACITY is set but EarlyRejectionMiddleware (which sees 5xx) is not
 I001 = "ratelimits.I001"  # the limiter's Redis answers but will not say its maxmemory-policy
 #: The id of each setting's invalid value. A new setting takes the next free number.
 SETTING_IDS: dict[str, str] = {
@@ -72,6 +74,7 @@ SETTING_IDS: dict[str, str] = {
     "FLEET_SHARDS": "ratelimits.E142",
     "SHED_THRESHOLDS": "ratelimits.E116",
     "WORKER_CAPACITY": "ratelimits.E117",
+    "ADAPTIVE_CAPACITY": "ratelimits.E147",
     "USAGE": "ratelimits.E118",
     "USAGE_MAX_SUBJECTS": "ratelimits.E139",
     "ENDPOINTS": "ratelimits.E119",
@@ -126,6 +129,12 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         except ConfigurationError as exc:
             invalid.add(REGION.name)
             messages.append(Error(str(exc), id=SETTING_IDS[REGION.name]))
+    if not invalid & {ADAPTIVE_CAPACITY.name, WORKER_CAPACITY.name}:
+        try:
+            _ = conf.adaptive_capacity  # needs WORKER_CAPACITY, and a floor no higher
+        except ConfigurationError as exc:
+            invalid.add(ADAPTIVE_CAPACITY.name)
+            messages.append(Error(str(exc), id=SETTING_IDS[ADAPTIVE_CAPACITY.name]))
     if not invalid:
         # Policies build on the settings above: report them only once those are sound. The
         # backstops apply under any source (the database source loads them on first use). The
@@ -151,6 +160,7 @@ def check_deployment(app_configs: Any = None, **kwargs: Any) -> list[CheckMessag
         backend = conf.backend
         source = get_policy_source()
         failed_auth = conf.failed_auth
+        adaptive = conf.adaptive_capacity
     except ConfigurationError:
         return messages  # check_settings reports it
     if backend == "memory" and not settings.DEBUG:
@@ -181,6 +191,16 @@ def check_deployment(app_configs: Any = None, **kwargs: Any) -> list[CheckMessag
                 "RATELIMITS['FAILED_AUTH'] is set, but nothing counts failed authentication.",
                 hint=f"Add {middleware!r} to MIDDLEWARE, first (before sessions and authentication).",
                 id=W005,
+            )
+        )
+    early = "ratelimits.middleware.EarlyRejectionMiddleware"
+    if adaptive is not None and early not in settings.MIDDLEWARE:
+        messages.append(
+            Warning(
+                "RATELIMITS['ADAPTIVE_CAPACITY'] is set, but no middleware tells it the views' 5xx responses: "
+                "the capacity follows latency only.",
+                hint=f"Add {early!r} to MIDDLEWARE, first.",
+                id=W006,
             )
         )
     ignored = [name for name in source.ignored_settings if name in SETTINGS and conf.is_set(SETTINGS[name])]

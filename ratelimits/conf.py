@@ -381,6 +381,46 @@ def _local_path(value: object, field: str) -> LocalPathSettings:
     )
 
 
+class AdaptiveSettings(NamedTuple):
+    """``ADAPTIVE_CAPACITY``: how the worker shedder's capacity follows latency and errors (docs/adaptive.md)."""
+
+    #: The least capacity it is lowered to (``None``: a quarter of ``WORKER_CAPACITY``, at least 1).
+    floor: int | None = None
+    #: How much slower than its usual latency an endpoint may answer before the capacity is lowered.
+    tolerance: float = 1.5
+    #: Seconds of responses each adjustment is made from.
+    window: float = 0.5
+    #: The fewest responses of an endpoint in a window for its latency to count.
+    min_samples: int = 5
+    #: The share of 5xx responses (and timeouts) above its usual share that lowers the capacity.
+    error_rate: float = 0.05
+    #: A response slower than this (seconds) counts as an error, a timeout; ``None``: none does.
+    timeout: float | None = None
+    #: Seconds after a cut during which the capacity stays below the level it was cut at.
+    probe_interval: float = 60.0
+
+
+def _adaptive(value: object, field: str) -> AdaptiveSettings | None:
+    if value is None:
+        return None
+    config = _fields_of(value, field, AdaptiveSettings._fields)
+    defaults = AdaptiveSettings()
+    floor = config.get("floor", defaults.floor)
+    tolerance = config.get("tolerance", defaults.tolerance)
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 1 < tolerance <= 10:
+        raise ConfigurationError(f"{field}['tolerance']: {tolerance!r} must be a number above 1 and at most 10")
+    timeout = config.get("timeout", defaults.timeout)
+    return AdaptiveSettings(
+        floor=None if floor is None else _positive_int(floor, f"{field}['floor']"),
+        tolerance=float(tolerance),
+        window=_seconds(config.get("window", defaults.window), f"{field}['window']"),
+        min_samples=_positive_int(config.get("min_samples", defaults.min_samples), f"{field}['min_samples']"),
+        error_rate=_share(config.get("error_rate", defaults.error_rate), f"{field}['error_rate']"),
+        timeout=None if timeout is None else _seconds(timeout, f"{field}['timeout']"),
+        probe_interval=_seconds(config.get("probe_interval", defaults.probe_interval), f"{field}['probe_interval']"),
+    )
+
+
 #: A region's name: it appears in settings, the admin and logs, never in keys.
 _REGION_NAME = re.compile(r"[A-Za-z0-9_.-]{1,50}", re.ASCII)
 
@@ -486,6 +526,7 @@ FLEET_CAPACITY = Setting("FLEET_CAPACITY", None, _optional_positive_int)
 FLEET_SHARDS = Setting("FLEET_SHARDS", 1, _positive_int)
 SHED_THRESHOLDS = Setting("SHED_THRESHOLDS", {"low": 60, "normal": 75, "high": 90}, _thresholds)
 WORKER_CAPACITY = Setting("WORKER_CAPACITY", None, _optional_positive_int)
+ADAPTIVE_CAPACITY = Setting("ADAPTIVE_CAPACITY", None, _adaptive)
 USAGE = Setting("USAGE", True, _boolean)
 USAGE_MAX_SUBJECTS = Setting("USAGE_MAX_SUBJECTS", 50_000, _positive_int)
 ENDPOINTS = Setting("ENDPOINTS", {}, _mapping)
@@ -536,6 +577,7 @@ SETTINGS: dict[str, Setting[Any]] = {
         FLEET_SHARDS,
         SHED_THRESHOLDS,
         WORKER_CAPACITY,
+        ADAPTIVE_CAPACITY,
         USAGE,
         USAGE_MAX_SUBJECTS,
         ENDPOINTS,
@@ -690,6 +732,27 @@ class Settings:
     @cached_property
     def worker_capacity(self) -> int | None:
         return self.value(WORKER_CAPACITY)
+
+    @cached_property
+    def adaptive_capacity(self) -> AdaptiveSettings | None:
+        """``ADAPTIVE_CAPACITY``, with its floor filled in; it needs ``WORKER_CAPACITY`` (its ceiling)."""
+        adaptive = self.value(ADAPTIVE_CAPACITY)
+        if adaptive is None:
+            return None
+        ceiling = self.worker_capacity
+        if ceiling is None:
+            raise ConfigurationError(
+                "RATELIMITS['ADAPTIVE_CAPACITY'] adapts the worker shedder's capacity: set "
+                "RATELIMITS['WORKER_CAPACITY'] too (the most it may reach)",
+                setting="ADAPTIVE_CAPACITY",
+            )
+        floor = adaptive.floor if adaptive.floor is not None else max(ceiling // 4, 1)
+        if floor > ceiling:
+            raise ConfigurationError(
+                f"RATELIMITS['ADAPTIVE_CAPACITY']['floor']: {floor} is above RATELIMITS['WORKER_CAPACITY'] ({ceiling})",
+                setting="ADAPTIVE_CAPACITY",
+            )
+        return adaptive._replace(floor=floor)
 
     @cached_property
     def usage_counting(self) -> bool:

@@ -10,7 +10,7 @@ from django.http import HttpRequest, HttpResponse
 
 from .decisions import Decision
 from .engine import evaluate
-from .engine.evaluation import early_refusals, endpoint_of, refuse_early
+from .engine.evaluation import early_refusals, endpoint_of, note_response, refuse_early
 from .engine.failed_auth import get_failed_authentication
 from .headers import rate_limit_headers
 from .problems import problem_response
@@ -128,6 +128,9 @@ class EarlyRejectionMiddleware:
     - one whose ``Authorization`` header was refused on that endpoint by a denial that has not
       ended (the exact denial cache, ``LOCAL_PATH``), looked up by its keyed hash: no database.
 
+    On the way out it tells the adaptive capacity (``ADAPTIVE_CAPACITY``) the view's status and
+    latency: a 5xx counts as an error there.
+
     Only paths the engine has limited are looked at, under the very endpoint it limited them as:
     an exempt view, a view without the throttle, the admin or a health check is never refused
     here. A credential is remembered only once it authenticated and was refused; an unknown or
@@ -153,7 +156,10 @@ class EarlyRejectionMiddleware:
                 # cost a log line a request, more than refusing it. Usage counts it instead.
                 response._has_been_logged = True  # type: ignore[attr-defined]
                 return response
-        return self.get_response(request)
+        response = self.get_response(request)
+        # On the way out, before the body is sent: the view's latency and status, for the adaptive capacity.
+        note_response(request, response.status_code)
+        return response
 
 
 def ratelimit(scope: str | None = None) -> Callable[[View], View]:

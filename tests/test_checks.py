@@ -88,6 +88,12 @@ BAD_VALUES = [
     ("FLEET_SHARDS", True, "ratelimits.E142", "must be a positive integer"),
     ("SHED_THRESHOLDS", {"low": 90, "normal": 50}, "ratelimits.E116", "must rise with priority"),
     ("WORKER_CAPACITY", "8", "ratelimits.E117", "must be a positive integer or None"),
+    ("ADAPTIVE_CAPACITY", {"tolerance": 1}, "ratelimits.E147", "['tolerance']: 1 must be a number above 1"),
+    ("ADAPTIVE_CAPACITY", {"window": "soon"}, "ratelimits.E147", "is not a duration"),
+    ("ADAPTIVE_CAPACITY", {"floor": 0}, "ratelimits.E147", "['floor']: 0 must be a positive integer"),
+    ("ADAPTIVE_CAPACITY", {"error_rate": 2}, "ratelimits.E147", "['error_rate']: 2 must be a number in (0, 1]"),
+    ("ADAPTIVE_CAPACITY", {"gain": 2}, "ratelimits.E147", "unknown keys gain"),
+    ("ADAPTIVE_CAPACITY", {}, "ratelimits.E147", "set RATELIMITS['WORKER_CAPACITY'] too"),
     ("USAGE", "yes", "ratelimits.E118", "must be True or False"),
     ("USAGE_MAX_SUBJECTS", 0, "ratelimits.E139", "must be a positive integer"),
     ("USAGE_MAX_SUBJECTS", "50000", "ratelimits.E139", "must be a positive integer"),
@@ -156,6 +162,15 @@ def test_invalid_values_name_the_setting(settings: Any, key: str, value: Any, ex
     assert ids(messages) == [expected]
     assert f"RATELIMITS['{key}']" in messages[0].msg
     assert needle in messages[0].msg
+
+
+def test_the_adaptive_floor_may_not_exceed_the_worker_capacity(settings: Any) -> None:
+    settings.RATELIMITS = {"BACKEND": "redis", "WORKER_CAPACITY": 4, "ADAPTIVE_CAPACITY": {"floor": 5}}
+    messages = check_settings()
+    assert ids(messages) == ["ratelimits.E147"]
+    assert "['floor']: 5 is above RATELIMITS['WORKER_CAPACITY'] (4)" in messages[0].msg
+    settings.RATELIMITS = {"BACKEND": "redis", "WORKER_CAPACITY": 4, "ADAPTIVE_CAPACITY": {"floor": 4}}
+    assert check_settings() == []
 
 
 def test_several_bad_settings_are_each_reported(settings: Any) -> None:

@@ -7,8 +7,9 @@ importer is inside them already, when they have run before it).
 
 The layers, from the bottom (a module may import its own layer and those below):
 
-0. foundation: settings, exceptions, the named choices, rates
-1. values: algorithms, identity, decisions, counters; policies and the settings source
+0. foundation: settings, exceptions, the named choices, rates; and the HTTP client (``client``), which
+   imports nothing else of the package (tests/test_client.py checks it loads no other module)
+1. values: algorithms, identity, decisions, counters, the adaptive capacity; policies and the settings source
 2. stores: the backends
 3. the policy store: models, the database source, versioning, audit, usage records
 4. the engine
@@ -35,11 +36,14 @@ LAYERS: dict[str, int] = {
     "ratelimits.rates": 0,
     "ratelimits.conf": 0,
     "ratelimits.redis_url": 0,
+    "ratelimits.client": 0,
+    "ratelimits.client.": 0,
     "ratelimits.algorithms": 1,
     "ratelimits.identity": 1,
     "ratelimits.decisions": 1,
     "ratelimits.counters": 1,
     "ratelimits.shares": 1,
+    "ratelimits.adaptive": 1,
     "ratelimits.policies": 1,
     "ratelimits.policies.values": 1,
     "ratelimits.policies.snapshot": 1,
@@ -93,6 +97,9 @@ FUNCTION_LEVEL = {
     ("ratelimits.apps", "ratelimits.policies.audit"),
     ("ratelimits.apps", "ratelimits.usage"),
     ("ratelimits.apps", "ratelimits.usage.subjects"),
+    # The client's optional libraries: importing ratelimits.client needs neither requests nor httpx.
+    ("ratelimits.client", "ratelimits.client._requests"),
+    ("ratelimits.client", "ratelimits.client._httpx"),
 }
 
 

@@ -65,3 +65,15 @@ class Gated(APIView):
 
 
 urlpatterns += [path("gated", Gated.as_view(), name="gated")]
+
+
+class Status(APIView):
+    """Answers the status code in its path: a view failing with a 5xx, for the adaptive capacity."""
+
+    throttle_scope = "status"
+
+    def get(self, request, code):  # type: ignore[no-untyped-def]
+        return Response({"status": code}, status=code)
+
+
+urlpatterns += [path("status/<int:code>", Status.as_view(), name="status")]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from rest_framework import serializers, status
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -11,6 +9,7 @@ from rest_framework.views import APIView
 
 from ratelimits.views import RateLimitStatusView
 
+from . import downstream
 from .models import ApiKey, Charge, Customer
 
 
@@ -43,6 +42,7 @@ class ChargeList(APIView):
         serializer = ChargeSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         serializer.save(owner=_owner(request))
+        downstream.call("charge")  # the payment processor: nothing to wait on, unless DEMO_DOWNSTREAM says
         return Response(serializer.data, status=status.HTTP_201_CREATED)
 
     def get(self, request: Request) -> Response:
@@ -64,12 +64,13 @@ class ReportExport(APIView):
     """POST exports a report: low priority, cost 10, and slow."""
 
     throttle_scope = "reports.export"
-    #: Seconds the export pretends to work; long enough to show concurrency limits later.
+    #: Seconds the export waits on its reporting database, unless ``DEMO_DOWNSTREAM`` says otherwise
+    #: (see downstream.py); long enough to show concurrency limits.
     duration = 0.5
 
     def post(self, request: Request) -> Response:
         owner = _owner(request)
-        time.sleep(self.duration)
+        downstream.call("export", self.duration)
         return Response({"rows": owner.charges.count(), "format": "csv"})
 
 

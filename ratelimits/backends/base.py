@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -159,6 +161,22 @@ class Backend(ABC):
     def last_reconciliation(self) -> dict[str, Any] | None:
         """What the reconciler's last round did, as it wrote it into this region's store (``None``: none yet)."""
         return None
+
+    def publish_worker(self, worker: str, state: Mapping[str, Any], ttl_s: float) -> None:
+        """Publish one worker's shedder state (JSON-able) for the admin, kept for ``ttl_s`` seconds."""
+        self._workers[worker] = (time.time() + ttl_s, dict(state))
+
+    def workers(self) -> list[dict[str, Any]]:
+        """Every worker's last published shedder state that has not expired, by worker name.
+
+        In-process by default (``memory``: this process's only); shared by every process on Redis.
+        """
+        now = time.time()
+        return [state for _, (expires, state) in sorted(self._workers.items()) if expires > now]
+
+    @cached_property
+    def _workers(self) -> dict[str, tuple[float, dict[str, Any]]]:
+        return {}
 
     def store_health(self) -> StoreHealth | None:
         """Whether the store may evict the limiter's keys, and how many it has; ``None``: nothing to report.

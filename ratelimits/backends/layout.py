@@ -33,6 +33,7 @@ __all__ = [
     "usage_key",
     "usage_prefix",
     "version_key",
+    "workers_key",
 ]
 
 #: How long the policy version stamp lives after its last publication. If it expires, workers
@@ -86,6 +87,11 @@ def demand_key(prefix: str, second: int, tag: str | None = None) -> str:
 def reconciled_key(prefix: str) -> str:
     """What the reconciler's last round did, as it wrote it into this region (JSON, for the admin)."""
     return f"{prefix}:reconciled"
+
+
+def workers_key(prefix: str) -> str:
+    """Every worker's shedder state (a hash: worker name -> JSON, for the admin's fleet page)."""
+    return f"{prefix}:workers"
 
 
 def share_key(state_key: str) -> str:

@@ -360,6 +360,41 @@ class RedisBackend(Backend):
             return None
         return status if isinstance(status, dict) else None
 
+    def publish_worker(self, worker: str, state: Mapping[str, Any], ttl_s: float) -> None:
+        """One hash field per worker, stamped with when it expires: a worker that stops drops out
+        after ``ttl_s``, and the hash itself once no worker has published for that long."""
+        key = layout.workers_key(self.prefix)
+        ttl_ms = max(int(ttl_s * 1000), 1)
+        value = json.dumps({**state, "expires": time.time() + ttl_s})
+        with self._store():
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hset(key, worker, value)
+            pipe.pttl(key)
+            _, left = pipe.execute()
+            if int(left) < ttl_ms:  # -1: no expiry yet; never shortened by a shorter-lived worker
+                self.client.pexpire(key, ttl_ms)
+
+    def workers(self) -> list[dict[str, Any]]:
+        key = layout.workers_key(self.prefix)
+        with self._store():
+            fields = self.client.hgetall(key)
+        now = time.time()
+        found, expired = [], []
+        for field, value in sorted(fields.items()):
+            name = field.decode() if isinstance(field, bytes) else str(field)
+            try:
+                state = json.loads(value)
+            except ValueError:
+                state = None
+            if isinstance(state, dict) and isinstance(state.get("expires"), (int, float)) and state["expires"] > now:
+                found.append({**state, "worker": name})
+            else:
+                expired.append(field)
+        if expired:  # workers that stopped (restarted ones come back under new names): tidy up
+            with self._store():
+                self.client.hdel(key, *expired)
+        return found
+
     def _read_many(self, keys: list[str]) -> list[Any]:
         return list(self.client.mget(keys))
 

@@ -10,6 +10,7 @@ import contextvars
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from django.core.signals import request_finished
@@ -32,6 +33,7 @@ __all__ = [
     "early_refusals",
     "endpoint_of",
     "evaluate",
+    "note_response",
     "presented_credential",
     "refuse_early",
     "release_held",
@@ -40,12 +42,26 @@ __all__ = [
 
 logger = logging.getLogger("ratelimits")
 
-#: What the current request holds until it finishes: (limiter, decision, shedder). A context
-#: variable, not a thread-local: under ASGI the decision and request_finished may run in different
-#: threads, and asgiref carries context (and so this list) between them.
-_held: contextvars.ContextVar[list[tuple[Limiter, Decision, WorkerShedder | None]] | None] = contextvars.ContextVar(
-    "ratelimits_held", default=None
-)
+
+@dataclass(slots=True)
+class _Held:
+    """What an admitted request holds until it finishes: its slots, and its place in the worker shedder."""
+
+    limiter: Limiter
+    decision: Decision
+    shedder: WorkerShedder | None = None
+    #: For the adaptive capacity: the endpoint, when the shedder admitted it (monotonic), and its
+    #: response's status and time once a middleware saw it (else request_finished's time is used).
+    endpoint: str | None = None
+    admitted_at: float = 0.0
+    status: int | None = None
+    answered_at: float | None = None
+
+
+#: What the current request holds until it finishes. A context variable, not a thread-local: under
+#: ASGI the decision and request_finished may run in different threads, and asgiref carries context
+#: (and so this list) between them.
+_held: contextvars.ContextVar[list[_Held] | None] = contextvars.ContextVar("ratelimits_held", default=None)
 
 
 def evaluate(
@@ -64,6 +80,7 @@ def evaluate(
     shedder = get_worker_shedder() if consume else None
     if shedder is not None and not shedder.admit(source.endpoint_rule(endpoint, request.method or "GET").priority):
         return identity, Decision(Verdict.SHED, (), retry_after_us=SLOT_RETRY_US)
+    admitted_at = time.monotonic()
     try:
         limiter = get_limiter()
         # Taken before the checks: what a refusal is remembered under, for refusals before authentication.
@@ -78,12 +95,12 @@ def evaluate(
             shedder.finish()  # counted in above, and nothing is held for request_finished to count out
         raise
     if decision.allowed and consume:
-        _hold(limiter, decision, shedder)
+        _hold(_Held(limiter, decision, shedder, endpoint, admitted_at))
     else:
         if shedder is not None:
-            shedder.finish()
+            shedder.finish()  # refused by the limiter: the view never ran, so nothing to learn from
         if decision.stray_slot is not None:
-            _hold(limiter, decision, None)
+            _hold(_Held(limiter, decision))
     # After holding: if observing fails, request_finished still releases what this request holds.
     source.observe(decision)
     if decision.shadow_violated:
@@ -180,14 +197,32 @@ def usage_of(identity: Identity, checks: Sequence[Check]) -> Usage:
     return usage_for(caller, identity.organization, tier, identity.endpoint.value, tokens)
 
 
-def _hold(limiter: Limiter, decision: Decision, shedder: WorkerShedder | None) -> None:
-    if decision.slot is None and decision.stray_slot is None and shedder is None:
+def _hold(item: _Held) -> None:
+    if item.decision.slot is None and item.decision.stray_slot is None and item.shedder is None:
         return
     held = _held.get()
     if held is None:
         held = []
         _held.set(held)
-    held.append((limiter, decision, shedder))
+    held.append(item)
+
+
+def note_response(request: HttpRequest, status: int) -> None:
+    """Tell the adaptive capacity how the request's view answered: its status, and now.
+
+    Called by :class:`~ratelimits.middleware.EarlyRejectionMiddleware` on the way out. A 429 or
+    503 of this app's own (a decision that refused the request) is never an error of the view.
+    """
+    held = _held.get()
+    if not held:
+        return
+    refused = getattr(request, "ratelimit", None)
+    if isinstance(refused, Decision) and not refused.allowed:
+        return
+    now = time.monotonic()
+    for item in held:
+        if item.shedder is not None and item.answered_at is None:
+            item.status, item.answered_at = status, now
 
 
 def release_held(**kwargs: Any) -> None:
@@ -203,16 +238,22 @@ def release_held(**kwargs: Any) -> None:
         # Emptied in place: the list is shared with every context copied from the request's.
         items = list(held)
         held.clear()
-        for limiter, decision, shedder in items:
-            if shedder is not None:
-                shedder.finish()
-            limiter.release(decision)
+        now = time.monotonic()
+        for item in items:
+            if item.shedder is not None:
+                latency = (item.answered_at or now) - item.admitted_at
+                error = item.status is not None and item.status >= 500
+                item.shedder.finish(item.endpoint, latency, error=error)
+            item.limiter.release(item.decision)
     # After the response, off the decision path: catch up on what an outage left behind.
     current = current_limiter()
     if current is not None:
         current.retry_releases()
         current.return_leases()
         current.flush_usage()
+        shedder = get_worker_shedder()
+        if shedder is not None and shedder.controller is not None:
+            current.publish_worker_state(shedder.state)
 
 
 request_finished.connect(release_held, dispatch_uid="ratelimits.engine.release_held")

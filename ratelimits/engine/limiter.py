@@ -8,8 +8,9 @@ import threading
 import time
 import weakref
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 from ..backends import Backend, get_backend
 from ..backends.memory import MemoryBackend
@@ -28,6 +29,10 @@ logger = logging.getLogger("ratelimits")
 
 #: How often the usage of requests answered from memory is added to the store's counters (seconds).
 LOCAL_USAGE_EVERY_S = 1.0
+#: How often a worker with an adaptive capacity publishes it for the admin, and how long it is shown
+#: after its worker stopped publishing.
+WORKER_STATE_EVERY_S = 1.0
+WORKER_STATE_TTL_S = 30.0
 
 
 class Limiter:
@@ -60,6 +65,7 @@ class Limiter:
         #: Usage of decisions answered from memory, added to the store's every LOCAL_USAGE_EVERY_S.
         self._local_usage: Counter[tuple[int, str]] = Counter()
         self._local_usage_at = time.monotonic()
+        self._published_at = -WORKER_STATE_EVERY_S
         #: When each failed policy was last logged (monotonic seconds): once a minute is enough.
         self._failures_logged: dict[str, float] = {}
         #: Releases that could not reach the store, oldest first; bounded, since slots expire anyway.
@@ -170,6 +176,19 @@ class Limiter:
             logger.info("ratelimits: leased tokens not given back: %s", exc)
         else:
             local.returned(unused)
+
+    def publish_worker_state(self, state: Callable[[], Mapping[str, Any]]) -> None:
+        """Publish this worker's shedder ``state()`` for the admin's fleet page, every
+        WORKER_STATE_EVERY_S at most (best effort, off the request path; never while the store is down)."""
+        now = time.monotonic()
+        if now - self._published_at < WORKER_STATE_EVERY_S or self.breaker.state is not BreakerState.CLOSED:
+            return
+        self._published_at = now
+        snapshot = state()
+        try:
+            self.backend.publish_worker(str(snapshot["worker"]), snapshot, WORKER_STATE_TTL_S)
+        except BackendUnavailable as exc:
+            logger.info("ratelimits: worker state not published: %s", exc)
 
     def count_local(self, usage: Usage | None, metric: str) -> None:
         """Count ``usage`` as a request answered from memory (``metric``: allowed or limited)."""

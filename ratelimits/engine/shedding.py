@@ -1,18 +1,33 @@
 """The worker utilisation shedder: when this process is nearly full, lower classes wait outside.
 
 It needs no Redis, so it keeps a worker alive when the store itself is slow or down. In-flight
-requests are counted from admission to ``request_finished`` (after the response left).
+requests are counted from admission to ``request_finished`` (after the response left). With
+``ADAPTIVE_CAPACITY``, its capacity follows the latency and errors of the requests it admitted
+(:mod:`ratelimits.adaptive`).
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import socket
 import threading
+import time
 from collections.abc import Mapping
+from typing import Any
 
+from ..adaptive import CapacityController, Move
 from ..choices import Priority
-from ..conf import ProcessWide, conf
+from ..conf import AdaptiveSettings, ProcessWide, conf
 
-__all__ = ["WorkerShedder", "get_worker_shedder"]
+__all__ = ["WorkerShedder", "get_worker_shedder", "worker_name"]
+
+logger = logging.getLogger("ratelimits")
+
+
+def worker_name() -> str:
+    """This process, as the admin lists it: host and process id."""
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 class WorkerShedder:
@@ -20,14 +35,22 @@ class WorkerShedder:
 
     ``capacity`` is how many requests the process serves at once (its threads); each class is
     shed once that many percent of it are busy (``thresholds``: low, normal, high). Critical
-    requests are never shed here.
+    requests are never shed here. With ``adaptive``, ``capacity`` is where the capacity starts
+    and the most it reaches; the thresholds stay shares of the current capacity.
     """
 
-    def __init__(self, capacity: int, thresholds: Mapping[Priority, int]) -> None:
-        self.capacity = capacity
-        self._limits = {klass: max(capacity * percent // 100, 1) for klass, percent in thresholds.items()}
+    def __init__(
+        self, capacity: int, thresholds: Mapping[Priority, int], adaptive: AdaptiveSettings | None = None
+    ) -> None:
+        self._thresholds = dict(thresholds)
         self._in_flight = 0
         self._lock = threading.Lock()
+        self.controller = CapacityController(capacity, adaptive, now=time.monotonic()) if adaptive else None
+        self._set_capacity(self.controller.capacity if self.controller is not None else capacity)
+
+    def _set_capacity(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._limits = {klass: max(capacity * percent // 100, 1) for klass, percent in self._thresholds.items()}
 
     @property
     def in_flight(self) -> int:
@@ -38,24 +61,76 @@ class WorkerShedder:
         with self._lock:
             limit = self._limits.get(priority)
             if limit is not None and self._in_flight >= limit:
+                if self.controller is not None:
+                    self.controller.shed()
                 return False
             self._in_flight += 1
             return True
 
     def sheds(self, priority: Priority) -> bool:
-        """Whether :meth:`admit` would shed ``priority`` now (nothing is counted: asked before authentication)."""
-        limit = self._limits.get(priority)
-        return limit is not None and self._in_flight >= limit
+        """Whether :meth:`admit` would shed ``priority`` now (nothing is counted: asked before authentication).
 
-    def finish(self) -> None:
-        """Count an admitted request out (never below zero)."""
+        A request refused here is still counted as shed by the adaptive capacity (under no lock:
+        a count lost to a race only delays its growth by a window).
+        """
+        limit = self._limits.get(priority)
+        shed = limit is not None and self._in_flight >= limit
+        if shed and self.controller is not None:
+            self.controller.shed()
+        return shed
+
+    def finish(self, endpoint: str | None = None, latency: float | None = None, *, error: bool = False) -> None:
+        """Count an admitted request out (never below zero); with its endpoint and latency, the adaptive
+        capacity learns from it (a request that got no response of the view's, a denial, teaches nothing)."""
         with self._lock:
             self._in_flight = max(self._in_flight - 1, 0)
+            if self.controller is None or endpoint is None or latency is None:
+                return
+            move = self.controller.record(endpoint, latency, error=error, now=time.monotonic())
+            if move is not None and move.changed:
+                self._set_capacity(self.controller.capacity)
+        if move is not None and (move.changed or move.before == move.after):
+            _log(move)
+
+    def state(self) -> dict[str, Any]:
+        """What the admin and the logs show: the capacity now, its bounds and its last move."""
+        controller = self.controller
+        state: dict[str, Any] = {"worker": worker_name(), "capacity": self.capacity, "in_flight": self._in_flight}
+        if controller is None:
+            return {**state, "adaptive": False}
+        last = controller.last
+        return {
+            **state,
+            "adaptive": True,
+            "limit": round(controller.limit, 2),
+            "floor": controller.floor,
+            "ceiling": controller.ceiling,
+            "responses": controller.observed,
+            "reason": last.reason if last else "started at the floor",
+            "moved_at": time.time() - (time.monotonic() - last.at) if last else None,
+            "baselines_ms": {name: round(value * 1000, 1) for name, value in sorted(controller.baselines.items())},
+        }
+
+
+def _log(move: Move) -> None:
+    level = logging.WARNING if move.after < move.before else logging.INFO
+    logger.log(
+        level,
+        "ratelimits: worker capacity %d -> %d: %s",
+        int(move.before),
+        int(move.after),
+        move.reason,
+        extra={
+            "ratelimit_capacity": int(move.after),
+            "ratelimit_capacity_before": int(move.before),
+            "ratelimit_capacity_reason": move.reason,
+        },
+    )
 
 
 def _build() -> WorkerShedder | None:
     capacity = conf.worker_capacity
-    return WorkerShedder(capacity, conf.shed_thresholds) if capacity else None
+    return WorkerShedder(capacity, conf.shed_thresholds, conf.adaptive_capacity) if capacity else None
 
 
 _shedder: ProcessWide[WorkerShedder | None] = ProcessWide(_build)
