@@ -11,11 +11,11 @@ what turns requests away, multiplicative decrease when it is sick. Sick means on
 
 Each endpoint has its own usual latency (a baseline), since a report export and a payment differ
 a hundredfold; a single minimum RTT, as in TCP Vegas, would always call the slow endpoint sick.
-A baseline follows its endpoint down at once, and up slowly and only in windows within tolerance
-in which the capacity turned nothing away: latency from load never becomes the new usual, which
-is how Gradient2's long-term average drifts upward under a steady overload (Netflix
-concurrency-limits #134, #137). A latency that
-stays high even at the floor does not come from this worker's load (the downstream itself became
+A baseline follows its endpoint down fast (halfway each window), and up slowly and only in
+windows within tolerance in which the capacity turned nothing away: latency from load never
+becomes the new usual, which is how Gradient2's long-term average drifts upward under a steady
+overload (Netflix concurrency-limits #134, #137). A latency that stays high even at the floor,
+for requests admitted there, does not come from this worker's load (the downstream itself became
 slower): only then is it taken as the new usual, as Envoy re-measures its minimum RTT at the
 least concurrency (the knee those cuts set is forgotten for the one known before them). After a
 cut the capacity stays one below the level it was cut at for ``probe_interval``, so it does not
@@ -124,6 +124,8 @@ class CapacityController:
         self._judged: dict[str, tuple[float, float, float]] = {}
         self._pending: dict[str, _Samples] = {}
         self._started = now
+        #: When the capacity was last cut: responses admitted before are not judged after it.
+        self._cut_at = -math.inf
         #: Every response it was told of (what the admin shows it learned from).
         self.observed = 0
         self._responses = 0
@@ -138,8 +140,18 @@ class CapacityController:
         """A request was turned away because of the capacity: more of it would have been used."""
         self._shed += 1
 
-    def record(self, endpoint: str, latency: float, *, error: bool, now: float) -> Move | None:
-        """One response: its endpoint, its latency (seconds) and whether it failed. Closes the window when due."""
+    def record(
+        self, endpoint: str, latency: float, *, error: bool, now: float, admitted_at: float | None = None
+    ) -> Move | None:
+        """One response: its endpoint, its latency (seconds) and whether it failed. Closes the window when due.
+
+        A response admitted (``admitted_at``, on the same clock as ``now``) before the last cut
+        says how the old capacity did, not the new one: it is left out, or the windows after a
+        cut would judge it on the very load it removed, and the floor could take that load's
+        latency as the new usual. ``None``: admitted at the current capacity.
+        """
+        if admitted_at is not None and admitted_at < self._cut_at:
+            return None
         timeout = self.settings.timeout
         self.observed += 1
         self._responses += 1
@@ -224,6 +236,9 @@ class CapacityController:
                 self._before_cuts = (self.knee, self.knee_at)
             self._cutting = True
             self.knee, self.knee_at = self.limit, now
+            self._cut_at = now
+            self._pending.clear()  # admitted before the cut (see record)
+            self._responses = self._errors = 0
             return self._move(max(self.limit * factor, float(self.floor)), reason, signal, now)
         self._floor_windows += 1
         if self._floor_windows < FLOOR_WINDOWS:

@@ -158,7 +158,7 @@ class EarlyRejectionMiddleware:
                 return response
         response = self.get_response(request)
         # On the way out, before the body is sent: the view's latency and status, for the adaptive capacity.
-        note_response(request, response.status_code)
+        note_response(request, response.status_code, streaming=response.streaming)
         return response
 
 

@@ -318,3 +318,25 @@ def test_every_move_of_the_capacity_is_logged_with_its_reason(caplog: pytest.Log
     ]
     assert [m.levelno for m in moves] == [logging.INFO, logging.WARNING]
     assert (moves[1].ratelimit_capacity, moves[1].ratelimit_capacity_before) == (2, 3)  # type: ignore[attr-defined]
+
+
+def test_responses_admitted_before_a_cut_are_not_judged_after_it() -> None:
+    """The slow responses of requests admitted at the old capacity keep coming after a cut: they
+    are left out, so they neither cut again nor, at the floor, become the new usual."""
+    run = Run()
+    run.warm()
+    run.step(1.0)  # 20x slower: halved
+    cut_at, limit = run.now, run.controller.limit
+    assert limit == CEILING / 2
+    for _ in range(20):
+        run.controller.shed()
+        for _ in range(10):
+            run.now += WINDOW / 10
+            run.controller.record("export", 1.0, error=False, now=run.now, admitted_at=cut_at - 0.1)
+    assert run.controller.limit == limit
+    assert run.controller.baselines["export"] == pytest.approx(0.05)
+    # Admitted after the cut, and as slow: judged (a window on), and cut again.
+    for _ in range(20):
+        run.now += WINDOW / 10
+        run.controller.record("export", 1.0, error=False, now=run.now, admitted_at=run.now - 0.01)
+    assert run.controller.limit < limit

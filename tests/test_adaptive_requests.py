@@ -58,8 +58,8 @@ def test_a_views_own_503_is_an_error_but_this_apps_429_and_503_teach_nothing(ada
         assert client.get("/t/status/503").status_code == 503  # the view's own: a 5xx like any other
         time.sleep(0.002)
     assert state()["reason"].startswith("100% of responses failed")
-    # Now this app refuses: a 429 (the caller is over its limit) and a 503 (a fail-closed policy
-    # the limiter cannot decide) are not the views' answers, and are never counted.
+    # Now this app refuses with 429s (the caller is over its limit): not the view's answers, and
+    # never counted (the shedder admitted them, the limiter refused them: nothing is held).
     settings.RATELIMITS = {
         **settings.RATELIMITS,
         "TIERS": {"anonymous": {"rate": "1/m", "burst": 1}, "authenticated": {"rate": "1/m", "burst": 1}},

@@ -43,6 +43,7 @@ from ratelimits.client import (
     session,
 )
 from ratelimits.client.policy import (
+    LONGEST_SLEEP,
     parse_problem,
     parse_ratelimit_reset,
     parse_retry_after,
@@ -455,8 +456,6 @@ MALFORMED = {
     "retry_after_ms a string": Reply.problem(503, {"retry_after_ms": "100"}),
     "retry_after_ms a bool": Reply.problem(503, {"retry_after_ms": True}),
     "retry_after_ms negative": Reply.problem(503, {"retry_after_ms": -5}),
-    "retry_after_ms infinite": Reply(503, {"Content-Type": PROBLEM}, b'{"retry_after_ms": 1e999}'),
-    "retry_after_ms huge int": Reply(503, {"Content-Type": PROBLEM}, b'{"retry_after_ms": 1' + b"0" * 400 + b"}"),
     "body nested deep": Reply(503, {"Content-Type": PROBLEM}, b"[" * 100_000 + b"]" * 100_000),
     "html error page": Reply(503, {"Content-Type": "text/html"}, b"<h1>Service Unavailable</h1>"),
 }
@@ -469,6 +468,27 @@ def test_malformed_advice_is_ignored(server: Scripted, make_client: Callable[...
     assert make_client().send("GET", server.url + "/m").status == 200
     [gap] = server.gaps()
     assert gap < 0.1 + 0.5
+
+
+#: Advice too large to count: an infinite wait, so the client gives up at once (never a quick retry).
+TOO_LONG = {
+    "retry-after 400 digits": Reply(429, {"Retry-After": "9" * 400}),
+    "retry-after year 9999": Reply(429, {"Retry-After": "Fri, 31 Dec 9999 23:59:59 GMT"}),
+    "retry_after_ms infinite": Reply(503, {"Content-Type": PROBLEM}, b'{"retry_after_ms": 1e999}'),
+    "retry_after_ms huge int": Reply(503, {"Content-Type": PROBLEM}, b'{"retry_after_ms": 1' + b"0" * 400 + b"}"),
+}
+
+
+@pytest.mark.parametrize("case", TOO_LONG)
+def test_advice_too_large_to_count_gives_up_even_without_a_max_wait(
+    server: Scripted, make_client: Callable[..., Client], case: str
+) -> None:
+    server.script(TOO_LONG[case], OK)
+    with pytest.raises(RetryError) as raised:
+        make_client(max_wait=math.inf).send("GET", server.url + "/far")
+    assert raised.value.reason == "wait_too_long"
+    assert raised.value.retry_after is not None and raised.value.retry_after > LONGEST_SLEEP
+    assert len(server.arrivals) == 1
 
 
 # --- The budget ----------------------------------------------------------------------------------------

@@ -371,7 +371,8 @@ class RedisBackend(Backend):
             pipe.hset(key, worker, value)
             pipe.pttl(key)
             _, left = pipe.execute()
-            if int(left) < ttl_ms:  # -1: no expiry yet; never shortened by a shorter-lived worker
+            # Renewed once half of it has gone (-1: no expiry yet), never shortened by a shorter-lived worker.
+            if int(left) < ttl_ms // 2:
                 self.client.pexpire(key, ttl_ms)
 
     def workers(self) -> list[dict[str, Any]]:

@@ -19,6 +19,7 @@ from typing import Any, Literal
 __all__ = [
     "IDEMPOTENCY_KEY",
     "IDEMPOTENT_METHODS",
+    "LONGEST_SLEEP",
     "MAX_PROBLEM_BYTES",
     "AdaptiveThrottle",
     "Advice",
@@ -45,6 +46,9 @@ logger = logging.getLogger("ratelimits.client")
 IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
 #: A request carrying this header (any value) asks the server to deduplicate it, so it may be retried.
 IDEMPOTENCY_KEY = "Idempotency-Key"
+#: The longest wait slept through even with ``max_wait=math.inf`` (about 31 years): beyond it
+#: ``time.sleep`` and the event loops' timers overflow.
+LONGEST_SLEEP = 1e9
 #: Larger 429/503 bodies are still read (to free the connection) but not parsed for advice.
 MAX_PROBLEM_BYTES = 64 * 1024
 
@@ -246,8 +250,7 @@ def parse_retry_after(value: str | None, now: float) -> float | None:
         return None
     value = value.strip()
     if _DELAY.fullmatch(value):
-        seconds = float(value)
-        return seconds if math.isfinite(seconds) else None
+        return float(value)  # digits too many for a float are inf: a wait longer than any max_wait
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError, IndexError, OverflowError):
@@ -257,7 +260,7 @@ def parse_retry_after(value: str | None, now: float) -> float | None:
     try:
         return max(when.timestamp() - now, 0.0)
     except (OverflowError, OSError):
-        return None
+        return math.inf  # a date beyond what the platform can count: as far as it gets
 
 
 def _split(value: str, separator: str) -> list[str] | None:
@@ -322,15 +325,19 @@ def parse_problem(content_type: str | None, body: bytes) -> dict[str, Any] | Non
 
 
 def problem_retry_after(problem: dict[str, Any] | None) -> float | None:
-    """The problem body's ``retry_after_ms`` in seconds, or None if absent or not a non-negative number."""
+    """The problem body's ``retry_after_ms`` in seconds, or None if absent or not a non-negative number.
+
+    A number too large for a float (``1e999``, 400 digits) is an infinite wait: the client gives
+    up with ``wait_too_long``, rather than reading it as no advice and retrying at once.
+    """
     value = problem.get("retry_after_ms") if problem else None
-    if not isinstance(value, int | float) or isinstance(value, bool):
+    if not isinstance(value, int | float) or isinstance(value, bool) or value != value:  # NaN
         return None
     try:
         seconds = float(value) / 1000
     except OverflowError:
-        return None
-    return seconds if math.isfinite(seconds) and seconds >= 0 else None
+        seconds = math.inf if value > 0 else -math.inf
+    return seconds if seconds >= 0 else None
 
 
 def read_advice(
@@ -509,8 +516,8 @@ class Retrier:
             reason = "not_retryable"
         elif attempts > self.options.max_retries:
             reason = "retries_exhausted"
-        elif wait is not None and wait > self.options.max_wait:
-            reason = "wait_too_long"
+        elif wait is not None and wait > min(self.options.max_wait, LONGEST_SLEEP):
+            reason = "wait_too_long"  # (a longer sleep than the platform's timers allow would raise)
         elif not self.budget.withdraw():
             reason = "budget_exhausted"
         if reason is not None:

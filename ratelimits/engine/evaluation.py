@@ -80,7 +80,6 @@ def evaluate(
     shedder = get_worker_shedder() if consume else None
     if shedder is not None and not shedder.admit(source.endpoint_rule(endpoint, request.method or "GET").priority):
         return identity, Decision(Verdict.SHED, (), retry_after_us=SLOT_RETRY_US)
-    admitted_at = time.monotonic()
     try:
         limiter = get_limiter()
         # Taken before the checks: what a refusal is remembered under, for refusals before authentication.
@@ -90,6 +89,9 @@ def evaluate(
         checks = source.checks_for(request, identity)
         usage = usage_of(identity, checks) if consume and conf.usage_counting else None
         decision = limiter.decide(checks, consume=consume, usage=usage)
+        # The adaptive capacity times the view, not the store: a slow Redis is the breaker's
+        # business, and must not read as every endpoint slowing down.
+        admitted_at = time.monotonic()
     except BaseException:
         if shedder is not None:
             shedder.finish()  # counted in above, and nothing is held for request_finished to count out
@@ -207,22 +209,27 @@ def _hold(item: _Held) -> None:
     held.append(item)
 
 
-def note_response(request: HttpRequest, status: int) -> None:
+def note_response(request: HttpRequest, status: int, *, streaming: bool = False) -> None:
     """Tell the adaptive capacity how the request's view answered: its status, and now.
 
-    Called by :class:`~ratelimits.middleware.EarlyRejectionMiddleware` on the way out. A 429 or
-    503 of this app's own (a decision that refused the request) is never an error of the view.
+    Called by :class:`~ratelimits.middleware.EarlyRejectionMiddleware` on the way out. A request
+    this app refused in the end (a later decision, after the shedder admitted it) never ran its
+    view: it teaches nothing. A streaming response is timed to ``request_finished``, when its body
+    has been made.
     """
     held = _held.get()
     if not held:
         return
     refused = getattr(request, "ratelimit", None)
-    if isinstance(refused, Decision) and not refused.allowed:
-        return
-    now = time.monotonic()
+    view_ran = not (isinstance(refused, Decision) and not refused.allowed)
+    now = None if streaming else time.monotonic()
     for item in held:
-        if item.shedder is not None and item.answered_at is None:
+        if item.shedder is None or item.status is not None or item.endpoint is None:
+            continue
+        if view_ran:
             item.status, item.answered_at = status, now
+        else:
+            item.endpoint = None
 
 
 def release_held(**kwargs: Any) -> None:
@@ -240,11 +247,13 @@ def release_held(**kwargs: Any) -> None:
         held.clear()
         now = time.monotonic()
         for item in items:
-            if item.shedder is not None:
-                latency = (item.answered_at or now) - item.admitted_at
-                error = item.status is not None and item.status >= 500
-                item.shedder.finish(item.endpoint, latency, error=error)
-            item.limiter.release(item.decision)
+            try:
+                if item.shedder is not None:
+                    latency = (item.answered_at or now) - item.admitted_at
+                    error = item.status is not None and item.status >= 500
+                    item.shedder.finish(item.endpoint, latency, error=error, admitted_at=item.admitted_at)
+            finally:
+                item.limiter.release(item.decision)  # whatever the shedder did
     # After the response, off the decision path: catch up on what an outage left behind.
     current = current_limiter()
     if current is not None:

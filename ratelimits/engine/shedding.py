@@ -70,23 +70,30 @@ class WorkerShedder:
     def sheds(self, priority: Priority) -> bool:
         """Whether :meth:`admit` would shed ``priority`` now (nothing is counted: asked before authentication).
 
-        A request refused here is still counted as shed by the adaptive capacity (under no lock:
-        a count lost to a race only delays its growth by a window).
+        A request refused here is counted as shed by the adaptive capacity all the same.
         """
         limit = self._limits.get(priority)
         shed = limit is not None and self._in_flight >= limit
         if shed and self.controller is not None:
-            self.controller.shed()
+            with self._lock:
+                self.controller.shed()
         return shed
 
-    def finish(self, endpoint: str | None = None, latency: float | None = None, *, error: bool = False) -> None:
+    def finish(
+        self,
+        endpoint: str | None = None,
+        latency: float | None = None,
+        *,
+        error: bool = False,
+        admitted_at: float | None = None,
+    ) -> None:
         """Count an admitted request out (never below zero); with its endpoint and latency, the adaptive
         capacity learns from it (a request that got no response of the view's, a denial, teaches nothing)."""
         with self._lock:
             self._in_flight = max(self._in_flight - 1, 0)
             if self.controller is None or endpoint is None or latency is None:
                 return
-            move = self.controller.record(endpoint, latency, error=error, now=time.monotonic())
+            move = self.controller.record(endpoint, latency, error=error, now=time.monotonic(), admitted_at=admitted_at)
             if move is not None and move.changed:
                 self._set_capacity(self.controller.capacity)
         if move is not None and (move.changed or move.before == move.after):
@@ -98,6 +105,10 @@ class WorkerShedder:
         state: dict[str, Any] = {"worker": worker_name(), "capacity": self.capacity, "in_flight": self._in_flight}
         if controller is None:
             return {**state, "adaptive": False}
+        with self._lock:  # a consistent snapshot: requests finishing move it
+            return self._adaptive_state(controller, state)
+
+    def _adaptive_state(self, controller: CapacityController, state: dict[str, Any]) -> dict[str, Any]:
         last = controller.last
         return {
             **state,
