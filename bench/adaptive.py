@@ -36,14 +36,24 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.http import serving
-from tests.support.processes import Service, gunicorn
 from tests.support.redis_server import RedisServer, free_port
 
 from . import shedding
-from .shedding import CLOSED_FLOODS, Phase, Sample, latency_summary, log, machine, source_version, warm_up
+from .shedding import (
+    CLOSED_FLOODS,
+    WORKERS,
+    Phase,
+    Sample,
+    demo_server,
+    latency_summary,
+    log,
+    machine,
+    source_version,
+    warm_up,
+)
 
 RESULTS = shedding.RESULTS
-WORKERS, THREADS = 2, 8
+THREADS = shedding.THREADS
 #: The downstream: connections per worker, and what each kind of call holds one for (seconds).
 CONNECTIONS = 4
 EXPORT_SECONDS = 0.05
@@ -131,15 +141,7 @@ def run_configuration(
     admin.flushall()
     admin.close()
     port = free_port()
-    server: Service = gunicorn(
-        f"gunicorn-{name}",
-        port=port,
-        logs=workdir,
-        workers=WORKERS,
-        threads=THREADS,
-        timeout=60,
-        worker_class="gthread",
-    )
+    server = demo_server(f"gunicorn-{name}", port, workdir)
     # The step is set before gunicorn starts (it is a setting), far enough ahead for the start,
     # the warm-up and the unloaded phase; the flood is then timed to it.
     lead = START_TIMEOUT / 2 + durations.warm + durations.unloaded + durations.settle + durations.healthy

@@ -511,6 +511,11 @@ def run_phase(
     return result
 
 
+def demo_server(name: str, port: int, workdir: Path) -> Service:
+    """The demo under gunicorn as every phase runs it: gthread, WORKERS x THREADS, logs in ``workdir``."""
+    return gunicorn(name, port=port, logs=workdir, workers=WORKERS, threads=THREADS, timeout=60, worker_class="gthread")
+
+
 def warm_up(port: int, seconds: float) -> None:
     """Untimed traffic after a (re)start: both workers import their views, open DB and Redis connections."""
     Phase("warm-up", port, duration=seconds, settle=0, flood=None).run()
@@ -729,15 +734,7 @@ def run(args: argparse.Namespace, redis_server: RedisServer, workdir: Path, serv
         admin = redis_server.client()
         admin.flushall()
         admin.close()
-        server = gunicorn(
-            f"gunicorn-{shedding}",
-            port=port,
-            logs=workdir,
-            workers=WORKERS,
-            threads=THREADS,
-            timeout=60,
-            worker_class="gthread",
-        )
+        server = demo_server(f"gunicorn-{shedding}", port, workdir)
         servers.append(server)
         t = time.monotonic()
         server.start({**base_env, **env})
