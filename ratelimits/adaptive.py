@@ -17,9 +17,10 @@ becomes the new usual, which is how Gradient2's long-term average drifts upward 
 overload (Netflix concurrency-limits #134, #137). A latency that stays high even at the floor,
 for requests admitted there, does not come from this worker's load (the downstream itself became
 slower): only then is it taken as the new usual, as Envoy re-measures its minimum RTT at the
-least concurrency (the knee those cuts set is forgotten for the one known before them). After a
-cut the capacity stays one below the level it was cut at for ``probe_interval``, so it does not
-keep probing into the overload it just left.
+least concurrency (the knee those cuts set is forgotten, for the last one another endpoint caused
+or the one known before them). After a cut the capacity stays below the level it was cut at for
+``probe_interval`` (one below, or for the worker shedder where every class is admitted less), so
+it does not keep probing into the overload it just left.
 
 Pure arithmetic on the samples it is given, with the clock passed in: docs/adaptive.md, and the
 scripted series of tests/test_adaptive.py.
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .conf import AdaptiveSettings
@@ -98,13 +100,23 @@ class CapacityController:
     Not thread-safe: the worker shedder calls it under its lock. ``now`` is any monotonic clock in seconds.
     """
 
-    def __init__(self, ceiling: int, settings: AdaptiveSettings, *, now: float) -> None:
+    def __init__(
+        self,
+        ceiling: int,
+        settings: AdaptiveSettings,
+        *,
+        now: float,
+        below: Callable[[int], int] | None = None,
+    ) -> None:
         floor = settings.floor if settings.floor is not None else max(ceiling // 4, 1)
         if not 1 <= floor <= ceiling:
             raise ValueError(f"the floor ({floor}) must be between 1 and the ceiling ({ceiling})")
         self.settings = settings
         self.ceiling = ceiling
         self.floor = floor
+        #: The capacity to grow back to after a cut at a given one: one less by default; the worker
+        #: shedder's is the highest at which every class is admitted less than at the cut.
+        self.below = below or (lambda knee: knee - 1)
         #: Starts at the floor, as TCP's slow start does: the first responses, which teach each
         #: endpoint's usual latency, come under the least load; it grows while requests are shed.
         self.limit = float(floor)
@@ -116,8 +128,9 @@ class CapacityController:
         self.knee_at = 0.0
         self.last: Move | None = None
         self._floor_windows = 0
-        #: Whether the last windows cut, and the knee from before those cuts began.
-        self._cutting = False
+        #: The cuts since the worker was last healthy: (limit, when, the endpoint whose latency
+        #: caused it, or None for errors), and the knee from before them.
+        self._cuts: list[tuple[float, float, str | None]] = []
         self._before_cuts: tuple[float | None, float] = (None, 0.0)
         #: Each endpoint's last judgement (slowdown, when, median latency): a slow endpoint judged a
         #: moment ago still holds the capacity back while its next responses are awaited.
@@ -228,13 +241,13 @@ class CapacityController:
                 # Healthy, every endpoint: a sickness is over (another endpoint judged healthy
                 # while a slow one awaits its next responses is not the end of it).
                 self._floor_windows = 0
-                self._cutting = False
+                self._cuts.clear()
             return self._grow(signal, now)
         if self.limit > self.floor:
             self._floor_windows = 0
-            if not self._cutting:
+            if not self._cuts:
                 self._before_cuts = (self.knee, self.knee_at)
-            self._cutting = True
+            self._cuts.append((self.limit, now, None if failing or worst is None else worst[1]))
             self.knee, self.knee_at = self.limit, now
             self._cut_at = now
             self._pending.clear()  # admitted before the cut (see record)
@@ -243,19 +256,25 @@ class CapacityController:
         self._floor_windows += 1
         if self._floor_windows < FLOOR_WINDOWS:
             return None
-        # Still sick with as little load as this worker may take: the cause is not its load, and
-        # neither were these cuts; the knee it knew before them is its best guess again.
+        # Still sick with as little load as this worker may take: the cause is not its load.
         self._floor_windows = 0
-        self._cutting = False
-        self.knee, self.knee_at = self._before_cuts
         # Every endpoint judged slow lately, not only now: one awaiting its next responses was judged
         # at the floor too (or it would hold the capacity back until judged again).
+        usual: set[str | None] = set()
         for endpoint, (slowdown, at, typical) in list(self._judged.items()):
             if slowdown > settings.tolerance and now - at <= STALE_WINDOWS * settings.window:
                 self.baselines[endpoint] = typical
                 del self._judged[endpoint]
+                usual.add(endpoint)
         if failing:
             self.usual_errors = error_share
+            usual.add(None)
+        # The cuts those caused were no knee either. The last cut another endpoint's latency
+        # caused is (a payment that queued behind exports before they slowed down); with none,
+        # the knee it knew before these cuts is its best guess again.
+        kept = [(limit, at) for limit, at, cause in self._cuts if cause not in usual]
+        self.knee, self.knee_at = kept[-1] if kept else self._before_cuts
+        self._cuts.clear()
         return self._move(self.limit, f"{reason} at the floor: taken as the new usual", signal, now)
 
     def _held_back(self, now: float) -> bool:
@@ -272,7 +291,7 @@ class CapacityController:
             return None  # no endpoint judged healthy now, or one judged slow lately awaits judging again
         top = float(self.ceiling)
         if self.knee is not None and now - self.knee_at < self.settings.probe_interval:
-            top = min(top, max(math.floor(self.knee) - 1.0, float(self.floor)))
+            top = min(top, max(float(self.below(math.floor(self.knee))), float(self.floor)))
         target = min(self.limit + max(1.0, math.sqrt(self.limit) / 2), top)
         if target <= self.limit:
             return None

@@ -340,3 +340,44 @@ def test_responses_admitted_before_a_cut_are_not_judged_after_it() -> None:
         run.now += WINDOW / 10
         run.controller.record("export", 1.0, error=False, now=run.now, admitted_at=run.now - 0.01)
     assert run.controller.limit < limit
+
+
+def test_after_a_cut_the_shedder_grows_back_to_where_every_class_is_admitted_less() -> None:
+    """60/75/90 %: at 8 the low class has 4 in flight, and at 7 still 4, so a cut caused at 8 by
+    low-priority load grows back to 6 (3, 4 and 5 in), not 7."""
+    shedder = WorkerShedder(16, THRESHOLDS, SETTINGS)
+    assert shedder.controller is not None
+    below = shedder.controller.below
+    assert [below(knee) for knee in (8, 7, 16, 3)] == [6, 6, 14, 2]
+    assert CapacityController(16, SETTINGS, now=0.0).below(8) == 7  # without a shedder: one less
+
+
+def test_a_knee_another_endpoint_caused_outlives_a_false_alarm() -> None:
+    """Payments queue behind exports at 16 or so: cut there. Then the exports' downstream becomes
+    5x slower, which no cut mends: at the floor that is the new usual, and the capacity grows back
+    to one below the payments' knee, not to the ceiling."""
+    controller = CapacityController(CEILING, SETTINGS, now=0.0)
+    now = 0.0
+
+    def window(charge: float, export: float) -> None:
+        nonlocal now
+        controller.shed()
+        for _ in range(10):
+            now += WINDOW / 10
+            controller.record("charge", charge, error=False, now=now - 1e-6)
+            controller.record("export", export, error=False, now=now)
+
+    window(0.005, 0.05)  # the usual latencies
+    while controller.limit < 16:
+        window(0.005, 0.05)
+    knee = controller.limit
+    window(0.02, 0.05)  # payments 4x slower: cut
+    assert controller.knee == knee and controller.limit < knee
+    while controller.limit > SETTINGS.floor:
+        window(0.005, 0.25)
+    window(0.005, 0.25)
+    assert controller.last is not None and controller.last.reason.endswith("taken as the new usual")
+    assert controller.knee == knee
+    for _ in range(60):
+        window(0.005, 0.25)
+    assert controller.limit == int(knee) - 1

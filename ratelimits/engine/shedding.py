@@ -45,12 +45,28 @@ class WorkerShedder:
         self._thresholds = dict(thresholds)
         self._in_flight = 0
         self._lock = threading.Lock()
-        self.controller = CapacityController(capacity, adaptive, now=time.monotonic()) if adaptive else None
+        self.controller = (
+            CapacityController(capacity, adaptive, now=time.monotonic(), below=self._below) if adaptive else None
+        )
         self._set_capacity(self.controller.capacity if self.controller is not None else capacity)
 
     def _set_capacity(self, capacity: int) -> None:
         self.capacity = capacity
-        self._limits = {klass: max(capacity * percent // 100, 1) for klass, percent in self._thresholds.items()}
+        self._limits = self._limits_at(capacity)
+
+    def _limits_at(self, capacity: int) -> dict[Priority, int]:
+        return {klass: max(capacity * percent // 100, 1) for klass, percent in self._thresholds.items()}
+
+    def _below(self, knee: int) -> int:
+        """The highest capacity under ``knee`` at which every class gets fewer requests in than at it
+        (a class already at one stays there): growing back to knee - 1 could admit just as many of
+        the class whose requests made the cut."""
+        at_knee = self._limits_at(knee)
+        for capacity in range(knee - 1, 0, -1):
+            limits = self._limits_at(capacity)
+            if all(limits[k] < at_knee[k] or at_knee[k] == 1 for k in at_knee):
+                return capacity
+        return 1
 
     @property
     def in_flight(self) -> int:
