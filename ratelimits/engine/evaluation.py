@@ -50,8 +50,9 @@ class _Held:
     limiter: Limiter
     decision: Decision
     shedder: WorkerShedder | None = None
-    #: For the adaptive capacity: the endpoint, when the shedder admitted it (monotonic), and its
-    #: response's status and time once a middleware saw it (else request_finished's time is used).
+    #: For the adaptive capacity: the endpoint, when its decision ended (monotonic: the view's
+    #: latency starts there), and its response's status and time once a middleware saw it (else
+    #: request_finished's time is used).
     endpoint: str | None = None
     admitted_at: float = 0.0
     status: int | None = None
