@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from .conf import AdaptiveSettings
 
-__all__ = ["CapacityController", "Move", "Signal"]
+__all__ = ["CapacityController", "Move"]
 
 #: The most responses of one endpoint kept for judging (the median of the first ones is as good).
 MAX_SAMPLES = 1024
@@ -45,27 +45,11 @@ FALL = 0.5
 #: A cut takes at least a tenth off (a latency just over tolerance is no reason for a token move),
 #: and at most half.
 MAX_CUT = 0.9
-#: Judgements at the floor, still sick, after which the latency (or error share) is the new usual.
-FLOOR_WINDOWS = 1
 #: Windows an endpoint's responses wait to be enough to judge, and its last judgement is kept.
 STALE_WINDOWS = 8
 #: The most endpoints with a baseline: endpoint names are few; the bound only guards against a
 #: project that names endpoints after something unbounded.
 MAX_ENDPOINTS = 1000
-
-
-@dataclass(frozen=True, slots=True)
-class Signal:
-    """What one window measured: its worst endpoint's slowdown and the share of errors."""
-
-    responses: int
-    #: The endpoint answering slowest against its usual latency, and by how much (``None``: no
-    #: endpoint had enough responses with a baseline).
-    endpoint: str | None
-    slowdown: float | None
-    error_share: float
-    #: Requests shed while the window lasted: the capacity is what turns requests away.
-    shed: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +60,6 @@ class Move:
     before: float
     after: float
     reason: str
-    signal: Signal
 
     @property
     def changed(self) -> bool:
@@ -127,7 +110,6 @@ class CapacityController:
         self.knee: float | None = None
         self.knee_at = 0.0
         self.last: Move | None = None
-        self._floor_windows = 0
         #: The cuts since the worker was last healthy: (limit, when, the endpoint whose latency
         #: caused it, or None for errors), and the knee from before them.
         self._cuts: list[tuple[float, float, str | None]] = []
@@ -220,13 +202,6 @@ class CapacityController:
         if judged_errors:
             self._responses = self._errors = 0  # else they wait for more, as an endpoint's latency does
         error_share = errors / responses if responses else 0.0
-        signal = Signal(
-            responses=responses,
-            endpoint=worst[1] if worst else None,
-            slowdown=round(worst[0], 3) if worst else None,
-            error_share=round(error_share, 4),
-            shed=shed,
-        )
         failing = judged_errors and error_share > self.usual_errors + settings.error_rate
         if judged_errors and not failing:
             self.usual_errors = min(self.usual_errors, error_share)
@@ -237,14 +212,17 @@ class CapacityController:
             factor = min(MAX_CUT, max(0.5, settings.tolerance / worst[0]))
             reason = f"{worst[1]} answered {worst[0]:.1f}x slower than usual (tolerance {settings.tolerance:g}x)"
         else:
-            if (worst is not None or judged_errors) and not self._held_back(now):
+            held_back = bool(self._slow_lately(now))
+            if (worst is not None or judged_errors) and not held_back:
                 # Healthy, every endpoint: a sickness is over (another endpoint judged healthy
                 # while a slow one awaits its next responses is not the end of it).
-                self._floor_windows = 0
                 self._cuts.clear()
-            return self._grow(signal, now)
+            if not shed or worst is None or held_back:
+                # Nothing turned away (more capacity would change nothing), no endpoint judged
+                # healthy now, or one judged slow lately awaits judging again.
+                return None
+            return self._grow(now)
         if self.limit > self.floor:
-            self._floor_windows = 0
             if not self._cuts:
                 self._before_cuts = (self.knee, self.knee_at)
             self._cuts.append((self.limit, now, None if failing or worst is None else worst[1]))
@@ -252,20 +230,14 @@ class CapacityController:
             self._cut_at = now
             self._pending.clear()  # admitted before the cut (see record)
             self._responses = self._errors = 0
-            return self._move(max(self.limit * factor, float(self.floor)), reason, signal, now)
-        self._floor_windows += 1
-        if self._floor_windows < FLOOR_WINDOWS:
-            return None
+            return self._move(max(self.limit * factor, float(self.floor)), reason, now)
         # Still sick with as little load as this worker may take: the cause is not its load.
-        self._floor_windows = 0
         # Every endpoint judged slow lately, not only now: one awaiting its next responses was judged
         # at the floor too (or it would hold the capacity back until judged again).
         usual: set[str | None] = set()
-        for endpoint, (slowdown, at, typical) in list(self._judged.items()):
-            if slowdown > settings.tolerance and now - at <= STALE_WINDOWS * settings.window:
-                self.baselines[endpoint] = typical
-                del self._judged[endpoint]
-                usual.add(endpoint)
+        for endpoint in self._slow_lately(now):
+            self.baselines[endpoint] = self._judged.pop(endpoint)[2]
+            usual.add(endpoint)
         if failing:
             self.usual_errors = error_share
             usual.add(None)
@@ -275,30 +247,25 @@ class CapacityController:
         kept = [(limit, at) for limit, at, cause in self._cuts if cause not in usual]
         self.knee, self.knee_at = kept[-1] if kept else self._before_cuts
         self._cuts.clear()
-        return self._move(self.limit, f"{reason} at the floor: taken as the new usual", signal, now)
+        return self._move(self.limit, f"{reason} at the floor: taken as the new usual", now)
 
-    def _held_back(self, now: float) -> bool:
-        """Whether an endpoint judged slow lately has not been judged again since."""
+    def _slow_lately(self, now: float) -> list[str]:
+        """The endpoints last judged slow, lately enough that their judgement still stands."""
         recent = STALE_WINDOWS * self.settings.window
-        return any(
-            slowdown > self.settings.tolerance and now - at <= recent for slowdown, at, _ in self._judged.values()
-        )
+        tolerance = self.settings.tolerance
+        return [e for e, (slowdown, at, _) in self._judged.items() if slowdown > tolerance and now - at <= recent]
 
-    def _grow(self, signal: Signal, now: float) -> Move | None:
-        if not signal.shed or self.limit >= self.ceiling:
-            return None  # the capacity turned nothing away: more of it would change nothing
-        if signal.slowdown is None or self._held_back(now):
-            return None  # no endpoint judged healthy now, or one judged slow lately awaits judging again
+    def _grow(self, now: float) -> Move | None:
         top = float(self.ceiling)
         if self.knee is not None and now - self.knee_at < self.settings.probe_interval:
             top = min(top, max(float(self.below(math.floor(self.knee))), float(self.floor)))
         target = min(self.limit + max(1.0, math.sqrt(self.limit) / 2), top)
         if target <= self.limit:
-            return None
-        return self._move(target, "healthy, and requests were shed", signal, now)
+            return None  # at the ceiling, or just below the last cut
+        return self._move(target, "healthy, and requests were shed", now)
 
-    def _move(self, after: float, reason: str, signal: Signal, now: float) -> Move:
-        move = Move(at=now, before=self.limit, after=after, reason=reason, signal=signal)
+    def _move(self, after: float, reason: str, now: float) -> Move:
+        move = Move(at=now, before=self.limit, after=after, reason=reason)
         self.limit = after
         self.last = move
         return move

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from ratelimits.adaptive import FLOOR_WINDOWS, STALE_WINDOWS, CapacityController, Move
+from ratelimits.adaptive import STALE_WINDOWS, CapacityController, Move
 from ratelimits.choices import Priority
 from ratelimits.conf import AdaptiveSettings
 from ratelimits.engine.shedding import WorkerShedder
@@ -54,6 +54,22 @@ class Run:
         self.step(latency, shed=False)
         while self.controller.limit < self.controller.ceiling:
             self.step(latency)
+
+
+class Mixed:
+    """A controller fed windows of two endpoints: 10 charges a window, and up to 10 exports."""
+
+    def __init__(self) -> None:
+        self.controller = CapacityController(CEILING, SETTINGS, now=0.0)
+        self.now = 0.0
+
+    def window(self, charge: float, export: float, exports: int = 10) -> None:
+        self.controller.shed()
+        for i in range(10):
+            self.now += WINDOW / 10
+            if i < exports:
+                self.controller.record("export", export, error=False, now=self.now - 1e-6)
+            self.controller.record("charge", charge, error=False, now=self.now)
 
 
 def knee_model(knee: int, service: float = 0.05) -> Callable[[int], float]:
@@ -134,8 +150,7 @@ def test_an_overload_is_never_taken_as_the_new_usual_while_cutting_helps() -> No
         run.step(0.1)
         falling.append(run.controller.limit)
     assert falling == sorted(falling, reverse=True)
-    for _ in range(FLOOR_WINDOWS):
-        run.step(0.1)
+    run.step(0.1)  # judged slow once more, at the floor
     assert run.moves[-1].reason.endswith("taken as the new usual")
     assert run.controller.baselines["export"] == pytest.approx(0.1)
     assert run.controller.knee is None
@@ -155,8 +170,7 @@ def test_after_a_false_alarm_it_keeps_the_knee_it_knew_before() -> None:
     assert knee is not None and 15 <= knee < 18
     while run.controller.limit > SETTINGS.floor:
         run.step(lambda c: knee_model(10)(c) * 5)  # the downstream is 5x slower, at any load
-    for _ in range(FLOOR_WINDOWS):
-        run.step(lambda c: knee_model(10)(c) * 5)
+    run.step(lambda c: knee_model(10)(c) * 5)
     assert run.controller.knee == knee
     for _ in range(60):
         run.step(lambda c: knee_model(10)(c) * 5)
@@ -187,8 +201,7 @@ def test_errors_lower_the_capacity_and_a_steady_share_at_the_floor_is_the_new_us
     assert "30% of responses failed" in run.moves[-1].reason
     while run.controller.limit > SETTINGS.floor:
         run.step(0.05, errors=3)
-    for _ in range(FLOOR_WINDOWS):
-        run.step(0.05, errors=3)
+    run.step(0.05, errors=3)
     assert run.controller.usual_errors == pytest.approx(0.3)
     run.step(0.05, errors=3)
     assert run.controller.limit > SETTINGS.floor  # 30 % is usual now: healthy, it grows again
@@ -223,34 +236,23 @@ def test_one_stalled_response_is_not_an_overload() -> None:
 
 def test_endpoints_keep_their_own_usual_latency() -> None:
     """A 2 s export and a 5 ms payment: neither is slow against its own usual latency."""
-    controller = CapacityController(CEILING, SETTINGS, now=0.0)
-    now = 0.0
+    mixed = Mixed()
     limits = []
     for _ in range(20):
-        controller.shed()
-        for _ in range(10):
-            now += 0.025
-            controller.record("export", 2.0, error=False, now=now)
-            controller.record("charge", 0.005, error=False, now=now)
-        limits.append(controller.limit)
+        mixed.window(charge=0.005, export=2.0)
+        limits.append(mixed.controller.limit)
     assert limits == sorted(limits) and limits[-1] > SETTINGS.floor  # healthy: it only grew
-    assert controller.baselines == {"export": pytest.approx(2.0), "charge": pytest.approx(0.005)}
+    assert mixed.controller.baselines == {"export": pytest.approx(2.0), "charge": pytest.approx(0.005)}
 
 
 def test_an_endpoint_is_judged_on_enough_responses_and_not_on_old_ones() -> None:
     """Four slow exports a window are judged two windows on, as eight; four once, then nothing for
     longer than STALE_WINDOWS, are too few and too old to judge."""
-    controller = CapacityController(CEILING, SETTINGS, now=0.0)
-    now = 0.0
+    mixed = Mixed()
+    controller = mixed.controller
 
     def window(exports: int, latency: float) -> None:
-        nonlocal now
-        controller.shed()
-        for i in range(10):
-            now += WINDOW / 10
-            if i < exports:
-                controller.record("export", latency, error=False, now=now - 1e-6)
-            controller.record("charge", 0.005, error=False, now=now)
+        mixed.window(charge=0.005, export=latency, exports=exports)
 
     window(5, 0.05)  # the usual latencies
     window(1, 5.0)
@@ -356,17 +358,8 @@ def test_a_knee_another_endpoint_caused_outlives_a_false_alarm() -> None:
     """Payments queue behind exports at 16 or so: cut there. Then the exports' downstream becomes
     5x slower, which no cut mends: at the floor that is the new usual, and the capacity grows back
     to one below the payments' knee, not to the ceiling."""
-    controller = CapacityController(CEILING, SETTINGS, now=0.0)
-    now = 0.0
-
-    def window(charge: float, export: float) -> None:
-        nonlocal now
-        controller.shed()
-        for _ in range(10):
-            now += WINDOW / 10
-            controller.record("charge", charge, error=False, now=now - 1e-6)
-            controller.record("export", export, error=False, now=now)
-
+    mixed = Mixed()
+    controller, window = mixed.controller, mixed.window
     window(0.005, 0.05)  # the usual latencies
     while controller.limit < 16:
         window(0.005, 0.05)
