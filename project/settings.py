@@ -17,6 +17,7 @@ USE_TZ = True
 TIME_ZONE = "UTC"
 ROOT_URLCONF = "project.urls"
 WSGI_APPLICATION = "project.wsgi.application"
+ASGI_APPLICATION = "project.asgi.application"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 STATIC_URL = "static/"
 
@@ -28,6 +29,9 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
+    # The OpenAPI schema (/api/schema/) and Swagger UI (/api/docs/), its assets served from here.
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
     "ratelimits",
     "project.payments",
 ]
@@ -68,6 +72,22 @@ REST_FRAMEWORK = {
     "DEFAULT_THROTTLE_CLASSES": ["ratelimits.throttles.RateLimitThrottle"],
     "EXCEPTION_HANDLER": "ratelimits.drf.exception_handler",
     "UNAUTHENTICATED_USER": None,
+    # drf-spectacular's AutoSchema, plus the 429, 503 and rate-limit headers (docs/openapi.md).
+    "DEFAULT_SCHEMA_CLASS": "ratelimits.openapi.RateLimitAutoSchema",
+}
+
+SPECTACULAR_SETTINGS = {
+    "TITLE": "ratelimits demo payments API",
+    "DESCRIPTION": "The demo's endpoints, their 429 and 503 problem responses and rate-limit headers.",
+    "VERSION": "1.0.0",
+    # The schema and docs views describe the API; they are not part of it.
+    "SERVE_INCLUDE_SCHEMA": False,
+    # Swagger UI's and Redoc's files from drf-spectacular-sidecar, not a CDN.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+    # Nor does Swagger UI send the schema to validator.swagger.io for its badge.
+    "SWAGGER_UI_SETTINGS": {"deepLinking": True, "validatorUrl": None},
 }
 
 REDIS_URL = os.environ.get("REDIS_URL")
@@ -98,6 +118,8 @@ RATELIMITS = {
     "FAILED_AUTH": {"rate": "10/m", "burst": 20},
     # Denials remembered per worker (exact), leases for hot keys, and X-RateLimit-Local to show them.
     "LOCAL_PATH": {"leases": True, "header": True},
+    # Prometheus metrics at /metrics; under gunicorn set PROMETHEUS_MULTIPROC_DIR (docs/metrics.md).
+    "METRICS": True,
 }
 
 LOGGING = {

@@ -16,7 +16,17 @@ from django.core.checks import CheckMessage, Error, Info, Tags, Warning, registe
 
 from .backends import backend_class, get_backend
 from .backends.redis import RedisBackend
-from .conf import ADAPTIVE_CAPACITY, BACKEND, POLICY_SOURCE, REGION, REGIONS, SETTINGS, WORKER_CAPACITY, conf
+from .conf import (
+    ADAPTIVE_CAPACITY,
+    BACKEND,
+    MULTIPROC_ENV,
+    POLICY_SOURCE,
+    REGION,
+    REGIONS,
+    SETTINGS,
+    WORKER_CAPACITY,
+    conf,
+)
 from .exceptions import BackendUnavailable, ConfigurationError
 from .policies.settings import dimensions_from_settings
 from .policies.source import get_policy_source
@@ -34,6 +44,7 @@ __all__ = [
     "W004",
     "W005",
     "W006",
+    "W007",
     "check_deployment",
     "check_settings",
     "check_store",
@@ -50,6 +61,7 @@ W003 = "ratelimits.W003"  # a setting is set that the configured policy source d
 W004 = "ratelimits.W004"  # the limiter's Redis may evict its keys (a maxmemory-policy other than noeviction)
 W005 = "ratelimits.W005"  # FAILED_AUTH is set but its middleware is not installed
 W006 = "ratelimits.W006"  # ADAPTIVE_CAPACITY is set but EarlyRejectionMiddleware (which sees 5xx) is not
+W007 = "ratelimits.W007"  # METRICS is on outside DEBUG without prometheus-client's multiprocess mode
 I001 = "ratelimits.I001"  # the limiter's Redis answers but will not say its maxmemory-policy
 #: The id of each setting's invalid value. A new setting takes the next free number.
 SETTING_IDS: dict[str, str] = {
@@ -87,6 +99,8 @@ SETTING_IDS: dict[str, str] = {
     "IPV6_PREFIX": "ratelimits.E126",
     "HASH_KEY": "ratelimits.E127",
     "HEADERS": "ratelimits.E128",
+    "HEADER_POLICIES": "ratelimits.E148",
+    "HEADER_PARTITION_KEY": "ratelimits.E149",
     "RETRY_AFTER_JITTER": "ratelimits.E129",
     "DEFAULT_FAIL_MODE": "ratelimits.E130",
     "LOCAL_FALLBACK_SHARE": "ratelimits.E131",
@@ -100,6 +114,7 @@ SETTING_IDS: dict[str, str] = {
     "REGION": "ratelimits.E144",
     "REGIONS": "ratelimits.E145",
     "RECONCILE": "ratelimits.E146",
+    "METRICS": "ratelimits.E150",
 }
 
 
@@ -161,6 +176,7 @@ def check_deployment(app_configs: Any = None, **kwargs: Any) -> list[CheckMessag
         source = get_policy_source()
         failed_auth = conf.failed_auth
         adaptive = conf.adaptive_capacity
+        metrics = conf.metrics
     except ConfigurationError:
         return messages  # check_settings reports it
     if backend == "memory" and not settings.DEBUG:
@@ -201,6 +217,16 @@ def check_deployment(app_configs: Any = None, **kwargs: Any) -> list[CheckMessag
                 "the capacity follows latency only.",
                 hint=f"Add {early!r} to MIDDLEWARE, first.",
                 id=W006,
+            )
+        )
+    if metrics is not None and not metrics.multiprocess and not metrics.declared and not settings.DEBUG:
+        messages.append(
+            Warning(
+                f"RATELIMITS['METRICS'] is on, but {MULTIPROC_ENV} is not set: under gunicorn, uWSGI or any "
+                "server with several processes, each worker counts alone and a scrape shows one of them.",
+                hint=f"Set {MULTIPROC_ENV} to an empty directory before the server starts (docs/metrics.md), "
+                "or RATELIMITS['METRICS'] = {'multiprocess': False} if one process serves.",
+                id=W007,
             )
         )
     ignored = [name for name in source.ignored_settings if name in SETTINGS and conf.is_set(SETTINGS[name])]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import os
 import re
 import threading
 import weakref
@@ -37,11 +38,13 @@ if TYPE_CHECKING:
     from django.db.models import Model
 
 __all__ = [
+    "HEADER_POLICY_CHOICES",
     "HEADER_STYLES",
     "POLICY_SOURCES",
     "SETTINGS",
     "SIZE_UNITS",
     "FailedAuthLimit",
+    "MetricsSettings",
     "ProcessWide",
     "Setting",
     "conf",
@@ -50,6 +53,8 @@ __all__ = [
 T = TypeVar("T")
 
 HEADER_STYLES = ("ietf", "github", "both", "none")
+#: What ``RateLimit-Policy`` lists: every enforced policy of the request, or the closest only.
+HEADER_POLICY_CHOICES = ("all", "closest")
 #: Short names for ``POLICY_SOURCE``, like ``BACKEND``'s ``"memory"`` and ``"redis"``.
 POLICY_SOURCES = {
     "settings": "ratelimits.policies.SettingsPolicySource",
@@ -381,6 +386,46 @@ def _local_path(value: object, field: str) -> LocalPathSettings:
     )
 
 
+class MetricsSettings(NamedTuple):
+    """``METRICS``: Prometheus metrics of the engine's decisions (:mod:`ratelimits.metrics`)."""
+
+    #: Whether prometheus-client's multiprocess mode is on: ``PROMETHEUS_MULTIPROC_DIR`` is set.
+    multiprocess: bool = False
+    #: Seconds between two additions of the request path's counts to prometheus-client's metrics.
+    flush_interval: float = 1.0
+    #: Whether ``multiprocess`` was given (``False``: one process serves, so nothing to warn about).
+    declared: bool = False
+
+
+#: prometheus-client's multiprocess directory, read from the environment as prometheus-client reads it.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def _metrics(value: object, field: str) -> MetricsSettings | None:
+    if value is None or value is False:
+        return None
+    config = {} if value is True else _fields_of(value, field, ("multiprocess", "flush_interval"))
+    import importlib.util
+
+    if importlib.util.find_spec("prometheus_client") is None:
+        raise ConfigurationError(f"{field}: metrics need prometheus-client; install ratelimits[metrics]")
+    directory = os.environ.get(MULTIPROC_ENV, "")
+    wanted = config.get("multiprocess")
+    if wanted is not None:
+        _boolean(wanted, f"{field}['multiprocess']")
+    if wanted and not directory:
+        raise ConfigurationError(
+            f"{field}['multiprocess']: True, but {MULTIPROC_ENV} is not set; set it to an empty directory "
+            "before the server starts (docs/metrics.md)"
+        )
+    if directory and wanted is not False and not os.path.isdir(directory):
+        raise ConfigurationError(f"{field}: {MULTIPROC_ENV}={directory!r} is not a directory")
+    interval = _seconds(config.get("flush_interval", MetricsSettings().flush_interval), f"{field}['flush_interval']")
+    if interval > 60:
+        raise ConfigurationError(f"{field}['flush_interval']: {interval:g} s is longer than a minute")
+    return MetricsSettings(bool(directory) and wanted is not False, interval, declared=wanted is not None)
+
+
 class AdaptiveSettings(NamedTuple):
     """``ADAPTIVE_CAPACITY``: how the worker shedder's capacity follows latency and errors (docs/adaptive.md)."""
 
@@ -539,6 +584,8 @@ CLIENT_IP_HEADER = Setting("CLIENT_IP_HEADER", "HTTP_X_FORWARDED_FOR", _meta_key
 IPV6_PREFIX = Setting("IPV6_PREFIX", 64, _ipv6_prefix)
 HASH_KEY = Setting("HASH_KEY", None, _hash_key)
 HEADERS = Setting("HEADERS", "both", _choice(HEADER_STYLES))
+HEADER_POLICIES = Setting("HEADER_POLICIES", "all", _choice(HEADER_POLICY_CHOICES))
+HEADER_PARTITION_KEY = Setting("HEADER_PARTITION_KEY", False, _boolean)
 RETRY_AFTER_JITTER = Setting("RETRY_AFTER_JITTER", "0ms", _jitter_us)
 DEFAULT_FAIL_MODE = Setting("DEFAULT_FAIL_MODE", "open", _fail_mode)
 LOCAL_FALLBACK_SHARE = Setting("LOCAL_FALLBACK_SHARE", 1.0, _share)
@@ -551,6 +598,7 @@ IMPORT_MAX_SIZE = Setting("IMPORT_MAX_SIZE", "10MB", _size)
 REGION = Setting("REGION", None, _region)
 REGIONS = Setting("REGIONS", {}, _regions)
 RECONCILE = Setting("RECONCILE", {}, _reconcile)
+METRICS = Setting("METRICS", False, _metrics)
 
 #: Every setting, by name, in the order docs/configuration.md lists them.
 SETTINGS: dict[str, Setting[Any]] = {
@@ -590,6 +638,8 @@ SETTINGS: dict[str, Setting[Any]] = {
         IPV6_PREFIX,
         HASH_KEY,
         HEADERS,
+        HEADER_POLICIES,
+        HEADER_PARTITION_KEY,
         RETRY_AFTER_JITTER,
         DEFAULT_FAIL_MODE,
         LOCAL_FALLBACK_SHARE,
@@ -603,6 +653,7 @@ SETTINGS: dict[str, Setting[Any]] = {
         REGION,
         REGIONS,
         RECONCILE,
+        METRICS,
     )
 }
 
@@ -804,6 +855,14 @@ class Settings:
         return self.value(HEADERS)
 
     @cached_property
+    def header_policies(self) -> str:
+        return self.value(HEADER_POLICIES)
+
+    @cached_property
+    def header_partition_key(self) -> bool:
+        return self.value(HEADER_PARTITION_KEY)
+
+    @cached_property
     def retry_after_jitter_us(self) -> int:
         return self.value(RETRY_AFTER_JITTER)
 
@@ -869,6 +928,11 @@ class Settings:
     @cached_property
     def reconcile(self) -> ReconcileSettings:
         return self.value(RECONCILE)
+
+    @cached_property
+    def metrics(self) -> MetricsSettings | None:
+        """``None`` when metrics are off."""
+        return self.value(METRICS)
 
 
 conf = Settings()

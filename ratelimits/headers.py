@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import base64
 import math
 import random
+from collections.abc import Sequence
 from typing import NamedTuple
 
+from .algorithms import Algorithm
 from .conf import conf
-from .decisions import Decision
+from .decisions import Decision, Result
 from .identity import remember
-from .policies.values import Policy
+from .policies.values import Check, Policy, whole_subject
 
 __all__ = ["rate_limit_headers", "retry_after_seconds"]
 
@@ -17,11 +20,14 @@ US = 1_000_000
 
 
 def rate_limit_headers(decision: Decision) -> dict[str, str]:
-    """Headers describing the policy closest to its limit, in the configured style(s).
+    """Headers describing the decision's policies, in the configured style(s).
 
     IETF syntax follows draft-ietf-httpapi-ratelimit-headers-10/11: ``RateLimit-Policy``
-    gives the quota ``q`` over a window of ``w`` seconds, ``RateLimit`` the remaining
-    quota ``r`` and the seconds ``t`` until it is fully restored.
+    gives each policy's quota ``q`` over a window of ``w`` seconds (every enforced policy of
+    the request, or with ``HEADER_POLICIES`` ``"closest"`` only the closest), ``RateLimit`` the
+    remaining quota ``r`` of the policy closest to its limit and the seconds ``t`` until it is
+    fully restored. With ``HEADER_PARTITION_KEY`` each item carries ``pk``, its subject's keyed
+    hash. GitHub's headers describe the closest policy.
     """
     style = conf.headers
     headers: dict[str, str] = {}
@@ -42,11 +48,16 @@ def rate_limit_headers(decision: Decision) -> dict[str, str]:
     # Slots have no window: they come back when requests finish, not at a time we could name.
     reset_us = 0 if policy.holds_slots else closest.reset_us
     if style != "github":  # "ietf" or "both"
-        headers["RateLimit-Policy"] = static.policy
-        if policy.holds_slots:
-            headers["RateLimit"] = f"{static.quoted};r={remaining}"
+        with_keys = conf.header_partition_key
+        key = _partition_key(closest.check) if with_keys else ""
+        if conf.header_policies == "all":
+            headers["RateLimit-Policy"] = _policy_list(decision.results, with_keys)
         else:
-            headers["RateLimit"] = f"{static.quoted};r={remaining};t={-(-reset_us // US)}"
+            headers["RateLimit-Policy"] = static.policy + key
+        if policy.holds_slots:
+            headers["RateLimit"] = f"{static.quoted};r={remaining}{key}"
+        else:
+            headers["RateLimit"] = f"{static.quoted};r={remaining};t={-(-reset_us // US)}{key}"
     if style != "ietf":  # "github" or "both"
         headers["X-RateLimit-Limit"] = static.limit
         headers["X-RateLimit-Remaining"] = str(remaining)
@@ -56,12 +67,46 @@ def rate_limit_headers(decision: Decision) -> dict[str, str]:
     return headers
 
 
+_PolicyLists = dict[tuple[int, ...], tuple[tuple[Check, ...], str]]
+#: Check ids -> (the checks, their ``RateLimit-Policy`` List), without and with ``pk``. An entry
+#: holds its checks, so the ids stay theirs. A caller's checks are the same objects request after
+#: request (:func:`~ratelimits.policies.values.check_for`): the List is joined once, not per response.
+_lists: tuple[_PolicyLists, _PolicyLists] = ({}, {})
+
+
+def _policy_list(results: Sequence[Result], with_keys: bool) -> str:
+    """``RateLimit-Policy`` as a List of every enforced policy of the results, each once, in their order."""
+    memo = _lists[with_keys]
+    ids = tuple([id(result.check) for result in results])
+    try:
+        return memo[ids][1]
+    except KeyError:
+        pass
+    checks = tuple(result.check for result in results)
+    return remember(memo, ids, (checks, _join_policies(checks, with_keys)))[1]
+
+
+def _join_policies(checks: Sequence[Check], with_keys: bool) -> str:
+    # Names are the List's keys: a policy checked twice (two subjects of one policy) is listed once.
+    items: list[str] = []
+    names: list[str] = []
+    for check in checks:
+        static = _static_parts(check.policy)
+        if static.listed and static.quoted not in names:
+            names.append(static.quoted)
+            items.append(static.policy + _partition_key(check) if with_keys else static.policy)
+    return ", ".join(items)
+
+
 class _Static(NamedTuple):
     """What a policy's headers say whatever the request: built once per policy."""
 
     quoted: str
     policy: str
     limit: str
+    #: Whether ``RateLimit-Policy`` lists it: shadow policies never deny, and the fleet's
+    #: in-flight limit is the platform's, not the caller's (as :attr:`Decision.closest` says).
+    listed: bool
 
 
 #: Policy id -> (policy, its parts). An entry holds its policy, so the id stays its own.
@@ -78,9 +123,31 @@ def _static_parts(policy: Policy) -> _Static:
         described = f'{quoted};q={policy.capacity};qu="concurrent-requests"'
     else:
         described = f"{quoted};q={policy.capacity};w={policy.window_seconds}"
-    static = _Static(quoted, described, str(policy.capacity))
+    listed = not policy.shadow and policy.algorithm is not Algorithm.FLEET
+    static = _Static(quoted, described, str(policy.capacity), listed)
     remember(_parts, id(policy), (policy, static))
     return static
+
+
+#: Check id -> (check, its ``pk`` parameter). An entry holds its check, so the id stays its own.
+_keys: dict[int, tuple[Check, str]] = {}
+
+
+def _partition_key(check: Check) -> str:
+    """``;pk=``, the Byte Sequence of the keyed hash of the check's subject (:attr:`Subject.digest`).
+
+    The hash key names carry: 12 bytes of a keyed BLAKE2b, so it names the subject without
+    saying who it is. A sharded policy's check names its whole subject, not the shard the
+    request was counted in, so a caller's partition stays the same from request to request.
+    """
+    try:
+        return _keys[id(check)][1]
+    except KeyError:
+        pass
+    raw = base64.urlsafe_b64decode(whole_subject(check).digest)
+    key = f";pk=:{base64.b64encode(raw).decode('ascii')}:"
+    remember(_keys, id(check), (check, key))
+    return key
 
 
 def retry_after_seconds(decision: Decision) -> int:

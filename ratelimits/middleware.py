@@ -1,4 +1,9 @@
-"""The same engine for plain Django views: a middleware and a per-view decorator."""
+"""The same engine for plain Django views: a middleware and a per-view decorator.
+
+Each works for sync and async views alike. Under ASGI the middlewares run async, and an async
+view's decision is made on the event loop (:func:`~ratelimits.engine.evaluation.aevaluate`);
+under WSGI they run sync, as Django runs any view.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +11,12 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.http import HttpRequest, HttpResponse
 
 from .decisions import Decision
 from .engine import evaluate
-from .engine.evaluation import early_refusals, endpoint_of, note_response, refuse_early
+from .engine.evaluation import aevaluate, early_refusals, endpoint_of, note_response, refuse_early
 from .engine.failed_auth import get_failed_authentication
 from .headers import rate_limit_headers
 from .problems import problem_response
@@ -28,8 +34,24 @@ View = TypeVar("View", bound=Callable[..., Any])
 
 def _limit(request: HttpRequest, endpoint: str) -> HttpResponse | None:
     """Decide ``request``; return the 429/503 response if denied, else ``None``."""
-    user = getattr(request, "user", None)
-    _, decision = evaluate(request, endpoint=endpoint, user=user)
+    _, decision = evaluate(request, endpoint=endpoint, user=getattr(request, "user", None))
+    return _decided(request, decision)
+
+
+async def _alimit(request: HttpRequest, endpoint: str) -> HttpResponse | None:
+    """:func:`_limit` on the event loop."""
+    _, decision = await aevaluate(request, endpoint=endpoint, user=await _auser(request))
+    return _decided(request, decision)
+
+
+async def _auser(request: HttpRequest) -> Any:
+    # request.user is a lazy object that queries the session's user when read: on the event loop
+    # that must be Django's auser(), which queries without blocking it.
+    auser = getattr(request, "auser", None)
+    return await auser() if auser is not None else getattr(request, "user", None)
+
+
+def _decided(request: HttpRequest, decision: Decision) -> HttpResponse | None:
     request.ratelimit = decision  # type: ignore[attr-defined]
     return None if decision.allowed else problem_response(decision)
 
@@ -69,20 +91,45 @@ class RateLimitMiddleware:
     Views opt out with :func:`ratelimit_exempt` or ``RATELIMITS['EXEMPT_ENDPOINTS']``.
     """
 
-    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
-        self.get_response = get_response
+    sync_capable = True
+    async_capable = True
 
-    def __call__(self, request: HttpRequest) -> HttpResponse:
+    def __init__(self, get_response: Callable[[HttpRequest], Any]) -> None:
+        self.get_response = get_response
+        self.is_async = iscoroutinefunction(get_response)
+        if self.is_async:
+            markcoroutinefunction(self)
+            # Django calls process_view as what it is: a coroutine function here, decided on the loop.
+            self.process_view = self._aprocess_view  # type: ignore[method-assign, assignment]
+
+    def __call__(self, request: HttpRequest) -> Any:
+        if self.is_async:
+            return self._acall(request)
         return _add_headers(request, self.get_response(request))
+
+    async def _acall(self, request: HttpRequest) -> HttpResponse:
+        return _add_headers(request, await self.get_response(request))
 
     def process_view(
         self, request: HttpRequest, view_func: Callable[..., Any], view_args: Any, view_kwargs: Any
     ) -> HttpResponse | None:
-        if getattr(view_func, "ratelimit_exempt", False) or _is_drf_view(view_func):
+        if not _limited_here(request, view_func):
             return None
-        if isinstance(getattr(request, "ratelimit", None), Decision):
-            return None  # already decided by the decorator
         return _limit(request, _endpoint(request, view_func))
+
+    async def _aprocess_view(
+        self, request: HttpRequest, view_func: Callable[..., Any], view_args: Any, view_kwargs: Any
+    ) -> HttpResponse | None:
+        if not _limited_here(request, view_func):
+            return None
+        return await _alimit(request, _endpoint(request, view_func))
+
+
+def _limited_here(request: HttpRequest, view_func: Callable[..., Any]) -> bool:
+    """Whether :class:`RateLimitMiddleware` decides this view: not exempt, not DRF's, not decided yet."""
+    if getattr(view_func, "ratelimit_exempt", False) or _is_drf_view(view_func):
+        return False
+    return not isinstance(getattr(request, "ratelimit", None), Decision)  # else: the decorator decided it
 
 
 class FailedAuthenticationMiddleware:
@@ -95,10 +142,18 @@ class FailedAuthenticationMiddleware:
     burst of failures per subject ever reach a 401. Without ``FAILED_AUTH`` it does nothing.
     """
 
-    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
-        self.get_response = get_response
+    sync_capable = True
+    async_capable = True
 
-    def __call__(self, request: HttpRequest) -> HttpResponse:
+    def __init__(self, get_response: Callable[[HttpRequest], Any]) -> None:
+        self.get_response = get_response
+        self.is_async = iscoroutinefunction(get_response)
+        if self.is_async:
+            markcoroutinefunction(self)
+
+    def __call__(self, request: HttpRequest) -> Any:
+        if self.is_async:
+            return self._acall(request)
         limit = get_failed_authentication()
         if limit is None:
             return self.get_response(request)
@@ -108,13 +163,29 @@ class FailedAuthenticationMiddleware:
         response = self.get_response(request)
         if response.status_code != 401:
             return response
-        decision = limit.failed(request)
-        if decision is None:
+        return _after_failure(response, limit.failed(request))
+
+    async def _acall(self, request: HttpRequest) -> HttpResponse:
+        limit = get_failed_authentication()
+        if limit is None:
+            return await self.get_response(request)  # type: ignore[no-any-return]
+        refused = limit.refused(request)
+        if refused is not None:
+            return problem_response(refused)
+        response: HttpResponse = await self.get_response(request)
+        if response.status_code != 401:
             return response
-        if not decision.allowed:
-            return problem_response(decision)
-        _set_headers(response, decision)
+        return _after_failure(response, await limit.afailed(request))
+
+
+def _after_failure(response: HttpResponse, decision: Decision | None) -> HttpResponse:
+    """A 401's response once its failure is counted: the 429 once the limit is spent, else with its headers."""
+    if decision is None:
         return response
+    if not decision.allowed:
+        return problem_response(decision)
+    _set_headers(response, decision)
+    return response
 
 
 class EarlyRejectionMiddleware:
@@ -142,30 +213,68 @@ class EarlyRejectionMiddleware:
     credential, not on other headers.
     """
 
-    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
-        self.get_response = get_response
+    sync_capable = True
+    async_capable = True
 
-    def __call__(self, request: HttpRequest) -> HttpResponse:
-        if early_refusals():
-            endpoint = endpoint_of(request)
-            decision = refuse_early(request, endpoint) if endpoint is not None else None
-            if decision is not None:
-                request.ratelimit = decision  # type: ignore[attr-defined]
-                response = problem_response(decision)
-                # Not logged by django.request as every other 4xx is: a flood refused here would
-                # cost a log line a request, more than refusing it. Usage counts it instead.
-                response._has_been_logged = True  # type: ignore[attr-defined]
-                return response
+    def __init__(self, get_response: Callable[[HttpRequest], Any]) -> None:
+        self.get_response = get_response
+        self.is_async = iscoroutinefunction(get_response)
+        if self.is_async:
+            markcoroutinefunction(self)
+
+    def __call__(self, request: HttpRequest) -> Any:
+        if self.is_async:
+            return self._acall(request)
+        refused = _refused_early(request)
+        if refused is not None:
+            return refused
         response = self.get_response(request)
         # On the way out, before the body is sent: the view's latency and status, for the adaptive capacity.
         note_response(request, response.status_code, streaming=response.streaming)
         return response
 
+    async def _acall(self, request: HttpRequest) -> HttpResponse:
+        refused = _refused_early(request)  # from memory: nothing to wait for
+        if refused is not None:
+            return refused
+        response: HttpResponse = await self.get_response(request)
+        note_response(request, response.status_code, streaming=response.streaming)
+        return response
+
+
+def _refused_early(request: HttpRequest) -> HttpResponse | None:
+    """The 503 or 429 :class:`EarlyRejectionMiddleware` answers ``request`` with, if this worker knows it."""
+    if not early_refusals():
+        return None
+    endpoint = endpoint_of(request)
+    decision = refuse_early(request, endpoint) if endpoint is not None else None
+    if decision is None:
+        return None
+    request.ratelimit = decision  # type: ignore[attr-defined]
+    response = problem_response(decision)
+    # Not logged by django.request as every other 4xx is: a flood refused here would cost a log
+    # line a request, more than refusing it. Usage counts it instead.
+    response._has_been_logged = True  # type: ignore[attr-defined]
+    return response
+
 
 def ratelimit(scope: str | None = None) -> Callable[[View], View]:
-    """Limit one plain view; ``scope`` names it in ``RATELIMITS['ENDPOINTS']`` (default: route name)."""
+    """Limit one plain view, sync or async; ``scope`` names it in ``RATELIMITS['ENDPOINTS']`` (default: route name)."""
 
     def decorate(view: View) -> View:
+        if iscoroutinefunction(view):
+
+            @functools.wraps(view)
+            async def awrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+                if not isinstance(getattr(request, "ratelimit", None), Decision):
+                    denied = await _alimit(request, scope or _endpoint(request, view))
+                    if denied is not None:
+                        return denied
+                return _add_headers(request, await view(request, *args, **kwargs))
+
+            awrapper.ratelimit_scope = scope  # type: ignore[attr-defined]
+            return awrapper  # type: ignore[return-value]
+
         @functools.wraps(view)
         def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
             if not isinstance(getattr(request, "ratelimit", None), Decision):

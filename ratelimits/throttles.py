@@ -10,9 +10,10 @@ from rest_framework.throttling import BaseThrottle
 from .decisions import Decision, Verdict
 from .drf import RateLimitUnavailable, endpoint_name
 from .engine import evaluate
+from .engine.evaluation import aevaluate
 from .headers import rate_limit_headers
 
-__all__ = ["RateLimitThrottle"]
+__all__ = ["AsyncRateLimitThrottle", "RateLimitThrottle"]
 
 
 class RateLimitThrottle(BaseThrottle):
@@ -28,7 +29,9 @@ class RateLimitThrottle(BaseThrottle):
         self.decision: Decision | None = None
 
     def allow_request(self, request: Request, view: Any) -> bool:
-        decision = self.decide(request, view)
+        return self._verdict(request, view, self.decide(request, view))
+
+    def _verdict(self, request: Request, view: Any, decision: Decision) -> bool:
         self.decision = decision
         request._request.ratelimit = decision  # type: ignore[attr-defined]
         view.headers.update(rate_limit_headers(decision))
@@ -46,3 +49,17 @@ class RateLimitThrottle(BaseThrottle):
         if self.decision is None or self.decision.allowed:
             return None
         return self.decision.retry_after_us / 1_000_000
+
+
+class AsyncRateLimitThrottle(RateLimitThrottle):
+    """:class:`RateLimitThrottle` for async DRF views: adrf's ``APIView`` awaits its ``allow_request``.
+
+    The decision is made on the event loop (:func:`~ratelimits.engine.evaluation.aevaluate`). Use
+    it in an adrf view's ``throttle_classes`` (docs/async.md); a sync DRF view keeps
+    :class:`RateLimitThrottle`.
+    """
+
+    async def allow_request(self, request: Request, view: Any) -> bool:  # type: ignore[override]
+        endpoint = endpoint_name(request, view)
+        _, decision = await aevaluate(request, endpoint=endpoint, auth=request.auth, user=request.user)
+        return self._verdict(request, view, decision)

@@ -1,13 +1,16 @@
-"""One contract, both backends: memory and Redis must decide identically."""
+"""One contract, every backend: memory, Redis and Redis Cluster must decide identically, on the sync
+path and on the async one (``adecide``, ``redis.asyncio`` on one Redis)."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from ratelimits.algorithms import RATE_ALGORITHMS, Algorithm
+from ratelimits.backends.cluster import ClusterBackend
 from ratelimits.backends.memory import MemoryBackend
 from ratelimits.backends.redis import RedisBackend, make_client
 from ratelimits.decisions import Decision, Verdict
@@ -16,7 +19,10 @@ from ratelimits.identity import Subject
 from ratelimits.policies import Check, Policy
 from ratelimits.rates import parse_rate
 
+from .support.aio import AsyncDriven, event_loop_thread
 from .support.clock import FakeClock
+from .support.redis_cluster import Cluster
+from .support.redis_server import RedisServer
 
 ALICE = Subject("api_key", "alice")
 BOB = Subject("api_key", "bob")
@@ -30,6 +36,27 @@ def policy(
 
 
 ALGORITHMS = list(RATE_ALGORITHMS)
+
+
+@pytest.fixture(params=["memory", "redis", "cluster", "memory-async", "redis-async", "cluster-async"])
+def backend(request: pytest.FixtureRequest, clock: FakeClock) -> Iterator[Any]:
+    """Each backend (the suite's fixture of that name), its decisions made sync or awaited on one event loop."""
+    store, _, mode = request.param.partition("-")
+    if store == "memory":
+        sync: Any = MemoryBackend(clock=clock)
+    elif store == "cluster":
+        cluster: Cluster = request.getfixturevalue("redis_cluster")
+        request.getfixturevalue("cluster_client")  # flushed
+        sync = ClusterBackend(make_client(cluster.url, 2.0, 2.0), clock=clock)  # type: ignore[arg-type]
+    else:
+        server: RedisServer = request.getfixturevalue("redis_server")
+        request.getfixturevalue("redis_client")  # flushed
+        sync = RedisBackend(make_client(server.url, 2.0, 2.0), clock=clock)
+    if not mode:
+        yield sync
+        return
+    with event_loop_thread() as loop:
+        yield AsyncDriven(sync, loop)
 
 
 def assert_same_decision(ours: Decision, theirs: Decision) -> None:

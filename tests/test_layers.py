@@ -9,11 +9,12 @@ The layers, from the bottom (a module may import its own layer and those below):
 
 0. foundation: settings, exceptions, the named choices, rates; and the HTTP client (``client``), which
    imports nothing else of the package (tests/test_client.py checks it loads no other module)
-1. values: algorithms, identity, decisions, counters, the adaptive capacity; policies and the settings source
+1. values: algorithms, identity, decisions, counters, the adaptive capacity, the metrics' recorder;
+   policies and the settings source
 2. stores: the backends
 3. the policy store: models, the database source, versioning, audit, usage records
 4. the engine
-5. HTTP: throttles, DRF, middleware, headers, problems, views, status
+5. HTTP: throttles, DRF, middleware, headers, problems, views, status, the OpenAPI schema
 6. operator surfaces: admin, reports, commands, tasks, checks, the app config
 """
 
@@ -44,6 +45,7 @@ LAYERS: dict[str, int] = {
     "ratelimits.counters": 1,
     "ratelimits.shares": 1,
     "ratelimits.adaptive": 1,
+    "ratelimits.metrics": 1,
     "ratelimits.policies": 1,
     "ratelimits.policies.values": 1,
     "ratelimits.policies.snapshot": 1,
@@ -75,9 +77,11 @@ LAYERS: dict[str, int] = {
     "ratelimits.views": 5,
     "ratelimits.endpoints": 5,
     "ratelimits.status": 5,
+    "ratelimits.openapi": 5,
     "ratelimits.usage.queries": 6,
     "ratelimits.usage.text": 6,
     "ratelimits.usage.chart": 6,
+    "ratelimits.usage.live": 6,
     "ratelimits.usage.report": 6,
     "ratelimits.usage.digest": 6,
     "ratelimits.admin": 6,

@@ -81,7 +81,8 @@ def test_responses_carry_status_type_retry_after_and_rate_limit_headers() -> Non
     assert response.status_code == 429
     assert response["Content-Type"] == CONTENT_TYPE
     assert response["Retry-After"] == "37"  # whole seconds, rounded up
-    assert response["RateLimit-Policy"] == '"slow";q=100;w=3600'
+    assert response["RateLimit-Policy"] == '"fast";q=10;w=1, "slow";q=100;w=3600, "ok";q=5;w=1'
+    assert response["RateLimit"].startswith('"slow";r=1;')  # the violated policy with the longest wait
     assert json.loads(response.content)["status"] == 429
     unavailable = problem_response(Decision(Verdict.UNAVAILABLE, (), retry_after_us=1, degraded=True))
     assert (unavailable.status_code, unavailable["Retry-After"], unavailable["X-RateLimit-Degraded"]) == (503, "1", "1")

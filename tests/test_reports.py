@@ -1,12 +1,16 @@
 """The admin usage report: per-period totals, bounded tables, filters, CSV exports, permissions, ranges.
 
 Usage rows are created directly. Ranges are fixed in the past (2025-03-01 UTC), so no test
-depends on the clock, except the one checking the default range.
+depends on the clock, except those checking the default range. Periods not rolled up yet are
+summed from their minutes: the report says the same before and after the roll-up ran. Live
+rows (minutes not drained yet, tests/test_usage_live.py reads them from the stores) rank as
+they would once drained.
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import re
 from datetime import UTC, datetime, timedelta
@@ -19,11 +23,14 @@ from django.test import Client
 from django.urls import reverse
 
 from ratelimits.models import UsageRecord
-from ratelimits.usage.chart import MAX_BARS, render_chart
+from ratelimits.usage import rollup
+from ratelimits.usage.chart import MAX_BARS, MIN_PERIODS, chart_periods, render_chart
+from ratelimits.usage.live import LiveRow
 from ratelimits.usage.queries import (
     TABLE_LIMIT,
     TABLES,
     Caveats,
+    Period,
     ReportFilters,
     caveats,
     effective_policy_url,
@@ -132,8 +139,9 @@ def test_totals_per_period(traffic: None) -> None:
         "Shed (503)",
         "Degraded",
         "Tokens",
+        "Live",
     ]
-    assert table.csv_rows()[1] == ["2025-03-01T01:00:00Z", "33", "23", "8", "2", "0", "40"]
+    assert table.csv_rows()[1] == ["2025-03-01T01:00:00Z", "33", "23", "8", "2", "0", "40", ""]
 
 
 def test_periods_start_inside_the_range_and_end_before_to(traffic: None) -> None:
@@ -142,9 +150,10 @@ def test_periods_start_inside_the_range_and_end_before_to(traffic: None) -> None
     assert [p.start for p in series] == [START + HOUR, START + 2 * HOUR]
     assert [p.requests for p in series] == [33, 8]
     daily = time_series(ReportFilters(start=START, end=START + timedelta(days=3), granularity="day"))
+    # The roll-up got as far as the first day: the next is summed from its hours (one, at midnight).
     assert [(p.start, p.allowed) for p in daily] == [
         (START, 1000),
-        (START + timedelta(days=1), 0),
+        (START + timedelta(days=1), 1000),
         (START + timedelta(days=2), 0),
     ]
     minutes = time_series(ReportFilters(start=START, end=START + timedelta(minutes=5), granularity="minute"))
@@ -265,6 +274,108 @@ def test_the_linked_effective_policy_page_is_filled_in(admin_client: Client, tra
     )
 
 
+# -- periods not rolled up, and live rows -------------------------------------------------------------
+
+
+@pytest.fixture
+def minutes() -> int:
+    """Three subjects' minute rows over 3 h 20 min from START, as the drain writes them; returns their requests."""
+    rows = []
+    for m in range(0, 200, 7):
+        at = START + timedelta(minutes=m)
+        counts = {"allowed": m % 5 + 1, "throttled": m % 3, "tokens": 2 * (m % 5 + 1)}
+        rows.append(record("ApiKey:1", at, granularity="minute", organization="acme", tier="free", **counts))
+        if m % 2:
+            rows.append(record("42", at, kind="user", endpoint="refunds", granularity="minute", allowed=3, shed=1))
+        if m % 3 == 0:
+            rows.append(record("ip", at, kind="overflow", granularity="minute", allowed=2, degraded=1, tokens=2))
+    return sum(row.requests for row in rows)
+
+
+def everything(granularity: str, days: int) -> tuple[Any, ...]:
+    """What the report shows of ``days`` from START: the series, every table, the caveats."""
+    filters = ReportFilters(start=START, end=START + timedelta(days=days), granularity=granularity)
+    return time_series(filters), [build(filters, "requests", ()).rows for build in TABLES.values()], caveats(filters)
+
+
+def test_periods_not_rolled_up_are_summed_from_their_minutes_as_the_roll_up_sums_them(minutes: int) -> None:
+    before = {granularity: everything(granularity, 2) for granularity in ("hour", "day")}
+    assert sum(p.requests for p in before["hour"][0]) == minutes == sum(p.requests for p in before["day"][0])
+    assert [p.requests > 0 for p in before["hour"][0][:5]] == [True, True, True, True, False]
+
+    rollup(now=START + 2 * HOUR + timedelta(minutes=10))  # the first two hours; the rest is under way
+    assert UsageRecord.objects.filter(granularity="hour").count() == 3 * 2  # three subjects, two hours
+    assert {granularity: everything(granularity, 2) for granularity in ("hour", "day")} == before
+
+    rollup(now=START + timedelta(days=1, hours=1))  # every hour, and the day
+    assert UsageRecord.objects.filter(granularity="day").count() == 3
+    # Minutes and the hours and the day summed from them are all there now: each is read once.
+    assert {granularity: everything(granularity, 2) for granularity in ("hour", "day")} == before
+
+
+def test_a_rolled_up_period_is_read_from_its_own_rows_only() -> None:
+    record("ApiKey:1", START, allowed=10)  # the hour as the roll-up wrote it
+    record("ApiKey:1", START + timedelta(minutes=59), granularity="minute", allowed=1)  # drained after it
+    record("ApiKey:1", START + HOUR, granularity="minute", allowed=4)  # an hour not rolled up yet
+    assert [p.allowed for p in time_series(day())][:3] == [10, 4, 0]
+    # Where the roll-up got is the same for every subject: a filtered report adds up to the whole.
+    record("42", START + HOUR + timedelta(minutes=5), kind="user", granularity="minute", allowed=2)
+    apart = [
+        time_series(day(subject_kind=kind, subject_id=value))
+        for kind, value in (("api_key", "ApiKey:1"), ("user", "42"))
+    ]
+    assert [sum(p.allowed for p in series) for series in apart] == [14, 2]
+
+
+def test_the_roll_up_sets_a_day_from_all_of_its_hours() -> None:
+    for hour in range(24):
+        record("ApiKey:1", START + hour * HOUR, allowed=1)
+    rollup(now=START + timedelta(days=2, hours=10))  # its 48 hours start at 10:00 on START's day
+    assert UsageRecord.objects.get(granularity="day", period_start=START).allowed == 24
+
+
+def test_live_rows_count_as_they_will_once_drained() -> None:
+    # 25 subjects, every total and share distinct: no ties for the tables to break.
+    for n in range(25):
+        record(f"ApiKey:{n}", START, granularity="minute", allowed=100 + 10 * n, throttled=n, tokens=1000 - 7 * n)
+    later = START + timedelta(minutes=30)
+    live = [
+        LiveRow(later, "api_key", "ApiKey:0", "charges", allowed=500, tokens=500),  # the last, to the top
+        # The two most throttled, diluted: the table's last place goes to one the database ranked 21st.
+        LiveRow(later, "api_key", "ApiKey:24", "charges", allowed=1000, tokens=1000),
+        LiveRow(later, "api_key", "ApiKey:23", "charges", allowed=1000, tokens=1000),
+        LiveRow(later, "api_key", "ApiKey:99", "refunds", allowed=1, throttled=5, tokens=1),  # only live
+        LiveRow(later, "overflow", "ip", "charges", allowed=9, tokens=9),
+        LiveRow(START + 25 * HOUR, "api_key", "ApiKey:7", "charges", allowed=10_000),  # outside the range
+    ]
+    every_filter = [day(), day(endpoint="refunds"), day(subject_kind="api_key", subject_id="ApiKey:0"), day(tier="x")]
+
+    def report(rows: list[LiveRow]) -> list[Any]:
+        return [
+            (
+                [dataclasses.replace(p, live=False) for p in time_series(f, rows)],
+                [build(f, by, rows).rows for build in TABLES.values() for by in ("requests", "tokens")],
+                caveats(f, rows),
+            )
+            for f in every_filter
+        ]
+
+    merged = report(live)
+    assert [p.live for p in time_series(day(), live)][:2] == [True, False]
+    assert top_consumers(day(), live=live).rows[0]["subject_id"] == "ApiKey:24"
+    assert [row["subject_id"] for row in near_limit(day(), live=live).rows][-2:] == ["ApiKey:5", "ApiKey:4"]
+    for row in live:  # drained, as the drain writes them
+        record(
+            row.subject_id,
+            row.period_start,
+            kind=row.subject_kind,
+            endpoint=row.endpoint,
+            granularity="minute",
+            **{m: getattr(row, m) for m in ("allowed", "throttled", "shed", "degraded", "tokens")},
+        )
+    assert merged == report([])
+
+
 # -- the page -----------------------------------------------------------------------------------------
 
 
@@ -303,13 +414,36 @@ def test_the_default_report_covers_the_last_24_hours(admin_client: Client) -> No
     assert sum(row["allowed"] for row in series) == 7
 
 
+def test_a_young_install_gets_its_last_hour_by_minute(admin_client: Client) -> None:
+    now = datetime.now(tz=UTC)
+    fresh = admin_client.get(URL).context["form"].cleaned_data
+    assert fresh["granularity"] == "minute" and fresh["to"] - fresh["from"] == timedelta(hours=1)
+    assert abs(fresh["to"] - now) < timedelta(minutes=2)
+    record("ApiKey:1", now - timedelta(minutes=30), granularity="minute", allowed=3)
+    response = admin_client.get(URL)
+    assert response.context["form"].cleaned_data["granularity"] == "minute"
+    assert sum(row["allowed"] for row in response.context["sections"][0]["table"].rows) == 3
+    # A filter alone, or a blank form, asks for no range: the report still fits the data, filtered.
+    narrowed = admin_client.get(URL, {"endpoint": "charges", "from": "", "to": "", "granularity": ""})
+    assert narrowed.context["form"].cleaned_data["granularity"] == "minute"
+    assert narrowed.context["filters"].endpoint == "charges"
+    # Anything of the range given wins: a granularity alone gets the last 24 hours of it.
+    hourly = admin_client.get(URL, {"granularity": "hour"}).context["form"].cleaned_data
+    assert hourly["granularity"] == "hour" and hourly["to"] - hourly["from"] == timedelta(hours=24)
+    # Once a row is older than an hour, the install is not young.
+    record("ApiKey:1", now - timedelta(minutes=61), granularity="minute", allowed=1)
+    assert admin_client.get(URL).context["form"].cleaned_data["granularity"] == "hour"
+
+
 def test_csv_export_matches_every_table(admin_client: Client, traffic: None) -> None:
     filters = day()
     page = admin_client.get(URL, query())
     for section in page.context["sections"]:
         table = section["table"]
         expected = (
-            series_table(time_series(filters)) if table.name == "series" else TABLES[table.name](filters, "requests")
+            series_table(time_series(filters))
+            if table.name == "series"
+            else TABLES[table.name](filters, "requests", ())
         )
         rows = csv_of(admin_client.get(URL, {**query(), "format": "csv", "table": table.name}))
         assert rows[0] == table.header() == expected.header()
@@ -366,6 +500,9 @@ def test_permissions(client: Client, viewer_client: Client, django_user_model: A
         ({"from": "2024-01-01", "to": "2025-03-01", "granularity": "day"}, "from", "at most 366 days"),
         (query(**{"from": "yesterday"}), "from", "is not a date and time"),
         (query(to="2025-13-45 99:00"), "to", "is not a date and time"),
+        ({"to": "0001-01-01 05:00"}, "to", "is out of range: give a moment from 1970-01-01 00:00 to 9999-01-01"),
+        ({"from": "9999-12-31 22:00", "to": "9999-12-31 23:59"}, "from", "is out of range"),
+        ({"from": "1970-01-01T01:00+02:00", "to": "1970-01-01 05:00"}, "from", "is out of range"),
         (query(granularity="week"), "granularity", "Select a valid choice"),
         (query(subject="ApiKey:1"), "subject", "give kind:id"),
         (query(subject="api_key:"), "subject", "give kind:id"),
@@ -433,7 +570,8 @@ def test_long_series_are_drawn_as_lines_and_empty_ones_say_so() -> None:
     assert 'data-kind="lines"' in chart
     assert len(re.findall(r"<path ", chart)) == 4
     assert len(re.findall(r"<rect ", chart)) == 4  # the legend's swatches only
-    empty = str(render_chart(time_series(day()), "hour"))
+    next_day = ReportFilters(start=START + 24 * HOUR, end=START + 48 * HOUR)
+    empty = str(render_chart(time_series(next_day), "hour"))
     assert "No usage recorded in this range" in empty
     assert 'data-kind="stacked bars"' in empty
 
@@ -461,3 +599,34 @@ def test_the_page_says_nothing_of_overflow_when_there_is_none(admin_client: Clie
     assert caveats(day()) == Caveats()
     html = admin_client.get(URL, query()).content.decode()
     assert 'id="usage-overflow"' not in html and 'id="usage-unresolved"' not in html
+
+
+def test_the_chart_starts_at_the_traffic_when_the_range_begins_empty(admin_client: Client) -> None:
+    end = START + timedelta(days=1)
+    record("ApiKey:1", end - timedelta(minutes=3), granularity="minute", allowed=5)
+    series = time_series(ReportFilters(start=START, end=end, granularity="minute"))
+    shown = chart_periods(series)
+    assert len(series) == 1440 and list(shown) == series[-MIN_PERIODS:]
+    # The first period with requests, when more than MIN_PERIODS come after it; nothing left out when the start is busy.
+    record("ApiKey:1", end - timedelta(hours=2), granularity="minute", allowed=1)
+    series = time_series(ReportFilters(start=START, end=end, granularity="minute"))
+    assert chart_periods(series)[0].start == end - timedelta(hours=2) and len(chart_periods(series)) == 120
+    assert chart_periods(series[-200:]) == series[-120:]
+    assert chart_periods(time_series(day())) == time_series(day())  # nothing recorded: nothing to start at
+
+    response = admin_client.get(URL, {"from": "2025-03-01 00:00", "to": "2025-03-02 00:00", "granularity": "minute"})
+    html = response.content.decode()
+    assert 'data-kind="stacked bars"' in str(response.context["chart"])  # 120 periods: bars, not a one-pixel line
+    assert "The 1,320 periods before the first, in which nothing was recorded, are not drawn." in html
+    assert "The chart starts at 2025-03-01 22:00" in html.split('id="usage-chart-starts"')[1].split("</p>")[0]
+    assert len(response.context["sections"][0]["table"].rows) == 1440  # the table and its CSV have every period
+
+
+def test_live_periods_are_marked_in_the_chart_and_the_table() -> None:
+    series = [Period(START + i * HOUR, allowed=i) for i in range(3)] + [Period(START + 3 * HOUR, allowed=2, live=True)]
+    chart = str(render_chart(series, "hour"))
+    assert chart.count('class="live-band"') == 1 and chart.count('data-live="1"') == 1
+    assert "live (not drained yet)" in chart.split('<g class="legend">')[1]
+    assert "Live (counted in the store, not drained yet): 2025-03-01 03:00." in chart
+    assert "live" not in str(render_chart(series[:3], "hour"))
+    assert [row[-1] for row in series_table(series).csv_rows()] == ["", "", "", "live"]

@@ -1,23 +1,39 @@
 """The usage report in a real headless browser: Debian's Chromium driven by Playwright.
 
-The page is served by pytest-django's ``live_server``; the screenshot is written to
-test-artifacts/usage-report.png.
+The page is served by pytest-django's ``live_server``; the screenshots are written to
+test-artifacts/usage-report.png and usage-report-live.png. The second test is a fresh demo:
+``seed_demo`` on an empty database, the demo's settings, API requests over HTTP, one drain as the
+demo's timer runs it and more requests after it, and no roll-up.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import time
 from datetime import UTC, datetime, timedelta
+from importlib import import_module
+from io import StringIO
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
+from django.apps import apps
+from django.core.management import call_command
+from django.db import connection
 from django.urls import reverse
 
+from project.payments.management.commands.seed_demo import ADMIN, DEMO_KEYS
+from project.payments.models import ApiKey, hash_key
+from project.settings import RATELIMITS as DEMO_RATELIMITS
+from ratelimits import engine
 from ratelimits.models import UsageRecord
+from ratelimits.usage import drain
+from ratelimits.usage.subjects import write_pending
 
 from .support.browser import PASSWORD, launch, log_in, screenshot_path, watch
+from .support.http import fetch
 
 HOURS = range(1, 23)  # hours before the current one: inside the default 24 hours, whenever the test runs
 
@@ -185,3 +201,113 @@ def test_usage_report_in_chromium(chromium: str, live_server: Any, django_user_m
     assert narrowed == {"allowed": len(HOURS), "throttled": 0, "shed": hours_with["shed"], "degraded": 0}
     assert [row[1] for row in narrowed_consumers] == ["42"]
     assert effective[0].startswith("Effective policy") and effective[1:] == ("42", "refunds")
+
+
+@pytest.fixture(params=["memory", "redis"])
+def fresh_demo(request: pytest.FixtureRequest, settings: Any) -> dict[str, str]:
+    """``make demo`` on an empty database: its settings (on the memory backend, or the private Redis) and seed.
+
+    Returns the subject of each demo key, by the key.
+    """
+    store: dict[str, Any] = {"BACKEND": "memory"}
+    if request.param == "redis":
+        store = {"BACKEND": "redis", "REDIS_URL": request.getfixturevalue("use_redis").url}
+    settings.RATELIMITS = {**DEMO_RATELIMITS, **store}
+    # What `migrate` seeds, again: an earlier transactional test's flush may have emptied the tables.
+    with connection.schema_editor() as editor:
+        import_module("ratelimits.migrations.0002_seed_tiers").seed(apps, editor)
+    call_command("seed_demo", stdout=StringIO())
+    return {raw: f"ApiKey:{ApiKey.objects.get(key_hash=hash_key(raw)).pk}" for _, _, _, raw in DEMO_KEYS}
+
+
+def call_api(port: int, raw_key: str, count: int) -> tuple[list[int], set[int]]:
+    """``count`` calls of GET /v1/customers with ``raw_key``: their statuses, and the minutes they were made in."""
+    minutes = {int(time.time() // 60)}
+    statuses = [
+        fetch(port, "GET", "/v1/customers", headers={"Authorization": f"Bearer {raw_key}"}).status for _ in range(count)
+    ]
+    minutes.add(int(time.time() // 60))
+    engine.get_limiter().flush_usage(now=True)  # what a worker decided itself reaches the store within a second
+    write_pending()  # the callers' labels, which the server writes after its first responses anyway
+    return statuses, minutes
+
+
+def column(rows: list[list[str]], index: int) -> list[int]:
+    return [int(row[index].replace(",", "")) for row in rows]
+
+
+def test_a_fresh_demo_reports_the_traffic_of_the_last_minutes_at_once(
+    chromium: str, live_server: Any, fresh_demo: dict[str, str]
+) -> None:
+    port = urlsplit(live_server.url).port
+    assert port is not None
+    (free_key, standard_key) = (raw for _, _, _, raw in DEMO_KEYS)
+    # Drained once, as the demo's timer does every 30 s; then more traffic, not drained yet. Nothing is rolled up.
+    drained, drained_minutes = call_api(port, standard_key, 4)
+    assert drain(now=time.time() + 120) >= 1
+    undrained, live_minutes = call_api(port, free_key, 9)  # Acme's customer listing is held to 5, then 2/s
+    statuses = drained + undrained
+    assert set(statuses) <= {200, 429} and 429 in statuses
+    allowed, throttled = statuses.count(200), statuses.count(429)
+    traffic_minutes = {period(m, "%Y-%m-%d %H:%M") for m in drained_minutes | live_minutes}
+    live_periods = {period(m, "%Y-%m-%d %H:%M") for m in live_minutes}
+    live_hours = {period(m, "%Y-%m-%d %H:00") for m in live_minutes}
+    screenshot = screenshot_path("usage-report-live.png")
+    page_url = live_server.url + reverse("admin:ratelimits_usage_report")
+
+    with launch(chromium) as browser:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        problems = watch(page)
+        log_in(page, page_url, ADMIN[0], ADMIN[1])
+        page.wait_for_selector("#usage-chart")
+        granularity = page.input_value("#id_granularity")
+        by_minute = table_rows(page, "series")
+        totals = " ".join((page.text_content("#usage-totals") or "").split())
+        live_note = " ".join((page.text_content("#usage-live") or "").split())
+        chart = page.evaluate(
+            """() => ({
+                desc: document.querySelector('#usage-chart desc').textContent,
+                bands: document.querySelectorAll('#usage-chart rect.live-band').length,
+                liveBars: document.querySelectorAll('#usage-chart g.series rect[data-live]').length,
+                legend: Array.from(document.querySelectorAll('#usage-chart .legend text'), t => t.textContent),
+            })"""
+        )
+        consumers = table_rows(page, "top_consumers")
+        page.screenshot(path=str(screenshot), full_page=True)
+
+        # By hour, as the report opened before: the hour under way is summed from its minutes.
+        page.select_option("#id_granularity", "hour")
+        page.fill("#id_from", "")
+        page.fill("#id_to", "")
+        page.click("#usage-form input[type=submit]")
+        page.wait_for_url("**granularity=hour**")
+        by_hour = table_rows(page, "series")
+
+    assert problems == []
+    assert granularity == "minute"  # a young install: its last hour, by minute
+    assert len(by_minute) == 60
+    busy = [row for row in by_minute if row[1] != "0"]
+    assert {row[0] for row in busy} <= traffic_minutes
+    assert sum(column(busy, 1)) == len(statuses)
+    assert (sum(column(busy, 2)), sum(column(busy, 3))) == (allowed, throttled)
+    live = {row[0] for row in by_minute if row[-1] == "live"}
+    assert live and live <= live_periods  # the minutes not drained yet, and only those
+    assert totals.startswith(f"{len(statuses)} requests in the range: {allowed} allowed, {throttled} throttled")
+    assert "from" in live_note and "not drained into the database yet" in live_note
+    assert chart["bands"] == len(live) and chart["liveBars"] >= len(live)
+    assert "live (not drained yet)" in chart["legend"]
+    assert "Live (counted in the store, not drained yet)" in chart["desc"]
+    assert sorted((row[1], row[4]) for row in consumers) == sorted(
+        [(fresh_demo[free_key], str(len(undrained))), (fresh_demo[standard_key], str(len(drained)))]
+    )
+    assert screenshot.stat().st_size > 10_000
+
+    assert len(by_hour) == 24
+    assert sum(column(by_hour, 1)) == len(statuses) and sum(column(by_hour, 2)) == allowed
+    live_by_hour = {row[0] for row in by_hour if row[-1] == "live"}
+    assert live_by_hour and live_by_hour <= live_hours
+
+
+def period(minute: int, written: str) -> str:
+    """The period of ``minute`` (since the epoch) as the report's table writes its start (``written``: its format)."""
+    return datetime.fromtimestamp(minute * 60, tz=UTC).strftime(written)

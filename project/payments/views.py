@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from adrf.views import APIView as AsyncAPIView
+from django.db.models import Count, Sum
+from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, status
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from ratelimits.openapi import FIELD_ERRORS
+from ratelimits.throttles import AsyncRateLimitThrottle
 from ratelimits.views import RateLimitStatusView
 
 from . import downstream
@@ -25,6 +30,25 @@ class CustomerSerializer(serializers.ModelSerializer):
         fields = ["id", "email", "created"]
 
 
+# The bodies the views below build by hand, for the OpenAPI schema.
+class ChargePageSerializer(serializers.Serializer):
+    data = ChargeSerializer(many=True)
+
+
+class CustomerPageSerializer(serializers.Serializer):
+    data = CustomerSerializer(many=True)
+
+
+class BalanceSerializer(serializers.Serializer):
+    amount = serializers.IntegerField(min_value=0)
+    charges = serializers.IntegerField(min_value=0)
+
+
+class ExportSerializer(serializers.Serializer):
+    rows = serializers.IntegerField(min_value=0)
+    format = serializers.ChoiceField(choices=["csv"])
+
+
 def _owner(request: Request) -> ApiKey:
     if not isinstance(request.auth, ApiKey):
         from rest_framework.exceptions import NotAuthenticated
@@ -38,6 +62,7 @@ class ChargeList(APIView):
 
     throttle_scope = "charges"
 
+    @extend_schema(request=ChargeSerializer, responses={201: ChargeSerializer, 400: FIELD_ERRORS})
     def post(self, request: Request) -> Response:
         serializer = ChargeSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
@@ -45,6 +70,7 @@ class ChargeList(APIView):
         downstream.call("charge")  # the payment processor: nothing to wait on, unless DEMO_DOWNSTREAM says
         return Response(serializer.data, status=status.HTTP_201_CREATED)
 
+    @extend_schema(responses=ChargePageSerializer)
     def get(self, request: Request) -> Response:
         charges = Charge.objects.filter(owner=_owner(request)).order_by("-id")[:100]
         return Response({"data": ChargeSerializer(charges, many=True).data})
@@ -55,6 +81,7 @@ class CustomerList(APIView):
 
     throttle_scope = "customers"
 
+    @extend_schema(responses=CustomerPageSerializer)
     def get(self, request: Request) -> Response:
         customers = Customer.objects.filter(owner=_owner(request)).order_by("-id")[:100]
         return Response({"data": CustomerSerializer(customers, many=True).data})
@@ -68,10 +95,24 @@ class ReportExport(APIView):
     #: (see downstream.py); long enough to show concurrency limits.
     duration = 0.5
 
+    @extend_schema(request=None, responses=ExportSerializer)
     def post(self, request: Request) -> Response:
         owner = _owner(request)
         downstream.call("export", self.duration)
         return Response({"rows": owner.charges.count(), "format": "csv"})
+
+
+class Balance(AsyncAPIView):
+    """GET the caller's balance: an async view (adrf), decided on the event loop under ASGI."""
+
+    throttle_scope = "balance"
+    throttle_classes = [AsyncRateLimitThrottle]
+
+    @extend_schema(responses=BalanceSerializer)
+    async def get(self, request: Request) -> Response:
+        charges = Charge.objects.filter(owner=_owner(request))
+        totals = await charges.aaggregate(amount=Sum("amount"), charges=Count("id"))
+        return Response({"amount": totals["amount"] or 0, "charges": totals["charges"]})
 
 
 class RateLimitStatus(RateLimitStatusView):

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+from asgiref.sync import sync_to_async
+
 if TYPE_CHECKING:
     from ..counters import Usage
     from ..decisions import Decision
@@ -52,6 +54,16 @@ class Grant:
     given_back: float
 
 
+@dataclass(frozen=True, slots=True)
+class UsagePeek:
+    """Usage counters read without claiming them (:meth:`Backend.peek_usage`)."""
+
+    #: ``{minute: {field: count}}`` of the minutes that had counters.
+    counts: dict[int, dict[str, int]]
+    #: Whether the store held more counters than the read was allowed: the rest were left unread.
+    truncated: bool = False
+
+
 class Backend(ABC):
     """Stores limiter state and decides checks atomically."""
 
@@ -78,6 +90,17 @@ class Backend(ABC):
         these costs would get now. Raises :class:`~ratelimits.exceptions.BackendUnavailable`
         when the store cannot answer; never retries a call that may have consumed.
         """
+
+    async def adecide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
+        """:meth:`decide` for async code. Here: the blocking call in a thread of the default
+        executor, so the event loop runs on meanwhile; a store with an async client overrides it."""
+        return await sync_to_async(self.decide, thread_sensitive=False)(checks, consume=consume, usage=usage)
+
+    async def alease(
+        self, checks: Sequence[Check], wants: Sequence[int], *, usage: Usage | None = None
+    ) -> tuple[Decision, list[Grant]]:
+        """:meth:`lease` for async code (as :meth:`adecide` is :meth:`decide`'s)."""
+        return await sync_to_async(self.lease, thread_sensitive=False)(checks, wants, usage=usage)
 
     @abstractmethod
     def add_usage(self, counts: Mapping[tuple[int, str], int]) -> None:
@@ -106,6 +129,16 @@ class Backend(ABC):
     @abstractmethod
     def finish_usage(self, batch: str) -> None:
         """Forget a claimed batch, and its lease, once its counts are safely in the database."""
+
+    def peek_usage(self, minutes: Sequence[int], max_fields: int) -> UsagePeek:
+        """The counters of ``minutes`` still in the live set, read without claiming or changing them.
+
+        For the usage report's minutes not drained yet, off the decision path. Minutes are read in
+        the order given, and at most ``max_fields`` fields in all: a busy store costs the reader a
+        bounded read, and the rest is reported unread. Batches a drain has claimed are not read:
+        they are in the database, or about to be.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot read usage counters without draining them")
 
     @abstractmethod
     def release(self, slot: str, keys: Sequence[str]) -> int:

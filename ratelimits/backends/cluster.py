@@ -40,7 +40,7 @@ from ..decisions import Decision, Result
 from ..exceptions import BackendUnavailable, PolicyFailed
 from ..policies.values import Check
 from . import layout
-from .base import StoreHealth, new_slot, slot_keys
+from .base import StoreHealth, UsagePeek, new_slot, slot_keys
 from .invalidation import version_message
 from .redis import (
     _REFUND_CHECK,
@@ -525,6 +525,28 @@ class ClusterBackend(RedisBackend):
                 if found:
                     batches.append((name, int(found[1])))
         return sorted(batches, key=lambda batch: batch[1])
+
+    def peek_usage(self, minutes: Sequence[int], max_fields: int) -> UsagePeek:
+        """Every slot's hash of ``minutes``, found as :meth:`claim_usage` finds them, read in the minutes' order."""
+        wanted = {minute: n for n, minute in enumerate(minutes)}
+        keys: list[tuple[int, int, str]] = []  # (the minute's place in ``minutes``, minute, key)
+        counts: dict[int, dict[str, int]] = {}
+        left = max_fields
+        with self._store():
+            for key in self.client.scan_iter(match=f"{self.prefix}:{{*}}#usage:*", count=1000):
+                found = self._usage_pattern.fullmatch(_text(key))
+                if found and int(found[2]) in wanted:
+                    keys.append((wanted[int(found[2])], int(found[2]), _text(key)))
+            for _, minute, key in sorted(keys):
+                fields, complete = self._scan_hash(key, left)
+                merged = counts.setdefault(minute, {})
+                for name, count in fields.items():
+                    # The slot's own row count and markers are summed too: the report reads only the metrics.
+                    merged[name] = merged.get(name, 0) + count
+                left -= len(fields)
+                if not complete:
+                    return UsagePeek({m: c for m, c in counts.items() if c}, truncated=True)
+        return UsagePeek({m: c for m, c in counts.items() if c})
 
     def finish_usage(self, batch: str) -> None:
         with self._store():

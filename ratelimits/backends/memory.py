@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import uuid
@@ -13,7 +14,7 @@ from ..conf import conf
 from ..counters import ALLOWED, EXTRA_TOKENS, LIMITED, SHED, Usage, count, overflow_of
 from ..decisions import Decision, Result, Verdict
 from ..policies.values import Check
-from .base import Backend, new_slot, slot_keys
+from .base import Backend, UsagePeek, new_slot, slot_keys
 
 __all__ = ["MemoryBackend"]
 
@@ -55,6 +56,10 @@ class MemoryBackend(Backend):
     @classmethod
     def from_settings(cls) -> MemoryBackend:
         return cls(prefix=conf.key_prefix)
+
+    async def adecide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
+        # In this process's memory, under a lock held for microseconds: nothing to wait for.
+        return self.decide(checks, consume=consume, usage=usage)
 
     def decide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
         with self._lock:
@@ -145,6 +150,21 @@ class MemoryBackend(Backend):
                 if overflow is not None:
                     minute_counts = self.usage_counts.setdefault(minute, Counter())
                     count(minute_counts, field[:-1], overflow, field[-1], n, self.usage_cap)
+
+    def peek_usage(self, minutes: Sequence[int], max_fields: int) -> UsagePeek:
+        counts: dict[int, dict[str, int]] = {}
+        left = max_fields
+        with self._lock:  # copied under the decisions' lock: at most max_fields fields, a millisecond or so
+            for minute in minutes:
+                held = self.usage_counts.get(minute)
+                if not held:
+                    continue
+                if len(held) > left:
+                    counts[minute] = dict(itertools.islice(held.items(), left))
+                    return UsagePeek({m: c for m, c in counts.items() if c}, truncated=True)
+                counts[minute] = dict(held)
+                left -= len(held)
+        return UsagePeek(counts)
 
     def release(self, slot: str, keys: Sequence[str]) -> int:
         with self._lock:

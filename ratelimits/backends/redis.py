@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -13,8 +14,9 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from importlib import resources
-from typing import Any
+from typing import Any, cast
 
 import redis
 from redis.cluster import RedisCluster
@@ -32,7 +34,8 @@ from ..exceptions import BackendUnavailable, PolicyFailed
 from ..policies.values import Check
 from ..shares import ShareRecord
 from . import layout
-from .base import Backend, Grant, StoreHealth, new_slot, slot_keys
+from .aio import AsyncClients, async_pool_factory
+from .base import Backend, Grant, StoreHealth, UsagePeek, new_slot, slot_keys
 from .connection import make_client as new_client
 from .connection import tight
 from .invalidation import RESET, Subscription, channel, held, version_message
@@ -175,46 +178,67 @@ class RedisBackend(Backend):
     def lease(
         self, checks: Sequence[Check], wants: Sequence[int], *, usage: Usage | None = None
     ) -> tuple[Decision, list[Grant]]:
-        decision, reply = self._decided(checks, consume=True, usage=usage, wants=wants)
-        spent, taken = reply[-2], reply[-1]
-        grants = []
-        for i, check in enumerate(checks):
-            (tokens,) = _LEASE.unpack_from(taken, _LEASE.size * i)
-            if tokens > 0:
-                spent_tat, given_back = _REFUNDABLE.unpack_from(spent, _REFUNDABLE.size * i)
-                grants.append(Grant(check, int(tokens), reply[0], spent_tat, given_back))
-        return decision, grants
+        return _granted(checks, *self._decided(checks, consume=True, usage=usage, wants=wants))
+
+    async def adecide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
+        clients = self._async
+        if clients is None:
+            return await super().adecide(checks, consume=consume, usage=usage)
+        return (await self._adecided(clients, checks, consume=consume, usage=usage))[0]
+
+    async def alease(
+        self, checks: Sequence[Check], wants: Sequence[int], *, usage: Usage | None = None
+    ) -> tuple[Decision, list[Grant]]:
+        clients = self._async
+        if clients is None:
+            return await super().alease(checks, wants, usage=usage)
+        return _granted(checks, *await self._adecided(clients, checks, consume=True, usage=usage, wants=wants))
 
     def _decided(
         self, checks: Sequence[Check], *, consume: bool, usage: Usage | None, wants: Sequence[int] | None = None
     ) -> tuple[Decision, Any]:
         """One decide call: the decision, and the script's reply as it came."""
+        call = self._call_for(checks, consume=consume, usage=usage, wants=wants)
+        try:
+            reply = self._run(DECIDE, call.keys, call.args)
+        except BackendUnavailable as exc:
+            call.failed(exc)
+            raise
+        return call.decision(reply), reply
+
+    async def _adecided(
+        self,
+        clients: AsyncClients,
+        checks: Sequence[Check],
+        *,
+        consume: bool,
+        usage: Usage | None,
+        wants: Sequence[int] | None = None,
+    ) -> tuple[Decision, Any]:
+        """:meth:`_decided` on the running event loop's ``redis.asyncio`` client."""
+        call = self._call_for(checks, consume=consume, usage=usage, wants=wants)
+        try:
+            reply = await _arun(clients.current(), DECIDE, call.keys, call.args)
+        except BackendUnavailable as exc:
+            call.failed(exc)
+            raise
+        return call.decision(reply), reply
+
+    def _call_for(
+        self, checks: Sequence[Check], *, consume: bool, usage: Usage | None, wants: Sequence[int] | None
+    ) -> _DecideCall:
         slot = new_slot(checks) if consume else None
         script_keys, args = self.decide_call(checks, consume=consume, usage=usage, slot=slot, wants=wants)
         held = slot_keys(checks, script_keys[1 : len(checks) + 1]) if slot else ()
-        try:
-            reply = self._run(DECIDE, script_keys, args)
-        except PolicyFailed as exc:
-            exc.checks = tuple(checks)  # the script failed outside any one check: every check is suspect
-            raise
-        except BackendUnavailable as exc:
-            if slot:
-                # A store that timed out may still run the script and take the slot: hand its id
-                # back so the request's end releases it (releasing is idempotent).
-                exc.stray_slot = (slot, held)
-            raise
-        results, failed = decide_results(checks, reply)
-        if failed:
-            raise policy_failed(failed)
-        version = reply[1]
-        decision = Decision.from_results(
-            results,
-            now_us=reply[0],
-            policy_version=version.decode() if isinstance(version, bytes) else None,
-            slot=slot,
-            slot_keys=held,
-        )
-        return decision, reply
+        return _DecideCall(checks, script_keys, args, slot, held)
+
+    @cached_property
+    def _async(self) -> AsyncClients | None:
+        """The event loops' clients, or ``None`` where ``redis.asyncio`` cannot make this client's connections."""
+        if type(self.client) is not redis.Redis:
+            return None  # a cluster's, or a client of the project's own kind (REDIS_CLIENT)
+        factory = async_pool_factory(self.client.connection_pool, self.timeouts)
+        return AsyncClients(factory) if factory is not None else None
 
     def decide_call(
         self,
@@ -307,6 +331,39 @@ class RedisBackend(Backend):
                 self.client.delete(lease)
                 return None
         return counts
+
+    def peek_usage(self, minutes: Sequence[int], max_fields: int) -> UsagePeek:
+        counts: dict[int, dict[str, int]] = {}
+        left = max_fields
+        with self._store():
+            for minute in minutes:
+                fields, complete = self._scan_hash(layout.usage_key(self.prefix, minute), left)
+                if fields:
+                    counts[minute] = fields
+                    left -= len(fields)
+                if not complete:
+                    return UsagePeek(counts, truncated=True)
+        return UsagePeek(counts)
+
+    def _scan_hash(self, key: str, limit: int) -> tuple[dict[str, int], bool]:
+        """At most ``limit`` of the hash's ``{field: count}``, and whether that is all of them.
+
+        ``HSCAN``, as :meth:`lease_usage` reads, and for the same reason; a field the scan returns
+        twice (the hash grew meanwhile) is kept once, at its later count.
+        """
+        fields: dict[str, int] = {}
+        cursor = 0
+        while True:
+            reply = self.client.hscan(key, cursor, count=min(max(limit, 1), 1000))
+            cursor, found = cast("tuple[int, dict[bytes | str, bytes | str]]", reply)  # with no_values=False
+            for field, value in found.items():
+                fields[_text(field)] = int(value)
+            if len(fields) > limit:
+                return dict(itertools.islice(fields.items(), limit)), False
+            if cursor == 0:
+                return fields, True
+            if len(fields) == limit:
+                return fields, False  # more may follow, and none may be read
 
     def finish_usage(self, batch: str) -> None:
         with self._store(), self.client.pipeline(transaction=False) as pipe:
@@ -568,6 +625,68 @@ IDLE_CHECK_S = 0.005
 #: drops the connection on timeouts and socket errors (it reconnects on the next use), so a late
 #: reply is never read as a later call's answer.
 STORE_ERRORS = (redis.RedisError, OSError)
+
+
+@dataclass(frozen=True, slots=True)
+class _DecideCall:
+    """One decide script call, made: its keys and arguments, and the slot it would take."""
+
+    checks: Sequence[Check]
+    keys: list[str]
+    args: list[Any]
+    slot: str | None
+    held: tuple[str, ...]
+
+    def failed(self, exc: BackendUnavailable) -> None:
+        """Tell ``exc`` what it means for this call."""
+        if isinstance(exc, PolicyFailed):
+            exc.checks = tuple(self.checks)  # the script failed outside any one check: every check is suspect
+        elif self.slot:
+            # A store that timed out may still run the script and take the slot: hand its id
+            # back so the request's end releases it (releasing is idempotent).
+            exc.stray_slot = (self.slot, self.held)
+
+    def decision(self, reply: Any) -> Decision:
+        """The script's ``reply`` read into a decision."""
+        results, failed = decide_results(self.checks, reply)
+        if failed:
+            raise policy_failed(failed)
+        version = reply[1]
+        return Decision.from_results(
+            results,
+            now_us=reply[0],
+            policy_version=version.decode() if isinstance(version, bytes) else None,
+            slot=self.slot,
+            slot_keys=self.held,
+        )
+
+
+def _granted(checks: Sequence[Check], decision: Decision, reply: Any) -> tuple[Decision, list[Grant]]:
+    """A leasing call's decision, and the tokens it took beyond each check's cost."""
+    spent, taken = reply[-2], reply[-1]
+    grants = []
+    for i, check in enumerate(checks):
+        (tokens,) = _LEASE.unpack_from(taken, _LEASE.size * i)
+        if tokens > 0:
+            spent_tat, given_back = _REFUNDABLE.unpack_from(spent, _REFUNDABLE.size * i)
+            grants.append(Grant(check, int(tokens), reply[0], spent_tat, given_back))
+    return decision, grants
+
+
+async def _arun(client: Any, script: Script, script_keys: Sequence[str], args: Sequence[Any]) -> Any:
+    """:meth:`RedisBackend._run` on a ``redis.asyncio`` client: the same errors mean the same."""
+    try:
+        try:
+            return await client.execute_command("EVALSHA", script.sha, len(script_keys), *script_keys, *args)
+        except redis.exceptions.NoScriptError:
+            # The script did not run, so sending it again cannot charge twice.
+            return await client.execute_command("EVAL", script.text, len(script_keys), *script_keys, *args)
+    except redis.ResponseError as exc:
+        if script_failed(exc):
+            raise PolicyFailed(f"{script.name} failed: {exc}", ()) from exc
+        raise unavailable(exc) from exc
+    except STORE_ERRORS as exc:
+        raise unavailable(exc) from exc
 
 
 def decide_results(checks: Sequence[Check], reply: Sequence[Any]) -> tuple[list[Result], list[Check]]:

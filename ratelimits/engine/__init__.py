@@ -4,6 +4,7 @@
 - :mod:`.limiter`: the backend behind the breaker; each policy's fail mode when it cannot answer.
 - :mod:`.breaker`: the per-process circuit breaker.
 - :mod:`.shedding`: the worker utilisation shedder, which needs no store.
+- :mod:`.gauges`: what the engine tells the metrics at each flush.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from .breaker import BreakerState, CircuitBreaker
 from .evaluation import evaluate, release_held, usage_of
 from .limiter import Limiter, get_limiter
 from .shedding import WorkerShedder, get_worker_shedder
+
+# Imported for its effect: the metrics sample the engine's gauges at each flush.
+from . import gauges  # noqa: F401  isort: skip
 
 __all__ = [
     "BreakerState",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from enum import StrEnum
 
@@ -55,6 +55,8 @@ class CircuitBreaker:
         self._failures = 0
         self._opened_at: float | None = None
         self._probing = False
+        #: How often it entered each state (for the metrics: read, never reset).
+        self.transitions: Counter[str] = Counter()
 
     @property
     def state(self) -> BreakerState:
@@ -76,6 +78,7 @@ class CircuitBreaker:
             if self._probing or self._clock() - self._opened_at < self.cooldown:
                 return False
             self._probing = True
+            self.transitions[BreakerState.HALF_OPEN] += 1
             return True
 
     def retry_after(self) -> float:
@@ -105,11 +108,13 @@ class CircuitBreaker:
                     # The probe failed: another full cooldown from now.
                     self._opened_at = self._clock()
                     self._probing = False
+                    self.transitions[BreakerState.OPEN] += 1
                 # else: a call admitted before the breaker opened; the cooldown runs from the opening.
                 return
             self._record(False)
             if len(self._outcomes) >= self.min_calls and self._failures >= self.failure_rate * len(self._outcomes):
                 self._opened_at = self._clock()
+                self.transitions[BreakerState.OPEN] += 1
 
     def _record(self, ok: bool) -> None:
         if len(self._outcomes) == self._outcomes.maxlen and not self._outcomes[0]:
@@ -119,6 +124,7 @@ class CircuitBreaker:
             self._failures += 1
 
     def _close(self) -> None:
+        self.transitions[BreakerState.CLOSED] += 1
         self._opened_at = None
         self._probing = False
         self._outcomes.clear()

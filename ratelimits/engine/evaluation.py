@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from asgiref.sync import sync_to_async
 from django.core.signals import request_finished
 
 from ..algorithms import SLOT_RETRY_US
@@ -20,7 +21,9 @@ from ..conf import conf
 from ..counters import LIMITED, Usage, usage_for
 from ..decisions import Decision, Verdict
 from ..identity import Identity, SubjectKind, identify, remember, subject_of
-from ..policies.source import get_policy_source
+from ..metrics import Recorder, get_recorder
+from ..policies.snapshot import PolicySnapshot
+from ..policies.source import PolicySource, get_policy_source
 from ..policies.values import Check
 from .failed_auth import presented_authorization
 from .limiter import Limiter, current_limiter, get_limiter
@@ -30,6 +33,7 @@ if TYPE_CHECKING:
     from django.http import HttpRequest
 
 __all__ = [
+    "aevaluate",
     "early_refusals",
     "endpoint_of",
     "evaluate",
@@ -73,30 +77,111 @@ def evaluate(
     A consuming decision that admits the request holds its slots (and this worker's in-flight
     count) until ``request_finished``; see :func:`release_held`.
     """
+    pending = _prepare(request, endpoint, auth, user, consume)
+    if isinstance(pending, tuple):
+        return pending
+    try:
+        decision = pending.limiter.decide(pending.checks, consume=consume, usage=pending.usage)
+    except BaseException:
+        pending.abandon()
+        raise
+    return pending.identity, _conclude(request, pending, decision)
+
+
+async def aevaluate(
+    request: HttpRequest, *, endpoint: str, auth: Any = None, user: Any = None, consume: bool = True
+) -> tuple[Identity, Decision]:
+    """:func:`evaluate` for async views: the same decision, with the store asked on the event loop
+    (``redis.asyncio``) and the policies, if they must be loaded, loaded in a thread."""
+    source = get_policy_source()
+    if not getattr(source, "loaded", False):
+        await sync_to_async(source.snapshot)()  # a database query, as the sync path makes it
+    pending = _prepare(request, endpoint, auth, user, consume)
+    if isinstance(pending, tuple):
+        return pending
+    try:
+        decision = await pending.limiter.adecide(pending.checks, consume=consume, usage=pending.usage)
+    except BaseException:
+        pending.abandon()
+        raise
+    return pending.identity, _conclude(request, pending, decision)
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A request between its checks and its decision: what concluding it needs."""
+
+    identity: Identity
+    endpoint: str
+    consume: bool
+    source: PolicySource
+    limiter: Limiter
+    shedder: WorkerShedder | None
+    recorder: Recorder | None
+    checks: list[Check]
+    usage: Usage | None
+    #: What a refusal is remembered under, for refusals before authentication (taken before the checks).
+    generation: int
+    snapshot: PolicySnapshot | None
+    started: float
+
+    def abandon(self) -> None:
+        """The decision raised: the shedder counted the request in, and nothing is held to count it out."""
+        if self.shedder is not None:
+            self.shedder.finish()
+
+
+def _prepare(
+    request: HttpRequest, endpoint: str, auth: Any, user: Any, consume: bool
+) -> _Pending | tuple[Identity, Decision]:
+    """The request's checks, ready to decide; or the worker shedder's refusal."""
     identity = identify(request, endpoint=endpoint, auth=auth, user=user)
     source = get_policy_source()
     if consume:
         # What refuse_early looks the path up as: exactly what this view is limited as.
         remember(_endpoints, (getattr(request, "urlconf", None), request.path_info), endpoint)
     shedder = get_worker_shedder() if consume else None
-    if shedder is not None and not shedder.admit(source.endpoint_rule(endpoint, request.method or "GET").priority):
-        return identity, Decision(Verdict.SHED, (), retry_after_us=SLOT_RETRY_US)
+    recorder = get_recorder() if consume else None
+    if shedder is not None:
+        priority = source.endpoint_rule(endpoint, request.method or "GET").priority
+        if not shedder.admit(priority):
+            if recorder is not None:
+                recorder.decision(endpoint, Verdict.SHED, "shedder", 0.0)
+                recorder.count("ratelimits_shed", priority.value, "worker")
+            return identity, Decision(Verdict.SHED, (), retry_after_us=SLOT_RETRY_US)
     try:
         limiter = get_limiter()
-        # Taken before the checks: what a refusal is remembered under, for refusals before authentication.
         local = limiter.local_path
         generation = local.generation if local is not None else 0
         snapshot = source.snapshot() if local is not None else None
         checks = source.checks_for(request, identity)
         usage = usage_of(identity, checks) if consume and conf.usage_counting else None
-        decision = limiter.decide(checks, consume=consume, usage=usage)
-        # The adaptive capacity times the view, not the store: a slow Redis is the breaker's
-        # business, and must not read as every endpoint slowing down.
-        admitted_at = time.monotonic()
     except BaseException:
         if shedder is not None:
             shedder.finish()  # counted in above, and nothing is held for request_finished to count out
         raise
+    return _Pending(
+        identity,
+        endpoint,
+        consume,
+        source,
+        limiter,
+        shedder,
+        recorder,
+        checks,
+        usage,
+        generation,
+        snapshot,
+        time.perf_counter(),
+    )
+
+
+def _conclude(request: HttpRequest, pending: _Pending, decision: Decision) -> Decision:
+    """Hold what the decision took, count it, and tell the policy source and the local path of it."""
+    # The adaptive capacity times the view, not the store: a slow Redis is the breaker's
+    # business, and must not read as every endpoint slowing down.
+    admitted_at = time.monotonic()
+    endpoint, consume, shedder, limiter = pending.endpoint, pending.consume, pending.shedder, pending.limiter
     if decision.allowed and consume:
         _hold(_Held(limiter, decision, shedder, endpoint, admitted_at))
     else:
@@ -104,8 +189,11 @@ def evaluate(
             shedder.finish()  # refused by the limiter: the view never ran, so nothing to learn from
         if decision.stray_slot is not None:
             _hold(_Held(limiter, decision))
+    if pending.recorder is not None:
+        _record(pending.recorder, request, endpoint, decision, time.perf_counter() - pending.started)
     # After holding: if observing fails, request_finished still releases what this request holds.
-    source.observe(decision)
+    pending.source.observe(decision)
+    identity = pending.identity
     if decision.shadow_violated:
         logger.info(
             "ratelimits: shadow policies would deny %s: %s",
@@ -124,17 +212,36 @@ def evaluate(
         if decision.verdict is Verdict.LIMITED and identity.api_key is not None and consume:
             credential = presented_credential(request)
             if credential is not None:
+                usage = pending.usage
                 local.note_credential(
                     credential,
                     endpoint,
                     request.method or "GET",
                     decision,
-                    snapshot=snapshot,
-                    generation=generation,
+                    snapshot=pending.snapshot,
+                    generation=pending.generation,
                     usage_field=usage.field if usage is not None else "",
                     tokens=usage.tokens if usage is not None else 1,
                 )
-    return identity, decision
+    return decision
+
+
+def _record(recorder: Recorder, request: HttpRequest, endpoint: str, decision: Decision, seconds: float) -> None:
+    """Count a consuming decision in the metrics: its verdict and path, the policies it was over."""
+    path = "memory" if decision.local is not None else "degraded" if decision.degraded else "store"
+    if decision.allowed:
+        recorder.decision(endpoint, Verdict.ALLOW, path, seconds)
+        if decision.slot is not None:
+            recorder.count("ratelimits_slots_held")
+    else:
+        recorder.decision(endpoint, decision.verdict, path, seconds, (r.policy_name for r in decision.violated))
+        if decision.verdict is Verdict.SHED:
+            priority = get_policy_source().endpoint_rule(endpoint, request.method or "GET").priority
+            recorder.count("ratelimits_shed", priority.value, "fleet")
+    if decision.shadow_violated:
+        recorder.count_policies(
+            "ratelimits_shadow_over_limit", endpoint, (r.policy_name for r in decision.shadow_violated)
+        )
 
 
 def presented_credential(request: HttpRequest) -> str | None:
@@ -170,8 +277,14 @@ def refuse_early(request: HttpRequest, endpoint: str) -> Decision | None:
     """
     method = request.method or "GET"
     shedder = get_worker_shedder()
-    if shedder is not None and shedder.sheds(get_policy_source().endpoint_rule(endpoint, method).priority):
-        return Decision(Verdict.SHED, (), retry_after_us=SLOT_RETRY_US)
+    if shedder is not None:
+        priority = get_policy_source().endpoint_rule(endpoint, method).priority
+        if shedder.sheds(priority):
+            recorder = get_recorder()
+            if recorder is not None:
+                recorder.decision(endpoint, Verdict.SHED, "early", 0.0)
+                recorder.count("ratelimits_shed", priority.value, "early")
+            return Decision(Verdict.SHED, (), retry_after_us=SLOT_RETRY_US)
     limiter = current_limiter()
     local = limiter.local_path if limiter is not None else None
     if limiter is None or local is None or not local.refuses_credentials:
@@ -181,6 +294,9 @@ def refuse_early(request: HttpRequest, endpoint: str) -> Decision | None:
     if found is None:
         return None
     decision, early = found
+    recorder = get_recorder()
+    if recorder is not None:
+        recorder.decision(endpoint, decision.verdict, "early", 0.0, (r.policy_name for r in decision.violated))
     if early.usage_field:
         limiter.count_local(Usage(int(time.time() // 60), early.usage_field, early.tokens, ""), LIMITED)
     return decision

@@ -100,9 +100,15 @@ class FailedAuthentication:
         ``None`` if the request presented no credential (nothing is counted).
         """
         checks = [Check(self.policy, subject) for subject in self.subjects(request)]
-        if not checks:
-            return None
-        decision = get_limiter().decide(checks)
+        return self._counted(get_limiter().decide(checks)) if checks else None
+
+    async def afailed(self, request: HttpRequest) -> Decision | None:
+        """:meth:`failed` for async code."""
+        checks = [Check(self.policy, subject) for subject in self.subjects(request)]
+        return self._counted(await get_limiter().adecide(checks)) if checks else None
+
+    def _counted(self, decision: Decision) -> Decision:
+        """``decision`` on a failure, its denials of client addresses remembered."""
         if not decision.allowed:
             now = time.monotonic()
             with self._lock:

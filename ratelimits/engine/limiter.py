@@ -10,7 +10,7 @@ import weakref
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..backends import Backend, get_backend
 from ..backends.memory import MemoryBackend
@@ -19,6 +19,7 @@ from ..conf import LocalPathSettings, ProcessWide, conf
 from ..counters import ALLOWED, DEGRADED, EXTRA_TOKENS, LIMITED, Usage
 from ..decisions import Decision, Verdict
 from ..exceptions import BackendUnavailable, PolicyFailed
+from ..metrics import get_recorder
 from ..policies.values import Check
 from .breaker import BreakerState, CircuitBreaker
 from .local import LEASE, LocalPath, call_weakly
@@ -80,65 +81,132 @@ class Limiter:
         decision degraded or answered from memory is counted here and added to the store's
         counters later (:meth:`flush_usage`).
         """
+        plan = self._plan(checks, consume, usage)
+        if isinstance(plan, Decision):
+            return plan
+        return self._settled(plan, self._asked(plan.checks, consume=consume, usage=usage, wants=plan.wants))
+
+    async def adecide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
+        """:meth:`decide` for async code: the same decision, the store asked without blocking the event loop."""
+        plan = self._plan(checks, consume, usage)
+        if isinstance(plan, Decision):
+            return plan
+        return self._settled(plan, await self._aasked(plan.checks, consume=consume, usage=usage, wants=plan.wants))
+
+    def _plan(self, checks: Sequence[Check], consume: bool, usage: Usage | None) -> Decision | _Ask:
+        """What memory answers (a decision), or what the store must be asked (and leased)."""
         if not checks:
             return Decision(Verdict.ALLOW, ())
         local = self.local_path if consume else None
         if local is None:
-            decision = self._asked(checks, consume=consume, usage=usage)
-            # What is left, as a lease's responses say it: the store's, and this worker's lease.
-            return self.local_path.with_leases(decision) if self.local_path is not None else decision
+            return _Ask(checks, None, None, local=False)
         refusal = local.refuse(checks)
         if refusal is not None:
             self.count_local(usage, LIMITED)
             return refusal
         spent = local.spend(checks)
         if spent is None:
-            return self._asked(checks, consume=consume, usage=usage, wants=local.wants(checks))
+            return _Ask(checks, local.wants(checks), None, local=True)
         paid, rest = spent
         if not rest:
             self.count_local(usage, ALLOWED)
             return Decision(Verdict.ALLOW, local.admitted(paid), 0, time.time_ns() // 1000, local=LEASE)
         # Decided with the store for the rest; the leased tokens are the request's only if it admits.
-        decision = self._asked(rest, consume=consume, usage=usage, wants=local.wants(rest))
-        if not decision.allowed:
-            local.undo(paid)
+        return _Ask(rest, local.wants(rest), paid, local=True)
+
+    def _settled(self, plan: _Ask, decision: Decision) -> Decision:
+        """The store's ``decision`` on what ``plan`` asked, with what the local path already paid for."""
+        local = self.local_path
+        if local is None:
             return decision
-        return replace(decision, results=decision.results + local.admitted(paid))
+        if not plan.local:
+            # A peek: what is left, as a lease's responses say it (the store's and this worker's lease).
+            return local.with_leases(decision)
+        if plan.paid is None:
+            return decision
+        if not decision.allowed:
+            local.undo(plan.paid)
+            return decision
+        return replace(decision, results=decision.results + local.admitted(plan.paid))
 
     def _asked(
         self, checks: Sequence[Check], *, consume: bool, usage: Usage | None, wants: list[int] | None = None
     ) -> Decision:
         """Decide ``checks`` with the store (leasing ``wants`` tokens); without it if it cannot answer."""
-        if self.breaker.allow():
-            local = self.local_path if consume else None
-            try:
-                sent, generation = (local.clock(), local.generation) if local is not None else (0.0, 0)
-                if wants is None:
-                    decision = self.backend.decide(checks, consume=consume, usage=usage)
-                else:
-                    decision, grants = self.backend.lease(checks, wants, usage=usage)
-            except PolicyFailed as exc:
-                # The store answered: a bad policy or key is not an outage, and must not open the
-                # breaker for every tenant of this process.
-                self.breaker.record_success()
-                return self._without(exc, checks, consume=consume, usage=usage)
-            except BackendUnavailable as exc:
-                self.breaker.record_failure()
-                logger.warning("ratelimits: backend unavailable, degrading: %s", exc)
-                return self._unanswered(checks, consume=consume, usage=usage, stray_slot=exc.stray_slot)
-            except BaseException:
-                # Anything else (a bug, a worker timeout) must still report: a half-open breaker
-                # whose probe never reports would turn every later call away for good.
-                self.breaker.record_failure()
-                raise
+        if not self.breaker.allow():
+            return self._unanswered(checks, consume=consume, usage=usage)
+        sent = self._sending(consume)
+        try:
+            if wants is None:
+                answer: Any = self.backend.decide(checks, consume=consume, usage=usage)
             else:
-                self.breaker.record_success()
-                if local is not None:
-                    local.learn(decision, sent, generation)
-                    if wants is not None:
-                        decision = local.install(decision, grants, sent, generation)
-                return decision
-        return self._unanswered(checks, consume=consume, usage=usage)
+                answer = self.backend.lease(checks, wants, usage=usage)
+        except PolicyFailed as exc:
+            self._policy_failed(exc)
+            return self._without(exc, checks, consume=consume, usage=usage)
+        except BackendUnavailable as exc:
+            return self._unreachable(exc, checks, consume=consume, usage=usage)
+        except BaseException:
+            # Anything else (a bug, a worker timeout) must still report: a half-open breaker
+            # whose probe never reports would turn every later call away for good.
+            self.breaker.record_failure()
+            raise
+        return self._answered(answer, sent, wants)
+
+    async def _aasked(
+        self, checks: Sequence[Check], *, consume: bool, usage: Usage | None, wants: list[int] | None = None
+    ) -> Decision:
+        """:meth:`_asked`, awaiting the store."""
+        if not self.breaker.allow():
+            return self._unanswered(checks, consume=consume, usage=usage)
+        sent = self._sending(consume)
+        try:
+            if wants is None:
+                answer: Any = await self.backend.adecide(checks, consume=consume, usage=usage)
+            else:
+                answer = await self.backend.alease(checks, wants, usage=usage)
+        except PolicyFailed as exc:
+            self._policy_failed(exc)
+            fallback, rest = self._fallback(exc, checks, consume=consume, usage=usage)
+            if rest is None:
+                return fallback
+            return self._with_fallback(await self.adecide(rest, consume=consume, usage=usage), fallback)
+        except BackendUnavailable as exc:
+            return self._unreachable(exc, checks, consume=consume, usage=usage)
+        except BaseException:
+            self.breaker.record_failure()  # as in _asked: a probe always reports
+            raise
+        return self._answered(answer, sent, wants)
+
+    def _sending(self, consume: bool) -> tuple[float, int] | None:
+        """What the local path learns an answer against: when the call was sent, and its memory's generation."""
+        local = self.local_path if consume else None
+        return (local.clock(), local.generation) if local is not None else None
+
+    def _answered(self, answer: Any, sent: tuple[float, int] | None, wants: list[int] | None) -> Decision:
+        """The store answered (a decision, or a decision and its grants): the breaker and the local path learn it."""
+        self.breaker.record_success()
+        decision: Decision = answer if wants is None else answer[0]
+        local = self.local_path
+        if sent is not None and local is not None:
+            local.learn(decision, *sent)
+            if wants is not None:
+                decision = local.install(decision, answer[1], *sent)
+        return decision
+
+    def _policy_failed(self, exc: PolicyFailed) -> None:
+        # The store answered: a bad policy or key is not an outage, and must not open the breaker
+        # for every tenant of this process.
+        self.breaker.record_success()
+        _count_error(exc)
+
+    def _unreachable(
+        self, exc: BackendUnavailable, checks: Sequence[Check], *, consume: bool, usage: Usage | None
+    ) -> Decision:
+        self.breaker.record_failure()
+        _count_error(exc)
+        logger.warning("ratelimits: backend unavailable, degrading: %s", exc)
+        return self._unanswered(checks, consume=consume, usage=usage, stray_slot=exc.stray_slot)
 
     def _unanswered(
         self,
@@ -226,6 +294,9 @@ class Limiter:
         held = []
         if decision.slot is not None:
             held.append((self.local if decision.degraded else self.backend, decision.slot, decision.slot_keys))
+            recorder = get_recorder()
+            if recorder is not None:
+                recorder.count("ratelimits_slots_released")
         if decision.stray_slot is not None:
             held.append((self.backend, *decision.stray_slot))
         for backend, slot, keys in held:
@@ -255,6 +326,15 @@ class Limiter:
         request (503); one that fails locally is decided in-process first; one that fails open is
         left out. The rest are decided by the store as usual, in a second round trip.
         """
+        fallback, rest = self._fallback(failure, checks, consume=consume, usage=usage)
+        if rest is None:
+            return fallback
+        return self._with_fallback(self.decide(rest, consume=consume, usage=usage), fallback)
+
+    def _fallback(
+        self, failure: PolicyFailed, checks: Sequence[Check], *, consume: bool, usage: Usage | None
+    ) -> tuple[Decision, list[Check] | None]:
+        """The failed checks decided by their fail modes, and the rest to ask the store (``None``: nothing to ask)."""
         self._log_failure(failure)
         failed = set(failure.checks)
         # A shadow check never denies, whatever its fail mode: a failed one is simply left out.
@@ -263,8 +343,10 @@ class Limiter:
         if not fallback.allowed or not rest:
             if consume:
                 self._count_degraded(usage)  # decided without the store after all
-            return fallback
-        decision = self.decide(rest, consume=consume, usage=usage)
+            return fallback, None
+        return fallback, rest
+
+    def _with_fallback(self, decision: Decision, fallback: Decision) -> Decision:
         if fallback.slot is not None:
             # A decision holds slots in one store; the failed check's local slot is given back at once.
             self.local.release(fallback.slot, fallback.slot_keys)
@@ -297,6 +379,16 @@ class Limiter:
         if consume:
             self._count_degraded(usage)
         closed = [c for c in checks if c.policy.fail_mode is FailMode.CLOSED]
+        recorder = get_recorder() if consume else None
+        if recorder is not None:
+            decided_by = (
+                FailMode.CLOSED
+                if closed
+                else FailMode.LOCAL
+                if any(c.policy.fail_mode is FailMode.LOCAL for c in checks)
+                else FailMode.OPEN
+            )
+            recorder.count("ratelimits_degraded", decided_by.value)
         if closed:
             wait_us = max(math.ceil(self.breaker.retry_after() * 1_000_000), 1_000_000)
             return Decision(Verdict.UNAVAILABLE, (), retry_after_us=wait_us, degraded=True)
@@ -312,6 +404,30 @@ class Limiter:
         return Decision.from_results(
             decision.results, now_us=decision.now_us, degraded=True, slot=decision.slot, slot_keys=decision.slot_keys
         )
+
+
+class _Ask(NamedTuple):
+    """What a decision asks the store: ``checks``, leasing ``wants`` more tokens of each (``None``:
+    none), after the local path ``paid`` for the others."""
+
+    checks: Sequence[Check]
+    wants: list[int] | None
+    paid: Any
+    #: Whether the local path takes part (a consuming decision, with one): else it is a peek.
+    local: bool
+
+
+def _count_error(exc: BackendUnavailable) -> None:
+    """A failed store call in the metrics, by kind: the policy's, a timeout, a lost connection, or other."""
+    recorder = get_recorder()
+    if recorder is None:
+        return
+    if isinstance(exc, PolicyFailed):
+        kind = "policy"
+    else:
+        cause = type(exc.__cause__ or exc).__name__.lower()
+        kind = "timeout" if "timeout" in cause else "connection" if "connection" in cause else "other"
+    recorder.count("ratelimits_store_errors", kind)
 
 
 def build_limiter(

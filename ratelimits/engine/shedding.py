@@ -19,6 +19,7 @@ from typing import Any
 from ..adaptive import CapacityController, Move
 from ..choices import Priority
 from ..conf import AdaptiveSettings, ProcessWide, conf
+from ..metrics import get_recorder
 
 __all__ = ["WorkerShedder", "get_worker_shedder", "worker_name"]
 
@@ -114,6 +115,9 @@ class WorkerShedder:
                 self._set_capacity(self.controller.capacity)
         if move is not None and (move.changed or move.before == move.after):
             _log(move)
+            recorder = get_recorder()
+            if recorder is not None and move.changed:
+                recorder.count("ratelimits_capacity_moves", "cut" if move.after < move.before else "rise")
 
     def state(self) -> dict[str, Any]:
         """What the admin and the logs show: the capacity now, its bounds and its last move."""
@@ -166,3 +170,8 @@ _shedder: ProcessWide[WorkerShedder | None] = ProcessWide(_build)
 def get_worker_shedder() -> WorkerShedder | None:
     """This process's utilisation shedder, or ``None`` when ``WORKER_CAPACITY`` is not set."""
     return _shedder.get()
+
+
+def current_worker_shedder() -> WorkerShedder | None:
+    """This process's utilisation shedder if one was built (without building it)."""
+    return _shedder.current()

@@ -12,9 +12,10 @@ import contextlib
 import ipaddress
 import logging
 import math
+import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import TYPE_CHECKING
 
@@ -38,7 +39,7 @@ from .snapshot import (
     endpoint_rule,
     tier_policies,
 )
-from .source import SnapshotPolicySource
+from .source import SnapshotPolicySource, in_event_loop
 from .values import EndpointRule, Origin, OriginKind, Policy, Scope, fleet_checks
 from .versioning import committed_version, publish_version, stamp_version
 
@@ -97,17 +98,39 @@ class DatabasePolicySource(SnapshotPolicySource):
             # every decision a second script call, and a warning each time it fails.
             if now - self._republished_at >= conf.policy_poll_interval:
                 self._republished_at = now
-                publish_version(snapshot.version)
+                _blocking(lambda: publish_version(snapshot.version))
         elif now - snapshot.checked_at > conf.policy_recheck_interval:
             snapshot.checked_at = now
-            try:
-                with bounded_waits(conf.policy_load_timeout):
-                    newer = committed_version() > snapshot.version
-            except DatabaseError as exc:
-                logger.warning("ratelimits: policy version recheck failed (%s); checked again later", exc)
-                return
-            if newer:
-                self.invalidate()
+            _blocking(lambda: self._recheck(snapshot))
+
+    def _recheck(self, snapshot: PolicySnapshot) -> None:
+        """Invalidate ``snapshot`` if the database has a newer version (one query)."""
+        try:
+            with bounded_waits(conf.policy_load_timeout):
+                newer = committed_version() > snapshot.version
+        except DatabaseError as exc:
+            logger.warning("ratelimits: policy version recheck failed (%s); checked again later", exc)
+            return
+        if newer and self._snapshot is snapshot:
+            self.invalidate()
+
+
+def _blocking(work: Callable[[], object]) -> None:
+    """Do ``work`` (a database query, a store write) now; called from an event loop (an async
+    decision), in a thread of its own instead, which closes its database connections after."""
+    if not in_event_loop():
+        work()
+        return
+
+    def run() -> None:
+        try:
+            work()
+        except Exception:
+            logger.exception("ratelimits: policy version upkeep failed off the event loop")
+        finally:
+            connections.close_all()
+
+    threading.Thread(target=run, name="ratelimits-policy-upkeep", daemon=True).start()
 
 
 @contextlib.contextmanager

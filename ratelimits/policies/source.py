@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from ..decisions import Decision
     from ..identity import Identity
 
-__all__ = ["PolicySource", "SnapshotPolicySource", "get_policy_source"]
+__all__ = ["PolicySource", "SnapshotPolicySource", "get_policy_source", "in_event_loop"]
 
 logger = logging.getLogger("ratelimits")
 
@@ -96,6 +97,12 @@ class SnapshotPolicySource(ABC):
             snapshot = self._reload()
         return snapshot
 
+    @property
+    def loaded(self) -> bool:
+        """Whether :meth:`snapshot` has one in hand (it will not load): an async decision loads it
+        off its event loop first, since loading blocks."""
+        return self._snapshot is not None
+
     def invalidate(self) -> None:
         self._snapshot = None
 
@@ -105,6 +112,12 @@ class SnapshotPolicySource(ABC):
             self._lock.acquire()  # nothing to serve yet: wait for the first load
         elif self._retrying or not self._lock.acquire(blocking=False):
             return last  # the background retry, or another request, is loading: decide on what is in hand
+        elif in_event_loop():
+            # An async decision, invalidated after it made sure of a snapshot: loading here would
+            # block its event loop. Decide on what is in hand; the background reload starts now.
+            self._lock.release()
+            self._reload_in_background()
+            return last
         try:
             snapshot = self._snapshot
             if snapshot is not None:
@@ -130,13 +143,26 @@ class SnapshotPolicySource(ABC):
         finally:
             self._lock.release()
 
-    def _retry(self) -> None:
-        """Reload with backoff until it works, or until this source is no longer the process's."""
+    def _reload_in_background(self) -> None:
+        with self._lock:
+            if self._retrying:
+                return
+            self._retrying = True
+        try:
+            threading.Thread(target=self._retry, args=(0.0,), name="ratelimits-policy-reload", daemon=True).start()
+        except RuntimeError:
+            self._retrying = False  # no thread to be had: a later request tries again
+
+    def _retry(self, first_delay: float | None = None) -> None:
+        """Reload with backoff until it works, or until this source is no longer the process's
+        (``first_delay``: before the first attempt, if not the backoff's)."""
         delay, cap = self.retry_backoff
+        wait = delay if first_delay is None else first_delay
         attempts = 1
         try:
             while self._snapshot is None and _source.current() is self:
-                time.sleep(delay)  # backoff between attempts, off the request path
+                time.sleep(wait)  # backoff between attempts, off the request path
+                wait = delay
                 attempts += 1
                 try:
                     snapshot = self.load()
@@ -147,7 +173,9 @@ class SnapshotPolicySource(ABC):
                 with self._lock:
                     if self._snapshot is None:
                         self._snapshot = self._last_good = snapshot
-                logger.warning("ratelimits: policies reloaded (version %s), attempt %s", snapshot.version, attempts)
+                # A reload an async decision asked for is routine; one after failures is news.
+                level = logging.INFO if first_delay is not None and attempts == 2 else logging.WARNING
+                logger.log(level, "ratelimits: policies reloaded (version %s), attempt %s", snapshot.version, attempts)
                 return
         finally:
             self._retrying = False
@@ -174,6 +202,15 @@ class SnapshotPolicySource(ABC):
 
     def observe(self, decision: Decision) -> None:  # noqa: B027  (a hook; subclasses may leave it alone)
         """Nothing to notice by default: the snapshot stands until :meth:`invalidate`."""
+
+
+def in_event_loop() -> bool:
+    """Whether this thread runs an event loop: code called from it must not block (no database)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def get_policy_source() -> PolicySource:

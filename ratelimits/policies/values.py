@@ -382,13 +382,19 @@ def shard_subject(subject: Subject, index: int) -> Subject:
     return subject_of(subject.kind, f"{subject.value}{_SHARD_MARK}{index}")
 
 
+def whole_subject(check: Check) -> Subject:
+    """The subject ``check`` limits: a shard's is the subject whose budget it is one part of."""
+    if not check.policy.is_shard:
+        return check.subject
+    return subject_of(check.subject.kind, check.subject.value.rpartition(_SHARD_MARK)[0])
+
+
 def every_shard(check: Check) -> list[Check]:
     """``check``, or every sub-bucket of the sharded budget it is one shard of (what a reset must clear)."""
     policy = check.policy
     if not policy.is_shard:
         return [check]
-    value = check.subject.value.rpartition(_SHARD_MARK)[0]
-    whole = Subject(check.subject.kind, value)
+    whole = whole_subject(check)
     return [Check(policy, shard_subject(whole, i), check.cost) for i in range(policy.shards)]
 
 

@@ -2,7 +2,9 @@
 
 No JavaScript and nothing loaded from elsewhere: stacked bars (lines beyond :data:`MAX_BARS`
 periods), axes with round labels, a legend with each outcome's total, and a description for
-screen readers.
+screen readers. Periods counting minutes not drained yet are shaded and marked "live". When the
+first periods of the range recorded nothing, the chart starts later (:func:`chart_periods`), so
+that the traffic of a young install is not a sliver at the right edge.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ from django.utils.safestring import SafeString, mark_safe
 
 from .queries import OUTCOMES, STEPS, Period
 
-__all__ = ["MAX_BARS", "render_chart"]
+__all__ = ["MAX_BARS", "MIN_PERIODS", "chart_periods", "render_chart"]
 
 #: Okabe-Ito colours: told apart with every common colour vision deficiency.
 COLORS = {"allowed": "#0072B2", "throttled": "#E69F00", "shed": "#D55E00", "degraded": "#CC79A7"}
 LABELS = {"allowed": "allowed", "throttled": "throttled (429)", "shed": "shed (503)", "degraded": "degraded"}
+#: The live periods' shade: Okabe-Ito's sky blue, light behind the bars.
+LIVE_COLOR = "#56B4E9"
 WIDTH, HEIGHT = 960, 340
 LEFT, RIGHT, TOP, BOTTOM = 64, 16, 44, 64
 #: More periods than this are drawn as lines, not stacked bars (bars would be thinner than a pixel or two).
@@ -32,6 +36,21 @@ LABEL_STEPS = {
     "day": (1, 2, 7, 14, 28, 56, 91, 182, 364),
 }
 MAX_LABELS = 8
+#: The fewest periods the chart draws when it leaves out the empty start of the range.
+MIN_PERIODS = 60
+LIVE_TITLE = "live: counted in the store, not drained yet; may still grow"
+
+
+def chart_periods(series: Sequence[Period]) -> Sequence[Period]:
+    """The periods the chart draws: the range's, less those before the first with requests.
+
+    At least the last :data:`MIN_PERIODS` are kept, so a burst has some quiet before it to be read
+    against. Only the chart starts later: the table and its CSV have every period.
+    """
+    first = next((index for index, period in enumerate(series) if period.requests), None)
+    if first is None:
+        return series
+    return series[min(first, max(len(series) - MIN_PERIODS, 0)) :]
 
 
 def _compact(value: float) -> str:
@@ -63,8 +82,11 @@ def _period_label(start: datetime, granularity: str) -> str:
     return f"{start:%Y-%m-%d}" if granularity == "day" else f"{start:%Y-%m-%d %H:%M}"
 
 
-def render_chart(series: Sequence[Period], granularity: str) -> SafeString:
-    """Requests per period as an SVG: stacked bars by outcome (lines beyond :data:`MAX_BARS` periods)."""
+def render_chart(series: Sequence[Period], granularity: str, *, left_out: int = 0) -> SafeString:
+    """Requests per period as an SVG: stacked bars by outcome (lines beyond :data:`MAX_BARS` periods).
+
+    ``left_out``: how many empty periods of the range before ``series`` are not drawn (said in the description).
+    """
     count = len(series)
     bars = count <= MAX_BARS
     if bars:
@@ -96,6 +118,14 @@ def render_chart(series: Sequence[Period], granularity: str) -> SafeString:
     busiest = max(series, key=lambda p: p.requests, default=None)
     if busiest is not None and busiest.requests:
         desc += f" Busiest period: {_period_label(busiest.start, granularity)} with {busiest.requests:,} requests."
+    if left_out:
+        desc += f" The {left_out:,} periods before the first, in which nothing was recorded, are not drawn."
+    live = [index for index, period in enumerate(series) if period.live]
+    if live:
+        desc += f" Live (counted in the store, not drained yet): {_period_label(series[live[0]].start, granularity)}"
+        if len(live) > 1:
+            desc += f" to {_period_label(series[live[-1]].start, granularity)}"
+        desc += "."
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" class="usage-chart" id="usage-chart" viewBox="0 0 {WIDTH} {HEIGHT}"'
         f' role="img" aria-label="{escape(title)}" aria-describedby="usage-chart-desc" data-kind="{kind}"'
@@ -103,6 +133,16 @@ def render_chart(series: Sequence[Period], granularity: str) -> SafeString:
         f'<title id="usage-chart-title">{escape(title)}</title>',
         f'<desc id="usage-chart-desc">{escape(desc)}</desc>',
     ]
+    # Live periods: shaded behind their data, labelled above it.
+    if live:
+        out.append('<g class="live" aria-hidden="true">')
+        for index in live:
+            out.append(
+                f'<rect class="live-band" x="{LEFT + index * slot:.1f}" y="{TOP}" width="{slot:.1f}" height="{plot_h}"'
+                f' fill="{LIVE_COLOR}" fill-opacity="0.18"><title>{escape(LIVE_TITLE)}</title></rect>'
+            )
+        at = LEFT + (live[-1] + 0.5) * slot
+        out.append(f'<text class="live-label" x="{at:.1f}" y="{TOP - 4}" text-anchor="middle">live</text></g>')
     # Gridlines and the y axis.
     out.append('<g class="y-axis" aria-hidden="true">')
     for value in range(0, top + 1, step):
@@ -149,9 +189,11 @@ def render_chart(series: Sequence[Period], granularity: str) -> SafeString:
                 low, high = y(stacked[index]), y(stacked[index] + value)
                 stacked[index] += value
                 x = LEFT + index * slot + (slot - width) / 2
+                marked = (' data-live="1"', f" ({LIVE_TITLE})") if period.live else ("", "")
                 out.append(
-                    f'<rect x="{x:.1f}" y="{high:.1f}" width="{width:.1f}" height="{max(low - high, 0.5):.1f}">'
-                    f"<title>{_period_label(period.start, granularity)} UTC: {value:,} {LABELS[metric]}</title></rect>"
+                    f'<rect x="{x:.1f}" y="{high:.1f}" width="{width:.1f}" height="{max(low - high, 0.5):.1f}"'
+                    f"{marked[0]}><title>{_period_label(period.start, granularity)} UTC: {value:,} {LABELS[metric]}"
+                    f"{escape(marked[1])}</title></rect>"
                 )
             out.append("</g>")
     else:
@@ -179,5 +221,11 @@ def render_chart(series: Sequence[Period], granularity: str) -> SafeString:
             f'<text x="{x + 17:.1f}" y="24">{escape(text)}</text>'
         )
         x += 40 + 7.2 * len(text)
+    if live:
+        out.append(
+            f'<rect x="{x:.1f}" y="14" width="12" height="12" fill="{LIVE_COLOR}" fill-opacity="0.18"'
+            ' stroke="currentColor" stroke-opacity="0.4"/>'
+            f'<text x="{x + 17:.1f}" y="24">live (not drained yet)</text>'
+        )
     out.append("</g></svg>")
     return mark_safe("".join(out))  # every interpolated string is escaped, or a number

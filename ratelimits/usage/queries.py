@@ -1,26 +1,32 @@
 """The usage report's queries: totals per period, top consumers, the most throttled, as bounded tables.
 
-Everything here reads ``UsageRecord`` rows (drained, then rolled up into hours and days by
-:mod:`ratelimits.usage.records`): the current minute, and an hour or day not rolled up yet, are
-not in. Every query is a plain function of :class:`ReportFilters`; every table is bounded
-(:data:`TABLE_LIMIT` rows). Times are UTC throughout.
+Everything here reads ``UsageRecord`` rows, drained, then rolled up into hours and days by
+:mod:`ratelimits.usage.records`: a period is read from its own rows once the roll-up wrote them,
+and summed from the finer rows until then (:func:`coverage`), so the hour under way is there
+too. The minutes not drained yet come from the store (:mod:`.live`): every query takes them as
+``live`` rows and counts them in. Every query is a plain function of :class:`ReportFilters`;
+every table is bounded (:data:`TABLE_LIMIT` rows). Times are UTC throughout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+import operator
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import urlencode
 
-from django.db.models import F, FloatField, Q, QuerySet, Sum
-from django.db.models.functions import Cast, NullIf
+from django.db.models import F, FloatField, Max, Q, QuerySet, Sum
+from django.db.models.functions import Cast, NullIf, Trunc
 from django.urls import reverse
 
 from ..identity import SubjectKind
 from ..models import UsageRecord
+from .live import LiveRow
 from .records import MAX_RANGE, OVERFLOW, UNRESOLVED
+from .subjects import chunks, max_params
 from .text import csv_text, display_text
 
 __all__ = [
@@ -32,15 +38,18 @@ __all__ = [
     "ReportFilters",
     "Table",
     "caveats",
+    "coverage",
     "effective_policy_url",
     "grouped_usage",
     "near_limit",
+    "period_bounds",
     "series_table",
     "throttled_endpoints",
     "throttled_subjects",
     "time_series",
     "top_consumers",
     "usage_records",
+    "young",
 ]
 
 #: The request outcomes, in the order the chart stacks them (bottom first).
@@ -52,6 +61,11 @@ TABLE_LIMIT = 20
 CALLER_KINDS = (SubjectKind.API_KEY, SubjectKind.USER, SubjectKind.IP)
 STEPS = {"minute": timedelta(minutes=1), "hour": timedelta(hours=1), "day": timedelta(days=1)}
 DEFAULT_RANGE = timedelta(hours=24)
+#: An install none of whose usage rows started longer ago than this is young (:func:`young`).
+YOUNG = timedelta(hours=1)
+#: The rows each granularity's periods are read from, coarsest first: its own, once the roll-up
+#: wrote them, and until then the finer ones they are summed from.
+SOURCES = {"minute": ("minute",), "hour": ("hour", "minute"), "day": ("day", "hour", "minute")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +84,10 @@ class ReportFilters:
 
 @dataclass(frozen=True, slots=True)
 class Period:
-    """The totals of one period (zeros when nothing was recorded in it)."""
+    """The totals of one period (zeros when nothing was recorded in it).
+
+    ``live``: some of them were read from the store's counters, not drained yet (:mod:`.live`).
+    """
 
     start: datetime
     allowed: int = 0
@@ -78,6 +95,7 @@ class Period:
     shed: int = 0
     degraded: int = 0
     tokens: int = 0
+    live: bool = False
 
     @property
     def requests(self) -> int:
@@ -85,10 +103,9 @@ class Period:
 
 
 def usage_records(filters: ReportFilters) -> QuerySet[UsageRecord]:
-    """The rows ``filters`` select, unordered (ready to be grouped)."""
-    rows = UsageRecord.objects.filter(
-        granularity=filters.granularity, period_start__gte=filters.start, period_start__lt=filters.end
-    )
+    """The rows of the range's periods that ``filters`` select (:func:`coverage`), unordered (ready to be grouped)."""
+    first, until = period_bounds(filters)
+    rows = UsageRecord.objects.filter(coverage(filters.granularity), period_start__gte=first, period_start__lt=until)
     if filters.subject_kind:
         rows = rows.filter(subject_kind=filters.subject_kind, subject_id=filters.subject_id)
     if filters.tier:
@@ -98,6 +115,59 @@ def usage_records(filters: ReportFilters) -> QuerySet[UsageRecord]:
     if filters.organization:
         rows = rows.filter(organization=filters.organization)
     return rows.order_by()
+
+
+def live_rows(live: Iterable[LiveRow], filters: ReportFilters) -> list[LiveRow]:
+    """The live rows of the range's periods that ``filters`` select, as :func:`usage_records` selects rows."""
+    first, until = period_bounds(filters)
+    return [
+        row
+        for row in live
+        if first <= row.period_start < until
+        and (
+            not filters.subject_kind or (row.subject_kind, row.subject_id) == (filters.subject_kind, filters.subject_id)
+        )
+        and (not filters.tier or row.tier == filters.tier)
+        and (not filters.endpoint or row.endpoint == filters.endpoint)
+        and (not filters.organization or row.organization == filters.organization)
+    ]
+
+
+def rolled_up_until(granularity: str) -> datetime | None:
+    """Where the last period of ``granularity`` the roll-up wrote ends (``None``: it wrote none)."""
+    latest = UsageRecord.objects.filter(granularity=granularity).aggregate(latest=Max("period_start"))["latest"]
+    return None if latest is None else latest + STEPS[granularity]
+
+
+def coverage(granularity: str) -> Q:
+    """Which rows stand for which moments in a report of ``granularity``: each moment is read from one granularity.
+
+    The roll-up writes closed periods oldest first, and every one of them that counted anything
+    (:func:`~.records.rollup`): up to where the last one it wrote ends, a period's own rows are
+    all it had. After that, the periods are summed from the next finer rows, up to where the
+    roll-up got with those, and so on down to the minutes. A minute is therefore never counted
+    twice, in its rolled-up hour and again on its own. Decided for every subject at once, so a
+    filtered report adds up to the unfiltered one.
+    """
+    parts: list[Q] = []
+    since: datetime | None = None  # where the coarser rows read so far end
+    *coarser, finest = SOURCES[granularity]
+    for level in coarser:
+        until = rolled_up_until(level)
+        if until is not None and (since is None or until > since):
+            parts.append(Q(granularity=level, period_start__lt=until) & _from(since))
+            since = until
+    parts.append(Q(granularity=finest) & _from(since))
+    return functools.reduce(operator.or_, parts)
+
+
+def _from(since: datetime | None) -> Q:
+    return Q() if since is None else Q(period_start__gte=since)
+
+
+def young(now: datetime) -> bool:
+    """Whether no usage row started longer than :data:`YOUNG` before ``now`` (none at all, on a fresh install)."""
+    return not UsageRecord.objects.filter(granularity__in=list(STEPS), period_start__lt=now - YOUNG).exists()
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +184,7 @@ class Caveats:
     unresolved: int = 0
 
 
-def caveats(filters: ReportFilters) -> Caveats:
+def caveats(filters: ReportFilters, live: Sequence[LiveRow] = ()) -> Caveats:
     """How many requests of the range are in overflow rows, and how many under a digest."""
     requests = F("allowed") + F("throttled") + F("shed") + F("degraded")
     unresolved = Q(subject_id__startswith=UNRESOLVED) | Q(organization__startswith=UNRESOLVED)
@@ -122,7 +192,15 @@ def caveats(filters: ReportFilters) -> Caveats:
         overflow=Sum(requests, filter=Q(subject_kind=OVERFLOW)),
         unresolved=Sum(requests, filter=unresolved & ~Q(subject_kind=OVERFLOW)),
     )
-    return Caveats(int(sums["overflow"] or 0), int(sums["unresolved"] or 0))
+    rows = live_rows(live, filters)
+    overflow = sum(row.requests for row in rows if row.subject_kind == OVERFLOW)
+    digests = sum(
+        row.requests
+        for row in rows
+        if row.subject_kind != OVERFLOW
+        and (row.subject_id.startswith(UNRESOLVED) or row.organization.startswith(UNRESOLVED))
+    )
+    return Caveats(int(sums["overflow"] or 0) + overflow, int(sums["unresolved"] or 0) + digests)
 
 
 def grouped_usage(rows: QuerySet[UsageRecord], *fields: str) -> QuerySet[UsageRecord, dict[str, Any]]:
@@ -137,6 +215,37 @@ def grouped_usage(rows: QuerySet[UsageRecord], *fields: str) -> QuerySet[UsageRe
     return summed.annotate(n_requests=F("n_allowed") + F("n_throttled") + F("n_shed") + F("n_degraded"))
 
 
+#: The sums of a grouped row (:func:`grouped_usage`), ``n_requests`` aside.
+SUMS = tuple(f"n_{metric}" for metric in TOTALS)
+
+
+def _live_sums(rows: Iterable[LiveRow], fields: Sequence[str]) -> dict[tuple[Any, ...], dict[str, int]]:
+    """``rows`` summed by ``fields``, as :func:`grouped_usage` names the sums."""
+    groups: dict[tuple[Any, ...], dict[str, int]] = {}
+    for row in rows:
+        sums = groups.setdefault(tuple(getattr(row, name) for name in fields), dict.fromkeys(SUMS, 0))
+        for metric in TOTALS:
+            sums[f"n_{metric}"] += getattr(row, metric)
+    return groups
+
+
+def _merged(
+    stored: Iterable[dict[str, Any]], live: dict[tuple[Any, ...], dict[str, int]], fields: Sequence[str]
+) -> list[dict[str, Any]]:
+    """Grouped rows of the database with the live sums of the same groups added (and the live-only groups)."""
+    groups: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for row in stored:
+        groups[tuple(row[name] for name in fields)] = {**row, **{name: int(row[name] or 0) for name in SUMS}}
+    for key, sums in live.items():
+        group = groups.setdefault(key, {**dict(zip(fields, key, strict=True)), **dict.fromkeys(SUMS, 0)})
+        for name, count in sums.items():
+            group[name] += count
+    for group in groups.values():
+        group["n_requests"] = sum(group[f"n_{metric}"] for metric in OUTCOMES)
+        group["share"] = group["n_throttled"] / group["n_requests"] if group["n_requests"] else None
+    return list(groups.values())
+
+
 def floor_period(moment: datetime, granularity: str) -> datetime:
     """The start of the (UTC) period of ``granularity`` containing ``moment``."""
     moment = moment.astimezone(UTC).replace(second=0, microsecond=0)
@@ -147,29 +256,49 @@ def floor_period(moment: datetime, granularity: str) -> datetime:
     return moment
 
 
+def _ceil_period(moment: datetime, granularity: str) -> datetime:
+    """The start of the first period of ``granularity`` starting at or after ``moment``."""
+    floor = floor_period(moment, granularity)
+    return floor if floor == moment else floor + STEPS[granularity]
+
+
+def period_bounds(filters: ReportFilters) -> tuple[datetime, datetime]:
+    """Where the range's first period starts and where its last one ends.
+
+    A period is in the range when it starts at or after ``start`` and before ``end``; all of it
+    is, the minutes it is summed from included.
+    """
+    return _ceil_period(filters.start, filters.granularity), _ceil_period(filters.end, filters.granularity)
+
+
 def period_starts(filters: ReportFilters) -> list[datetime]:
     """Every period of the range: starting at or after ``start``, before ``end``."""
     step = STEPS[filters.granularity]
-    moment = floor_period(filters.start, filters.granularity)
-    if moment < filters.start:
-        moment += step
+    moment, until = period_bounds(filters)
     starts = []
-    while moment < filters.end:
+    while moment < until:
         starts.append(moment)
         moment += step
     return starts
 
 
-def time_series(filters: ReportFilters) -> list[Period]:
+def time_series(filters: ReportFilters, live: Sequence[LiveRow] = ()) -> list[Period]:
     """The totals of every period of the range, oldest first, empty periods included."""
     totals: dict[datetime, dict[str, int]] = {}
-    grouped = grouped_usage(usage_records(filters), "period_start")
-    for row in grouped:
-        start = floor_period(row["period_start"], filters.granularity)
-        period = totals.setdefault(start, dict.fromkeys(TOTALS, 0))
+    # Truncated in the database: the periods not rolled up yet are summed from many finer rows.
+    periods = usage_records(filters).annotate(period=Trunc("period_start", filters.granularity, tzinfo=UTC))
+    for row in grouped_usage(periods, "period"):
+        period = totals.setdefault(row["period"], dict.fromkeys(TOTALS, 0))
         for metric in TOTALS:
             period[metric] += int(row[f"n_{metric}"] or 0)
-    return [Period(start, **totals.get(start, {})) for start in period_starts(filters)]
+    counted_live: set[datetime] = set()
+    for live_row in live_rows(live, filters):
+        start = floor_period(live_row.period_start, filters.granularity)
+        period = totals.setdefault(start, dict.fromkeys(TOTALS, 0))
+        for metric in TOTALS:
+            period[metric] += getattr(live_row, metric)
+        counted_live.add(start)
+    return [Period(start, **totals.get(start, {}), live=start in counted_live) for start in period_starts(filters)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,12 +358,26 @@ SUBJECT_COLUMNS = (
     SHARE_COLUMN,
 )
 ENDPOINT_COLUMNS = (Column("endpoint", "Endpoint", numeric=False), *COUNT_COLUMNS, SHARE_COLUMN)
-SERIES_COLUMNS = (Column("period_start", "Period start (UTC)", numeric=False), *COUNT_COLUMNS)
+SERIES_COLUMNS = (
+    Column("period_start", "Period start (UTC)", numeric=False),
+    *COUNT_COLUMNS,
+    Column("live", "Live", numeric=False),
+)
+#: The series table's ``live`` cell of a period counting minutes not drained yet (empty otherwise).
+LIVE = "live"
 
 
 def series_table(series: Sequence[Period]) -> Table:
     """The time series as a table (the chart's data, and its CSV export)."""
-    rows = [{"period_start": p.start, "requests": p.requests, **{m: getattr(p, m) for m in TOTALS}} for p in series]
+    rows = [
+        {
+            "period_start": p.start,
+            "requests": p.requests,
+            **{m: getattr(p, m) for m in TOTALS},
+            "live": LIVE if p.live else "",
+        }
+        for p in series
+    ]
     return Table("series", "Requests per period", "Every period of the range, oldest first.", SERIES_COLUMNS, rows)
 
 
@@ -248,17 +391,70 @@ def _share() -> Any:
     return Cast(F("n_throttled"), FloatField()) / NullIf(Cast(F("n_requests"), FloatField()), 0.0)
 
 
+def _ranked(
+    filters: ReportFilters, live: Sequence[LiveRow], fields: tuple[str, ...], order: Sequence[str], *, throttled: bool
+) -> list[dict[str, Any]]:
+    """The first :data:`TABLE_LIMIT` groups of ``fields`` by descending ``order`` (then ``fields``), live rows in.
+
+    ``throttled``: only groups throttled at least once. The database ranks its rows; the live
+    ones are added here, to the database's first ``TABLE_LIMIT`` groups plus one more for each
+    live group. That is exact (ties for the last place aside): a group without live rows keeps
+    its sums, so only live groups can overtake one, and a group without live rows that makes the
+    merged table ranks in the database behind at most ``TABLE_LIMIT - 1`` others that make it too
+    and the live groups. The live groups' own database sums are read apart.
+    """
+    grouped = grouped_usage(usage_records(filters), *fields).annotate(share=_share())
+    ranked = grouped.filter(Q(n_throttled__gt=0)) if throttled else grouped
+    ordering: list[Any] = [*(F(name).desc(nulls_last=True) for name in order), *fields]
+    extra = _live_sums(live_rows(live, filters), fields)
+    found = list(ranked.order_by(*ordering)[: TABLE_LIMIT + len(extra)])
+    if not extra:
+        return found
+    known = {tuple(row[name] for name in fields) for row in found}
+    stored = _stored_groups(filters, fields, [key for key in extra if key not in known])
+    merged = [row for row in _merged([*found, *stored], extra, fields) if row["n_throttled"] > 0 or not throttled]
+    merged.sort(key=lambda row: (*(_descending(row[name]) for name in order), *(row[name] for name in fields)))
+    return merged[:TABLE_LIMIT]
+
+
+def _descending(value: float | None) -> tuple[bool, float]:
+    """A sort key putting the largest first, and ``None`` last (as ``DESC NULLS LAST``)."""
+    return (value is None, -(value or 0))
+
+
+def _stored_groups(
+    filters: ReportFilters, fields: tuple[str, ...], keys: Sequence[tuple[Any, ...]]
+) -> list[dict[str, Any]]:
+    """The database's grouped rows of these groups of ``fields`` (one query per value of all fields but the last)."""
+    by_prefix: dict[tuple[Any, ...], list[Any]] = {}
+    for key in keys:
+        by_prefix.setdefault(key[:-1], []).append(key[-1])
+    found: list[dict[str, Any]] = []
+    *prefix_fields, last = fields
+    # Half a statement's parameters: the range's and the filters' take some of the rest.
+    for prefix, values in by_prefix.items():
+        for chunk in chunks(values, max_params(2)):
+            rows = usage_records(filters).filter(
+                **dict(zip(prefix_fields, prefix, strict=True)), **{f"{last}__in": chunk}
+            )
+            found += grouped_usage(rows, *fields)
+    return found
+
+
 def _subject_table(
-    filters: ReportFilters, name: str, title: str, description: str, order: Sequence[str], *, throttled: bool, hint: str
+    filters: ReportFilters,
+    live: Sequence[LiveRow],
+    name: str,
+    title: str,
+    description: str,
+    order: Sequence[str],
+    *,
+    throttled: bool,
+    hint: str,
 ) -> Table:
     """Subjects grouped over the range, in descending ``order``; each links to its effective policy."""
-    grouped = grouped_usage(usage_records(filters), "subject_kind", "subject_id").annotate(share=_share())
-    if throttled:
-        grouped = grouped.filter(Q(n_throttled__gt=0))
-    found = list(
-        grouped.order_by(*(F(name).desc(nulls_last=True) for name in order), "subject_kind", "subject_id")[:TABLE_LIMIT]
-    )
-    hints = _endpoint_hints(filters, [(r["subject_kind"], r["subject_id"]) for r in found], hint)
+    found = _ranked(filters, live, ("subject_kind", "subject_id"), order, throttled=throttled)
+    hints = _endpoint_hints(filters, live, [(r["subject_kind"], r["subject_id"]) for r in found], hint)
     rows = []
     for row in found:
         key = (row["subject_kind"], row["subject_id"])
@@ -278,7 +474,7 @@ def _subject_table(
 
 
 def _endpoint_hints(
-    filters: ReportFilters, subjects: Sequence[tuple[str, str]], metric: str
+    filters: ReportFilters, live: Sequence[LiveRow], subjects: Sequence[tuple[str, str]], metric: str
 ) -> dict[tuple[str, str], tuple[str, str]]:
     """Each subject's endpoint with the most ``metric`` in the range, and its organisation."""
     if not subjects:
@@ -286,9 +482,12 @@ def _endpoint_hints(
     which = Q()
     for kind, value in subjects:
         which |= Q(subject_kind=kind, subject_id=value)
-    grouped = grouped_usage(
-        usage_records(filters).filter(which), "subject_kind", "subject_id", "endpoint", "organization"
+    fields = ("subject_kind", "subject_id", "endpoint", "organization")
+    wanted = set(subjects)
+    extra = _live_sums(
+        (row for row in live_rows(live, filters) if (row.subject_kind, row.subject_id) in wanted), fields
     )
+    grouped = _merged(grouped_usage(usage_records(filters).filter(which), *fields), extra, fields)
     candidates = sorted(
         (
             (row["subject_kind"], row["subject_id"]),
@@ -307,13 +506,14 @@ def _endpoint_hints(
     return {key: (endpoint, org or organizations.get(key, "")) for key, (endpoint, org) in hints.items()}
 
 
-def top_consumers(filters: ReportFilters, by: str = "requests") -> Table:
+def top_consumers(filters: ReportFilters, by: str = "requests", live: Sequence[LiveRow] = ()) -> Table:
     """The subjects with the most requests (or tokens) in the range."""
     if by not in ("requests", "tokens"):
         raise ValueError(f"rank consumers by requests or tokens, not {by!r}")
     order = ("n_requests", "n_tokens") if by == "requests" else ("n_tokens", "n_requests")
     return _subject_table(
         filters,
+        live,
         "top_consumers",
         f"Top consumers by {by}",
         f"The {TABLE_LIMIT} subjects with the most {by}; the endpoint is the one each used most.",
@@ -323,10 +523,11 @@ def top_consumers(filters: ReportFilters, by: str = "requests") -> Table:
     )
 
 
-def throttled_subjects(filters: ReportFilters, by: str = "requests") -> Table:
+def throttled_subjects(filters: ReportFilters, by: str = "requests", live: Sequence[LiveRow] = ()) -> Table:
     """The subjects refused with 429 most often in the range."""
     return _subject_table(
         filters,
+        live,
         "throttled_subjects",
         "Most throttled subjects",
         f"The {TABLE_LIMIT} subjects with the most 429s; the endpoint is where each was throttled most.",
@@ -336,10 +537,11 @@ def throttled_subjects(filters: ReportFilters, by: str = "requests") -> Table:
     )
 
 
-def near_limit(filters: ReportFilters, by: str = "requests") -> Table:
+def near_limit(filters: ReportFilters, by: str = "requests", live: Sequence[LiveRow] = ()) -> Table:
     """Subjects throttled at least once, highest share of their requests throttled first."""
     return _subject_table(
         filters,
+        live,
         "near_limit",
         "Near the limit",
         "Subjects throttled at least once in the range, by the share of their requests refused with 429 "
@@ -350,18 +552,16 @@ def near_limit(filters: ReportFilters, by: str = "requests") -> Table:
     )
 
 
-def throttled_endpoints(filters: ReportFilters, by: str = "requests") -> Table:
+def throttled_endpoints(filters: ReportFilters, by: str = "requests", live: Sequence[LiveRow] = ()) -> Table:
     """The endpoints refusing the most requests with 429 in the range."""
-    grouped = grouped_usage(usage_records(filters), "endpoint")
-    order = (F("n_throttled").desc(), F("n_requests").desc(), "endpoint")
-    found = grouped.filter(Q(n_throttled__gt=0)).order_by(*order)[:TABLE_LIMIT]
+    found = _ranked(filters, live, ("endpoint",), ("n_throttled", "n_requests"), throttled=True)
     rows = [{"endpoint": row["endpoint"], **_counts(row)} for row in found]
     description = f"The {TABLE_LIMIT} endpoints with the most 429s, every caller together."
     return Table("throttled_endpoints", "Most throttled endpoints", description, ENDPOINT_COLUMNS, rows)
 
 
 #: The tables of the page, by name (``?format=csv&table=<name>``; ``series`` is the time series).
-TABLES: dict[str, Callable[[ReportFilters, str], Table]] = {
+TABLES: dict[str, Callable[[ReportFilters, str, Sequence[LiveRow]], Table]] = {
     "top_consumers": top_consumers,
     "throttled_subjects": throttled_subjects,
     "throttled_endpoints": throttled_endpoints,

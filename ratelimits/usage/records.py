@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -21,11 +22,23 @@ from django.db.models.functions import Trunc
 from ..backends import Backend, get_backend
 from ..counters import METRICS, OVERFLOW, parse_row
 from ..identity import Identity
+from ..metrics import get_recorder
 from ..models import UsageBatch, UsageRecord
 from . import subjects
 from .subjects import chunks, max_params
 
-__all__ = ["GRACE_S", "LEASE_S", "MAX_RANGE", "OVERFLOW", "UNRESOLVED", "drain", "purge", "rollup", "today_usage"]
+__all__ = [
+    "GRACE_S",
+    "LEASE_S",
+    "MAX_RANGE",
+    "OVERFLOW",
+    "UNRESOLVED",
+    "drain",
+    "purge",
+    "rollup",
+    "today_usage",
+    "usage_rows",
+]
 
 logger = logging.getLogger("ratelimits")
 
@@ -57,9 +70,11 @@ def drain(backend: Backend | None = None, *, now: float | None = None) -> int:
     fails on ``UsageBatch`` and rolls back.
     """
     backend = backend or get_backend()
-    closed_before = int(((time.time() if now is None else now) - GRACE_S) // 60)
+    now = time.time() if now is None else now
+    closed_before = int((now - GRACE_S) // 60)
     applied = 0
-    for batch, minute in backend.claim_usage(closed_before):
+    claimed = backend.claim_usage(closed_before)
+    for batch, minute in claimed:
         counts = backend.lease_usage(batch, LEASE_S)
         if counts is None:
             continue  # another drain is applying it (or has just finished)
@@ -75,22 +90,18 @@ def drain(backend: Backend | None = None, *, now: float | None = None) -> int:
             # Another drain applied this very batch (it took it over when our lease ran out): it is
             # in the database.
         backend.finish_usage(batch)
+    recorder = get_recorder()
+    if recorder is not None:
+        # How far behind the drain was: the oldest minute it was handed had closed this long ago.
+        oldest = min((minute for _, minute in claimed), default=None)
+        recorder.set_gauge("ratelimits_usage_drain_lag_seconds", 0.0 if oldest is None else now - (oldest + 1) * 60)
+        recorder.set_gauge("ratelimits_usage_drained_at_seconds", time.time())
     return applied
 
 
 def _apply(minute: int, counts: dict[str, int]) -> None:
     """Add one minute's counters to its rows (created as needed), the digests resolved to their labels."""
-    by_row: dict[str, dict[str, int]] = {}  # counter row -> metric column -> count
-    for field, count in counts.items():
-        metric = METRICS.get(field[-1:])
-        if metric is not None and count > 0:
-            metrics = by_row.setdefault(field[:-1], {})
-            metrics[metric] = metrics.get(metric, 0) + count
-    parsed = [(row, by_row[text]) for text in by_row if (row := parse_row(text)) is not None]
-    digests = {row.subject for row, _ in parsed if row.kind != OVERFLOW}
-    digests.update(row.organization for row, _ in parsed if row.organization)
-    labels = {digest: value for digest, (_, value) in subjects.resolve(digests).items()}
-    unresolved = digests - labels.keys()
+    records, unresolved = usage_rows(counts)
     if unresolved:
         logger.warning(
             "ratelimits: %d subjects of usage minute %d have no label; recorded as %s<their digest>",
@@ -98,16 +109,6 @@ def _apply(minute: int, counts: dict[str, int]) -> None:
             minute,
             UNRESOLVED,
         )
-    # Keyed as the rows are unique: two digests of one subject (the hash key changed) are one row.
-    records: dict[tuple[str, str, str], dict[str, Any]] = {}
-    for row, metrics in parsed:
-        subject = row.subject if row.kind == OVERFLOW else _label(row.subject, labels)
-        organization = _label(row.organization, labels) if row.organization else ""
-        values = records.setdefault((row.kind, subject, row.endpoint), {"organization": organization, "tier": row.tier})
-        for metric, count in metrics.items():
-            values[metric] = values.get(metric, 0) + count
-    for values in records.values():  # each allowed request spent one token, plus the extra counted apart
-        values["tokens"] = values.get("tokens", 0) + values.get("allowed", 0)
     start = UsageRecord._meta.get_field("period_start").get_db_prep_value(
         datetime.fromtimestamp(minute * 60, tz=UTC), connection
     )
@@ -128,6 +129,37 @@ def _apply(minute: int, counts: dict[str, int]) -> None:
             for (kind, subject, endpoint), values in sorted(records.items())
         ]
     )
+
+
+def usage_rows(counts: Mapping[str, int]) -> tuple[dict[tuple[str, str, str], dict[str, Any]], set[str]]:
+    """One minute's counters as the ``UsageRecord`` rows they make, and the digests that have no label.
+
+    Rows are keyed ``(subject kind, subject, endpoint)``, as they are unique; each holds its
+    ``organization``, ``tier`` and the metric columns it counted, ``tokens`` included. Digests
+    are resolved to the labels the workers wrote; a row whose digest has none is under
+    ``digest:<digest>`` (:data:`UNRESOLVED`).
+    """
+    by_row: dict[str, dict[str, int]] = {}  # counter row -> metric column -> count
+    for field, count in counts.items():
+        metric = METRICS.get(field[-1:])
+        if metric is not None and count > 0:
+            metrics = by_row.setdefault(field[:-1], {})
+            metrics[metric] = metrics.get(metric, 0) + count
+    parsed = [(row, by_row[text]) for text in by_row if (row := parse_row(text)) is not None]
+    digests = {row.subject for row, _ in parsed if row.kind != OVERFLOW}
+    digests.update(row.organization for row, _ in parsed if row.organization)
+    labels = {digest: value for digest, (_, value) in subjects.resolve(digests).items()}
+    # Keyed as the rows are unique: two digests of one subject (the hash key changed) are one row.
+    records: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for row, metrics in parsed:
+        subject = row.subject if row.kind == OVERFLOW else _label(row.subject, labels)
+        organization = _label(row.organization, labels) if row.organization else ""
+        values = records.setdefault((row.kind, subject, row.endpoint), {"organization": organization, "tier": row.tier})
+        for metric, count in metrics.items():
+            values[metric] = values.get(metric, 0) + count
+    for values in records.values():  # each allowed request spent one token, plus the extra counted apart
+        values["tokens"] = values.get("tokens", 0) + values.get("allowed", 0)
+    return records, digests - labels.keys()
 
 
 def _label(digest: str, labels: dict[str, str]) -> str:
@@ -179,10 +211,12 @@ def rollup(*, now: datetime | None = None, window_hours: int = 48) -> int:
     today = this_hour.replace(hour=0)
     since = this_hour - timedelta(hours=window_hours)
     written = 0
-    plan = (("minute", "hour", "hour", this_hour), ("hour", "day", "day", today))
-    for source, target, unit, closed_before in plan:
+    # A day is summed from all of its hours, those before the window too: set from only the hours
+    # inside it, the day the window starts in would lose the rest of its total.
+    plan = (("minute", "hour", "hour", since, this_hour), ("hour", "day", "day", since.replace(hour=0), today))
+    for source, target, unit, start, closed_before in plan:
         sums = (
-            UsageRecord.objects.filter(granularity=source, period_start__gte=since, period_start__lt=closed_before)
+            UsageRecord.objects.filter(granularity=source, period_start__gte=start, period_start__lt=closed_before)
             .annotate(period=Trunc("period_start", unit, tzinfo=UTC))
             .values("period", "subject_kind", "subject_id", "endpoint")
             .annotate(**{m: Sum(m) for m in METRICS.values()})

@@ -1,4 +1,9 @@
-"""The admin's usage report page: the form that picks the range and filters, the page, its CSV files."""
+"""The admin's usage report page: the form that picks the range and filters, the page, its CSV files.
+
+Asked for with no range, the report fits the data (:meth:`UsageReportForm.defaults`). The
+minutes not drained yet are read from the store once per page or file (:mod:`.live`) and counted
+in everything it shows, marked live in the time series.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +23,8 @@ from django.utils.dateparse import parse_datetime
 
 from ..conf import conf
 from ..models import validate_endpoint
-from .chart import MAX_BARS, render_chart
+from .chart import MAX_BARS, chart_periods, render_chart
+from .live import MAX_FIELDS, Live, read_live
 from .queries import (
     CALLER_KINDS,
     DEFAULT_RANGE,
@@ -27,19 +33,28 @@ from .queries import (
     TABLE_LIMIT,
     TABLES,
     TOTALS,
+    YOUNG,
+    Period,
     ReportFilters,
     Table,
     caveats,
     floor_period,
+    period_bounds,
     series_table,
     time_series,
+    young,
 )
 from .text import display_text, format_moment
 
 if TYPE_CHECKING:
     from django.contrib.admin import ModelAdmin
 
-__all__ = ["UsageReportForm", "csv_response", "usage_report_view"]
+__all__ = ["RANGE_FIELDS", "UsageReportForm", "csv_response", "usage_report_view"]
+
+#: The parameters that pick the range: with none of them given, the report fits the data.
+RANGE_FIELDS = ("from", "to", "granularity")
+#: The moments a range may start or end at.
+EARLIEST, LATEST = datetime(1970, 1, 1, tzinfo=UTC), datetime(9999, 1, 1, tzinfo=UTC)
 
 
 def csv_response(table: Table, filters: ReportFilters) -> HttpResponse:
@@ -88,16 +103,25 @@ class UsageReportForm(forms.Form):
         super().__init__(*args, **kwargs)
         # "from" is a Python keyword: these two are added here, first.
         self.fields = {
-            "from": _moment_field("From", "UTC unless an offset is given; default: 24 hours before To."),
+            "from": _moment_field(
+                "From", "UTC unless an offset is given; default: 24 hours before To (with no range: fits the data)."
+            ),
             "to": _moment_field("To", "Excluded; default: now."),
             **self.fields,
         }
 
     @classmethod
     def defaults(cls, now: datetime | None = None) -> dict[str, str]:
-        """The data of the default report: the last 24 hours, per hour."""
-        end = floor_period(now or datetime.now(tz=UTC), "minute") + timedelta(minutes=1)
-        return {"from": format_moment(end - DEFAULT_RANGE), "to": format_moment(end), "granularity": "hour"}
+        """The range and granularity of a report asked for with none: one that fits the data.
+
+        A young install (no usage row older than :data:`~.queries.YOUNG`, an hour) gets its last
+        hour by minute: by hour, all of its traffic would be one bar. Any other, its last 24
+        hours by hour.
+        """
+        now = now or datetime.now(tz=UTC)
+        end = floor_period(now, "minute") + timedelta(minutes=1)
+        granularity, span = ("minute", YOUNG) if young(now) else ("hour", DEFAULT_RANGE)
+        return {"from": format_moment(end - span), "to": format_moment(end), "granularity": granularity}
 
     def _moment(self, name: str) -> datetime | None:
         raw = str(self.cleaned_data.get(name) or "").strip()
@@ -109,7 +133,13 @@ class UsageReportForm(forms.Form):
             moment = None
         if moment is None:
             raise forms.ValidationError(f"{raw!r} is not a date and time, e.g. 2026-05-01 00:00 or 2026-05-01T00:00Z.")
-        return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+        moment = moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+        if not EARLIEST <= moment <= LATEST:
+            # Periods are counted in minutes since the epoch; and a range's last period must end in the calendar.
+            raise forms.ValidationError(
+                f"{raw!r} is out of range: give a moment from {format_moment(EARLIEST)} to {format_moment(LATEST)} UTC."
+            )
+        return moment
 
     def clean_from(self) -> datetime | None:
         return self._moment("from")
@@ -188,8 +218,10 @@ def usage_report_view(model_admin: ModelAdmin[Any]) -> Callable[[HttpRequest], H
     def view(request: HttpRequest) -> HttpResponse:
         if not request.user.has_perm("ratelimits.view_tier"):
             raise PermissionDenied
-        fields = ("from", "to", "granularity", "subject", "tier", "endpoint", "org", "by")
-        data = request.GET if any(name in request.GET for name in fields) else UsageReportForm.defaults()
+        data = request.GET.copy()
+        if not any(request.GET.get(name, "").strip() for name in RANGE_FIELDS):
+            for name, value in UsageReportForm.defaults().items():
+                data[name] = value  # shown in the form: the page says what it covers
         form = UsageReportForm(data)
         valid = form.is_valid()
         if request.GET.get("format") == "csv":
@@ -204,8 +236,9 @@ def usage_report_view(model_admin: ModelAdmin[Any]) -> Callable[[HttpRequest], H
         if valid:
             filters, query = form.filters(), form.query()
             here = reverse("admin:ratelimits_usage_report")
-            series = time_series(filters)
-            tables = [build(filters, form.cleaned_data["by"]) for build in TABLES.values()]
+            live = read_live(*period_bounds(filters))
+            series = time_series(filters, live.rows)
+            tables = [build(filters, form.cleaned_data["by"], live.rows) for build in TABLES.values()]
             for table in tables:
                 if table.name == "throttled_endpoints":  # an endpoint narrows the report to it
                     for row in table.rows:
@@ -220,23 +253,40 @@ def usage_report_view(model_admin: ModelAdmin[Any]) -> Callable[[HttpRequest], H
             ]
             if len(series) > MAX_BARS:  # a long series is in its CSV, not in thousands of table rows
                 sections[0]["cells"] = []
+            shown = chart_periods(series)
             context.update(
                 {
                     "filters": filters,
-                    "chart": render_chart(series, filters.granularity),
+                    "chart": render_chart(shown, filters.granularity, left_out=len(series) - len(shown)),
+                    "chart_starts": format_moment(shown[0].start) if len(shown) < len(series) else "",
                     "totals": {
                         "requests": display_text(sum(p.requests for p in series)),
                         **{m: display_text(sum(getattr(p, m) for p in series)) for m in TOTALS},
                     },
                     "sections": sections,
                     # Only those there are, written as the page writes numbers.
-                    "caveats": {name: display_text(n) for name, n in asdict(caveats(filters)).items() if n},
+                    "caveats": {name: display_text(n) for name, n in asdict(caveats(filters, live.rows)).items() if n},
                     "max_subjects": display_text(conf.usage_max_subjects),
+                    "live": _live_notes(live, series),
                 }
             )
         return TemplateResponse(request, "admin/ratelimits/usage_report.html", context)
 
     return view
+
+
+def _live_notes(live: Live, series: list[Period]) -> dict[str, str]:
+    """What the page says of the live part: which periods are live, and what could not be read."""
+    notes = {}
+    live_periods = [period for period in series if period.live]
+    if live_periods:
+        notes["periods"] = display_text(len(live_periods))
+        notes["since"] = format_moment(live_periods[0].start)
+    if live.error:
+        notes["error"] = live.error
+    if live.truncated:
+        notes["truncated"] = display_text(MAX_FIELDS)
+    return notes
 
 
 def _csv_view(request: HttpRequest, form: UsageReportForm, valid: bool) -> HttpResponse:
@@ -245,10 +295,11 @@ def _csv_view(request: HttpRequest, form: UsageReportForm, valid: bool) -> HttpR
         errors = "; ".join(f"{field}: {' '.join(map(str, messages))}" for field, messages in form.errors.items())
         return HttpResponse(f"Invalid report: {errors}\n", status=400, content_type="text/plain; charset=utf-8")
     filters = form.filters()
-    if name == "series":
-        return csv_response(series_table(time_series(filters)), filters)
     build = TABLES.get(name)
-    if build is None:
+    if name != "series" and build is None:
         choices = ", ".join(["series", *TABLES])
         return HttpResponse(f"Unknown table {name!r}: one of {choices}.\n", status=400, content_type="text/plain")
-    return csv_response(build(filters, form.cleaned_data["by"]), filters)
+    live = read_live(*period_bounds(filters)).rows
+    if build is None:
+        return csv_response(series_table(time_series(filters, live)), filters)
+    return csv_response(build(filters, form.cleaned_data["by"], live), filters)

@@ -7,7 +7,7 @@ import os
 import secrets
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,8 +29,12 @@ class Demo:
 
 
 @contextlib.contextmanager
-def demo_server(name: str, *, workers: int, threads: int) -> Iterator[Demo]:
-    """``gunicorn --workers N --threads M project.wsgi`` on a seeded demo; everything stopped by PID after."""
+def demo_server(name: str, *, workers: int, threads: int, env: Mapping[str, str] | None = None) -> Iterator[Demo]:
+    """``gunicorn --workers N --threads M project.wsgi`` on a seeded demo; everything stopped by PID after.
+
+    ``env``: more of the processes' environment.
+    """
+    extra = env
     with contextlib.ExitStack() as cleanup:
         redis_server = cleanup.enter_context(RedisServer())
         database_url = cleanup.enter_context(throwaway_database(f"ratelimits_{name}"))
@@ -42,6 +46,7 @@ def demo_server(name: str, *, workers: int, threads: int) -> Iterator[Demo]:
             "SECRET_KEY": f"{name}-test-" + secrets.token_hex(8),
             "DEBUG": "0",
             "PYTHONUNBUFFERED": "1",
+            **(extra or {}),
         }
         manage(env, "migrate", "--noinput", "-v", "0")
         manage(env, "seed_demo")

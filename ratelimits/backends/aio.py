@@ -1,0 +1,101 @@
+"""The decision path's ``redis.asyncio`` clients: one per event loop, made like the sync connections.
+
+An async view's decision is the same script call as a sync one's, sent on a connection of the
+running event loop: a ``redis.asyncio`` connection belongs to the loop it was made in. Its
+address, credentials and TLS come from the sync client's pool; its timeouts are the limiter's,
+and it never retries. Only what ``redis.asyncio`` can make the same way is made: a plain, TLS or
+Unix socket connection. A Sentinel-managed one is not (its master is found by the sync client's
+Sentinel), nor a cluster's; :func:`async_pool_factory` says ``None`` and those stores are asked
+from a thread instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import redis
+import redis.asyncio
+import redis.asyncio.connection
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+__all__ = ["AsyncClients", "async_pool_factory"]
+
+#: The sync connection classes ``redis.asyncio`` has a twin of.
+_TWINS: dict[type, type] = {
+    redis.connection.Connection: redis.asyncio.connection.Connection,
+    redis.connection.SSLConnection: redis.asyncio.connection.SSLConnection,
+    redis.connection.UnixDomainSocketConnection: redis.asyncio.connection.UnixDomainSocketConnection,
+}
+#: What the sync pool's arguments say that an async connection is told otherwise, or not at all.
+_REPLACED = {"retry", "retry_on_timeout", "retry_on_error", "connection_pool", "cache", "cache_config"}
+
+
+def async_pool_factory(
+    pool: Any, timeouts: tuple[float, float] | None
+) -> Callable[[], redis.asyncio.ConnectionPool] | None:
+    """How to make an event loop's pool like ``pool`` (a sync client's), or ``None`` if it cannot be made.
+
+    ``timeouts``: (socket, connect) seconds that override the pool's, as on the sync path.
+    Arguments an async connection does not take are left out only if they say nothing (``None``
+    or false); one that says something, a TLS option an async connection lacks, means no twin.
+    """
+    twin = _TWINS.get(pool.connection_class)
+    if twin is None:
+        return None
+    accepted = _parameters(twin)
+    kwargs: dict[str, Any] = {}
+    for name, value in pool.connection_kwargs.items():
+        if name in _REPLACED:
+            continue
+        if name in accepted:
+            kwargs[name] = value
+        elif value not in (None, False, (), {}):
+            return None
+    kwargs["decode_responses"] = False  # replies are read as bytes, whatever the client decodes
+    if timeouts is not None:
+        kwargs["socket_timeout"], kwargs["socket_connect_timeout"] = timeouts
+    # A consume that may have run is never sent twice: no retry of any kind.
+    kwargs.update(retry=Retry(NoBackoff(), 0), retry_on_timeout=False, health_check_interval=0)
+
+    def make() -> redis.asyncio.ConnectionPool:
+        return redis.asyncio.ConnectionPool(connection_class=twin, **kwargs)
+
+    return make
+
+
+def _parameters(cls: type) -> set[str]:
+    """Every argument ``cls`` and the classes it passes ``**kwargs`` on to take by name."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is not None and klass is not object:
+            names |= set(inspect.signature(init).parameters) - {"self", "args", "kwargs"}
+    return names
+
+
+class AsyncClients:
+    """One ``redis.asyncio`` client per running event loop, made on first use, dropped with its loop."""
+
+    def __init__(self, make_pool: Callable[[], redis.asyncio.ConnectionPool]) -> None:
+        self._make_pool = make_pool
+        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, redis.asyncio.Redis] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._lock = threading.Lock()
+
+    def current(self) -> redis.asyncio.Redis:
+        """The running loop's client (call from a coroutine)."""
+        loop = asyncio.get_running_loop()
+        client = self._clients.get(loop)
+        if client is None:
+            with self._lock:
+                client = self._clients.get(loop)
+                if client is None:
+                    client = self._clients[loop] = redis.asyncio.Redis(connection_pool=self._make_pool())
+        return client
