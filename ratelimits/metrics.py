@@ -20,6 +20,7 @@ label keeps at most :data:`MAX_LABEL_VALUES` values, later ones are counted as `
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import logging
 import os
@@ -202,6 +203,12 @@ def _metrics() -> tuple[CollectorRegistry, dict[str, Any], Any, dict[str, set[st
                 buckets=DECISION_BUCKETS,
             )
             _built = (registry, families, histogram, {})
+            if conf.metrics is not None and conf.metrics.multiprocess and not _writes_files(prometheus_client):
+                logger.warning(
+                    "ratelimits: PROMETHEUS_MULTIPROC_DIR was set after prometheus-client was imported: this "
+                    "process keeps its metrics in memory and a scrape of another worker will not see them; set it "
+                    "before the server starts"
+                )
         return _built
 
 
@@ -213,6 +220,7 @@ class Recorder:
         self.multiprocess = settings.multiprocess
         self.registry, self._families, self._histogram, self._seen = _metrics()
         self._lock = threading.Lock()
+        self._flushing = threading.Lock()
         self._counts: dict[_Key, int] = {}
         #: path -> [count per bucket (the last is +Inf)..., then the sum of seconds]
         self._latency: dict[str, list[float]] = {}
@@ -285,7 +293,11 @@ class Recorder:
 
     def flush(self) -> None:
         """Sample the gauges (and the counts kept elsewhere), then add what was counted since the last
-        flush to prometheus-client's metrics."""
+        flush to prometheus-client's metrics. One flush at a time: the thread's and a scrape's."""
+        with self._flushing:
+            self._flush()
+
+    def _flush(self) -> None:
         for sample in list(_samplers):
             sample(self)
         with self._lock:
@@ -304,7 +316,7 @@ class Recorder:
 
     def after_fork(self) -> None:
         """In a forked child: the parent's counts are the parent's to flush, and its thread is not ours."""
-        self._lock = threading.Lock()
+        self._lock, self._flushing = threading.Lock(), threading.Lock()
         self._counts, self._latency = {}, {}
         self._thread = None
 
@@ -334,6 +346,12 @@ def add_sampler(sample: Callable[[Recorder], None]) -> None:
     """Call ``sample(recorder)`` at every flush (once per function, whatever how often it is added)."""
     if sample not in _samplers:
         _samplers.append(sample)
+
+
+def _writes_files(prometheus_client: Any) -> bool:
+    """Whether prometheus-client's values go to the multiprocess directory's files (decided at its import)."""
+    value_class = getattr(getattr(prometheus_client, "values", None), "ValueClass", None)
+    return value_class is None or "Mutex" not in getattr(value_class, "__name__", "")
 
 
 def _build() -> Recorder | None:
@@ -389,6 +407,22 @@ def child_exit(server: Any, worker: Any) -> None:
         multiprocess.mark_process_dead(worker.pid)  # type: ignore[no-untyped-call]
 
 
+def _at_exit() -> None:
+    """The process is leaving: what it counted since the last flush is added, and in multiprocess
+    mode its live gauges leave the sums (a worker recycled by ``max_requests``, a graceful restart)."""
+    recorder = _recorder.current()
+    if recorder is None:
+        return
+    try:
+        recorder.flush()
+    except Exception:
+        logger.exception("ratelimits: metrics not flushed at exit")
+    if recorder.multiprocess:
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(os.getpid())  # type: ignore[no-untyped-call]
+
+
 def _after_fork_in_child() -> None:
     recorder = _recorder.current()
     if recorder is not None:
@@ -396,3 +430,4 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(_at_exit)

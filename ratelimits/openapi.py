@@ -51,9 +51,11 @@ _COUNT = {"type": "integer", "minimum": 0}
 IETF_HEADERS = (
     Header(
         "RateLimit-Policy",
-        'The policies the request is counted under (IETF RateLimit draft, structured fields): `"tier:free";q=20;w=2` '
-        'is a quota `q` granted over `w` seconds, `qu="concurrent-requests"` a limit of requests in flight.',
-        {"type": "string", "example": '"tier:free";q=20;w=2'},
+        "The policies the request is counted under (IETF RateLimit draft, an RFC 9651 List): every enforced "
+        'policy, or only the closest (`HEADER_POLICIES`). `"tier:free";q=20;w=2` is a quota `q` granted over `w` '
+        'seconds, `qu="concurrent-requests"` a limit of requests in flight; with `HEADER_PARTITION_KEY`, `pk` is '
+        "a Byte Sequence of the keyed hash of the subject the policy counts.",
+        {"type": "string", "example": '"tier:free";q=20;w=2, "tier:free:quota";q=100000;w=86400'},
     ),
     Header(
         "RateLimit",

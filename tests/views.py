@@ -1,11 +1,13 @@
 """Views used only by the tests."""
 
+from adrf.views import APIView as AsyncAPIView
 from django.http import HttpRequest, HttpResponse
 from django.urls import path
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from ratelimits.middleware import ratelimit, ratelimit_exempt
+from ratelimits.throttles import AsyncRateLimitThrottle
 
 
 class Ping(APIView):
@@ -77,3 +79,44 @@ class Status(APIView):
 
 
 urlpatterns += [path("status/<int:code>", Status.as_view(), name="status")]
+
+
+# -- async views: the same engine, decided on the event loop ----------------------------------
+
+
+@ratelimit(scope="async-plain")
+async def async_plain(request: HttpRequest) -> HttpResponse:
+    return HttpResponse("async plain ok")
+
+
+async def async_unmarked(request: HttpRequest) -> HttpResponse:
+    """Limited only by RateLimitMiddleware, when a test installs it."""
+    return HttpResponse("async unmarked ok")
+
+
+@ratelimit(scope="async-gated")
+async def async_gated(request: HttpRequest) -> HttpResponse:
+    """Held inside (off the event loop) until the test opens ``tests.support.gate.GATE``."""
+    from asgiref.sync import sync_to_async
+
+    from .support.gate import GATE
+
+    if not await sync_to_async(GATE.pass_through, thread_sensitive=False)():
+        return HttpResponse("the gate never opened", status=504)
+    return HttpResponse("async gated ok")
+
+
+class AsyncPing(AsyncAPIView):
+    throttle_scope = "async-ping"
+    throttle_classes = [AsyncRateLimitThrottle]
+
+    async def get(self, request):  # type: ignore[no-untyped-def]
+        return Response({"ok": True})
+
+
+urlpatterns += [
+    path("async/plain", async_plain, name="async-plain"),
+    path("async/unmarked", async_unmarked, name="async-unmarked"),
+    path("async/gated", async_gated, name="async-gated"),
+    path("async/ping", AsyncPing.as_view(), name="async-ping"),
+]

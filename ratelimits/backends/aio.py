@@ -7,6 +7,11 @@ and it never retries. Only what ``redis.asyncio`` can make the same way is made:
 Unix socket connection. A Sentinel-managed one is not (its master is found by the sync client's
 Sentinel), nor a cluster's; :func:`async_pool_factory` says ``None`` and those stores are asked
 from a thread instead.
+
+A loop ``async_to_sync`` made for one call (an async view under WSGI, adrf's throttles there) is
+gone after it: a client made for it would be a connection, and a TCP handshake, per request.
+:meth:`AsyncClients.current` says ``None`` there, and the sync call is made in a thread of the
+default executor instead, on that thread's own lasting connection.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any
 import redis
 import redis.asyncio
 import redis.asyncio.connection
+from asgiref.sync import AsyncToSync
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
@@ -34,6 +40,9 @@ _TWINS: dict[type, type] = {
 }
 #: What the sync pool's arguments say that an async connection is told otherwise, or not at all.
 _REPLACED = {"retry", "retry_on_timeout", "retry_on_error", "connection_pool", "cache", "cache_config"}
+#: The most connections one loop's client opens. A decision waits for a free one (up to the connect
+#: timeout) rather than fail: a burst of concurrent decisions must not read as the store failing.
+MAX_CONNECTIONS = 64
 
 
 def async_pool_factory(
@@ -63,10 +72,18 @@ def async_pool_factory(
     # A consume that may have run is never sent twice: no retry of any kind.
     kwargs.update(retry=Retry(NoBackoff(), 0), retry_on_timeout=False, health_check_interval=0)
 
+    wait = kwargs.get("socket_connect_timeout") or kwargs.get("socket_timeout")
+
     def make() -> redis.asyncio.ConnectionPool:
-        return redis.asyncio.ConnectionPool(connection_class=twin, **kwargs)
+        return redis.asyncio.BlockingConnectionPool(
+            connection_class=twin, max_connections=MAX_CONNECTIONS, timeout=wait, **kwargs
+        )
 
     return make
+
+
+#: The loops asgiref's ``async_to_sync`` made and runs for one call, while they run.
+_ONE_CALL_LOOPS: dict[asyncio.AbstractEventLoop, Any] = getattr(AsyncToSync, "loop_thread_executors", {})
 
 
 def _parameters(cls: type) -> set[str]:
@@ -80,7 +97,7 @@ def _parameters(cls: type) -> set[str]:
 
 
 class AsyncClients:
-    """One ``redis.asyncio`` client per running event loop, made on first use, dropped with its loop."""
+    """One ``redis.asyncio`` client per long-lived event loop (an ASGI server's), made on first use."""
 
     def __init__(self, make_pool: Callable[[], redis.asyncio.ConnectionPool]) -> None:
         self._make_pool = make_pool
@@ -89,9 +106,11 @@ class AsyncClients:
         )
         self._lock = threading.Lock()
 
-    def current(self) -> redis.asyncio.Redis:
-        """The running loop's client (call from a coroutine)."""
+    def current(self) -> redis.asyncio.Redis | None:
+        """The running loop's client (call from a coroutine); ``None`` in a loop made for one call."""
         loop = asyncio.get_running_loop()
+        if loop in _ONE_CALL_LOOPS:
+            return None
         client = self._clients.get(loop)
         if client is None:
             with self._lock:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -18,6 +20,20 @@ if TYPE_CHECKING:
     from ..policies.values import Check
     from ..shares import ShareRecord
     from .invalidation import Subscription
+
+
+#: The threads async decisions ask a blocking store from: one pool for the process, not a loop's
+#: own (a loop made for one call would make threads, and their connections, per call).
+STORE_THREADS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="ratelimits-store")
+
+
+def _new_store_threads() -> None:
+    # A forked child has none of the parent's threads, though the pool would count its idle ones.
+    global STORE_THREADS
+    STORE_THREADS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="ratelimits-store")
+
+
+os.register_at_fork(after_in_child=_new_store_threads)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,15 +108,19 @@ class Backend(ABC):
         """
 
     async def adecide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
-        """:meth:`decide` for async code. Here: the blocking call in a thread of the default
-        executor, so the event loop runs on meanwhile; a store with an async client overrides it."""
-        return await sync_to_async(self.decide, thread_sensitive=False)(checks, consume=consume, usage=usage)
+        """:meth:`decide` for async code. Here: the blocking call in one of :data:`STORE_THREADS`, so
+        the event loop runs on meanwhile; a store with an async client overrides it."""
+        return await sync_to_async(self.decide, thread_sensitive=False, executor=STORE_THREADS)(
+            checks, consume=consume, usage=usage
+        )
 
     async def alease(
         self, checks: Sequence[Check], wants: Sequence[int], *, usage: Usage | None = None
     ) -> tuple[Decision, list[Grant]]:
         """:meth:`lease` for async code (as :meth:`adecide` is :meth:`decide`'s)."""
-        return await sync_to_async(self.lease, thread_sensitive=False)(checks, wants, usage=usage)
+        return await sync_to_async(self.lease, thread_sensitive=False, executor=STORE_THREADS)(
+            checks, wants, usage=usage
+        )
 
     @abstractmethod
     def add_usage(self, counts: Mapping[tuple[int, str], int]) -> None:

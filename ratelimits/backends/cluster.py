@@ -118,6 +118,10 @@ class ClusterBackend(RedisBackend):
     their fail modes instead of failing the process at start-up.
     """
 
+    #: Asked from a thread on the async path: the slot groups' calls are the sync client's (and
+    #: reading ``client`` here would connect to the cluster, on the event loop).
+    _async = None
+
     def __init__(
         self,
         client: RedisCluster | Callable[[], RedisCluster],

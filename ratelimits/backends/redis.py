@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import itertools
@@ -181,18 +182,24 @@ class RedisBackend(Backend):
         return _granted(checks, *self._decided(checks, consume=True, usage=usage, wants=wants))
 
     async def adecide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
-        clients = self._async
-        if clients is None:
-            return await super().adecide(checks, consume=consume, usage=usage)
-        return (await self._adecided(clients, checks, consume=consume, usage=usage))[0]
+        client = self._loop_client()
+        if client is None:
+            return await super().adecide(checks, consume=consume, usage=usage)  # in a thread
+        return (await self._adecided(client, checks, consume=consume, usage=usage))[0]
 
     async def alease(
         self, checks: Sequence[Check], wants: Sequence[int], *, usage: Usage | None = None
     ) -> tuple[Decision, list[Grant]]:
+        client = self._loop_client()
+        if client is None:
+            return await super().alease(checks, wants, usage=usage)  # in a thread
+        return _granted(checks, *await self._adecided(client, checks, consume=True, usage=usage, wants=wants))
+
+    def _loop_client(self) -> Any:
+        """The running loop's ``redis.asyncio`` client; ``None`` where the store is asked from a
+        thread: ``redis.asyncio`` cannot make its connections, or the loop serves only this call."""
         clients = self._async
-        if clients is None:
-            return await super().alease(checks, wants, usage=usage)
-        return _granted(checks, *await self._adecided(clients, checks, consume=True, usage=usage, wants=wants))
+        return None if clients is None else clients.current()
 
     def _decided(
         self, checks: Sequence[Check], *, consume: bool, usage: Usage | None, wants: Sequence[int] | None = None
@@ -208,7 +215,7 @@ class RedisBackend(Backend):
 
     async def _adecided(
         self,
-        clients: AsyncClients,
+        client: Any,
         checks: Sequence[Check],
         *,
         consume: bool,
@@ -218,9 +225,15 @@ class RedisBackend(Backend):
         """:meth:`_decided` on the running event loop's ``redis.asyncio`` client."""
         call = self._call_for(checks, consume=consume, usage=usage, wants=wants)
         try:
-            reply = await _arun(clients.current(), DECIDE, call.keys, call.args)
+            reply = await _arun(client, DECIDE, call.keys, call.args)
         except BackendUnavailable as exc:
             call.failed(exc)
+            raise
+        except asyncio.CancelledError:
+            # The request was given up (its client went away) while the script was out: it may have
+            # taken the slot, and nobody will hold it. Given back off the loop (idempotent).
+            if call.slot:
+                _release_soon(self, call.slot, call.held)
             raise
         return call.decision(reply), reply
 
@@ -671,6 +684,16 @@ def _granted(checks: Sequence[Check], decision: Decision, reply: Any) -> tuple[D
             spent_tat, given_back = _REFUNDABLE.unpack_from(spent, _REFUNDABLE.size * i)
             grants.append(Grant(check, int(tokens), reply[0], spent_tat, given_back))
     return decision, grants
+
+
+def _release_soon(backend: RedisBackend, slot: str, held: tuple[str, ...]) -> None:
+    def release() -> None:
+        try:
+            backend.release(slot, held)
+        except BackendUnavailable as exc:
+            logger.info("ratelimits: the slot of a cancelled decision was not given back (it expires): %s", exc)
+
+    threading.Thread(target=release, name="ratelimits-release", daemon=True).start()
 
 
 async def _arun(client: Any, script: Script, script_keys: Sequence[str], args: Sequence[Any]) -> Any:

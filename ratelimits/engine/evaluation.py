@@ -9,11 +9,13 @@ from __future__ import annotations
 import contextvars
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from asgiref.sync import sync_to_async
+from django.core.exceptions import SynchronousOnlyOperation
 from django.core.signals import request_finished
 
 from ..algorithms import SLOT_RETRY_US
@@ -63,10 +65,13 @@ class _Held:
     answered_at: float | None = None
 
 
-#: What the current request holds until it finishes. A context variable, not a thread-local: under
-#: ASGI the decision and request_finished may run in different threads, and asgiref carries context
-#: (and so this list) between them.
+#: What the current request holds until it finishes, as :func:`request_finished` finds it: a
+#: context variable, not a thread-local, since under ASGI the decision and the signal may run in
+#: different threads and asgiref carries context (and so this list) between them. The same list
+#: is kept on the request (:func:`_hold`), for when the signal's context is not the decision's.
 _held: contextvars.ContextVar[list[_Held] | None] = contextvars.ContextVar("ratelimits_held", default=None)
+#: The request attribute that keeps the list.
+HELD_ATTRIBUTE = "_ratelimit_held"
 
 
 def evaluate(
@@ -94,9 +99,10 @@ async def aevaluate(
     """:func:`evaluate` for async views: the same decision, with the store asked on the event loop
     (``redis.asyncio``) and the policies, if they must be loaded, loaded in a thread."""
     source = get_policy_source()
-    if not getattr(source, "loaded", False):
+    if not _snapshot_in_hand(source):
         await sync_to_async(source.snapshot)()  # a database query, as the sync path makes it
-    pending = _prepare(request, endpoint, auth, user, consume)
+        _loaded_sources.add(source)
+    pending = await _aprepare(request, endpoint, auth, user, consume)
     if isinstance(pending, tuple):
         return pending
     try:
@@ -105,6 +111,38 @@ async def aevaluate(
         pending.abandon()
         raise
     return pending.identity, _conclude(request, pending, decision)
+
+
+#: Policy sources of the project's own (no ``loaded``) whose snapshot was taken once, off the loop:
+#: from then on they are taken not to block.
+_loaded_sources: weakref.WeakSet[Any] = weakref.WeakSet()
+#: Whether an async request's checks are made in a thread: once a function of the project's
+#: (``TIER_FUNC``, ``ORGANIZATION_FUNC``, ``API_KEY_FUNC``) queried the database on the loop.
+_prepare_in_thread = False
+
+
+def _snapshot_in_hand(source: PolicySource) -> bool:
+    loaded = getattr(source, "loaded", None)
+    return source in _loaded_sources if loaded is None else bool(loaded)
+
+
+async def _aprepare(
+    request: HttpRequest, endpoint: str, auth: Any, user: Any, consume: bool
+) -> _Pending | tuple[Identity, Decision]:
+    """:func:`_prepare` on the loop, or in a thread once the project's functions showed they query."""
+    global _prepare_in_thread
+    if not _prepare_in_thread:
+        try:
+            return _prepare(request, endpoint, auth, user, consume)
+        except SynchronousOnlyOperation:
+            # _prepare undid what it had done (the shedder's count) before raising: made again below.
+            _prepare_in_thread = True
+            logger.warning(
+                "ratelimits: a function of RATELIMITS (TIER_FUNC, ORGANIZATION_FUNC or API_KEY_FUNC) queried "
+                "the database in an async view; async requests' checks are made in a thread from now on "
+                "(docs/async.md)"
+            )
+    return await sync_to_async(_prepare)(request, endpoint, auth, user, consume)
 
 
 @dataclass(slots=True)
@@ -183,12 +221,12 @@ def _conclude(request: HttpRequest, pending: _Pending, decision: Decision) -> De
     admitted_at = time.monotonic()
     endpoint, consume, shedder, limiter = pending.endpoint, pending.consume, pending.shedder, pending.limiter
     if decision.allowed and consume:
-        _hold(_Held(limiter, decision, shedder, endpoint, admitted_at))
+        _hold(request, _Held(limiter, decision, shedder, endpoint, admitted_at))
     else:
         if shedder is not None:
             shedder.finish()  # refused by the limiter: the view never ran, so nothing to learn from
         if decision.stray_slot is not None:
-            _hold(_Held(limiter, decision))
+            _hold(request, _Held(limiter, decision))
     if pending.recorder is not None:
         _record(pending.recorder, request, endpoint, decision, time.perf_counter() - pending.started)
     # After holding: if observing fails, request_finished still releases what this request holds.
@@ -316,14 +354,44 @@ def usage_of(identity: Identity, checks: Sequence[Check]) -> Usage:
     return usage_for(caller, identity.organization, tier, identity.endpoint.value, tokens)
 
 
-def _hold(item: _Held) -> None:
+def _hold(request: HttpRequest, item: _Held) -> None:
+    """Keep ``item`` until the request's response is closed.
+
+    Django's ASGI handler decides a request in a task of its own (a copy of its context) and
+    closes the response from its own context: a list set in the first is not seen by the
+    ``request_finished`` of the second. So the list is kept on the request too, and the request's
+    ``close``, which the handler calls when it closes the response (sync or async, a streaming
+    body's end included), releases it. Under WSGI both find the same list; the first empties it.
+    """
     if item.decision.slot is None and item.decision.stray_slot is None and item.shedder is None:
         return
-    held = _held.get()
+    http_request: Any = getattr(request, "_request", request)  # DRF's Request wraps Django's
+    held: list[_Held] | None = getattr(http_request, HELD_ATTRIBUTE, None)
     if held is None:
         held = []
+        setattr(http_request, HELD_ATTRIBUTE, held)
+        _release_on_close(http_request, held)
+    if _held.get() is not held:
         _held.set(held)
     held.append(item)
+
+
+def _release_on_close(request: Any, held: list[_Held]) -> None:
+    close = request.close
+
+    def release_then_close() -> None:
+        try:
+            _release(held)
+        finally:
+            close()
+
+    request.close = release_then_close
+
+
+def _held_by(request: HttpRequest) -> list[_Held] | None:
+    http_request = getattr(request, "_request", request)
+    held: list[_Held] | None = getattr(http_request, HELD_ATTRIBUTE, None)
+    return held if held is not None else _held.get()
 
 
 def note_response(request: HttpRequest, status: int, *, streaming: bool = False) -> None:
@@ -334,7 +402,7 @@ def note_response(request: HttpRequest, status: int, *, streaming: bool = False)
     view: it teaches nothing. A streaming response is timed to ``request_finished``, when its body
     has been made.
     """
-    held = _held.get()
+    held = _held_by(request)
     if not held:
         return
     refused = getattr(request, "ratelimit", None)
@@ -359,18 +427,7 @@ def release_held(**kwargs: Any) -> None:
     """
     held = _held.get()
     if held:
-        # Emptied in place: the list is shared with every context copied from the request's.
-        items = list(held)
-        held.clear()
-        now = time.monotonic()
-        for item in items:
-            try:
-                if item.shedder is not None:
-                    latency = (item.answered_at or now) - item.admitted_at
-                    error = item.status is not None and item.status >= 500
-                    item.shedder.finish(item.endpoint, latency, error=error, admitted_at=item.admitted_at)
-            finally:
-                item.limiter.release(item.decision)  # whatever the shedder did
+        _release(held)
     # After the response, off the decision path: catch up on what an outage left behind.
     current = current_limiter()
     if current is not None:
@@ -380,6 +437,22 @@ def release_held(**kwargs: Any) -> None:
         shedder = get_worker_shedder()
         if shedder is not None and shedder.controller is not None:
             current.publish_worker_state(shedder.state)
+
+
+def _release(held: list[_Held]) -> None:
+    """Give back what ``held`` holds, once: emptied in place, as every context copied from the
+    request's and the request itself share the list."""
+    items = list(held)
+    held.clear()
+    now = time.monotonic()
+    for item in items:
+        try:
+            if item.shedder is not None:
+                latency = (item.answered_at or now) - item.admitted_at
+                error = item.status is not None and item.status >= 500
+                item.shedder.finish(item.endpoint, latency, error=error, admitted_at=item.admitted_at)
+        finally:
+            item.limiter.release(item.decision)  # whatever the shedder did
 
 
 request_finished.connect(release_held, dispatch_uid="ratelimits.engine.release_held")

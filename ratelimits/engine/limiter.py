@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import threading
@@ -11,6 +12,8 @@ from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple
+
+import redis
 
 from ..backends import Backend, get_backend
 from ..backends.memory import MemoryBackend
@@ -173,6 +176,11 @@ class Limiter:
             return self._with_fallback(await self.adecide(rest, consume=consume, usage=usage), fallback)
         except BackendUnavailable as exc:
             return self._unreachable(exc, checks, consume=consume, usage=usage)
+        except asyncio.CancelledError:
+            # The request was given up (its client went away): no news of the store, which must
+            # not open the breaker; a probe gives its turn back.
+            self.breaker.abandon()
+            raise
         except BaseException:
             self.breaker.record_failure()  # as in _asked: a probe always reports
             raise
@@ -422,11 +430,15 @@ def _count_error(exc: BackendUnavailable) -> None:
     recorder = get_recorder()
     if recorder is None:
         return
+    cause = exc.__cause__
     if isinstance(exc, PolicyFailed):
         kind = "policy"
+    elif isinstance(cause, (redis.TimeoutError, TimeoutError)):
+        kind = "timeout"
+    elif isinstance(cause, (redis.ConnectionError, ConnectionError, OSError)):
+        kind = "connection"  # refused, reset, a pool with no connection free in time, a server loading
     else:
-        cause = type(exc.__cause__ or exc).__name__.lower()
-        kind = "timeout" if "timeout" in cause else "connection" if "connection" in cause else "other"
+        kind = "other"
     recorder.count("ratelimits_store_errors", kind)
 
 

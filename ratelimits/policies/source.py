@@ -99,9 +99,10 @@ class SnapshotPolicySource(ABC):
 
     @property
     def loaded(self) -> bool:
-        """Whether :meth:`snapshot` has one in hand (it will not load): an async decision loads it
-        off its event loop first, since loading blocks."""
-        return self._snapshot is not None
+        """Whether :meth:`snapshot` answers without loading: it has one in hand, or a background
+        reload is running and it serves the last one. An async decision loads off its event loop
+        first otherwise, since loading blocks."""
+        return self._snapshot is not None or (self._retrying and self._last_good is not None)
 
     def invalidate(self) -> None:
         self._snapshot = None
@@ -114,9 +115,12 @@ class SnapshotPolicySource(ABC):
             return last  # the background retry, or another request, is loading: decide on what is in hand
         elif in_event_loop():
             # An async decision, invalidated after it made sure of a snapshot: loading here would
-            # block its event loop. Decide on what is in hand; the background reload starts now.
-            self._lock.release()
-            self._reload_in_background()
+            # block its event loop. Decide on what is in hand; the background reload starts now
+            # (marked under the lock, so no request thread starts a load of its own meanwhile).
+            try:
+                self._reload_in_background()
+            finally:
+                self._lock.release()
             return last
         try:
             snapshot = self._snapshot
@@ -144,10 +148,8 @@ class SnapshotPolicySource(ABC):
             self._lock.release()
 
     def _reload_in_background(self) -> None:
-        with self._lock:
-            if self._retrying:
-                return
-            self._retrying = True
+        """Reload in a thread of its own (called holding the lock)."""
+        self._retrying = True
         try:
             threading.Thread(target=self._retry, args=(0.0,), name="ratelimits-policy-reload", daemon=True).start()
         except RuntimeError:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .http import serving
 from .postgres import throwaway_database
-from .processes import gunicorn, manage
+from .processes import gunicorn, manage, uvicorn
 from .redis_server import RedisServer, free_port
 
 __all__ = ["Demo", "demo_server"]
@@ -29,10 +29,12 @@ class Demo:
 
 
 @contextlib.contextmanager
-def demo_server(name: str, *, workers: int, threads: int, env: Mapping[str, str] | None = None) -> Iterator[Demo]:
+def demo_server(
+    name: str, *, workers: int, threads: int = 1, env: Mapping[str, str] | None = None, asgi: bool = False
+) -> Iterator[Demo]:
     """``gunicorn --workers N --threads M project.wsgi`` on a seeded demo; everything stopped by PID after.
 
-    ``env``: more of the processes' environment.
+    ``env``: more of the processes' environment. ``asgi``: ``uvicorn --workers N project.asgi`` instead.
     """
     extra = env
     with contextlib.ExitStack() as cleanup:
@@ -52,7 +54,10 @@ def demo_server(name: str, *, workers: int, threads: int, env: Mapping[str, str]
         manage(env, "seed_demo")
         logs = Path(tempfile.mkdtemp(prefix=f"ratelimits-{name}-"))
         cleanup.callback(shutil.rmtree, logs, ignore_errors=True)
-        server = gunicorn(name, port=free_port(), logs=logs, workers=workers, threads=threads)
+        if asgi:
+            server = uvicorn(name, port=free_port(), logs=logs, workers=workers)
+        else:
+            server = gunicorn(name, port=free_port(), logs=logs, workers=workers, threads=threads)
         cleanup.callback(server.stop, grace=10)
         server.start(env)
         server.wait_until(lambda: serving(server.port), START_TIMEOUT, "answer to GET /admin/login/")

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["REPO", "VENV_BIN", "Service", "gunicorn", "manage"]
+__all__ = ["REPO", "VENV_BIN", "Service", "gunicorn", "manage", "uvicorn"]
 
 REPO = Path(__file__).resolve().parents[2]
 #: The virtualenv's scripts (gunicorn, celery), beside the interpreter running the tests.
@@ -58,6 +58,20 @@ def gunicorn(
         # Otherwise every gunicorn 27 master binds the same ~/.gunicorn/gunicorn.ctl.
         "--no-control-socket",
         "project.wsgi",
+    ]
+    return Service(name, argv, logs, port=port)
+
+
+def uvicorn(name: str, *, port: int, logs: Path, workers: int = 1) -> Service:
+    """The demo's ASGI application (``project.asgi``) under uvicorn on ``port``, with ``workers`` processes."""
+    argv = [
+        str(VENV_BIN / "uvicorn"),
+        "project.asgi:application",
+        "--host=127.0.0.1",
+        f"--port={port}",
+        f"--workers={workers}",
+        "--no-access-log",
+        "--timeout-graceful-shutdown=5",
     ]
     return Service(name, argv, logs, port=port)
 

@@ -1,0 +1,405 @@
+"""Async views decided on the event loop: the 429 contract, slots, usage, the breaker and fail modes.
+
+Every request goes through Django's ASGI handler (``AsyncClient``) to async views: a plain one
+with ``@ratelimit``, one limited by ``RateLimitMiddleware`` in async mode, and an adrf view with
+``AsyncRateLimitThrottle``. The store is a real redis-server, asked with ``redis.asyncio`` on one
+long-lived event loop (in a thread of its own, as an ASGI server's). The ASGI handler runs a
+request's sync parts (a DRF authentication's query) in threads with connections of their own:
+tests with API keys commit them (``transaction=True``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import tempfile
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, TypeVar
+
+import pytest
+from asgiref.sync import async_to_sync, sync_to_async
+from django.test import AsyncClient
+
+from ratelimits import engine, usage
+from ratelimits.algorithms import Algorithm
+from ratelimits.backends.aio import AsyncClients, async_pool_factory
+from ratelimits.backends.redis import RedisBackend, make_client
+from ratelimits.choices import FailMode
+from ratelimits.conf import LocalPathSettings
+from ratelimits.engine.breaker import BreakerState
+from ratelimits.engine.local import LEASE
+from ratelimits.exceptions import BackendUnavailable
+from ratelimits.identity import Subject, SubjectKind
+from ratelimits.models import UsageRecord
+from ratelimits.policies import Check, concurrency_policy
+
+from .factories import ApiKeyFactory
+from .support.aio import EventLoopThread, event_loop_thread
+from .support.bursts import in_flight
+from .support.demo import demo_server
+from .support.gate import Gate
+from .support.http import fetch
+from .support.redis_server import RedisServer, script_calls
+from .test_local_path import check as local_check
+from .test_local_path import limiter_on
+from .test_metrics import scrape, total
+
+pytestmark = pytest.mark.django_db
+
+T = TypeVar("T")
+
+BASE = {
+    "TIERS": {"free": {"rate": "3/s"}, "anon": {"rate": "3/s"}},
+    "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "free"},
+    "TIER_FUNC": "project.payments.auth.tier_of",
+}
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[EventLoopThread]:
+    """One event loop for the module's requests, running as long as an ASGI server's does."""
+    with event_loop_thread() as running:
+        yield running
+
+
+@pytest.fixture(autouse=True)
+def _serving(loop: EventLoopThread) -> Iterator[None]:
+    global _loop
+    _loop = loop
+    yield
+    _loop = None
+
+
+_loop: EventLoopThread | None = None
+
+
+def run(scenario: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """Run ``scenario`` on the module's long-lived loop (``redis.asyncio`` is used on such a loop)."""
+    assert _loop is not None
+    return _loop.run(scenario())
+
+
+def burst(path: str, count: int, **headers: str) -> list[Any]:
+    async def scenario() -> list[Any]:
+        client = AsyncClient()
+        return [await client.get(path, headers=headers) for _ in range(count)]
+
+    return run(scenario)
+
+
+@pytest.fixture
+def limits(settings: Any, use_redis: RedisServer) -> dict[str, Any]:
+    settings.RATELIMITS = {**settings.RATELIMITS, **BASE}
+    return settings.RATELIMITS  # type: ignore[no-any-return]
+
+
+def test_an_async_view_gets_the_429_contract_decided_on_the_event_loop(limits: Any) -> None:
+    responses = burst("/t/async/plain", 5)
+    assert [r.status_code for r in responses] == [200, 200, 200, 429, 429]
+    ok, denied = responses[0], responses[3]
+    assert ok.content == b"async plain ok"
+    assert ok["RateLimit"] == '"tier:anon";r=2;t=1'
+    assert ok["X-RateLimit-Remaining"] == "2"
+    assert denied["Content-Type"] == "application/problem+json"
+    assert int(denied["Retry-After"]) >= 1
+    body = json.loads(denied.content)
+    assert body["status"] == 429 and body["violated-policies"] == ["tier:anon"]
+    assert denied["RateLimit"].startswith('"tier:anon";r=0;')
+    # Decided with redis.asyncio on the request's loop, not in a thread.
+    backend = engine.get_limiter().backend
+    assert isinstance(backend, RedisBackend) and isinstance(backend._async, AsyncClients)
+
+
+def test_sync_and_async_views_decide_alike(limits: Any) -> None:
+    def shape(response: Any) -> tuple[Any, ...]:
+        return (response.status_code, response.get("RateLimit-Policy"), response.get("X-RateLimit-Limit"))
+
+    sync = [shape(r) for r in burst("/t/plain", 5)]
+    engine.get_limiter().backend.client.flushdb()
+    engine.reset()
+    asynchronous = [shape(r) for r in burst("/t/async/plain", 5)]
+    assert asynchronous == sync
+
+
+def test_the_middleware_limits_async_views_and_leaves_drf_to_its_throttle(settings: Any, limits: Any) -> None:
+    settings.MIDDLEWARE = [*settings.MIDDLEWARE, "ratelimits.middleware.RateLimitMiddleware"]
+
+    async def scenario() -> list[int]:
+        client = AsyncClient()
+        statuses = [(await client.get("/t/ping")).status_code for _ in range(2)]
+        statuses += [(await client.get("/t/async/unmarked")).status_code for _ in range(2)]
+        return statuses
+
+    # One tier bucket of 3 for the caller: two DRF requests charged once each, then the plain view.
+    assert run(scenario) == [200, 200, 200, 429]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_adrf_view_with_the_async_throttle(limits: Any) -> None:
+    ApiKeyFactory(raw="sk_free_async", tier="free")
+    responses = burst("/t/async/ping", 5, authorization="Bearer sk_free_async")
+    assert [r.status_code for r in responses] == [200, 200, 200, 429, 429]
+    assert responses[0]["X-RateLimit-Resource"] == "tier:free"
+    denied = responses[-1]
+    assert denied["Content-Type"] == "application/problem+json"
+    assert json.loads(denied.content)["violated-policies"] == ["tier:free"]
+
+
+def test_slots_are_held_while_an_async_view_runs_and_released_after(settings: Any, limits: Any, gate: Gate) -> None:
+    settings.RATELIMITS = {**limits, "TIERS": {**BASE["TIERS"], "anon": {"rate": "1000/s", "concurrency": 2}}}
+
+    async def scenario() -> tuple[list[int], int, int]:
+        client = AsyncClient()
+        held = [asyncio.ensure_future(client.get("/t/async/gated")) for _ in range(2)]
+        assert await sync_to_async(gate.wait_inside, thread_sensitive=False)(2)
+        inside = await sync_to_async(in_flight, thread_sensitive=False)(backend(), concurrency())
+        third = (await client.get("/t/async/gated")).status_code
+        gate.open()
+        statuses = [(await request).status_code for request in held] + [third]
+        after = await sync_to_async(in_flight, thread_sensitive=False)(backend(), concurrency())
+        return statuses, inside, after
+
+    def backend() -> Any:
+        return engine.get_limiter().backend
+
+    def concurrency() -> Check:
+        from django.test import RequestFactory
+
+        from ratelimits.identity import identify
+
+        request = RequestFactory().get("/t/async/gated")
+        identity = identify(request, endpoint="async-gated")
+        checks = engine.get_policy_source().checks_for(request, identity)
+        (found,) = [c for c in checks if c.policy.holds_slots]
+        return found
+
+    statuses, inside, after = run(scenario)
+    assert statuses == [200, 200, 429]
+    assert (inside, after) == (2, 0)
+
+
+def test_async_decisions_are_counted_in_usage(limits: Any) -> None:
+    statuses = [r.status_code for r in burst("/t/async/plain", 5)]
+    # The last 429 was answered from this worker's memory of the first: counted here, added to the
+    # store's counters within a second, or now.
+    engine.get_limiter().flush_usage(now=True)
+    minute = int(time.time() // 60)
+    assert usage.drain(now=(minute + 2) * 60.0) >= 1
+    rows = UsageRecord.objects.filter(granularity="minute", endpoint="async-plain")
+    assert sum(row.allowed for row in rows) == statuses.count(200) == 3
+    assert sum(row.throttled for row in rows) == statuses.count(429) == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_dead_store_fails_open_and_closed_by_policy_and_opens_the_breaker(
+    settings: Any, own_redis: RedisServer
+) -> None:
+    settings.RATELIMITS = {
+        **settings.RATELIMITS,
+        **BASE,
+        "TIERS": {"free": {"rate": "100/s", "fail_mode": "closed"}, "anon": {"rate": "100/s"}},
+        "BACKEND": "redis",
+        "REDIS_URL": own_redis.url,
+        "BREAKER_MIN_CALLS": 2,
+        "BREAKER_COOLDOWN": "30s",
+    }
+    ApiKeyFactory(raw="sk_free_closed", tier="free")
+    assert [r.status_code for r in burst("/t/async/plain", 1)] == [200]
+    own_redis.kill()
+    anonymous = burst("/t/async/plain", 3)
+    assert [r.status_code for r in anonymous] == [200, 200, 200]
+    assert all(r["X-RateLimit-Degraded"] == "1" for r in anonymous)
+    assert engine.get_limiter().breaker.state is BreakerState.OPEN
+    closed = burst("/t/async/ping", 2, authorization="Bearer sk_free_closed")
+    assert [r.status_code for r in closed] == [503, 503]
+    assert closed[0]["Content-Type"] == "application/problem+json"
+    assert 1 <= int(closed[0]["Retry-After"]) <= 30
+
+
+def test_a_stalled_store_never_blocks_the_event_loop(settings: Any, own_redis: RedisServer) -> None:
+    settings.RATELIMITS = {
+        **settings.RATELIMITS,
+        **BASE,
+        "BACKEND": "redis",
+        "REDIS_URL": own_redis.url,
+        "REDIS_SOCKET_TIMEOUT": "400ms",
+    }
+    assert [r.status_code for r in burst("/t/async/plain", 1)] == [200]
+    limiter = engine.get_limiter()
+    (check,) = [Check(c.policy, c.subject, c.cost) for c in limiter_checks("/t/async/plain", "async-plain")]
+    own_redis.pause()  # SIGSTOP: the connection stays open, nothing answers
+
+    async def scenario() -> tuple[Any, int, float]:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.005)  # the loop's heartbeat, counted while the decision waits
+                ticks += 1
+
+        ticker = asyncio.ensure_future(tick())
+        await asyncio.sleep(0)
+        started = time.monotonic()
+        decision = await limiter.adecide([check])
+        waited = time.monotonic() - started
+        ticker.cancel()
+        return decision, ticks, waited
+
+    try:
+        decision, ticks, waited = run(scenario)
+    finally:
+        own_redis.resume()
+    assert decision.allowed and decision.degraded  # failed open once the socket timed out
+    assert waited >= 0.35
+    # A blocked loop would not have ticked; a free one ticks about every 5 ms of the wait.
+    assert ticks >= 0.5 * waited / 0.005, (ticks, waited)
+
+
+def test_a_loop_made_for_one_call_asks_synchronously_and_keeps_no_client(
+    limits: Any, redis_server: RedisServer
+) -> None:
+    """async_to_sync (an async view under WSGI) makes a loop per call: no connection is made for it."""
+    assert burst("/t/async/plain", 1)[0].status_code == 200  # the long-lived loop's client
+    backend = engine.get_limiter().backend
+    assert isinstance(backend._async, AsyncClients)
+    connected = redis_server.client().info("clients")["connected_clients"]
+    (check,) = limiter_checks("/t/async/plain", "async-plain")
+    decisions = [async_to_sync(engine.get_limiter().adecide)([check]) for _ in range(30)]
+    assert all(decision.allowed for decision in decisions[:2])
+    assert len(backend._async._clients) == 1
+    assert (
+        redis_server.client().info("clients")["connected_clients"] <= connected + 2
+    )  # a thread or two of the executor
+
+
+def limiter_checks(path: str, endpoint: str) -> list[Check]:
+    """The checks an anonymous request to ``path`` gets, as the policy source makes them."""
+    from django.test import RequestFactory
+
+    from ratelimits.identity import identify
+
+    request = RequestFactory().get(path)
+    return engine.get_policy_source().checks_for(request, identify(request, endpoint=endpoint))
+
+
+def test_async_connections_are_made_like_the_sync_ones(redis_server: RedisServer) -> None:
+    client = make_client(redis_server.url, 0.25, 0.5)
+    factory = async_pool_factory(client.connection_pool, (0.1, 0.2))
+    assert factory is not None
+    pool = factory()
+    assert pool.connection_kwargs["socket_timeout"] == 0.1
+    assert pool.connection_kwargs["socket_connect_timeout"] == 0.2
+    assert pool.connection_kwargs["port"] == redis_server.port
+    assert pool.connection_kwargs["retry"].get_retries() == 0
+    sentinel = make_client(f"redis+sentinel://127.0.0.1:{redis_server.port}/mymaster", 0.25, 0.5)
+    assert async_pool_factory(sentinel.connection_pool, None) is None  # asked from a thread instead
+
+
+# -- the demo under an ASGI server ---------------------------------------------------------------
+
+ACME_KEY = "sk_free_demo_acme_0000000000"
+#: The demo's free tier (ratelimits/migrations/0002_seed_tiers.py): 25/s, burst 50.
+FREE_RATE, FREE_BURST = 25, 50
+
+
+@pytest.mark.slow
+def test_the_demo_under_uvicorn_limits_its_async_and_sync_views() -> None:
+    with (
+        tempfile.TemporaryDirectory(prefix="ratelimits-asgi-metrics-") as directory,
+        demo_server("asgi", workers=1, asgi=True, env={"PROMETHEUS_MULTIPROC_DIR": directory}) as demo,
+    ):
+        auth = {"Authorization": f"Bearer {ACME_KEY}"}
+        started = time.monotonic()
+        replies = [fetch(demo.port, "GET", "/v1/balance", headers=auth) for _ in range(300)]
+        elapsed = time.monotonic() - started
+        statuses = collections.Counter(reply.status for reply in replies)
+        assert set(statuses) == {200, 429}, statuses
+        # Exact, as on the sync path: at most the burst and what refilled meanwhile (+1 for rounding).
+        assert FREE_BURST <= statuses[200] <= FREE_BURST + FREE_RATE * elapsed + 1
+        ok = next(reply for reply in replies if reply.status == 200)
+        assert ok.json().keys() == {"amount", "charges"}
+        assert '"tier:free"' in ok.headers["RateLimit-Policy"] and ok.headers["X-RateLimit-Limit"] == str(FREE_BURST)
+        denied = [reply for reply in replies if reply.status == 429]
+        assert all(reply.headers["Content-Type"] == "application/problem+json" for reply in denied)
+        assert all(int(reply.headers["Retry-After"]) >= 1 for reply in denied)
+        # The free tier runs 2 requests at once: a slot an async request failed to give back would
+        # soon refuse every request for concurrency. None did.
+        assert {tuple(reply.json()["violated-policies"]) for reply in denied} == {("tier:free",)}
+
+        # A sync DRF view under the same server, in a thread of the ASGI handler.
+        customers = fetch(
+            demo.port, "GET", "/v1/customers", headers={"Authorization": "Bearer sk_std_demo_globex_000000000"}
+        )
+        assert customers.status == 200 and "RateLimit" in customers.headers
+
+        samples = scrape(fetch(demo.port, "GET", "/metrics").text)
+        decided = {
+            verdict: total(samples, "ratelimits_decisions_total", endpoint="balance", verdict=verdict)
+            for verdict in ("allow", "limited")
+        }
+        assert decided == {"allow": statuses[200], "limited": statuses[429]}
+
+
+# -- the limiter's async path beside its sync one -------------------------------------------------
+
+
+def test_leases_on_the_async_path_spend_tokens_taken_from_the_store(own_redis: RedisServer) -> None:
+    limiter = limiter_on(own_redis, prefix="alease", local=LocalPathSettings(leases=True, lease_share=0.25))
+    hot = local_check("hot", "1000/s", 200, Algorithm.TOKEN_BUCKET, "hana")
+    own_redis.client().config_resetstat()
+
+    async def scenario() -> tuple[list[Any], float]:
+        decisions = []
+        started = time.monotonic()
+        for _ in range(400):
+            decisions.append(await limiter.adecide([hot]))
+            await asyncio.sleep(1 / 800)  # about 80 % of the rate: paced, never caught up in a burst
+        return decisions, time.monotonic() - started
+
+    decisions, elapsed = run(scenario)
+    leased = [d for d in decisions if d.local == LEASE]
+    calls = script_calls(own_redis)
+    assert len(leased) > 0.5 * len(decisions), limiter.local_path.counts if limiter.local_path else None
+    assert calls < 0.25 * len(decisions)
+    assert sum(d.allowed for d in decisions) <= 200 + 1000 * elapsed + 1
+    assert all(d.allowed for d in decisions)
+
+
+def test_a_policy_the_store_cannot_decide_goes_by_its_fail_mode_on_the_async_path(own_redis: RedisServer) -> None:
+    limiter = limiter_on(own_redis, prefix="afail", local=None)
+    broken = local_check("broken", "10/s", 10, Algorithm.TOKEN_BUCKET, "ivan")
+    sound = local_check("sound", "10/s", 2, Algorithm.TOKEN_BUCKET, "ivan")
+    own_redis.client().hset(broken.key("afail"), "not", "a bucket")  # a key of another type: WRONGTYPE
+
+    async def scenario() -> list[Any]:
+        return [await limiter.adecide([broken, sound]) for _ in range(3)]
+
+    decisions = run(scenario)
+    # The broken check fails open (left out); the sound one is still decided by the store.
+    assert [d.allowed for d in decisions] == [True, True, False]
+    assert [r.check.policy.name for r in decisions[-1].violated] == ["sound"]
+    assert limiter.breaker.state is BreakerState.CLOSED  # a bad policy is not an outage
+
+
+def test_a_timed_out_async_decision_hands_back_the_slot_it_may_have_taken(own_redis: RedisServer) -> None:
+    client = make_client(own_redis.url, 0.2, 0.5)
+    backend = RedisBackend(client, prefix="astray")
+    slots = Check(concurrency_policy("slots", 2, fail_mode=FailMode.OPEN), Subject(SubjectKind.API_KEY, "jon"))
+    own_redis.pause()
+
+    async def scenario() -> BaseException:
+        try:
+            await backend.adecide([slots])
+        except BackendUnavailable as exc:
+            return exc
+        raise AssertionError("a paused store answered")
+
+    try:
+        failure = run(scenario)
+    finally:
+        own_redis.resume()
+    assert isinstance(failure, BackendUnavailable)
+    assert failure.stray_slot is not None and failure.stray_slot[1] == (slots.key("astray"),)
