@@ -21,12 +21,12 @@ label keeps at most :data:`MAX_LABEL_VALUES` values, later ones are counted as `
 from __future__ import annotations
 
 import atexit
-import bisect
 import logging
 import os
 import threading
 import time
 import weakref
+from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -222,6 +222,8 @@ class Recorder:
         self._lock = threading.Lock()
         self._flushing = threading.Lock()
         self._counts: dict[_Key, int] = {}
+        #: (endpoint, verdict, path) -> the decisions counter's key, its endpoint bounded.
+        self._decision_keys: dict[tuple[str, str, str], _Key] = {}
         #: path -> [count per bucket (the last is +Inf)..., then the sum of seconds]
         self._latency: dict[str, list[float]] = {}
         self._thread: threading.Thread | None = None
@@ -230,18 +232,32 @@ class Recorder:
     # -- the request path -------------------------------------------------------------------
 
     def decision(self, endpoint: str, verdict: str, path: str, seconds: float, refused: Iterable[str] = ()) -> None:
-        """One decision; ``refused``: the enforced policies it was over."""
+        """One decision; ``refused``: the enforced policies it was over. Every request makes one, so
+        it is written out: its counter's key resolved once per (endpoint, verdict, path)."""
+        raw = (endpoint, verdict, path)
         with self._lock:
-            endpoint = self._bounded("endpoint", endpoint)
-            self._add(("ratelimits_decisions", (endpoint, verdict, path)))
+            key = self._decision_keys.get(raw)
+            if key is None:
+                key = self._decision_key(raw)
+            counts = self._counts
+            counts[key] = counts.get(key, 0) + 1
             for policy in refused:
-                self._add(("ratelimits_over_limit", (endpoint, self._bounded("policy", policy))))
+                over = ("ratelimits_over_limit", (key[1][0], self._bounded("policy", policy)))
+                counts[over] = counts.get(over, 0) + 1
             latency = self._latency.get(path)
             if latency is None:
                 latency = self._latency[path] = [0.0] * (len(DECISION_BUCKETS) + 2)
-            latency[bisect.bisect_left(DECISION_BUCKETS, seconds)] += 1
+            latency[bisect_left(DECISION_BUCKETS, seconds)] += 1
             latency[-1] += seconds
-        self._started()
+        if self._thread is None:
+            self._start()
+
+    def _decision_key(self, raw: tuple[str, str, str]) -> _Key:
+        endpoint, verdict, path = raw
+        key = ("ratelimits_decisions", (self._bounded("endpoint", endpoint), verdict, path))
+        if len(self._decision_keys) < 4 * MAX_LABEL_VALUES:  # endpoints x a few verdicts and paths
+            self._decision_keys[raw] = key
+        return key
 
     def count(self, name: str, *labels: str, amount: int = 1) -> None:
         """Add ``amount`` to the counter ``name`` (a :data:`FAMILIES` counter) under ``labels``."""

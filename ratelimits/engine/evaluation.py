@@ -21,7 +21,7 @@ from django.core.signals import request_finished
 from ..algorithms import SLOT_RETRY_US
 from ..conf import conf
 from ..counters import LIMITED, Usage, usage_for
-from ..decisions import Decision, Verdict
+from ..decisions import Decision, Result, Verdict
 from ..identity import Identity, SubjectKind, identify, remember, subject_of
 from ..metrics import Recorder, get_recorder
 from ..policies.snapshot import PolicySnapshot
@@ -227,16 +227,17 @@ def _conclude(request: HttpRequest, pending: _Pending, decision: Decision) -> De
             shedder.finish()  # refused by the limiter: the view never ran, so nothing to learn from
         if decision.stray_slot is not None:
             _hold(request, _Held(limiter, decision))
+    shadow = decision.shadow_violated
     if pending.recorder is not None:
-        _record(pending.recorder, request, endpoint, decision, time.perf_counter() - pending.started)
+        _record(pending.recorder, request, endpoint, decision, time.perf_counter() - pending.started, shadow)
     # After holding: if observing fails, request_finished still releases what this request holds.
     pending.source.observe(decision)
     identity = pending.identity
-    if decision.shadow_violated:
+    if shadow:
         logger.info(
             "ratelimits: shadow policies would deny %s: %s",
             identity.caller,
-            ", ".join(r.policy_name for r in decision.shadow_violated),
+            ", ".join(r.policy_name for r in shadow),
         )
     local = limiter.local_path
     if local is not None:
@@ -264,8 +265,16 @@ def _conclude(request: HttpRequest, pending: _Pending, decision: Decision) -> De
     return decision
 
 
-def _record(recorder: Recorder, request: HttpRequest, endpoint: str, decision: Decision, seconds: float) -> None:
-    """Count a consuming decision in the metrics: its verdict and path, the policies it was over."""
+def _record(
+    recorder: Recorder,
+    request: HttpRequest,
+    endpoint: str,
+    decision: Decision,
+    seconds: float,
+    shadow: tuple[Result, ...] = (),
+) -> None:
+    """Count a consuming decision in the metrics: its verdict and path, the policies it was over
+    (``shadow``: the shadow policies it was over, as the caller found them)."""
     path = "memory" if decision.local is not None else "degraded" if decision.degraded else "store"
     if decision.allowed:
         recorder.decision(endpoint, Verdict.ALLOW, path, seconds)
@@ -276,10 +285,8 @@ def _record(recorder: Recorder, request: HttpRequest, endpoint: str, decision: D
         if decision.verdict is Verdict.SHED:
             priority = get_policy_source().endpoint_rule(endpoint, request.method or "GET").priority
             recorder.count("ratelimits_shed", priority.value, "fleet")
-    if decision.shadow_violated:
-        recorder.count_policies(
-            "ratelimits_shadow_over_limit", endpoint, (r.policy_name for r in decision.shadow_violated)
-        )
+    if shadow:
+        recorder.count_policies("ratelimits_shadow_over_limit", endpoint, (r.policy_name for r in shadow))
 
 
 def presented_credential(request: HttpRequest) -> str | None:
