@@ -17,7 +17,6 @@ import pstats
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from datetime import UTC, datetime
 from importlib import metadata
@@ -44,7 +43,6 @@ TARGETS = {
     "throttle_plumbing_p50_us": ("<=", 20.0, "plumbing p50 µs"),
     "extra_per_dimension_p50_us": ("<=", 4.0, "each extra dimension µs"),
     "memory_per_idle_subject_bytes": ("<=", 128.0, "bytes per idle subject"),
-    "observability_overhead_p50_us": ("<=", 5.0, "metrics + all policies' headers µs"),
 }
 
 
@@ -146,10 +144,6 @@ def main(argv: list[str] | None = None) -> int:
     server = RedisServer()
     if server.port == SHARED_REDIS_PORT:
         raise RuntimeError("refusing to use port 6379 (the shared Redis)")
-    # Set before prometheus-client is imported: the observed scenario writes its metrics' files as a
-    # gunicorn worker in multiprocess mode does.
-    metrics_dir = tempfile.mkdtemp(prefix="ratelimits-bench-metrics-")
-    os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", metrics_dir)
     try:
         server.start()
         pid = server.pid
@@ -165,7 +159,6 @@ def main(argv: list[str] | None = None) -> int:
         stopped = server.process.pid if server.process is not None else None
         server.stop()
         shutil.rmtree(server.dir, ignore_errors=True)
-        shutil.rmtree(metrics_dir, ignore_errors=True)
         if stopped is not None:
             log(f"stopped redis-server pid {stopped}")
 
@@ -279,9 +272,6 @@ def build_report(
         "throttle_plumbing_p50_us": round(four["p50_us"] - decide["p50_us"], 1),
         "extra_per_dimension_p50_us": round((four["p50_us"] - one["p50_us"]) / 3, 1),
         "memory_per_idle_subject_bytes": memory["state_bytes"],
-        "observability_overhead_p50_us": round(
-            results["ratelimits_4dim_observed"]["p50_us"] - results["ratelimits_4dim_unobserved"]["p50_us"], 1
-        ),
     }
     ratios: dict[str, Any] = {}
     for name, (op, target, label) in TARGETS.items():

@@ -276,22 +276,6 @@ def build(redis_url: str) -> list[Scenario]:
             notes={"checks": names, "usage": False, **subjects},
         ),
         Scenario(
-            "ratelimits_4dim_unobserved",
-            "ratelimits throttle, 4 dimensions, as before metrics (closest policy only, METRICS off)",
-            ratelimits_throttle(requests, view),
-            ratelimits={**ratelimits_settings(redis_url, dimensions=4), "HEADER_POLICIES": "closest", "METRICS": False},
-            commands=("evalsha", "eval"),
-            notes={"checks": names, "header_policies": "closest", "metrics": False, **subjects},
-        ),
-        Scenario(
-            "ratelimits_4dim_observed",
-            "ratelimits throttle, 4 dimensions, every policy in RateLimit-Policy, METRICS on (multiprocess)",
-            ratelimits_throttle(requests, view),
-            ratelimits={**ratelimits_settings(redis_url, dimensions=4), "HEADER_POLICIES": "all", "METRICS": True},
-            commands=("evalsha", "eval"),
-            notes={"checks": names, "header_policies": "all", "metrics": "multiprocess", **subjects},
-        ),
-        Scenario(
             "drf_stack",
             "DRF User+Anon+Scoped on django-redis",
             drf_stack(requests, view),

@@ -53,3 +53,19 @@ def test_a_short_benchmark_run_reports_every_row_target_and_floor(tmp_path: Path
     assert memory["state_keys"] == memory["subjects"]  # one key per caller, none expired mid-measurement
     assert memory["state_bytes"] > 0 and memory["usage_row_bytes"] > 0
     assert "target" in done.stdout and "floor: no-op EVALSHA" in done.stdout
+
+
+@pytest.mark.slow
+def test_the_observability_benchmark_reports_both_ways_and_the_added_steps() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.observability", "--rounds", "2", "--iterations", "300"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    assert "round 2: before" in out and "observed" in out
+    assert "the added steps alone: every policy's headers" in out and "the metrics' record" in out
+    assert "a bare PING p50 in this run" in out
