@@ -184,7 +184,7 @@ def _prepare(
         priority = source.endpoint_rule(endpoint, request.method or "GET").priority
         if not shedder.admit(priority):
             if recorder is not None:
-                recorder.decision(endpoint, Verdict.SHED, "shedder", 0.0)
+                recorder.decision(endpoint, "shed", "shedder", 0.0)
                 recorder.count("ratelimits_shed", priority.value, "worker")
             return identity, Decision(Verdict.SHED, (), retry_after_us=SLOT_RETRY_US)
     try:
@@ -276,12 +276,14 @@ def _record(
     """Count a consuming decision in the metrics: its verdict and path, the policies it was over
     (``shadow``: the shadow policies it was over, as the caller found them)."""
     path = "memory" if decision.local is not None else "degraded" if decision.degraded else "store"
-    if decision.allowed:
-        recorder.decision(endpoint, Verdict.ALLOW, path, seconds)
+    verdict = decision.verdict
+    if verdict is Verdict.ALLOW:
+        # Labels as plain strings: an enum member hashes in Python, and every decision hashes its key.
+        recorder.decision(endpoint, "allow", path, seconds)
         if decision.slot is not None:
             recorder.count("ratelimits_slots_held")
     else:
-        recorder.decision(endpoint, decision.verdict, path, seconds, (r.policy_name for r in decision.violated))
+        recorder.decision(endpoint, verdict.value, path, seconds, (r.policy_name for r in decision.violated))
         if decision.verdict is Verdict.SHED:
             priority = get_policy_source().endpoint_rule(endpoint, request.method or "GET").priority
             recorder.count("ratelimits_shed", priority.value, "fleet")
@@ -327,7 +329,7 @@ def refuse_early(request: HttpRequest, endpoint: str) -> Decision | None:
         if shedder.sheds(priority):
             recorder = get_recorder()
             if recorder is not None:
-                recorder.decision(endpoint, Verdict.SHED, "early", 0.0)
+                recorder.decision(endpoint, "shed", "early", 0.0)
                 recorder.count("ratelimits_shed", priority.value, "early")
             return Decision(Verdict.SHED, (), retry_after_us=SLOT_RETRY_US)
     limiter = current_limiter()
@@ -341,7 +343,7 @@ def refuse_early(request: HttpRequest, endpoint: str) -> Decision | None:
     decision, early = found
     recorder = get_recorder()
     if recorder is not None:
-        recorder.decision(endpoint, decision.verdict, "early", 0.0, (r.policy_name for r in decision.violated))
+        recorder.decision(endpoint, decision.verdict.value, "early", 0.0, (r.policy_name for r in decision.violated))
     if early.usage_field:
         limiter.count_local(Usage(int(time.time() // 60), early.usage_field, early.tokens, ""), LIMITED)
     return decision
