@@ -58,7 +58,7 @@ from .redis import (
     decide_results,
     make_client,
     policy_failed,
-    script_failed,
+    script_error,
     unavailable,
 )
 
@@ -413,11 +413,12 @@ class ClusterBackend(RedisBackend):
         raise reason
 
     def _failed(self, script: Script, exc: BaseException) -> BaseException:
-        if isinstance(exc, redis.ResponseError) and script_failed(exc):
-            return PolicyFailed(f"{script.name} failed: {exc}", ())
+        failure = script_error(script, exc)
+        if isinstance(failure, PolicyFailed):
+            return failure
         if not isinstance(exc, redis.ResponseError) or isinstance(exc, redis.exceptions.ClusterDownError):
             self._stale_map = True  # a node is gone, or the cluster is reconfiguring: read the map again
-        return unavailable(exc)
+        return failure
 
     def _refresh_if_stale(self) -> None:
         """Read the slot map again after a node failed to answer: at most every ``REFRESH_EVERY_S``, one thread."""

@@ -555,12 +555,8 @@ class RedisBackend(Backend):
             except redis.exceptions.NoScriptError:
                 # The script did not run, so sending it again cannot charge twice.
                 return _call(connection, "EVAL", script.text, len(script_keys), *script_keys, *args)
-        except redis.ResponseError as exc:
-            if script_failed(exc):
-                raise PolicyFailed(f"{script.name} failed: {exc}", ()) from exc
-            raise unavailable(exc) from exc
         except STORE_ERRORS as exc:
-            raise unavailable(exc) from exc
+            raise script_error(script, exc) from exc
 
     def _connection(self) -> Any:
         """This thread's own connection to Redis, made with the client's settings.
@@ -704,12 +700,16 @@ async def _arun(client: Any, script: Script, script_keys: Sequence[str], args: S
         except redis.exceptions.NoScriptError:
             # The script did not run, so sending it again cannot charge twice.
             return await client.execute_command("EVAL", script.text, len(script_keys), *script_keys, *args)
-    except redis.ResponseError as exc:
-        if script_failed(exc):
-            raise PolicyFailed(f"{script.name} failed: {exc}", ()) from exc
-        raise unavailable(exc) from exc
     except STORE_ERRORS as exc:
-        raise unavailable(exc) from exc
+        raise script_error(script, exc) from exc
+
+
+def script_error(script: Script, exc: BaseException) -> BackendUnavailable:
+    """What a failed call of ``script`` tells the engine: the script's own failure (a policy's
+    state or arguments it cannot use) is a :class:`PolicyFailed`; anything else, the store's."""
+    if isinstance(exc, redis.ResponseError) and script_failed(exc):
+        return PolicyFailed(f"{script.name} failed: {exc}", ())
+    return unavailable(exc)
 
 
 def decide_results(checks: Sequence[Check], reply: Sequence[Any]) -> tuple[list[Result], list[Check]]:
