@@ -85,11 +85,8 @@ def _is_drf_view(view_func: Callable[..., Any]) -> bool:
     return cls is not None and any(base.__module__.startswith("rest_framework.") for base in cls.__mro__)
 
 
-class RateLimitMiddleware:
-    """Limit every plain Django view (DRF views are left to the throttle).
-
-    Views opt out with :func:`ratelimit_exempt` or ``RATELIMITS['EXEMPT_ENDPOINTS']``.
-    """
+class _EitherMode:
+    """A middleware Django runs sync or async, as the handler around it runs: ``is_async`` says which."""
 
     sync_capable = True
     async_capable = True
@@ -99,6 +96,20 @@ class RateLimitMiddleware:
         self.is_async = iscoroutinefunction(get_response)
         if self.is_async:
             markcoroutinefunction(self)
+
+    def __call__(self, request: HttpRequest) -> Any:  # each middleware answers in both modes
+        raise NotImplementedError
+
+
+class RateLimitMiddleware(_EitherMode):
+    """Limit every plain Django view (DRF views are left to the throttle).
+
+    Views opt out with :func:`ratelimit_exempt` or ``RATELIMITS['EXEMPT_ENDPOINTS']``.
+    """
+
+    def __init__(self, get_response: Callable[[HttpRequest], Any]) -> None:
+        super().__init__(get_response)
+        if self.is_async:
             # Django calls process_view as what it is: a coroutine function here, decided on the loop.
             self.process_view = self._aprocess_view  # type: ignore[method-assign, assignment]
 
@@ -132,7 +143,7 @@ def _limited_here(request: HttpRequest, view_func: Callable[..., Any]) -> bool:
     return not isinstance(getattr(request, "ratelimit", None), Decision)  # else: the decorator decided it
 
 
-class FailedAuthenticationMiddleware:
+class FailedAuthenticationMiddleware(_EitherMode):
     """Limit failed authentication per client IP and credential prefix (``RATELIMITS['FAILED_AUTH']``).
 
     Put it first in ``MIDDLEWARE``, before the session and authentication middleware: a client
@@ -141,15 +152,6 @@ class FailedAuthenticationMiddleware:
     the limit's headers, and once the limit is spent it becomes the 429 itself, so at most the
     burst of failures per subject ever reach a 401. Without ``FAILED_AUTH`` it does nothing.
     """
-
-    sync_capable = True
-    async_capable = True
-
-    def __init__(self, get_response: Callable[[HttpRequest], Any]) -> None:
-        self.get_response = get_response
-        self.is_async = iscoroutinefunction(get_response)
-        if self.is_async:
-            markcoroutinefunction(self)
 
     def __call__(self, request: HttpRequest) -> Any:
         if self.is_async:
@@ -188,7 +190,7 @@ def _after_failure(response: HttpResponse, decision: Decision | None) -> HttpRes
     return response
 
 
-class EarlyRejectionMiddleware:
+class EarlyRejectionMiddleware(_EitherMode):
     """Refuse, before sessions, authentication and the view, what this worker knows it would refuse.
 
     Put it first in ``MIDDLEWARE``. Two kinds of request are answered here, with the same 503 or
@@ -212,15 +214,6 @@ class EarlyRejectionMiddleware:
     the organisation's. ``TIER_FUNC`` and ``ORGANIZATION_FUNC`` are assumed to depend on the
     credential, not on other headers.
     """
-
-    sync_capable = True
-    async_capable = True
-
-    def __init__(self, get_response: Callable[[HttpRequest], Any]) -> None:
-        self.get_response = get_response
-        self.is_async = iscoroutinefunction(get_response)
-        if self.is_async:
-            markcoroutinefunction(self)
 
     def __call__(self, request: HttpRequest) -> Any:
         if self.is_async:
