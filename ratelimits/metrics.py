@@ -255,7 +255,7 @@ class Recorder:
     def _decision_key(self, raw: tuple[str, str, str]) -> _Key:
         endpoint, verdict, path = raw
         key = ("ratelimits_decisions", (self._bounded("endpoint", endpoint), verdict, path))
-        if len(self._decision_keys) < 4 * MAX_LABEL_VALUES:  # endpoints x a few verdicts and paths
+        if len(self._decision_keys) < 20 * MAX_LABEL_VALUES:  # endpoints x 4 verdicts x 5 paths, at most
             self._decision_keys[raw] = key
         return key
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import json
 import tempfile
 import time
@@ -20,6 +21,7 @@ from typing import Any, TypeVar
 
 import pytest
 from asgiref.sync import async_to_sync, sync_to_async
+from django.core.handlers.asgi import ASGIHandler
 from django.test import AsyncClient
 
 from ratelimits import engine, usage
@@ -28,15 +30,17 @@ from ratelimits.backends.aio import AsyncClients, async_pool_factory
 from ratelimits.backends.redis import RedisBackend, make_client
 from ratelimits.choices import FailMode
 from ratelimits.conf import LocalPathSettings
+from ratelimits.engine import evaluation
 from ratelimits.engine.breaker import BreakerState
 from ratelimits.engine.local import LEASE
 from ratelimits.exceptions import BackendUnavailable
 from ratelimits.identity import Subject, SubjectKind
 from ratelimits.models import UsageRecord
 from ratelimits.policies import Check, concurrency_policy
+from ratelimits.sources import DatabasePolicySource
 
 from .factories import ApiKeyFactory
-from .support.aio import EventLoopThread, event_loop_thread
+from .support.aio import EventLoopThread, asgi_get, event_loop_thread
 from .support.bursts import in_flight
 from .support.demo import demo_server
 from .support.gate import Gate
@@ -178,6 +182,98 @@ def test_slots_are_held_while_an_async_view_runs_and_released_after(settings: An
     statuses, inside, after = run(scenario)
     assert statuses == [200, 200, 429]
     assert (inside, after) == (2, 0)
+
+
+def concurrency_check(path: str, endpoint: str) -> Check:
+    """The concurrency check an anonymous request to ``path`` gets."""
+    (found,) = [c for c in limiter_checks(path, endpoint) if c.policy.holds_slots]
+    return found
+
+
+def status_of(sent: list[dict[str, Any]]) -> int | None:
+    """The status an ASGI response started with (``None``: no response was started)."""
+    starts = [message["status"] for message in sent if message["type"] == "http.response.start"]
+    return starts[0] if starts else None
+
+
+def one_at_a_time(limits: dict[str, Any]) -> dict[str, Any]:
+    """``limits`` with an anonymous concurrency of 1 and a worker shedder: a leak refuses the next request."""
+    anon = {"rate": "1000/s", "concurrency": 1}
+    return {**limits, "TIERS": {**BASE["TIERS"], "anon": anon}, "WORKER_CAPACITY": 4}
+
+
+def test_under_an_asgi_server_each_response_gives_its_slots_back(settings: Any, limits: Any) -> None:
+    """As under uvicorn, not AsyncClient: the handler closes each response from its own context."""
+    settings.RATELIMITS = one_at_a_time(limits)
+
+    async def scenario() -> list[int | None]:
+        app = ASGIHandler()
+        return [status_of(await asgi_get(app, path)) for path in ["/t/async/plain", "/t/ping"] * 3]
+
+    assert run(scenario) == [200] * 6  # an async view, then a sync DRF one, in turn
+    assert in_flight(engine.get_limiter().backend, concurrency_check("/t/async/plain", "async-plain")) == 0
+    shedder = engine.get_worker_shedder()
+    assert shedder is not None and shedder.in_flight == 0
+
+
+def test_a_client_that_goes_away_mid_view_leaves_no_slot_behind(settings: Any, limits: Any, gate: Gate) -> None:
+    """Django cancels the view and closes no response: the request's slot and its place in the
+    worker shedder are given back when the request is collected."""
+    settings.RATELIMITS = one_at_a_time(limits)
+    check = concurrency_check("/t/async/gated", "async-gated")
+    backend = engine.get_limiter().backend
+
+    async def scenario() -> tuple[int, list[dict[str, Any]]]:
+        app = ASGIHandler()
+        gone = asyncio.Event()
+        request = asyncio.ensure_future(asgi_get(app, "/t/async/gated", disconnect=gone))
+        assert await sync_to_async(gate.wait_inside, thread_sensitive=False)(1)
+        inside = await sync_to_async(in_flight, thread_sensitive=False)(backend, check)
+        gone.set()
+        return inside, await request
+
+    inside, sent = run(scenario)
+    assert inside == 1
+    assert status_of(sent) is None  # the view was cancelled: no response
+    # Released by Django's request_finished, before the handler returned.
+    shedder = engine.get_worker_shedder()
+    assert shedder is not None
+    assert (slots_taken(backend, check), shedder.in_flight) == (0, 0)
+    gate.open()
+    assert status_of(run(lambda: asgi_get(ASGIHandler(), "/t/async/gated"))) == 200
+    assert in_flight(backend, check) == 0
+
+
+def test_a_request_no_response_closes_gives_its_slots_back_once_collected(settings: Any, limits: Any) -> None:
+    from django.test import RequestFactory
+
+    settings.RATELIMITS = one_at_a_time(limits)
+    check = concurrency_check("/t/plain", "plain")
+    backend = engine.get_limiter().backend
+    request = RequestFactory().get("/t/plain")
+    _, decision = evaluation.evaluate(request, endpoint="plain")
+    shedder = engine.get_worker_shedder()
+    assert shedder is not None
+    assert decision.allowed and (slots_taken(backend, check), shedder.in_flight) == (1, 1)
+    del request, decision
+    gc.collect()  # the request's close wrapper and the request refer to each other
+    assert (slots_taken(backend, check), shedder.in_flight) == (0, 0)
+
+
+def slots_taken(backend: Any, check: Check) -> int:
+    """The slots in ``check``'s key, read in one command (a release made meanwhile cannot split it)."""
+    return int(backend.client.zcard(check.key(backend.prefix)))
+
+
+def settle(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Whether ``condition`` holds within ``timeout``: a release collected on the event loop's
+    thread is made in one of the store threads, which the test cannot join."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def test_async_decisions_are_counted_in_usage(limits: Any) -> None:
@@ -403,3 +499,122 @@ def test_a_timed_out_async_decision_hands_back_the_slot_it_may_have_taken(own_re
         own_redis.resume()
     assert isinstance(failure, BackendUnavailable)
     assert failure.stray_slot is not None and failure.stray_slot[1] == (slots.key("astray"),)
+
+
+def test_a_request_cancelled_while_the_store_decides_gives_back_the_slot_once_it_is_taken(
+    own_redis: RedisServer,
+) -> None:
+    """The limiter lets a cancelled request's call finish (shielded): the slot the script takes
+    when the store answers is given back, and the breaker hears the store answered."""
+    limiter = limiter_on(own_redis, prefix="acancel", local=None)
+    slots = Check(concurrency_policy("slots", 1, fail_mode=FailMode.OPEN), Subject(SubjectKind.API_KEY, "kai"))
+    first = run(lambda: limiter.adecide([slots]))  # the loop's client, connected
+    assert first.allowed
+    limiter.release(first)
+    own_redis.pause()
+
+    async def scenario() -> bool:
+        request = asyncio.ensure_future(limiter.adecide([slots]))
+        pool = limiter.backend._async.current().connection_pool
+        for _ in range(10_000):  # until the script is out: yields, no sleeps
+            await asyncio.sleep(0)
+            if pool._in_use_connections:
+                break
+        sent = bool(pool._in_use_connections)
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        return sent
+
+    try:
+        assert run(scenario)
+    finally:
+        own_redis.resume()
+    assert settle(lambda: slots_taken(limiter.backend, slots) == 0), slots_taken(limiter.backend, slots)
+    assert limiter.breaker.state is BreakerState.CLOSED
+    assert list(limiter.breaker._outcomes)[-1] is True  # the call's own outcome, not a failure
+
+
+def test_loops_of_asyncio_run_leave_no_client_behind(own_redis: RedisServer) -> None:
+    limiter = limiter_on(own_redis, prefix="arun", local=None)
+    rate = local_check("rate", "1000/s", 100, Algorithm.TOKEN_BUCKET, "lin")
+    connected = own_redis.client().info("clients")["connected_clients"]
+    for _ in range(6):
+        assert asyncio.run(limiter.adecide([rate])).allowed  # a script's loop, closed after each
+    assert len(limiter.backend._async) == 1  # the last loop's; the others dropped as clients were made
+    gc.collect()
+    assert own_redis.client().info("clients")["connected_clients"] <= connected + 2
+
+
+def querying_tier(request: Any, identity: Any) -> str | None:
+    """A TIER_FUNC that queries (and, in a thread, waits at the gate while the test says so)."""
+    from .support.gate import GATE
+
+    if _hold_tier_func:
+        GATE.pass_through()
+    UsageRecord.objects.exists()  # a query: SynchronousOnlyOperation on the event loop
+    return None
+
+
+_hold_tier_func = False
+
+
+def test_a_tier_func_that_queries_moves_async_checks_to_a_thread(settings: Any, limits: Any) -> None:
+    settings.RATELIMITS = {**limits, "TIER_FUNC": "tests.test_async.querying_tier"}
+    statuses = [r.status_code for r in burst("/t/async/plain", 4)]
+    assert statuses == [200, 200, 200, 429]  # the first one's checks made again, in a thread
+    assert evaluation._async_state.get().prepare_in_thread
+    engine.reset()
+    assert not evaluation._async_state.get().prepare_in_thread  # learnt again after the settings change
+
+
+def test_a_request_cancelled_while_its_checks_are_made_in_a_thread_counts_itself_out(
+    settings: Any, limits: Any, gate: Gate
+) -> None:
+    global _hold_tier_func
+    settings.RATELIMITS = {**one_at_a_time(limits), "TIER_FUNC": "tests.test_async.querying_tier"}
+    evaluation._async_state.get().prepare_in_thread = True
+    shedder = engine.get_worker_shedder()
+    assert shedder is not None
+
+    async def scenario() -> list[dict[str, Any]]:
+        gone = asyncio.Event()
+        request = asyncio.ensure_future(asgi_get(ASGIHandler(), "/t/async/plain", disconnect=gone))
+        assert await sync_to_async(gate.wait_inside, thread_sensitive=False)(1)
+        assert shedder.in_flight == 1  # counted in before the checks
+        (view,) = [t for t in asyncio.all_tasks() if t.get_coro().__name__ == "process_request"]
+        gone.set()
+        for _ in range(10_000):  # until Django cancelled the view: yields, no sleeps
+            await asyncio.sleep(0)
+            if view.done():
+                break
+        assert view.cancelled()
+        gate.open()  # the checks' thread goes on (Django's request_finished waits for it)
+        return await request
+
+    _hold_tier_func = True
+    try:
+        sent = run(scenario)
+    finally:
+        _hold_tier_func = False
+        gate.open()
+    assert status_of(sent) is None
+    assert settle(lambda: shedder.in_flight == 0), shedder.in_flight
+
+
+class UnhashableSource(DatabasePolicySource):
+    """A project's own source with no ``loaded``, which cannot be hashed (it defines ``__eq__``)."""
+
+    loaded = None
+
+    def __eq__(self, other: object) -> bool:
+        return other is self
+
+
+def test_a_policy_source_that_cannot_be_hashed_serves_async_requests(settings: Any, limits: Any) -> None:
+    settings.RATELIMITS = {**limits, "POLICY_SOURCE": "tests.test_async.UnhashableSource"}
+    source = engine.get_policy_source()
+    with pytest.raises(TypeError):
+        hash(source)
+    assert [r.status_code for r in burst("/t/async/plain", 3)] == [200, 200, 200]
+    assert evaluation._async_state.get().loaded_source is source  # loaded once, off the loop

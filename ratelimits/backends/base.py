@@ -36,6 +36,11 @@ def _new_store_threads() -> None:
 os.register_at_fork(after_in_child=_new_store_threads)
 
 
+def store_threads() -> ThreadPoolExecutor:
+    """:data:`STORE_THREADS` as it is now (a forked child makes its own: never import the name)."""
+    return STORE_THREADS
+
+
 @dataclass(frozen=True, slots=True)
 class StoreHealth:
     """What a shared store says about keeping the limiter's keys; ``None`` where it would not say.

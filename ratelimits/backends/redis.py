@@ -36,7 +36,7 @@ from ..policies.values import Check
 from ..shares import ShareRecord
 from . import layout
 from .aio import AsyncClients, async_pool_factory
-from .base import Backend, Grant, StoreHealth, UsagePeek, new_slot, slot_keys
+from .base import Backend, Grant, StoreHealth, UsagePeek, new_slot, slot_keys, store_threads
 from .connection import make_client as new_client
 from .connection import tight
 from .invalidation import RESET, Subscription, channel, held, version_message
@@ -230,8 +230,8 @@ class RedisBackend(Backend):
             call.failed(exc)
             raise
         except asyncio.CancelledError:
-            # The request was given up (its client went away) while the script was out: it may have
-            # taken the slot, and nobody will hold it. Given back off the loop (idempotent).
+            # Cancelled while the script was out (the limiter shields its calls: here, the loop is
+            # closing): it may have taken the slot, and nobody will hold it.
             if call.slot:
                 _release_soon(self, call.slot, call.held)
             raise
@@ -683,13 +683,15 @@ def _granted(checks: Sequence[Check], decision: Decision, reply: Any) -> tuple[D
 
 
 def _release_soon(backend: RedisBackend, slot: str, held: tuple[str, ...]) -> None:
+    """Give back, off the loop, a slot a cancelled script call may have taken (releasing is idempotent)."""
+
     def release() -> None:
         try:
             backend.release(slot, held)
         except BackendUnavailable as exc:
             logger.info("ratelimits: the slot of a cancelled decision was not given back (it expires): %s", exc)
 
-    threading.Thread(target=release, name="ratelimits-release", daemon=True).start()
+    store_threads().submit(release)
 
 
 async def _arun(client: Any, script: Script, script_keys: Sequence[str], args: Sequence[Any]) -> Any:

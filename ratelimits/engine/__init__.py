@@ -12,7 +12,7 @@ from __future__ import annotations
 from ..conf import ProcessWide
 from ..policies.source import get_policy_source
 from .breaker import BreakerState, CircuitBreaker
-from .evaluation import evaluate, release_held, usage_of
+from .evaluation import after_response, evaluate, usage_of
 from .limiter import Limiter, get_limiter
 from .shedding import WorkerShedder, get_worker_shedder
 
@@ -24,11 +24,11 @@ __all__ = [
     "CircuitBreaker",
     "Limiter",
     "WorkerShedder",
+    "after_response",
     "evaluate",
     "get_limiter",
     "get_policy_source",
     "get_worker_shedder",
-    "release_held",
     "reset",
     "usage_of",
 ]

@@ -101,13 +101,6 @@ class CircuitBreaker:
                 self._close()
             # else: a call admitted before the breaker opened answered late; it stays open.
 
-    def abandon(self) -> None:
-        """A call that will never report (its request was cancelled): if the breaker waits on a
-        probe, the next call may probe instead. Nothing is recorded."""
-        with self._lock:
-            if self._opened_at is not None and self._probing:
-                self._probing = False
-
     def record_failure(self) -> None:
         with self._lock:
             if self._opened_at is not None:

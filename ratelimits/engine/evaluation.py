@@ -1,31 +1,34 @@
 """One request through the engine: identify it, resolve its checks, decide them, hold what it takes.
 
 A consuming decision that admits a request holds its slots (and this worker's in-flight count)
-until ``request_finished``, when :func:`release_held` gives them back.
+until its response is closed (:func:`_hold`); after it, :func:`after_response` catches up on what
+an outage left behind.
 """
 
 from __future__ import annotations
 
-import contextvars
+import asyncio
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from asgiref.sync import sync_to_async
+from asgiref.sync import SyncToAsync, sync_to_async
 from django.core.exceptions import SynchronousOnlyOperation
-from django.core.signals import request_finished
+from django.core.signals import request_finished, request_started
 
 from ..algorithms import SLOT_RETRY_US
-from ..conf import conf
+from ..backends.base import store_threads
+from ..conf import ProcessWide, conf
 from ..counters import LIMITED, Usage, usage_for
 from ..decisions import Decision, Result, Verdict
 from ..identity import Identity, SubjectKind, identify, remember, subject_of
 from ..metrics import Recorder, get_recorder
 from ..policies.snapshot import PolicySnapshot
-from ..policies.source import PolicySource, get_policy_source
+from ..policies.source import PolicySource, get_policy_source, in_event_loop
 from ..policies.values import Check
 from .failed_auth import presented_authorization
 from .limiter import Limiter, current_limiter, get_limiter
@@ -36,13 +39,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "aevaluate",
+    "after_response",
     "early_refusals",
     "endpoint_of",
     "evaluate",
     "note_response",
     "presented_credential",
     "refuse_early",
-    "release_held",
     "usage_of",
 ]
 
@@ -58,19 +61,14 @@ class _Held:
     shedder: WorkerShedder | None = None
     #: For the adaptive capacity: the endpoint, when its decision ended (monotonic: the view's
     #: latency starts there), and its response's status and time once a middleware saw it (else
-    #: request_finished's time is used).
+    #: the time it is released is used).
     endpoint: str | None = None
     admitted_at: float = 0.0
     status: int | None = None
     answered_at: float | None = None
 
 
-#: What the current request holds until it finishes, as :func:`request_finished` finds it: a
-#: context variable, not a thread-local, since under ASGI the decision and the signal may run in
-#: different threads and asgiref carries context (and so this list) between them. The same list
-#: is kept on the request (:func:`_hold`), for when the signal's context is not the decision's.
-_held: contextvars.ContextVar[list[_Held] | None] = contextvars.ContextVar("ratelimits_held", default=None)
-#: The request attribute that keeps the list.
+#: The request attribute that keeps the list of what it holds.
 HELD_ATTRIBUTE = "_ratelimit_held"
 
 
@@ -80,7 +78,7 @@ def evaluate(
     """Identify ``request``, collect its checks and decide them in one backend call.
 
     A consuming decision that admits the request holds its slots (and this worker's in-flight
-    count) until ``request_finished``; see :func:`release_held`.
+    count) until its response is closed; see :func:`_hold`.
     """
     pending = _prepare(request, endpoint, auth, user, consume)
     if isinstance(pending, tuple):
@@ -99,10 +97,11 @@ async def aevaluate(
     """:func:`evaluate` for async views: the same decision, with the store asked on the event loop
     (``redis.asyncio``) and the policies, if they must be loaded, loaded in a thread."""
     source = get_policy_source()
-    if not _snapshot_in_hand(source):
+    state = _async_state.get()
+    if not _snapshot_in_hand(source, state):
         await sync_to_async(source.snapshot)()  # a database query, as the sync path makes it
-        _loaded_sources.add(source)
-    pending = await _aprepare(request, endpoint, auth, user, consume)
+        state.loaded_source = source
+    pending = await _aprepare(request, endpoint, auth, user, consume, state)
     if isinstance(pending, tuple):
         return pending
     try:
@@ -113,36 +112,56 @@ async def aevaluate(
     return pending.identity, _conclude(request, pending, decision)
 
 
-#: Policy sources of the project's own (no ``loaded``) whose snapshot was taken once, off the loop:
-#: from then on they are taken not to block.
-_loaded_sources: weakref.WeakSet[Any] = weakref.WeakSet()
-#: Whether an async request's checks are made in a thread: once a function of the project's
-#: (``TIER_FUNC``, ``ORGANIZATION_FUNC``, ``API_KEY_FUNC``) queried the database on the loop.
-_prepare_in_thread = False
+@dataclass(slots=True)
+class _AsyncState:
+    """What async requests learnt about the project's code, until the settings change."""
+
+    #: A policy source of the project's own (no ``loaded``) whose snapshot was taken once, off the
+    #: loop: from then on it is taken not to block. Kept by identity (a source need not hash).
+    loaded_source: Any = None
+    #: Whether checks are made in a thread: a function of the project's (``TIER_FUNC``,
+    #: ``ORGANIZATION_FUNC``, ``API_KEY_FUNC``) queried the database on the loop.
+    prepare_in_thread: bool = False
 
 
-def _snapshot_in_hand(source: PolicySource) -> bool:
+_async_state: ProcessWide[_AsyncState] = ProcessWide(_AsyncState)
+
+
+def _snapshot_in_hand(source: PolicySource, state: _AsyncState) -> bool:
     loaded = getattr(source, "loaded", None)
-    return source in _loaded_sources if loaded is None else bool(loaded)
+    return source is state.loaded_source if loaded is None else bool(loaded)
 
 
 async def _aprepare(
-    request: HttpRequest, endpoint: str, auth: Any, user: Any, consume: bool
+    request: HttpRequest, endpoint: str, auth: Any, user: Any, consume: bool, state: _AsyncState
 ) -> _Pending | tuple[Identity, Decision]:
     """:func:`_prepare` on the loop, or in a thread once the project's functions showed they query."""
-    global _prepare_in_thread
-    if not _prepare_in_thread:
+    if not state.prepare_in_thread:
         try:
             return _prepare(request, endpoint, auth, user, consume)
         except SynchronousOnlyOperation:
             # _prepare undid what it had done (the shedder's count) before raising: made again below.
-            _prepare_in_thread = True
+            state.prepare_in_thread = True
             logger.warning(
-                "ratelimits: a function of RATELIMITS (TIER_FUNC, ORGANIZATION_FUNC or API_KEY_FUNC) queried "
-                "the database in an async view; async requests' checks are made in a thread from now on "
-                "(docs/async.md)"
+                "ratelimits: TIER_FUNC, ORGANIZATION_FUNC or API_KEY_FUNC queried the database during an "
+                "async request; from now on this process resolves async requests' checks in a thread, "
+                "which costs a thread hop each (docs/async.md)"
             )
-    return await sync_to_async(_prepare)(request, endpoint, auth, user, consume)
+    prepared = asyncio.ensure_future(sync_to_async(_prepare)(request, endpoint, auth, user, consume))
+    try:
+        # Shielded: a request cancelled meanwhile must not leave the thread's shedder count behind.
+        return await asyncio.shield(prepared)
+    except asyncio.CancelledError:
+        prepared.add_done_callback(_abandon_prepared)
+        raise
+
+
+def _abandon_prepared(prepared: asyncio.Future[_Pending | tuple[Identity, Decision]]) -> None:
+    """Undo what a cancelled request's checks took when they are done (the shedder's count)."""
+    if not prepared.cancelled() and prepared.exception() is None:
+        pending = prepared.result()
+        if isinstance(pending, _Pending):
+            pending.abandon()
 
 
 @dataclass(slots=True)
@@ -196,7 +215,7 @@ def _prepare(
         usage = usage_of(identity, checks) if consume and conf.usage_counting else None
     except BaseException:
         if shedder is not None:
-            shedder.finish()  # counted in above, and nothing is held for request_finished to count out
+            shedder.finish()  # counted in above, and nothing is held to count it out
         raise
     return _Pending(
         identity,
@@ -230,7 +249,7 @@ def _conclude(request: HttpRequest, pending: _Pending, decision: Decision) -> De
     shadow = decision.shadow_violated
     if pending.recorder is not None:
         _record(pending.recorder, request, endpoint, decision, time.perf_counter() - pending.started, shadow)
-    # After holding: if observing fails, request_finished still releases what this request holds.
+    # After holding: if observing fails, closing the response still releases what this request holds.
     pending.source.observe(decision)
     identity = pending.identity
     if shadow:
@@ -364,13 +383,18 @@ def usage_of(identity: Identity, checks: Sequence[Check]) -> Usage:
 
 
 def _hold(request: HttpRequest, item: _Held) -> None:
-    """Keep ``item`` until the request's response is closed.
+    """Keep ``item`` until the request's response is closed, or the request is over.
 
-    Django's ASGI handler decides a request in a task of its own (a copy of its context) and
-    closes the response from its own context: a list set in the first is not seen by the
-    ``request_finished`` of the second. So the list is kept on the request too, and the request's
-    ``close``, which the handler calls when it closes the response (sync or async, a streaming
-    body's end included), releases it. Under WSGI both find the same list; the first empties it.
+    The list is kept on the request, and the request's ``close`` releases it: Django calls it when
+    it closes the response, under WSGI and ASGI alike, sync or async, after a streaming body too.
+    (Not a context variable: Django's ASGI handler decides a request in a task of its own, with a
+    copy of its context, and closes the response from its own context.)
+
+    When no response is closed, because the client went away under ASGI and Django cancelled the
+    view, Django still sends ``request_finished``, within the request's ``ThreadSensitiveContext``:
+    :func:`after_response` releases the list it finds kept under that context. Whatever is left
+    after that (a sync view's thread that decided after the cancellation) is released when the
+    request is collected.
     """
     if item.decision.slot is None and item.decision.stray_slot is None and item.shedder is None:
         return
@@ -380,27 +404,71 @@ def _hold(request: HttpRequest, item: _Held) -> None:
         held = []
         setattr(http_request, HELD_ATTRIBUTE, held)
         _release_on_close(http_request, held)
-    if _held.get() is not held:
-        _held.set(held)
+        weakref.finalize(http_request, _release_abandoned, held).atexit = False
+        context = _request_context()
+        if context is not None:
+            _held_in[context] = held
     held.append(item)
 
 
+#: The context variable asgiref keeps the current ``ThreadSensitiveContext`` in. Django's ASGI
+#: handler opens one per request, around all of it (an asgiref detail, read defensively).
+_THREAD_SENSITIVE: Any = getattr(SyncToAsync, "thread_sensitive_context", None)
+#: How many requests each such context saw start: one, or it is not one request's own (an outer
+#: one, opened around a server), and what is kept under it cannot be told apart.
+_started_in: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_started_lock = threading.Lock()
+#: Request context -> the list of what its request holds.
+_held_in: weakref.WeakKeyDictionary[Any, list[_Held]] = weakref.WeakKeyDictionary()
+
+
+def _request_context() -> Any:
+    """The current ``ThreadSensitiveContext`` if it is one ASGI request's own, else ``None``."""
+    context = _THREAD_SENSITIVE.get(None) if _THREAD_SENSITIVE is not None else None
+    return context if context is not None and _started_in.get(context) == 1 else None
+
+
+def _request_started(**kwargs: Any) -> None:
+    """Count the request in its ``ThreadSensitiveContext`` (connected to ``request_started``)."""
+    context = _THREAD_SENSITIVE.get(None) if _THREAD_SENSITIVE is not None else None
+    if context is not None:
+        with _started_lock:
+            _started_in[context] = _started_in.get(context, 0) + 1
+
+
 def _release_on_close(request: Any, held: list[_Held]) -> None:
+    """Make ``request.close`` release ``held`` first.
+
+    The wrapper holds the request: the response's closers then keep it alive until the body is
+    sent, as Django's own ``request.close`` does, so the finalizer cannot release early. The cycle
+    it makes is undone once it has run; a request no response closes waits for the collector.
+    """
     close = request.close
 
     def release_then_close() -> None:
         try:
             _release(held)
         finally:
+            if request.__dict__.get("close") is release_then_close:
+                del request.close
             close()
 
     request.close = release_then_close
 
 
+def _release_abandoned(held: list[_Held]) -> None:
+    """Release what a request no response closed still holds, once it is collected: off the event
+    loop if it is collected on one, as a release asks the store."""
+    if held:
+        if in_event_loop():
+            store_threads().submit(_release, held)
+        else:
+            _release(held)
+
+
 def _held_by(request: HttpRequest) -> list[_Held] | None:
-    http_request = getattr(request, "_request", request)
-    held: list[_Held] | None = getattr(http_request, HELD_ATTRIBUTE, None)
-    return held if held is not None else _held.get()
+    held: list[_Held] | None = getattr(getattr(request, "_request", request), HELD_ATTRIBUTE, None)
+    return held
 
 
 def note_response(request: HttpRequest, status: int, *, streaming: bool = False) -> None:
@@ -408,7 +476,7 @@ def note_response(request: HttpRequest, status: int, *, streaming: bool = False)
 
     Called by :class:`~ratelimits.middleware.EarlyRejectionMiddleware` on the way out. A request
     this app refused in the end (a later decision, after the shedder admitted it) never ran its
-    view: it teaches nothing. A streaming response is timed to ``request_finished``, when its body
+    view: it teaches nothing. A streaming response is timed to its release, when its body
     has been made.
     """
     held = _held_by(request)
@@ -426,18 +494,20 @@ def note_response(request: HttpRequest, status: int, *, streaming: bool = False)
             item.endpoint = None
 
 
-def release_held(**kwargs: Any) -> None:
-    """Release what the finished request holds (connected to ``request_finished``).
+def after_response(**kwargs: Any) -> None:
+    """After a response (connected to ``request_finished``), off the decision path: catch up on
+    what an outage left behind.
 
-    The signal is sent when the response has been closed, after a streaming body too, so slots
-    are held exactly as long as the worker is busy with the request. A release that cannot reach
-    the store is retried after later requests (the slot's expiry is the last resort), and usage
-    counted during an outage is added to the store's counters once it answers.
+    Releases that could not reach the store are retried (the slot's expiry is the last resort),
+    ended leases give their unused tokens back, usage counted during an outage or answered from
+    memory is added to the store's counters, and an adaptive capacity is published for the admin.
+    First, what the request still holds is released: under ASGI, when its client went away and
+    no response was closed (see :func:`_hold`).
     """
-    held = _held.get()
+    context = _request_context()
+    held = _held_in.pop(context, None) if context is not None else None
     if held:
         _release(held)
-    # After the response, off the decision path: catch up on what an outage left behind.
     current = current_limiter()
     if current is not None:
         current.retry_releases()
@@ -449,8 +519,8 @@ def release_held(**kwargs: Any) -> None:
 
 
 def _release(held: list[_Held]) -> None:
-    """Give back what ``held`` holds, once: emptied in place, as every context copied from the
-    request's and the request itself share the list."""
+    """Give back what ``held`` holds, once: emptied in place, as the request's ``close`` and its
+    finalizer share the list. One item's failure is logged; the others are released all the same."""
     items = list(held)
     held.clear()
     now = time.monotonic()
@@ -460,8 +530,13 @@ def _release(held: list[_Held]) -> None:
                 latency = (item.answered_at or now) - item.admitted_at
                 error = item.status is not None and item.status >= 500
                 item.shedder.finish(item.endpoint, latency, error=error, admitted_at=item.admitted_at)
-        finally:
+        except Exception:
+            logger.exception("ratelimits: the worker shedder could not count a request out")
+        try:
             item.limiter.release(item.decision)  # whatever the shedder did
+        except Exception:
+            logger.exception("ratelimits: a request's slots could not be released (they expire)")
 
 
-request_finished.connect(release_held, dispatch_uid="ratelimits.engine.release_held")
+request_started.connect(_request_started, dispatch_uid="ratelimits.engine.request_started")
+request_finished.connect(after_response, dispatch_uid="ratelimits.engine.after_response")

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import redis
 
 from ..backends import Backend, get_backend
+from ..backends.base import store_threads
 from ..backends.memory import MemoryBackend
 from ..choices import FailMode
 from ..conf import LocalPathSettings, ProcessWide, conf
@@ -163,11 +164,15 @@ class Limiter:
         if not self.breaker.allow():
             return self._unanswered(checks, consume=consume, usage=usage)
         sent = self._sending(consume)
+        call: asyncio.Future[Any] = asyncio.ensure_future(
+            self.backend.adecide(checks, consume=consume, usage=usage)
+            if wants is None
+            else self.backend.alease(checks, wants, usage=usage)
+        )
         try:
-            if wants is None:
-                answer: Any = await self.backend.adecide(checks, consume=consume, usage=usage)
-            else:
-                answer = await self.backend.alease(checks, wants, usage=usage)
+            # Shielded: a request given up (its client went away) leaves the call to finish, so
+            # that the breaker still hears of the store and a slot it took is given back.
+            answer = await asyncio.shield(call)
         except PolicyFailed as exc:
             self._policy_failed(exc)
             fallback, rest = self._fallback(exc, checks, consume=consume, usage=usage)
@@ -177,14 +182,38 @@ class Limiter:
         except BackendUnavailable as exc:
             return self._unreachable(exc, checks, consume=consume, usage=usage)
         except asyncio.CancelledError:
-            # The request was given up (its client went away): no news of the store, which must
-            # not open the breaker; a probe gives its turn back.
-            self.breaker.abandon()
+            if not call.done():
+                call.add_done_callback(lambda done: self._abandoned(done, sent, wants))
             raise
         except BaseException:
             self.breaker.record_failure()  # as in _asked: a probe always reports
             raise
         return self._answered(answer, sent, wants)
+
+    def _abandoned(self, call: asyncio.Future[Any], sent: tuple[float, int] | None, wants: list[int] | None) -> None:
+        """A cancelled request's store call ended: the breaker and the local path learn its
+        outcome, and the slots it took are given back off the loop (nobody holds them)."""
+        if call.cancelled():
+            return  # its loop is closing: the slot, if the script took one, expires
+        exc = call.exception()
+        if isinstance(exc, PolicyFailed):
+            self.breaker.record_success()
+            return
+        if exc is not None:
+            self.breaker.record_failure()
+            stray = exc.stray_slot if isinstance(exc, BackendUnavailable) else None
+            if stray is not None:
+                store_threads().submit(self._release_logged, Decision(Verdict.ALLOW, (), stray_slot=stray))
+            return
+        decision = self._answered(call.result(), sent, wants)  # leases granted are kept for others
+        if decision.slot is not None or decision.stray_slot is not None:
+            store_threads().submit(self._release_logged, decision)
+
+    def _release_logged(self, decision: Decision) -> None:
+        try:
+            self.release(decision)
+        except Exception:
+            logger.exception("ratelimits: the slots of a cancelled request could not be released (they expire)")
 
     def _sending(self, consume: bool) -> tuple[float, int] | None:
         """What the local path learns an answer against: when the call was sent, and its memory's generation."""

@@ -14,7 +14,7 @@ from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-__all__ = ["AsyncDriven", "EventLoopThread", "event_loop_thread"]
+__all__ = ["AsyncDriven", "EventLoopThread", "asgi_get", "event_loop_thread"]
 
 T = TypeVar("T")
 
@@ -64,3 +64,47 @@ class AsyncDriven:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.backend, name)
+
+
+async def asgi_get(
+    app: Any, path: str, *, headers: dict[str, str] | None = None, disconnect: asyncio.Event | None = None
+) -> list[dict[str, Any]]:
+    """GET ``path`` from the ASGI ``app`` as a server would, and the messages it sent back.
+
+    Unlike Django's ``AsyncClient``, the handler runs as under uvicorn: it closes the response from
+    its own context, and it listens for the client going away. With ``disconnect``, the client
+    goes away once the event is set (else it stays until the handler is done).
+    """
+    raw = [(b"host", b"testserver")] + [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": raw,
+        "client": ("127.0.0.1", 50000),
+        "server": ("testserver", 80),
+    }
+    body_sent = False
+    never = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        nonlocal body_sent
+        if not body_sent:
+            body_sent = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await (disconnect or never).wait()
+        return {"type": "http.disconnect"}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    return sent
