@@ -20,12 +20,14 @@ from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import pytest
+import redis
 from asgiref.sync import async_to_sync, sync_to_async
 from django.core.handlers.asgi import ASGIHandler
 from django.test import AsyncClient
 
 from ratelimits import engine, usage
 from ratelimits.algorithms import Algorithm
+from ratelimits.backends import aio
 from ratelimits.backends.aio import AsyncClients, async_pool_factory
 from ratelimits.backends.redis import RedisBackend, make_client
 from ratelimits.choices import FailMode
@@ -390,6 +392,11 @@ def test_async_connections_are_made_like_the_sync_ones(redis_server: RedisServer
     assert pool.connection_kwargs["socket_connect_timeout"] == 0.2
     assert pool.connection_kwargs["port"] == redis_server.port
     assert pool.connection_kwargs["retry"].get_retries() == 0
+    # A burst waits for one of 64 connections, as long as a connect may take (else POOL_WAIT_S).
+    assert (pool.max_connections, pool.timeout) == (aio.MAX_CONNECTIONS, 0.2)
+    untimed_client = redis.Redis(port=redis_server.port, socket_timeout=None, socket_connect_timeout=None)
+    untimed = async_pool_factory(untimed_client.connection_pool, None)
+    assert untimed is not None and untimed().timeout == aio.POOL_WAIT_S
     sentinel = make_client(f"redis+sentinel://127.0.0.1:{redis_server.port}/mymaster", 0.25, 0.5)
     assert async_pool_factory(sentinel.connection_pool, None) is None  # asked from a thread instead
 
