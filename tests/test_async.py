@@ -15,6 +15,7 @@ import collections
 import gc
 import json
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
@@ -23,12 +24,14 @@ import pytest
 import redis
 from asgiref.sync import async_to_sync, sync_to_async
 from django.core.handlers.asgi import ASGIHandler
+from django.core.signals import request_finished
 from django.test import AsyncClient
 
 from ratelimits import engine, usage
 from ratelimits.algorithms import Algorithm
 from ratelimits.backends import aio
 from ratelimits.backends.aio import AsyncClients, async_pool_factory
+from ratelimits.backends.base import in_thread, store_threads
 from ratelimits.backends.redis import RedisBackend, make_client
 from ratelimits.choices import FailMode
 from ratelimits.conf import LocalPathSettings
@@ -42,7 +45,7 @@ from ratelimits.policies import Check, concurrency_policy
 from ratelimits.sources import DatabasePolicySource
 
 from .factories import ApiKeyFactory
-from .support.aio import EventLoopThread, asgi_get, event_loop_thread
+from .support.aio import CALL_TIMEOUT_S, EventLoopThread, asgi_get, event_loop_thread
 from .support.bursts import in_flight
 from .support.demo import demo_server
 from .support.gate import Gate
@@ -259,7 +262,30 @@ def test_a_request_no_response_closes_gives_its_slots_back_once_collected(settin
     assert decision.allowed and (slots_taken(backend, check), shedder.in_flight) == (1, 1)
     del request, decision
     gc.collect()  # the request's close wrapper and the request refer to each other
-    assert (slots_taken(backend, check), shedder.in_flight) == (0, 0)
+    # Released by the releasing thread, which the finalizer only hands the list to.
+    assert settle(lambda: (slots_taken(backend, check), shedder.in_flight) == (0, 0))
+
+
+def test_a_streaming_response_under_wsgi_holds_its_slot_until_its_body_is_sent(settings: Any, limits: Any) -> None:
+    """Nothing but the response keeps the request alive once the handler returned: a collection
+    mid-stream must not release the slot (Django's test Client would keep the request itself)."""
+    from django.core.handlers.wsgi import WSGIHandler
+    from django.test import RequestFactory
+
+    settings.RATELIMITS = one_at_a_time(limits)
+    check = concurrency_check("/t/streaming", "streaming")
+    backend = engine.get_limiter().backend
+    environ = RequestFactory().get("/t/streaming").environ
+    statuses: list[str] = []
+    body = WSGIHandler()(environ, lambda status, headers: statuses.append(status))
+    chunks = iter(body)
+    first = next(chunks)
+    gc.collect()
+    during = slots_taken(backend, check)
+    rest = b"".join(chunks)
+    body.close()
+    assert statuses == ["200 OK"] and first + rest == b"one two three"
+    assert (during, slots_taken(backend, check)) == (1, 0)
 
 
 def slots_taken(backend: Any, check: Check) -> int:
@@ -537,9 +563,74 @@ def test_a_request_cancelled_while_the_store_decides_gives_back_the_slot_once_it
         assert run(scenario)
     finally:
         own_redis.resume()
-    assert settle(lambda: slots_taken(limiter.backend, slots) == 0), slots_taken(limiter.backend, slots)
-    assert limiter.breaker.state is BreakerState.CLOSED
-    assert list(limiter.breaker._outcomes)[-1] is True  # the call's own outcome, not a failure
+    outcomes = limiter.breaker._outcomes
+    # The cancelled call reported (a second outcome) and its slot, taken when the store woke, is back.
+    assert settle(lambda: len(outcomes) == 2 and slots_taken(limiter.backend, slots) == 0), (
+        list(outcomes),
+        slots_taken(limiter.backend, slots),
+    )
+    assert list(outcomes) == [True, True] and limiter.breaker.state is BreakerState.CLOSED
+
+
+def test_a_probe_cancelled_as_its_loop_closes_lets_the_next_call_probe(own_redis: RedisServer) -> None:
+    limiter = limiter_on(own_redis, prefix="aprobe", local=None)
+    rate = local_check("rate", "1000/s", 100, Algorithm.TOKEN_BUCKET, "mia")
+    breaker = limiter.breaker
+    with breaker._lock:
+        breaker._opened_at = time.monotonic() - breaker.cooldown  # open, and cooled down: half-open
+    own_redis.pause()
+
+    async def scenario() -> bool:
+        probe = asyncio.ensure_future(limiter.adecide([rate]))  # left running when the loop closes
+        for _ in range(10_000):  # until it is the probe: yields, no sleeps
+            await asyncio.sleep(0)
+            if breaker._probing:
+                break
+        return breaker._probing and not probe.done()
+
+    try:
+        assert asyncio.run(scenario())  # asyncio.run cancels what is left: the probe never reports
+    finally:
+        own_redis.resume()
+    assert breaker.state is BreakerState.HALF_OPEN
+    assert breaker.allow()  # the next call probes: the breaker is not stuck waiting on the first
+    assert not breaker.allow()  # and only one does
+
+
+def test_a_thread_hop_given_up_undoes_its_result_exactly_once() -> None:
+    """``in_thread``: the awaiting task cancelled while the call runs, or once it is done."""
+    undone: list[int] = []
+    started, finish = threading.Event(), threading.Event()
+
+    def call() -> int:
+        started.set()
+        assert finish.wait(CALL_TIMEOUT_S)
+        return 7
+
+    async def cancelled_while_running() -> None:
+        hop = asyncio.ensure_future(in_thread(call, undone.append, executor=store_threads()))
+        assert await asyncio.get_running_loop().run_in_executor(None, started.wait, CALL_TIMEOUT_S)
+        hop.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await hop
+
+    run(cancelled_while_running)
+    assert undone == []  # not done yet: the thread undoes it once it is
+    finish.set()
+    assert settle(lambda: undone == [7]), undone
+
+    async def cancelled_once_done() -> None:
+        hop = asyncio.ensure_future(in_thread(lambda: 8, undone.append, executor=store_threads()))
+        await asyncio.get_running_loop().run_in_executor(None, lambda: None)  # the hop is done meanwhile
+        for _ in range(10_000):  # until its result is on its way (a yield, no sleep)
+            if hop.done():
+                break
+            await asyncio.sleep(0)
+        hop.cancel()  # too late: the hop was done
+        assert hop.result() == 8
+
+    run(cancelled_once_done)
+    assert undone == [7]  # a result that was delivered is the caller's: never undone
 
 
 def test_loops_of_asyncio_run_leave_no_client_behind(own_redis: RedisServer) -> None:
@@ -585,19 +676,22 @@ def test_a_request_cancelled_while_its_checks_are_made_in_a_thread_counts_itself
     assert shedder is not None
 
     async def scenario() -> list[dict[str, Any]]:
-        gone = asyncio.Event()
-        request = asyncio.ensure_future(asgi_get(ASGIHandler(), "/t/async/plain", disconnect=gone))
-        assert await sync_to_async(gate.wait_inside, thread_sensitive=False)(1)
-        assert shedder.in_flight == 1  # counted in before the checks
-        (view,) = [t for t in asyncio.all_tasks() if t.get_coro().__name__ == "process_request"]
-        gone.set()
-        for _ in range(10_000):  # until Django cancelled the view: yields, no sleeps
-            await asyncio.sleep(0)
-            if view.done():
-                break
-        assert view.cancelled()
-        gate.open()  # the checks' thread goes on (Django's request_finished waits for it)
-        return await request
+        gone, finishing = asyncio.Event(), asyncio.Event()
+
+        async def on_finished(**kwargs: Any) -> None:
+            finishing.set()  # Django gave up on the view: it sends request_finished
+
+        request_finished.connect(on_finished, dispatch_uid="test-finishing")
+        try:
+            request = asyncio.ensure_future(asgi_get(ASGIHandler(), "/t/async/plain", disconnect=gone))
+            assert await sync_to_async(gate.wait_inside, thread_sensitive=False)(1)
+            assert shedder.in_flight == 1  # counted in before the checks, which wait in the thread
+            gone.set()
+            await finishing.wait()
+            gate.open()  # the checks' thread goes on; request_finished's sync receivers wait for it
+            return await request
+        finally:
+            request_finished.disconnect(dispatch_uid="test-finishing")
 
     _hold_tier_func = True
     try:
@@ -606,7 +700,7 @@ def test_a_request_cancelled_while_its_checks_are_made_in_a_thread_counts_itself
         _hold_tier_func = False
         gate.open()
     assert status_of(sent) is None
-    assert settle(lambda: shedder.in_flight == 0), shedder.in_flight
+    assert shedder.in_flight == 0  # counted out by the thread, before request_finished's receivers ran
 
 
 class UnhashableSource(DatabasePolicySource):

@@ -416,8 +416,8 @@ def test_local_fail_mode_releases_its_slots(settings: Any, own_redis: RedisServe
 
 
 def test_slots_are_released_under_asgi(use_redis: Any, settings: Any) -> None:
-    """Through Django's ASGI handler the view runs in a worker thread; request_finished still
-    finds the request's slot (a context variable, carried by asgiref), so it is released."""
+    """Through Django's ASGI handler the view runs in a worker thread; the response's close still
+    reaches the request's slot (kept on the request), so it is released."""
     from asgiref.sync import async_to_sync
     from django.test import AsyncClient
 

@@ -1,7 +1,7 @@
 """Views used only by the tests."""
 
 from adrf.views import APIView as AsyncAPIView
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.urls import path
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -106,6 +106,12 @@ async def async_gated(request: HttpRequest) -> HttpResponse:
     return HttpResponse("async gated ok")
 
 
+@ratelimit(scope="streaming")
+def streaming(request: HttpRequest) -> StreamingHttpResponse:
+    """A body made after the view returned, by a generator that keeps no reference to the request."""
+    return StreamingHttpResponse(iter([b"one ", b"two ", b"three"]))
+
+
 class AsyncPing(AsyncAPIView):
     throttle_scope = "async-ping"
     throttle_classes = [AsyncRateLimitThrottle]
@@ -119,4 +125,5 @@ urlpatterns += [
     path("async/unmarked", async_unmarked, name="async-unmarked"),
     path("async/gated", async_gated, name="async-gated"),
     path("async/ping", AsyncPing.as_view(), name="async-ping"),
+    path("streaming", streaming, name="streaming"),
 ]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
+import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -10,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from asgiref.sync import sync_to_async
 
@@ -21,6 +24,10 @@ if TYPE_CHECKING:
     from ..shares import ShareRecord
     from .invalidation import Subscription
 
+
+T = TypeVar("T")
+
+logger = logging.getLogger("ratelimits")
 
 #: The threads async decisions ask a blocking store from: one pool for the process, not a loop's
 #: own (a loop made for one call would make threads, and their connections, per call).
@@ -39,6 +46,52 @@ os.register_at_fork(after_in_child=_new_store_threads)
 def store_threads() -> ThreadPoolExecutor:
     """:data:`STORE_THREADS` as it is now (a forked child makes its own: never import the name)."""
     return STORE_THREADS
+
+
+async def in_thread(
+    call: Callable[[], T], undo: Callable[[T], None], *, executor: ThreadPoolExecutor | None = None
+) -> T:
+    """``call()`` in a thread (``executor``'s, else Django's thread-sensitive one), awaited.
+
+    If the awaiting task is cancelled (its request was given up, or its loop is closing), the
+    thread runs on, and ``undo`` gets what ``call`` returned, exactly once: in that thread once
+    it is done, or in one of :data:`STORE_THREADS` if it was done already (the result was on its
+    way). ``undo`` may block; it must not raise.
+    """
+    handoff = _Handoff()
+
+    def run() -> T:
+        result = call()
+        with handoff.lock:
+            handoff.done, handoff.result = True, result
+            given_up = handoff.given_up
+        if given_up:
+            undo(result)
+        return result
+
+    try:
+        if executor is None:
+            return await sync_to_async(run)()
+        return await sync_to_async(run, thread_sensitive=False, executor=executor)()
+    except asyncio.CancelledError:
+        with handoff.lock:
+            handoff.given_up = True
+            done, result = handoff.done, handoff.result
+        if done:
+            STORE_THREADS.submit(undo, result)
+        raise
+
+
+class _Handoff:
+    """What a thread and its awaiting task tell each other about who undoes ``call``'s result."""
+
+    __slots__ = ("done", "given_up", "lock", "result")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.done = False
+        self.given_up = False
+        self.result: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,18 +167,34 @@ class Backend(ABC):
 
     async def adecide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
         """:meth:`decide` for async code. Here: the blocking call in one of :data:`STORE_THREADS`, so
-        the event loop runs on meanwhile; a store with an async client overrides it."""
-        return await sync_to_async(self.decide, thread_sensitive=False, executor=STORE_THREADS)(
-            checks, consume=consume, usage=usage
+        the event loop runs on meanwhile; a store with an async client overrides it. Given up
+        before it is done, the call gives back the slot it took."""
+        return await in_thread(
+            lambda: self.decide(checks, consume=consume, usage=usage), self._unheld, executor=STORE_THREADS
         )
 
     async def alease(
         self, checks: Sequence[Check], wants: Sequence[int], *, usage: Usage | None = None
     ) -> tuple[Decision, list[Grant]]:
         """:meth:`lease` for async code (as :meth:`adecide` is :meth:`decide`'s)."""
-        return await sync_to_async(self.lease, thread_sensitive=False, executor=STORE_THREADS)(
-            checks, wants, usage=usage
+        return await in_thread(
+            lambda: self.lease(checks, wants, usage=usage),
+            lambda answer: self._unheld(answer[0]),
+            executor=STORE_THREADS,
         )
+
+    def _unheld(self, decision: Decision) -> None:
+        """``decision`` will be held by nobody: its slot given back."""
+        if decision.slot is not None:
+            self.release_quietly(decision.slot, decision.slot_keys)
+
+    def release_quietly(self, slot: str, keys: Sequence[str]) -> None:
+        """:meth:`release`, best effort, for a slot nobody holds (a cancelled call's): a failure is
+        logged, and the slot expires."""
+        try:
+            self.release(slot, keys)
+        except Exception as exc:
+            logger.info("ratelimits: the slot of a cancelled decision was not given back (it expires): %s", exc)
 
     @abstractmethod
     def add_usage(self, counts: Mapping[tuple[int, str], int]) -> None:

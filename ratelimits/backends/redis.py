@@ -233,7 +233,7 @@ class RedisBackend(Backend):
             # Cancelled while the script was out (the limiter shields its calls: here, the loop is
             # closing): it may have taken the slot, and nobody will hold it.
             if call.slot:
-                _release_soon(self, call.slot, call.held)
+                store_threads().submit(self.release_quietly, call.slot, call.held)
             raise
         return call.decision(reply), reply
 
@@ -680,18 +680,6 @@ def _granted(checks: Sequence[Check], decision: Decision, reply: Any) -> tuple[D
             spent_tat, given_back = _REFUNDABLE.unpack_from(spent, _REFUNDABLE.size * i)
             grants.append(Grant(check, int(tokens), reply[0], spent_tat, given_back))
     return decision, grants
-
-
-def _release_soon(backend: RedisBackend, slot: str, held: tuple[str, ...]) -> None:
-    """Give back, off the loop, a slot a cancelled script call may have taken (releasing is idempotent)."""
-
-    def release() -> None:
-        try:
-            backend.release(slot, held)
-        except BackendUnavailable as exc:
-            logger.info("ratelimits: the slot of a cancelled decision was not given back (it expires): %s", exc)
-
-    store_threads().submit(release)
 
 
 async def _arun(client: Any, script: Script, script_keys: Sequence[str], args: Sequence[Any]) -> Any:

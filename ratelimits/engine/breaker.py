@@ -57,6 +57,8 @@ class CircuitBreaker:
         self._probing = False
         #: How often it entered each state (for the metrics: read, never reset).
         self.transitions: Counter[str] = Counter()
+        #: How many probes it let out: the last one's number names it (see :meth:`abandon`).
+        self.probes = 0
 
     @property
     def state(self) -> BreakerState:
@@ -78,6 +80,7 @@ class CircuitBreaker:
             if self._probing or self._clock() - self._opened_at < self.cooldown:
                 return False
             self._probing = True
+            self.probes += 1
             self.transitions[BreakerState.HALF_OPEN] += 1
             return True
 
@@ -100,6 +103,17 @@ class CircuitBreaker:
             elif self._probing:
                 self._close()
             # else: a call admitted before the breaker opened answered late; it stays open.
+
+    def abandon(self, probe: int) -> None:
+        """A call that will never report (cancelled as its event loop closed) gives its turn back:
+        if it is the probe out now, the next call may probe instead. Nothing is recorded.
+
+        ``probe``: :attr:`probes` as the call read it once let through. Only the probe let out
+        last can match it, so a straggler cannot let a second probe out.
+        """
+        with self._lock:
+            if self._opened_at is not None and self._probing and self.probes == probe:
+                self._probing = False
 
     def record_failure(self) -> None:
         with self._lock:

@@ -7,8 +7,9 @@ an outage left behind.
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import os
+import queue
 import threading
 import time
 import weakref
@@ -21,14 +22,14 @@ from django.core.exceptions import SynchronousOnlyOperation
 from django.core.signals import request_finished, request_started
 
 from ..algorithms import SLOT_RETRY_US
-from ..backends.base import store_threads
+from ..backends.base import in_thread
 from ..conf import ProcessWide, conf
 from ..counters import LIMITED, Usage, usage_for
 from ..decisions import Decision, Result, Verdict
 from ..identity import Identity, SubjectKind, identify, remember, subject_of
 from ..metrics import Recorder, get_recorder
 from ..policies.snapshot import PolicySnapshot
-from ..policies.source import PolicySource, get_policy_source, in_event_loop
+from ..policies.source import PolicySource, get_policy_source
 from ..policies.values import Check
 from .failed_auth import presented_authorization
 from .limiter import Limiter, current_limiter, get_limiter
@@ -147,21 +148,13 @@ async def _aprepare(
                 "async request; from now on this process resolves async requests' checks in a thread, "
                 "which costs a thread hop each (docs/async.md)"
             )
-    prepared = asyncio.ensure_future(sync_to_async(_prepare)(request, endpoint, auth, user, consume))
-    try:
-        # Shielded: a request cancelled meanwhile must not leave the thread's shedder count behind.
-        return await asyncio.shield(prepared)
-    except asyncio.CancelledError:
-        prepared.add_done_callback(_abandon_prepared)
-        raise
+    # Given up before the thread is done, the request counts itself out of the shedder.
+    return await in_thread(lambda: _prepare(request, endpoint, auth, user, consume), _abandon)
 
 
-def _abandon_prepared(prepared: asyncio.Future[_Pending | tuple[Identity, Decision]]) -> None:
-    """Undo what a cancelled request's checks took when they are done (the shedder's count)."""
-    if not prepared.cancelled() and prepared.exception() is None:
-        pending = prepared.result()
-        if isinstance(pending, _Pending):
-            pending.abandon()
+def _abandon(prepared: _Pending | tuple[Identity, Decision]) -> None:
+    if isinstance(prepared, _Pending):
+        prepared.abandon()
 
 
 @dataclass(slots=True)
@@ -405,6 +398,8 @@ def _hold(request: HttpRequest, item: _Held) -> None:
         setattr(http_request, HELD_ATTRIBUTE, held)
         _release_on_close(http_request, held)
         weakref.finalize(http_request, _release_abandoned, held).atexit = False
+        if _releaser is None:
+            _start_releaser()
         context = _request_context()
         if context is not None:
             _held_in[context] = held
@@ -457,13 +452,40 @@ def _release_on_close(request: Any, held: list[_Held]) -> None:
 
 
 def _release_abandoned(held: list[_Held]) -> None:
-    """Release what a request no response closed still holds, once it is collected: off the event
-    loop if it is collected on one, as a release asks the store."""
+    """Release what a request no response closed still holds, once it is collected.
+
+    A finalizer runs wherever a collection starts, maybe with a lock held or on an event loop:
+    it only hands the list to the releasing thread (``SimpleQueue.put`` is safe there)."""
     if held:
-        if in_event_loop():
-            store_threads().submit(_release, held)
-        else:
-            _release(held)
+        _abandoned.put(held)
+
+
+#: Lists of collected requests, for :func:`_releasing` to release.
+_abandoned: queue.SimpleQueue[list[_Held]] = queue.SimpleQueue()
+_releaser: threading.Thread | None = None
+_releaser_lock = threading.Lock()
+
+
+def _start_releaser() -> None:
+    """Start the thread that releases collected requests' lists, once per process."""
+    global _releaser
+    with _releaser_lock:
+        if _releaser is None:
+            _releaser = threading.Thread(target=_releasing, name="ratelimits-release", daemon=True)
+            _releaser.start()
+
+
+def _releasing() -> None:
+    while True:
+        _release(_abandoned.get())
+
+
+def _forget_releaser() -> None:
+    global _releaser, _releaser_lock
+    _releaser, _releaser_lock = None, threading.Lock()  # a forked child has none of the parent's threads
+
+
+os.register_at_fork(after_in_child=_forget_releaser)
 
 
 def _held_by(request: HttpRequest) -> list[_Held] | None:
@@ -521,10 +543,14 @@ def after_response(**kwargs: Any) -> None:
 def _release(held: list[_Held]) -> None:
     """Give back what ``held`` holds, once: emptied in place, as the request's ``close`` and its
     finalizer share the list. One item's failure is logged; the others are released all the same."""
-    items = list(held)
-    held.clear()
+    items = []
+    try:
+        while True:
+            items.append(held.pop())  # each pop atomic: two callers never release one item twice
+    except IndexError:
+        pass
     now = time.monotonic()
-    for item in items:
+    for item in reversed(items):
         try:
             if item.shedder is not None:
                 latency = (item.answered_at or now) - item.admitted_at

@@ -163,6 +163,7 @@ class Limiter:
         """:meth:`_asked`, awaiting the store."""
         if not self.breaker.allow():
             return self._unanswered(checks, consume=consume, usage=usage)
+        probe = self.breaker.probes
         sent = self._sending(consume)
         call: asyncio.Future[Any] = asyncio.ensure_future(
             self.backend.adecide(checks, consume=consume, usage=usage)
@@ -182,28 +183,37 @@ class Limiter:
         except BackendUnavailable as exc:
             return self._unreachable(exc, checks, consume=consume, usage=usage)
         except asyncio.CancelledError:
-            if not call.done():
-                call.add_done_callback(lambda done: self._abandoned(done, sent, wants))
+            # Called at once if the call is done already (its answer and the cancellation crossed).
+            call.add_done_callback(lambda done: self._abandoned(done, probe, sent, wants))
             raise
         except BaseException:
             self.breaker.record_failure()  # as in _asked: a probe always reports
             raise
         return self._answered(answer, sent, wants)
 
-    def _abandoned(self, call: asyncio.Future[Any], sent: tuple[float, int] | None, wants: list[int] | None) -> None:
-        """A cancelled request's store call ended: the breaker and the local path learn its
-        outcome, and the slots it took are given back off the loop (nobody holds them)."""
+    def _abandoned(
+        self, call: asyncio.Future[Any], probe: int, sent: tuple[float, int] | None, wants: list[int] | None
+    ) -> None:
+        """A cancelled request's store call ended: the breaker, the metrics and the local path
+        learn its outcome, and the slots it took are given back off the loop (nobody holds them)."""
         if call.cancelled():
-            return  # its loop is closing: the slot, if the script took one, expires
+            # Its loop is closing: the call never reports, so a probe gives its turn back. (A slot
+            # the script took is given back by the backend.)
+            self.breaker.abandon(probe)
+            return
         exc = call.exception()
         if isinstance(exc, PolicyFailed):
-            self.breaker.record_success()
+            self._policy_failed(exc)
+            return
+        if isinstance(exc, BackendUnavailable):
+            self.breaker.record_failure()
+            _count_error(exc)
+            logger.warning("ratelimits: backend unavailable (for a cancelled request): %s", exc)
+            if exc.stray_slot is not None:
+                store_threads().submit(self._release_logged, Decision(Verdict.ALLOW, (), stray_slot=exc.stray_slot))
             return
         if exc is not None:
             self.breaker.record_failure()
-            stray = exc.stray_slot if isinstance(exc, BackendUnavailable) else None
-            if stray is not None:
-                store_threads().submit(self._release_logged, Decision(Verdict.ALLOW, (), stray_slot=stray))
             return
         decision = self._answered(call.result(), sent, wants)  # leases granted are kept for others
         if decision.slot is not None or decision.stray_slot is not None:

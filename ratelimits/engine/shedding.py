@@ -1,7 +1,7 @@
 """The worker utilisation shedder: when this process is nearly full, lower classes wait outside.
 
 It needs no Redis, so it keeps a worker alive when the store itself is slow or down. In-flight
-requests are counted from admission to ``request_finished`` (after the response left). With
+requests are counted from admission to the response's close (after it left). With
 ``ADAPTIVE_CAPACITY``, its capacity follows the latency and errors of the requests it admitted
 (:mod:`ratelimits.adaptive`).
 """
