@@ -18,13 +18,13 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import pytest
 import redis
 from asgiref.sync import async_to_sync, sync_to_async
 from django.core.handlers.asgi import ASGIHandler
-from django.core.signals import request_finished
 from django.test import AsyncClient
 
 from ratelimits import engine, usage
@@ -36,7 +36,8 @@ from ratelimits.backends.redis import RedisBackend, make_client
 from ratelimits.choices import FailMode
 from ratelimits.conf import LocalPathSettings
 from ratelimits.engine import evaluation
-from ratelimits.engine.breaker import BreakerState
+from ratelimits.engine.breaker import BreakerState, CircuitBreaker
+from ratelimits.engine.limiter import build_limiter
 from ratelimits.engine.local import LEASE
 from ratelimits.exceptions import BackendUnavailable
 from ratelimits.identity import Subject, SubjectKind
@@ -223,7 +224,7 @@ def test_under_an_asgi_server_each_response_gives_its_slots_back(settings: Any, 
 
 def test_a_client_that_goes_away_mid_view_leaves_no_slot_behind(settings: Any, limits: Any, gate: Gate) -> None:
     """Django cancels the view and closes no response: the request's slot and its place in the
-    worker shedder are given back when the request is collected."""
+    worker shedder are given back by the request_finished it sends (in the request's context)."""
     settings.RATELIMITS = one_at_a_time(limits)
     check = concurrency_check("/t/async/gated", "async-gated")
     backend = engine.get_limiter().backend
@@ -619,18 +620,75 @@ def test_a_thread_hop_given_up_undoes_its_result_exactly_once() -> None:
     finish.set()
     assert settle(lambda: undone == [7]), undone
 
-    async def cancelled_once_done() -> None:
-        hop = asyncio.ensure_future(in_thread(lambda: 8, undone.append, executor=store_threads()))
-        await asyncio.get_running_loop().run_in_executor(None, lambda: None)  # the hop is done meanwhile
-        for _ in range(10_000):  # until its result is on its way (a yield, no sleep)
-            if hop.done():
-                break
-            await asyncio.sleep(0)
-        hop.cancel()  # too late: the hop was done
-        assert hop.result() == 8
+    # Cancelled once the thread was done but before its result reached the task: the cancelled
+    # side undoes it (in a store thread). The loop is held while the thread finishes.
+    class Signalling(ThreadPoolExecutor):
+        def __init__(self) -> None:
+            super().__init__(max_workers=1)
+            self.ran = threading.Event()
 
-    run(cancelled_once_done)
-    assert undone == [7]  # a result that was delivered is the caller's: never undone
+        def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+            def signalling(*a: Any, **k: Any) -> Any:
+                try:
+                    return fn(*a, **k)
+                finally:
+                    self.ran.set()
+
+            return super().submit(signalling, *args, **kwargs)
+
+    executor = Signalling()
+
+    async def cancelled_once_done() -> None:
+        hop = asyncio.ensure_future(in_thread(lambda: 8, undone.append, executor=executor))
+        await asyncio.sleep(0)  # the hop sends the call to the thread
+        assert executor.ran.wait(CALL_TIMEOUT_S)  # blocks the loop: the result cannot arrive yet
+        hop.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await hop
+
+    try:
+        run(cancelled_once_done)
+    finally:
+        executor.shutdown()
+    assert settle(lambda: undone == [7, 8]), undone
+
+    async def delivered() -> int:
+        return await in_thread(lambda: 9, undone.append, executor=store_threads())
+
+    assert run(delivered) == 9
+    assert undone == [7, 8]  # a result that reached its task is the caller's: never undone
+
+
+def test_a_probe_given_up_by_its_request_still_reports(own_redis: RedisServer) -> None:
+    """The probe is shielded: cancelled, it runs on until the store answers or times out, and the
+    breaker learns it (else every later request would probe again, and the breaker never learn)."""
+    backend = RedisBackend(make_client(own_redis.url, 0.3, 0.3), prefix="aprobed")
+    limiter = build_limiter(backend, CircuitBreaker(cooldown=30.0), LocalPathSettings(denials=False))
+    rate = local_check("rate", "1000/s", 100, Algorithm.TOKEN_BUCKET, "noa")
+    assert run(lambda: limiter.adecide([rate])).allowed  # the loop's client, connected
+    breaker = limiter.breaker
+    with breaker._lock:
+        breaker._opened_at = time.monotonic() - breaker.cooldown  # open, and cooled down: half-open
+    own_redis.pause()
+
+    async def scenario() -> bool:
+        probe = asyncio.ensure_future(limiter.adecide([rate]))
+        for _ in range(10_000):  # until it is the probe: yields, no sleeps
+            await asyncio.sleep(0)
+            if breaker._probing:
+                break
+        probe.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await probe
+        return breaker._probing
+
+    try:
+        assert run(scenario)
+        # The call times out (0.3 s): the probe failed, and the breaker is open for a new cooldown.
+        assert settle(lambda: not breaker._probing), breaker.state
+    finally:
+        own_redis.resume()
+    assert breaker.state is BreakerState.OPEN
 
 
 def test_loops_of_asyncio_run_leave_no_client_behind(own_redis: RedisServer) -> None:
@@ -667,31 +725,35 @@ def test_a_tier_func_that_queries_moves_async_checks_to_a_thread(settings: Any, 
 
 
 def test_a_request_cancelled_while_its_checks_are_made_in_a_thread_counts_itself_out(
-    settings: Any, limits: Any, gate: Gate
+    settings: Any, limits: Any, gate: Gate, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     global _hold_tier_func
     settings.RATELIMITS = {**one_at_a_time(limits), "TIER_FUNC": "tests.test_async.querying_tier"}
     evaluation._async_state.get().prepare_in_thread = True
     shedder = engine.get_worker_shedder()
     assert shedder is not None
+    given_up: list[asyncio.Event] = []
+    thread_hop = evaluation.in_thread
+
+    async def watched(call: Any, undo: Any, **kwargs: Any) -> Any:
+        try:
+            return await thread_hop(call, undo, **kwargs)
+        except asyncio.CancelledError:
+            given_up[0].set()  # Django gave up on the view while the checks' thread ran
+            raise
+
+    monkeypatch.setattr(evaluation, "in_thread", watched)
 
     async def scenario() -> list[dict[str, Any]]:
-        gone, finishing = asyncio.Event(), asyncio.Event()
-
-        async def on_finished(**kwargs: Any) -> None:
-            finishing.set()  # Django gave up on the view: it sends request_finished
-
-        request_finished.connect(on_finished, dispatch_uid="test-finishing")
-        try:
-            request = asyncio.ensure_future(asgi_get(ASGIHandler(), "/t/async/plain", disconnect=gone))
-            assert await sync_to_async(gate.wait_inside, thread_sensitive=False)(1)
-            assert shedder.in_flight == 1  # counted in before the checks, which wait in the thread
-            gone.set()
-            await finishing.wait()
-            gate.open()  # the checks' thread goes on; request_finished's sync receivers wait for it
-            return await request
-        finally:
-            request_finished.disconnect(dispatch_uid="test-finishing")
+        gone = asyncio.Event()
+        given_up.append(asyncio.Event())
+        request = asyncio.ensure_future(asgi_get(ASGIHandler(), "/t/async/plain", disconnect=gone))
+        assert await sync_to_async(gate.wait_inside, thread_sensitive=False)(1)
+        assert shedder.in_flight == 1  # counted in before the checks, which wait in the thread
+        gone.set()
+        await given_up[0].wait()
+        gate.open()  # the checks' thread goes on; request_finished's sync receivers wait for it
+        return await request
 
     _hold_tier_func = True
     try:

@@ -77,8 +77,8 @@ def async_pool_factory(
     kwargs.update(retry=Retry(NoBackoff(), 0), retry_on_timeout=False, health_check_interval=0)
 
     # Waiting for a free connection is bounded like connecting: all 64 busy for that long is a
-    # store too slow for this loop's load, and is counted as its failure. A connection handed
-    # over is connected already, so a call waits at most this plus the socket timeout.
+    # store too slow for this loop's load, and is counted as its failure. (A connection handed
+    # over may still connect, within its own connect timeout.)
     wait = kwargs.get("socket_connect_timeout") or kwargs.get("socket_timeout") or POOL_WAIT_S
 
     def make() -> redis.asyncio.ConnectionPool:

@@ -56,11 +56,14 @@ async def in_thread(
     If the awaiting task is cancelled (its request was given up, or its loop is closing), the
     thread runs on, and ``undo`` gets what ``call`` returned, exactly once: in that thread once
     it is done, or in one of :data:`STORE_THREADS` if it was done already (the result was on its
-    way). ``undo`` may block; it must not raise.
+    way). A call not started yet is not made. ``undo`` may block; it must not raise. A call that
+    raises has nothing to undo (what a failed store call may have left, a stray slot, expires).
     """
     handoff = _Handoff()
 
     def run() -> T:
+        if handoff.given_up:  # read without the lock: at worst the call is made, then undone
+            return None  # type: ignore[return-value]  # nobody awaits it
         result = call()
         with handoff.lock:
             handoff.done, handoff.result = True, result

@@ -230,8 +230,8 @@ class RedisBackend(Backend):
             call.failed(exc)
             raise
         except asyncio.CancelledError:
-            # Cancelled while the script was out (the limiter shields its calls: here, the loop is
-            # closing): it may have taken the slot, and nobody will hold it.
+            # Cancelled while the script was out (the limiter shields calls that take slots: here,
+            # the loop is closing): it may have taken the slot, and nobody will hold it.
             if call.slot:
                 store_threads().submit(self.release_quietly, call.slot, call.held)
             raise

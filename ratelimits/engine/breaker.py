@@ -8,7 +8,10 @@ from collections import Counter, deque
 from collections.abc import Callable
 from enum import StrEnum
 
-__all__ = ["BreakerState", "CircuitBreaker"]
+__all__ = ["NOT_A_PROBE", "BreakerState", "CircuitBreaker"]
+
+#: The ticket of a call let through while the breaker is closed (:meth:`CircuitBreaker.admit`).
+NOT_A_PROBE = 0
 
 
 class BreakerState(StrEnum):
@@ -57,7 +60,7 @@ class CircuitBreaker:
         self._probing = False
         #: How often it entered each state (for the metrics: read, never reset).
         self.transitions: Counter[str] = Counter()
-        #: How many probes it let out: the last one's number names it (see :meth:`abandon`).
+        #: How many probes it let out: the last one's number is its ticket (see :meth:`admit`).
         self.probes = 0
 
     @property
@@ -69,20 +72,26 @@ class CircuitBreaker:
 
     def allow(self) -> bool:
         """Whether this call may go to the store. A ``True`` in half-open state makes it the probe."""
+        return self.admit() is not None
+
+    def admit(self) -> int | None:
+        """:meth:`allow`, with the call's ticket: ``None`` if it may not go; :data:`NOT_A_PROBE`
+        (0) if it goes while the breaker is closed; else the probe's number, which names it to
+        :meth:`abandon` and to the reports of :meth:`record_success` and :meth:`record_failure`."""
         if self._opened_at is None:
             # Closed, read without the lock (one attribute read is atomic): every decision asks, and
             # a call let through as the breaker opens is one admitted just before it, as the
             # class says.
-            return True
+            return NOT_A_PROBE
         with self._lock:
             if self._opened_at is None:
-                return True
+                return NOT_A_PROBE
             if self._probing or self._clock() - self._opened_at < self.cooldown:
-                return False
+                return None
             self._probing = True
             self.probes += 1
             self.transitions[BreakerState.HALF_OPEN] += 1
-            return True
+            return self.probes
 
     def retry_after(self) -> float:
         """Seconds until the breaker will try the store again (0 when closed)."""
@@ -91,7 +100,9 @@ class CircuitBreaker:
                 return 0.0
             return max(self.cooldown - (self._clock() - self._opened_at), 0.0)
 
-    def record_success(self) -> None:
+    def record_success(self, ticket: int | None = None) -> None:
+        """A call answered. With its ``ticket`` (:meth:`admit`), a late report of a call that is
+        not the probe out now is told apart from the probe's."""
         outcomes = self._outcomes
         if self._opened_at is None and self._failures == 0 and len(outcomes) == outcomes.maxlen:
             # A full window of successes stays one: recording another changes nothing. (Read
@@ -100,25 +111,26 @@ class CircuitBreaker:
         with self._lock:
             if self._opened_at is None:
                 self._record(True)
-            elif self._probing:
+            elif self._probing and self._is_probe(ticket):
                 self._close()
             # else: a call admitted before the breaker opened answered late; it stays open.
 
-    def abandon(self, probe: int) -> None:
-        """A call that will never report (cancelled as its event loop closed) gives its turn back:
-        if it is the probe out now, the next call may probe instead. Nothing is recorded.
-
-        ``probe``: :attr:`probes` as the call read it once let through. Only the probe let out
-        last can match it, so a straggler cannot let a second probe out.
-        """
+    def abandon(self, ticket: int) -> None:
+        """A call that will never report (its request or its event loop was cancelled) gives its
+        turn back: if it is the probe out now, the next call may probe instead. Nothing is
+        recorded. ``ticket``: the call's (:meth:`admit`), so that only the probe can."""
         with self._lock:
-            if self._opened_at is not None and self._probing and self.probes == probe:
+            if self._opened_at is not None and self._probing and ticket == self.probes:
                 self._probing = False
 
-    def record_failure(self) -> None:
+    def _is_probe(self, ticket: int | None) -> bool:
+        return ticket is None or ticket == self.probes
+
+    def record_failure(self, ticket: int | None = None) -> None:
+        """A call failed (``ticket``: as for :meth:`record_success`)."""
         with self._lock:
             if self._opened_at is not None:
-                if self._probing:
+                if self._probing and self._is_probe(ticket):
                     # The probe failed: another full cooldown from now.
                     self._opened_at = self._clock()
                     self._probing = False

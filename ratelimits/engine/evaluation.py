@@ -380,14 +380,14 @@ def _hold(request: HttpRequest, item: _Held) -> None:
 
     The list is kept on the request, and the request's ``close`` releases it: Django calls it when
     it closes the response, under WSGI and ASGI alike, sync or async, after a streaming body too.
-    (Not a context variable: Django's ASGI handler decides a request in a task of its own, with a
-    copy of its context, and closes the response from its own context.)
+    (Not a context variable: Django 5.2's ASGI handler decides a request in a task of its own,
+    with a copy of its context, and closes the response from its own context.)
 
     When no response is closed, because the client went away under ASGI and Django cancelled the
     view, Django still sends ``request_finished``, within the request's ``ThreadSensitiveContext``:
     :func:`after_response` releases the list it finds kept under that context. Whatever is left
-    after that (a sync view's thread that decided after the cancellation) is released when the
-    request is collected.
+    after that (work the view left in a thread of its own, an outer context shared by several
+    requests) is released when the request is collected.
     """
     if item.decision.slot is None and item.decision.stray_slot is None and item.shedder is None:
         return
@@ -402,7 +402,7 @@ def _hold(request: HttpRequest, item: _Held) -> None:
             _start_releaser()
         context = _request_context()
         if context is not None:
-            _held_in[context] = held
+            _held_in[context] = (held, weakref.ref(http_request))
     held.append(item)
 
 
@@ -413,8 +413,8 @@ _THREAD_SENSITIVE: Any = getattr(SyncToAsync, "thread_sensitive_context", None)
 #: one, opened around a server), and what is kept under it cannot be told apart.
 _started_in: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _started_lock = threading.Lock()
-#: Request context -> the list of what its request holds.
-_held_in: weakref.WeakKeyDictionary[Any, list[_Held]] = weakref.WeakKeyDictionary()
+#: Request context -> the list of what its request holds, and the request.
+_held_in: weakref.WeakKeyDictionary[Any, tuple[list[_Held], weakref.ref[Any]]] = weakref.WeakKeyDictionary()
 
 
 def _request_context() -> Any:
@@ -448,6 +448,7 @@ def _release_on_close(request: Any, held: list[_Held]) -> None:
                 del request.close
             close()
 
+    release_then_close.releases_held = True  # type: ignore[attr-defined]
     request.close = release_then_close
 
 
@@ -477,15 +478,20 @@ def _start_releaser() -> None:
 
 def _releasing() -> None:
     while True:
-        _release(_abandoned.get())
+        held = _abandoned.get()
+        try:
+            _release(held)
+        except Exception:  # _release logs its own; this thread must outlive anything
+            logger.exception("ratelimits: a collected request's holdings could not be released")
 
 
-def _forget_releaser() -> None:
-    global _releaser, _releaser_lock
-    _releaser, _releaser_lock = None, threading.Lock()  # a forked child has none of the parent's threads
+def _after_fork() -> None:
+    """A forked child has none of the parent's threads, and the parent's lists are the parent's."""
+    global _releaser, _releaser_lock, _abandoned, _started_lock
+    _releaser, _releaser_lock, _abandoned, _started_lock = None, threading.Lock(), queue.SimpleQueue(), threading.Lock()
 
 
-os.register_at_fork(after_in_child=_forget_releaser)
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def _held_by(request: HttpRequest) -> list[_Held] | None:
@@ -526,10 +532,16 @@ def after_response(**kwargs: Any) -> None:
     First, what the request still holds is released: under ASGI, when its client went away and
     no response was closed (see :func:`_hold`).
     """
-    context = _request_context()
-    held = _held_in.pop(context, None) if context is not None else None
-    if held:
-        _release(held)
+    # Only a handler's: a response a view made and closed itself sends the signal too (sender None).
+    context = _request_context() if kwargs.get("sender") is not None else None
+    kept = _held_in.pop(context, None) if context is not None else None
+    if kept is not None:
+        held, request = kept
+        if held:
+            _release(held)
+        alive = request()
+        if alive is not None and getattr(alive.__dict__.get("close"), "releases_held", False):
+            del alive.close  # our wrapper, which keeps the request in a cycle
     current = current_limiter()
     if current is not None:
         current.retry_releases()

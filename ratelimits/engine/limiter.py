@@ -25,7 +25,7 @@ from ..decisions import Decision, Verdict
 from ..exceptions import BackendUnavailable, PolicyFailed
 from ..metrics import get_recorder
 from ..policies.values import Check
-from .breaker import BreakerState, CircuitBreaker
+from .breaker import NOT_A_PROBE, BreakerState, CircuitBreaker
 from .local import LEASE, LocalPath, call_weakly
 
 __all__ = ["Limiter", "build_limiter", "get_limiter"]
@@ -161,20 +161,22 @@ class Limiter:
         self, checks: Sequence[Check], *, consume: bool, usage: Usage | None, wants: list[int] | None = None
     ) -> Decision:
         """:meth:`_asked`, awaiting the store."""
-        if not self.breaker.allow():
+        ticket = self.breaker.admit()
+        if ticket is None:
             return self._unanswered(checks, consume=consume, usage=usage)
-        probe = self.breaker.probes
         sent = self._sending(consume)
         asked = (
             self.backend.adecide(checks, consume=consume, usage=usage)
             if wants is None
             else self.backend.alease(checks, wants, usage=usage)
         )
-        # A call that takes slots from a store it goes out to is shielded: a request given up (its
-        # client went away) leaves it to finish, so that the slot it took is given back once it is
-        # taken, and the breaker hears of the store. Others are not worth the task it costs
+        # The breaker's probe, and a call that takes slots, are shielded when they go out to the
+        # store: a request given up (its client went away) leaves them to finish, so that the
+        # breaker hears how the store is (else it would probe again and again, and never learn),
+        # and a slot is given back once it is taken. Others are not worth the task it costs
         # (about 20 µs): given up, their tokens are spent all the same.
-        call = asyncio.ensure_future(asked) if consume and self.backend.shared and _takes_slots(checks) else None
+        shielded = self.backend.shared and (ticket != NOT_A_PROBE or (consume and _takes_slots(checks)))
+        call = asyncio.ensure_future(asked) if shielded else None
         try:
             answer = await (asked if call is None else asyncio.shield(call))
         except PolicyFailed as exc:
@@ -187,10 +189,11 @@ class Limiter:
             return self._unreachable(exc, checks, consume=consume, usage=usage)
         except asyncio.CancelledError:
             if call is None:
-                self.breaker.abandon(probe)  # cancelled with the request, it never reports
+                self.breaker.abandon(ticket)  # cancelled with its request: it never reports
             else:
-                # Called at once if the call is done already (its answer and the cancellation crossed).
-                call.add_done_callback(lambda done: self._abandoned(done, probe, sent, wants))
+                _finishing.add(call)  # a task the loop holds only weakly
+                # (Run soon if the call is done already: its answer and the cancellation crossed.)
+                call.add_done_callback(lambda done: self._abandoned(done, ticket, sent, wants))
             raise
         except BaseException:
             self.breaker.record_failure()  # as in _asked: a probe always reports
@@ -198,30 +201,32 @@ class Limiter:
         return self._answered(answer, sent, wants)
 
     def _abandoned(
-        self, call: asyncio.Future[Any], probe: int, sent: tuple[float, int] | None, wants: list[int] | None
+        self, call: asyncio.Future[Any], ticket: int, sent: tuple[float, int] | None, wants: list[int] | None
     ) -> None:
-        """A cancelled request's store call ended: the breaker, the metrics and the local path
-        learn its outcome, and the slots it took are given back off the loop (nobody holds them)."""
+        """A cancelled request's shielded store call ended: the breaker, the metrics and the local
+        path learn its outcome (reported with its ticket: it may come late), and the slots it took
+        are given back off the loop (nobody holds them)."""
+        _finishing.discard(call)
         if call.cancelled():
             # Its loop is closing: the call never reports, so a probe gives its turn back. (A slot
             # the script took is given back by the backend.)
-            self.breaker.abandon(probe)
+            self.breaker.abandon(ticket)
             return
         exc = call.exception()
         if isinstance(exc, PolicyFailed):
-            self._policy_failed(exc)
+            self._policy_failed(exc, ticket)
             return
         if isinstance(exc, BackendUnavailable):
-            self.breaker.record_failure()
+            self.breaker.record_failure(ticket)
             _count_error(exc)
             logger.warning("ratelimits: backend unavailable (for a cancelled request): %s", exc)
             if exc.stray_slot is not None:
                 store_threads().submit(self._release_logged, Decision(Verdict.ALLOW, (), stray_slot=exc.stray_slot))
             return
         if exc is not None:
-            self.breaker.record_failure()
+            self.breaker.record_failure(ticket)
             return
-        decision = self._answered(call.result(), sent, wants)  # leases granted are kept for others
+        decision = self._answered(call.result(), sent, wants, ticket)  # leases granted are kept for others
         if decision.slot is not None or decision.stray_slot is not None:
             store_threads().submit(self._release_logged, decision)
 
@@ -236,9 +241,11 @@ class Limiter:
         local = self.local_path if consume else None
         return (local.clock(), local.generation) if local is not None else None
 
-    def _answered(self, answer: Any, sent: tuple[float, int] | None, wants: list[int] | None) -> Decision:
+    def _answered(
+        self, answer: Any, sent: tuple[float, int] | None, wants: list[int] | None, ticket: int | None = None
+    ) -> Decision:
         """The store answered (a decision, or a decision and its grants): the breaker and the local path learn it."""
-        self.breaker.record_success()
+        self.breaker.record_success(ticket)
         decision: Decision = answer if wants is None else answer[0]
         local = self.local_path
         if sent is not None and local is not None:
@@ -247,10 +254,10 @@ class Limiter:
                 decision = local.install(decision, answer[1], *sent)
         return decision
 
-    def _policy_failed(self, exc: PolicyFailed) -> None:
+    def _policy_failed(self, exc: PolicyFailed, ticket: int | None = None) -> None:
         # The store answered: a bad policy or key is not an outage, and must not open the breaker
         # for every tenant of this process.
-        self.breaker.record_success()
+        self.breaker.record_success(ticket)
         _count_error(exc)
 
     def _unreachable(
@@ -457,6 +464,10 @@ class Limiter:
         return Decision.from_results(
             decision.results, now_us=decision.now_us, degraded=True, slot=decision.slot, slot_keys=decision.slot_keys
         )
+
+
+#: Shielded store calls of cancelled requests, until they end (the loop keeps tasks weakly).
+_finishing: set[asyncio.Future[Any]] = set()
 
 
 def _takes_slots(checks: Sequence[Check]) -> bool:
