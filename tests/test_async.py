@@ -23,8 +23,9 @@ from typing import Any, TypeVar
 
 import pytest
 import redis
-from asgiref.sync import async_to_sync, sync_to_async
+from asgiref.sync import SyncToAsync, async_to_sync, sync_to_async
 from django.core.handlers.asgi import ASGIHandler
+from django.db import connections
 from django.test import AsyncClient
 
 from ratelimits import engine, usage
@@ -72,6 +73,11 @@ def loop() -> Iterator[EventLoopThread]:
     """One event loop for the module's requests, running as long as an ASGI server's does."""
     with event_loop_thread() as running:
         yield running
+    # The database connections the requests' threads opened: asgiref's one thread for sync work
+    # outside a request context keeps its own, and those of threads that ended wait for the
+    # collector. Closed here, or PostgreSQL refuses to drop the test database at the end.
+    SyncToAsync.single_thread_executor.submit(connections.close_all).result(CALL_TIMEOUT_S)
+    gc.collect()
 
 
 @pytest.fixture(autouse=True)
