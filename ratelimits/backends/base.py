@@ -317,9 +317,14 @@ class Backend(ABC):
         return None
 
 
+def takes_slots(checks: Sequence[Check]) -> bool:
+    """Whether a consuming decision of ``checks`` takes a slot (any of them holds slots)."""
+    return any(c.policy.holds_slots for c in checks)
+
+
 def new_slot(checks: Sequence[Check]) -> str | None:
     """A fresh slot id if any check holds slots (one id serves all of a request's slot checks)."""
-    return uuid.uuid4().hex if any(c.policy.holds_slots for c in checks) else None
+    return uuid.uuid4().hex if takes_slots(checks) else None
 
 
 def slot_keys(checks: Sequence[Check], keys: Sequence[str]) -> tuple[str, ...]:

@@ -417,15 +417,20 @@ _started_lock = threading.Lock()
 _held_in: weakref.WeakKeyDictionary[Any, tuple[list[_Held], weakref.ref[Any]]] = weakref.WeakKeyDictionary()
 
 
+def _thread_sensitive_context() -> Any:
+    """The current ``ThreadSensitiveContext``, if any."""
+    return _THREAD_SENSITIVE.get(None) if _THREAD_SENSITIVE is not None else None
+
+
 def _request_context() -> Any:
     """The current ``ThreadSensitiveContext`` if it is one ASGI request's own, else ``None``."""
-    context = _THREAD_SENSITIVE.get(None) if _THREAD_SENSITIVE is not None else None
+    context = _thread_sensitive_context()
     return context if context is not None and _started_in.get(context) == 1 else None
 
 
 def _request_started(**kwargs: Any) -> None:
     """Count the request in its ``ThreadSensitiveContext`` (connected to ``request_started``)."""
-    context = _THREAD_SENSITIVE.get(None) if _THREAD_SENSITIVE is not None else None
+    context = _thread_sensitive_context()
     if context is not None:
         with _started_lock:
             _started_in[context] = _started_in.get(context, 0) + 1

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import redis
 
 from ..backends import Backend, get_backend
-from ..backends.base import store_threads
+from ..backends.base import store_threads, takes_slots
 from ..backends.memory import MemoryBackend
 from ..choices import FailMode
 from ..conf import LocalPathSettings, ProcessWide, conf
@@ -175,7 +175,7 @@ class Limiter:
         # breaker hears how the store is (else it would probe again and again, and never learn),
         # and a slot is given back once it is taken. Others are not worth the task it costs
         # (about 20 µs): given up, their tokens are spent all the same.
-        shielded = self.backend.shared and (ticket != NOT_A_PROBE or (consume and _takes_slots(checks)))
+        shielded = self.backend.shared and (ticket != NOT_A_PROBE or (consume and takes_slots(checks)))
         call = asyncio.ensure_future(asked) if shielded else None
         try:
             answer = await (asked if call is None else asyncio.shield(call))
@@ -217,9 +217,7 @@ class Limiter:
             self._policy_failed(exc, ticket)
             return
         if isinstance(exc, BackendUnavailable):
-            self.breaker.record_failure(ticket)
-            _count_error(exc)
-            logger.warning("ratelimits: backend unavailable (for a cancelled request): %s", exc)
+            self._store_failed(exc, "for a cancelled request", ticket)
             if exc.stray_slot is not None:
                 store_threads().submit(self._release_logged, Decision(Verdict.ALLOW, (), stray_slot=exc.stray_slot))
             return
@@ -263,10 +261,14 @@ class Limiter:
     def _unreachable(
         self, exc: BackendUnavailable, checks: Sequence[Check], *, consume: bool, usage: Usage | None
     ) -> Decision:
-        self.breaker.record_failure()
-        _count_error(exc)
-        logger.warning("ratelimits: backend unavailable, degrading: %s", exc)
+        self._store_failed(exc, "degrading")
         return self._unanswered(checks, consume=consume, usage=usage, stray_slot=exc.stray_slot)
+
+    def _store_failed(self, exc: BackendUnavailable, then: str, ticket: int | None = None) -> None:
+        """The store could not answer: the breaker, the metrics and the log hear of it."""
+        self.breaker.record_failure(ticket)
+        _count_error(exc)
+        logger.warning("ratelimits: backend unavailable, %s: %s", then, exc)
 
     def _unanswered(
         self,
@@ -468,10 +470,6 @@ class Limiter:
 
 #: Shielded store calls of cancelled requests, until they end (the loop keeps tasks weakly).
 _finishing: set[asyncio.Future[Any]] = set()
-
-
-def _takes_slots(checks: Sequence[Check]) -> bool:
-    return any(check.policy.holds_slots for check in checks)
 
 
 class _Ask(NamedTuple):
