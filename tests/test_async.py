@@ -52,6 +52,7 @@ from .support.bursts import in_flight
 from .support.demo import demo_server
 from .support.gate import Gate
 from .support.http import fetch
+from .support.polling import wait_until
 from .support.redis_server import RedisServer, script_calls
 from .test_local_path import check as local_check
 from .test_local_path import limiter_on
@@ -270,7 +271,7 @@ def test_a_request_no_response_closes_gives_its_slots_back_once_collected(settin
     del request, decision
     gc.collect()  # the request's close wrapper and the request refer to each other
     # Released by the releasing thread, which the finalizer only hands the list to.
-    assert settle(lambda: (slots_taken(backend, check), shedder.in_flight) == (0, 0))
+    assert wait_until(lambda: (slots_taken(backend, check), shedder.in_flight) == (0, 0), 5.0)
 
 
 def test_a_streaming_response_under_wsgi_holds_its_slot_until_its_body_is_sent(settings: Any, limits: Any) -> None:
@@ -298,17 +299,6 @@ def test_a_streaming_response_under_wsgi_holds_its_slot_until_its_body_is_sent(s
 def slots_taken(backend: Any, check: Check) -> int:
     """The slots in ``check``'s key, read in one command (a release made meanwhile cannot split it)."""
     return int(backend.client.zcard(check.key(backend.prefix)))
-
-
-def settle(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
-    """Whether ``condition`` holds within ``timeout``: a release collected on the event loop's
-    thread is made in one of the store threads, which the test cannot join."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_async_decisions_are_counted_in_usage(limits: Any) -> None:
@@ -572,7 +562,7 @@ def test_a_request_cancelled_while_the_store_decides_gives_back_the_slot_once_it
         own_redis.resume()
     outcomes = limiter.breaker._outcomes
     # The cancelled call reported (a second outcome) and its slot, taken when the store woke, is back.
-    assert settle(lambda: len(outcomes) == 2 and slots_taken(limiter.backend, slots) == 0), (
+    assert wait_until(lambda: len(outcomes) == 2 and slots_taken(limiter.backend, slots) == 0, 5.0), (
         list(outcomes),
         slots_taken(limiter.backend, slots),
     )
@@ -624,7 +614,7 @@ def test_a_thread_hop_given_up_undoes_its_result_exactly_once() -> None:
     run(cancelled_while_running)
     assert undone == []  # not done yet: the thread undoes it once it is
     finish.set()
-    assert settle(lambda: undone == [7]), undone
+    assert wait_until(lambda: undone == [7], 5.0), undone
 
     # Cancelled once the thread was done but before its result reached the task: the cancelled
     # side undoes it (in a store thread). The loop is held while the thread finishes.
@@ -656,7 +646,7 @@ def test_a_thread_hop_given_up_undoes_its_result_exactly_once() -> None:
         run(cancelled_once_done)
     finally:
         executor.shutdown()
-    assert settle(lambda: undone == [7, 8]), undone
+    assert wait_until(lambda: undone == [7, 8], 5.0), undone
 
     async def delivered() -> int:
         return await in_thread(lambda: 9, undone.append, executor=store_threads())
@@ -691,7 +681,7 @@ def test_a_probe_given_up_by_its_request_still_reports(own_redis: RedisServer) -
     try:
         assert run(scenario)
         # The call times out (0.3 s): the probe failed, and the breaker is open for a new cooldown.
-        assert settle(lambda: not breaker._probing), breaker.state
+        assert wait_until(lambda: not breaker._probing, 5.0), breaker.state
     finally:
         own_redis.resume()
     assert breaker.state is BreakerState.OPEN

@@ -21,6 +21,8 @@ from ratelimits import engine
 from ratelimits.models import Tier
 from ratelimits.policies.database import DatabasePolicySource, bounded_waits
 
+from .support.polling import wait_until
+
 pytestmark = [
     pytest.mark.django_db(transaction=True),
     pytest.mark.skipif(connection.vendor != "postgresql", reason="LOCK TABLE needs PostgreSQL"),
@@ -58,15 +60,6 @@ def source(settings: Any) -> DatabasePolicySource:
     assert isinstance(built, DatabasePolicySource)
     built.retry_backoff = (0.05, 0.2)  # quick retries, so the test's bounded wait can be short
     return built
-
-
-def wait_until(condition: Any, bound: float) -> bool:
-    deadline = time.monotonic() + bound
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)  # polling a condition with a deadline, not synchronising on a guess
-    return bool(condition())
 
 
 def test_a_reload_that_meets_the_lock_serves_the_last_snapshot_and_applies_the_change_after(
