@@ -4,6 +4,7 @@ import os
 from pathlib import Path
 
 import dj_database_url
+import django
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -64,6 +65,10 @@ REST_FRAMEWORK = {
 RATELIMITS = {
     "BACKEND": "memory",
 }
+
+# Django 6.1 sends mail through named MAILERS (the test run swaps each for the in-memory outbox).
+if django.VERSION >= (6, 1):
+    MAILERS = {"default": {"BACKEND": "django.core.mail.backends.locmem.EmailBackend"}}
 
 LOGGING = {
     "version": 1,

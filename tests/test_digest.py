@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
+import django
 import pytest
 from django.core import mail
 from django.utils import timezone
@@ -37,7 +38,8 @@ def test_digest_lists_subjects_near_their_daily_quota_and_the_most_throttled(set
         "TIERS": {"free": {"rate": "10/s", "quota": "1000/d"}, "pro": {"rate": "100/s"}},
         "DEFAULT_TIERS": {"anonymous": "free", "authenticated": "free"},
     }
-    settings.ADMINS = [("Ops", "ops@example.com")]
+    # Addresses alone from Django 6.0, which deprecates (name, address) pairs; 5.2 takes pairs only.
+    settings.ADMINS = ["ops@example.com"] if django.VERSION >= (6, 0) else [("Ops", "ops@example.com")]
     usage("ApiKey:1", "free", 0, allowed=500, tokens=500)
     usage("ApiKey:1", "free", 5, allowed=350, throttled=7, tokens=350)  # 850 of 1000: near
     usage("ApiKey:2", "free", 0, allowed=700, tokens=700)  # 70 %: not near
