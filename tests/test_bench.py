@@ -58,7 +58,18 @@ def test_a_short_benchmark_run_reports_every_row_target_and_floor(tmp_path: Path
 @pytest.mark.slow
 def test_the_observability_benchmark_reports_both_ways_and_the_added_steps() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "bench.observability", "--rounds", "2", "--iterations", "300"],
+        [
+            sys.executable,
+            "-m",
+            "bench.observability",
+            "--rounds",
+            "2",
+            "--iterations",
+            "300",
+            "--memory-rounds",
+            "2",
+            "--split",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -66,6 +77,9 @@ def test_the_observability_benchmark_reports_both_ways_and_the_added_steps() -> 
     )
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
-    assert "round 2: before" in out and "observed" in out
+    assert "redis round 2: before" in out and "observed" in out
+    [memory_round] = [line for line in out.splitlines() if line.startswith("memory round 2: ")]
+    assert all(f"{name} " in memory_round for name in ("before", "metrics", "headers", "observed"))
+    assert "end to end without the round trip (the memory backend)" in out
     assert "the added steps alone: every policy's headers" in out and "the metrics' record" in out
     assert "a bare PING p50 in this run" in out
