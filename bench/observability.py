@@ -7,7 +7,7 @@ Two measurements, side by side in one run, on a private ``redis-server`` (never 
    on in prometheus-client's multiprocess mode, every policy in ``RateLimit-Policy``). The p50s
    and their difference, per round and overall: on Redis, then on the ``memory`` backend. Both
    settings send Redis the same script call, so the memory backend's rounds time the same added
-   work without the round trip, whose jitter on a VM is ten times the 5 µs being looked for.
+   work without the round trip, whose noise on a VM is several times the 5 µs being looked for.
    With ``--split``, the memory backend's rounds also time each change alone.
 2. The added steps alone, on a real 4-check decision, in tight loops: ``rate_limit_headers`` with
    every policy (and with ``pk``) minus with the closest only; the metrics' record of a decision.
@@ -33,21 +33,31 @@ TARGET_US = 5.0
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.observability", description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=12, help="interleaved rounds (default 12)")
-    parser.add_argument("--iterations", type=int, default=3000, help="decisions per scenario per round")
+    parser.add_argument("--rounds", type=_positive, help="interleaved rounds on Redis (default 12; quick 4)")
     parser.add_argument(
-        "--memory-rounds", type=int, default=96, help="interleaved rounds on the memory backend (default 96)"
+        "--iterations", type=_positive, help="decisions per setting per round (default 3000; quick 1000)"
     )
     parser.add_argument(
-        "--memory-iterations", type=int, default=500, help="decisions per scenario per memory round (default 500)"
+        "--memory-rounds", type=_positive, help="interleaved rounds on the memory backend (default 96; quick 16)"
+    )
+    parser.add_argument(
+        "--memory-iterations", type=_positive, help="decisions per setting per memory round (default 500)"
     )
     parser.add_argument(
         "--split", action="store_true", help="on the memory backend, also the metrics alone and the headers alone"
     )
-    parser.add_argument("--quick", action="store_true", help="4 rounds of 1,000; 16 of 500 on memory")
+    parser.add_argument("--quick", action="store_true", help="fewer rounds (the defaults marked quick)")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.rounds, args.iterations, args.memory_rounds = 4, 1000, 16
+    # What is given wins; the rest is the default, or the quick one.
+    defaults = {
+        "rounds": (12, 4),
+        "iterations": (3000, 1000),
+        "memory_rounds": (96, 16),
+        "memory_iterations": (500, 500),
+    }
+    for name, (full, quick) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
     directory = tempfile.mkdtemp(prefix="ratelimits-bench-metrics-")
     # Before prometheus-client is imported: the values go to files, as in a gunicorn worker.
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
@@ -59,6 +69,13 @@ def main(argv: list[str] | None = None) -> int:
         server.stop()
         shutil.rmtree(server.dir, ignore_errors=True)
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive count")
+    return value
 
 
 def run(args: argparse.Namespace, server: RedisServer) -> int:
@@ -75,8 +92,8 @@ def run(args: argparse.Namespace, server: RedisServer) -> int:
     base = ratelimits_settings(redis_url, dimensions=4)
     on_redis = rounds(call, len(requests), variants(base), args.rounds, args.iterations)
     print()
-    # Many short rounds: the VM's speed moves by 2x within seconds, and the settings of a round
-    # are timed within a few milliseconds of each other, so the move mostly cancels.
+    # Many short rounds: the VM's speed moves by 2x within minutes, and the settings of a round
+    # are timed about 0.1 s apart (each warms for 1,124 calls first), so the move mostly cancels.
     memory = variants({**base, "BACKEND": "memory"}, split=args.split)
     on_memory = rounds(call, len(requests), memory, args.memory_rounds, args.memory_iterations)
     steps = added_steps(redis_url, requests, view)
@@ -94,7 +111,7 @@ def run(args: argparse.Namespace, server: RedisServer) -> int:
     print(
         f"end to end without the round trip (the memory backend): {end_to_end:+.1f} µs, "
         f"target <= {TARGET_US:g} µs: {'met' if end_to_end <= TARGET_US else 'MISSED'}; "
-        f"on Redis {on_redis['observed']:+.1f} µs (within the round trip's noise)"
+        f"on Redis {on_redis['observed']:+.1f} µs (with the round trip's noise: see the middle half of its rounds)"
     )
     return 0
 
@@ -150,7 +167,8 @@ def rounds(
     for name in names[1:]:
         differences = [b - a for a, b in zip(p50s[baseline], p50s[name], strict=True)]
         medians[name] = difference = statistics.median(differences)
-        low, _, high = statistics.quantiles(differences, n=4) if count > 1 else (difference,) * 3
+        # Inclusive: the quartiles of the rounds themselves, never beyond them (a few rounds).
+        low, _, high = statistics.quantiles(differences, n=4, method="inclusive") if count > 1 else (difference,) * 3
         print(
             f"throttle p50 on {backend}, 4 dimensions, median of {count} rounds x {iterations}: "
             f"{baseline} {statistics.median(p50s[baseline]):.1f} µs, {name} {statistics.median(p50s[name]):.1f} µs; "

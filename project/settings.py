@@ -8,7 +8,6 @@ import os
 from pathlib import Path
 
 import dj_database_url
-import django
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 SECRET_KEY = os.environ.get("SECRET_KEY", "demo-only-not-secret")
@@ -122,14 +121,6 @@ RATELIMITS = {
     # Prometheus metrics at /metrics; under gunicorn set PROMETHEUS_MULTIPROC_DIR (docs/metrics.md).
     "METRICS": True,
 }
-
-# The daily digest (ratelimits.tasks) mails ADMINS: the demo prints it in the worker's log instead.
-# Django 6.1 sends mail through named MAILERS and deprecates EMAIL_BACKEND.
-_CONSOLE_MAIL = "django.core.mail.backends.console.EmailBackend"
-if django.VERSION >= (6, 1):
-    MAILERS = {"default": {"BACKEND": _CONSOLE_MAIL}}
-else:
-    EMAIL_BACKEND = _CONSOLE_MAIL
 
 LOGGING = {
     "version": 1,

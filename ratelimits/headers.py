@@ -71,7 +71,7 @@ _PolicyLists = dict[tuple[int, ...], tuple[tuple[Policy | Check, ...], str]]
 #: Ids -> (what they are the ids of, the ``RateLimit-Policy`` List), without and with ``pk``.
 #: Without ``pk`` the List names policies only, so it is keyed by the policies' ids: callers with
 #: the same policies share an entry, and the few entries stay in the CPU's caches (keyed by each
-#: caller's checks, 1,024 callers cost 2 µs more a response in the bench). With ``pk`` it is keyed
+#: caller's checks, 1,024 callers cost about 1 µs more a response in the bench). With ``pk`` it is keyed
 #: by the checks' ids: a caller's checks are the same objects request after request
 #: (:func:`~ratelimits.policies.values.check_for`). An entry holds its objects, so the ids stay theirs.
 _lists: tuple[_PolicyLists, _PolicyLists] = ({}, {})

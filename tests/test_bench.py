@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -77,9 +78,22 @@ def test_the_observability_benchmark_reports_both_ways_and_the_added_steps() -> 
     )
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
-    assert "redis round 2: before" in out and "observed" in out
+    assert "redis round 2: before" in out
     [memory_round] = [line for line in out.splitlines() if line.startswith("memory round 2: ")]
     assert all(f"{name} " in memory_round for name in ("before", "metrics", "headers", "observed"))
+    summaries = [line for line in out.splitlines() if line.startswith("throttle p50 on ")]
+    assert [line.split(";")[0].split(", ")[-1].split()[0] for line in summaries] == [
+        "observed",
+        "metrics",
+        "headers",
+        "observed",
+    ]
+    for line in summaries:
+        # The middle half of the rounds lies within all of them.
+        numbers = re.search(r"middle half of the rounds (\S+) to (\S+), all (\S+) to (\S+)\)", line)
+        assert numbers is not None, line
+        low, high, least, most = (float(n) for n in numbers.groups())
+        assert least <= low <= high <= most, line
     assert "end to end without the round trip (the memory backend)" in out
     assert "the added steps alone: every policy's headers" in out and "the metrics' record" in out
     assert "a bare PING p50 in this run" in out

@@ -388,7 +388,7 @@ def test_a_second_round_waits_for_the_first_on_postgresql(regions: dict[str, Red
         holder.execute("SELECT pg_advisory_lock(%s)", [_lock_id()])
         assert reconcile().skipped
         # Released by the holder, which returns once it is: a closed connection's backend lets
-        # its locks go after close() has returned (a flake in CI at c36fd59).
+        # its locks go after close() has returned (a flake in CI).
         holder.execute("SELECT pg_advisory_unlock(%s)", [_lock_id()])
     finally:
         holder.close()
