@@ -131,6 +131,18 @@ def test_scaled_policy_keeps_at_least_one() -> None:
     assert policy.scaled(1.0) is policy
 
 
+def test_a_share_of_a_policy_is_made_once() -> None:
+    """The degraded path scales every request's policies: the same object each time keeps the
+    memos keyed by policy (the headers') from filling with copies while Redis is out."""
+    policy = Policy("p", parse_rate("10/s"), 20)
+    half = policy.scaled(0.5)
+    assert policy.scaled(0.5) is half
+    assert policy.scaled(0.25) is not half and policy.scaled(0.5, at_least=12) is not half
+    assert policy.scaled(0.5, at_least=12).burst == 12
+    twin = Policy("p", parse_rate("10/s"), 20)  # equal, but another object: its own entry
+    assert twin.scaled(0.5) == half and twin.scaled(0.5) is not half
+
+
 def test_scaled_policy_still_fits_the_cost() -> None:
     bucket = Policy("p", parse_rate("10/s"), 20).scaled(0.25, at_least=10)
     assert (bucket.rate.limit, bucket.burst, bucket.capacity) == (2, 10, 10)

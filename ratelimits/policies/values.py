@@ -251,13 +251,24 @@ class Policy:
         """
         if share >= 1:
             return self
+        # The degraded path asks on every request while Redis is out: the same object each time
+        # keeps the memos keyed by policy (the headers') from filling with copies.
+        memo = (id(self), share, at_least)
+        try:
+            return _scaled[memo][1]
+        except KeyError:
+            pass
         limit = max(int(self.rate.limit * share), 1)
         burst = max(int(self.burst * share), 1)
         if self.algorithm is Algorithm.TOKEN_BUCKET:
             burst = max(burst, at_least)
         else:
             limit = max(limit, at_least)
-        return replace(self, rate=Rate(limit, self.rate.period_us), burst=burst)
+        return remember(_scaled, memo, (self, replace(self, rate=Rate(limit, self.rate.period_us), burst=burst)))[1]
+
+
+#: (policy id, share, at least) -> (the policy, its share): an entry holds its policy, so the id stays its own.
+_scaled: dict[tuple[int, float, int], tuple[Policy, Policy]] = {}
 
 
 @dataclass(frozen=True, slots=True)
