@@ -135,6 +135,8 @@ def rounds(
     the first config's, in µs."""
     from django.test import override_settings
 
+    from .runner import timed_block
+
     backend = next(iter(configs.values()))["BACKEND"]
 
     def block(config: dict[str, Any], offset: int) -> float:
@@ -144,12 +146,7 @@ def rounds(
             warm = subjects + 100
             for i in range(warm):
                 call(offset + i)
-            samples = []
-            clock = time.perf_counter_ns
-            for i in range(iterations):
-                t0 = clock()
-                call(offset + warm + i)
-                samples.append(clock() - t0)
+            samples, _ = timed_block(call, offset + warm, iterations)
         return statistics.median(samples) / 1000
 
     names = list(configs)
