@@ -65,6 +65,7 @@ W007 = "ratelimits.W007"  # METRICS is on outside DEBUG without prometheus-clien
 I001 = "ratelimits.I001"  # the limiter's Redis answers but will not say its maxmemory-policy
 #: The id of each setting's invalid value. A new setting takes the next free number.
 SETTING_IDS: dict[str, str] = {
+    "ENABLED": "ratelimits.E151",
     "BACKEND": "ratelimits.E101",
     "REDIS_URL": "ratelimits.E102",
     "REDIS_SOCKET_TIMEOUT": "ratelimits.E103",

@@ -545,6 +545,7 @@ def _size(value: object, field: str) -> int:
 
 # -- the settings -------------------------------------------------------------------------------
 
+ENABLED = Setting("ENABLED", True, _boolean)
 BACKEND = Setting("BACKEND", "memory", _text)
 REDIS_URL = Setting("REDIS_URL", "redis://127.0.0.1:6379/0", _redis_url)
 REDIS_SOCKET_TIMEOUT = Setting("REDIS_SOCKET_TIMEOUT", "50ms", _seconds)
@@ -604,6 +605,7 @@ METRICS = Setting("METRICS", False, _metrics)
 SETTINGS: dict[str, Setting[Any]] = {
     s.name: s
     for s in (
+        ENABLED,
         BACKEND,
         REDIS_URL,
         REDIS_SOCKET_TIMEOUT,
@@ -694,6 +696,11 @@ class Settings:
 
     # One typed attribute per setting (docs/configuration.md says what each is for), parsed on first
     # read and kept until clear().
+
+    @cached_property
+    def enabled(self) -> bool:
+        """``ENABLED``: ``False`` admits every request without asking the store (a project's own test suite)."""
+        return self.value(ENABLED)
 
     @cached_property
     def backend(self) -> str:

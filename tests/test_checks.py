@@ -39,6 +39,7 @@ def test_unknown_key(settings: Any) -> None:
 
 #: One bad value for every setting, and the id it must be reported under.
 BAD_VALUES = [
+    ("ENABLED", "no", "ratelimits.E151", "'no' must be True or False"),
     ("BACKEND", "cassandra", "ratelimits.E101", "cannot import 'cassandra'"),
     ("BACKEND", "ratelimits.conf.Settings", "ratelimits.E101", "is not a ratelimits Backend"),
     ("REDIS_URL", "redis+clusters://10.0.0.1:7000", "ratelimits.E102", "is not a Redis URL"),
