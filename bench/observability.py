@@ -27,6 +27,7 @@ import timeit
 from typing import Any
 
 from tests.support.redis_server import RedisServer
+from tests.support.settings import merged
 
 TARGET_US = 5.0
 
@@ -119,11 +120,11 @@ def run(args: argparse.Namespace, server: RedisServer) -> int:
 def variants(base: dict[str, Any], *, split: bool = False) -> dict[str, dict[str, Any]]:
     """RATELIMITS as before issue 15 (first: what the others are compared with) and observed;
     with ``split``, also each of the two changes alone."""
-    configs = {"before": {**base, "HEADER_POLICIES": "closest", "METRICS": False}}
+    configs = {"before": merged(base, {"HEADERS": {"POLICIES": "closest"}, "METRICS": False})}
     if split:
-        configs["metrics"] = {**base, "HEADER_POLICIES": "closest", "METRICS": True}
-        configs["headers"] = {**base, "HEADER_POLICIES": "all", "METRICS": False}
-    configs["observed"] = {**base, "HEADER_POLICIES": "all", "METRICS": True}
+        configs["metrics"] = merged(base, {"HEADERS": {"POLICIES": "closest"}, "METRICS": True})
+        configs["headers"] = merged(base, {"HEADERS": {"POLICIES": "all"}, "METRICS": False})
+    configs["observed"] = merged(base, {"HEADERS": {"POLICIES": "all"}, "METRICS": True})
     return configs
 
 
@@ -214,9 +215,9 @@ def added_steps(redis_url: str, requests: list[Any], view: Any) -> dict[str, flo
         metrics_record = best(record)
     figures = {"metrics_record": metrics_record}
     variants = {
-        "closest": {"HEADER_POLICIES": "closest"},
-        "all": {"HEADER_POLICIES": "all"},
-        "pk": {"HEADER_POLICIES": "all", "HEADER_PARTITION_KEY": True},
+        "closest": {"HEADERS": {"POLICIES": "closest"}},
+        "all": {"HEADERS": {"POLICIES": "all"}},
+        "pk": {"HEADERS": {"POLICIES": "all", "PARTITION_KEY": True}},
     }
     timed = dict.fromkeys(variants, float("inf"))
     for _ in range(9):  # interleaved: the VM's speed moves, and moves all three alike

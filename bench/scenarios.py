@@ -110,7 +110,7 @@ class Scenario:
 
 def limiter_client() -> Any:
     """The limiter's redis-py client: the very object ``RedisBackend.from_settings`` uses."""
-    return make_client(conf.redis_url, conf.redis_socket_timeout, conf.redis_connect_timeout)
+    return make_client(conf.redis.address[0], conf.redis.socket_timeout, conf.redis.connect_timeout)
 
 
 def ping(client: Any) -> Callable[[int], None]:

@@ -32,11 +32,13 @@ def ratelimits_settings(redis_url: str, *, dimensions: int) -> dict[str, Any]:
         raise ValueError("dimensions must be 1 or 4")
     config: dict[str, Any] = {
         "BACKEND": "redis",
-        "REDIS_URL": redis_url,
+        "REDIS": {"URL": redis_url},
         "TIERS": {"anonymous": {"rate": "20/s", "burst": 40}, "bench": UNREACHABLE},
-        "DEFAULT_TIERS": {"anonymous": "anonymous", "authenticated": "bench"},
-        "TIER_FUNC": "bench.settings.tier_of",
-        "ORGANIZATION_FUNC": "bench.settings.organization_of",
+        "POLICIES": {
+            "DEFAULT_TIERS": {"anonymous": "anonymous", "authenticated": "bench"},
+            "TIER_FUNC": "bench.settings.tier_of",
+        },
+        "IDENTITY": {"ORGANIZATION_FUNC": "bench.settings.organization_of"},
         "DIMENSIONS": {},
         "ENDPOINTS": {},
     }

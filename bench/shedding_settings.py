@@ -52,14 +52,15 @@ DATABASES = {
 
 RATELIMITS = {
     "BACKEND": "redis",
-    "REDIS_URL": os.environ.get("BENCH_SHEDDING_REDIS_URL", "redis://127.0.0.1:6379/0"),
-    "POLICY_SOURCE": "ratelimits.policies.SettingsPolicySource",
+    "REDIS": {"URL": os.environ.get("BENCH_SHEDDING_REDIS_URL", "redis://127.0.0.1:6379/0")},
+    "POLICIES": {
+        "SOURCE": "settings",
+        "DEFAULT_TIERS": {"anonymous": "anonymous", "authenticated": "bench"},
+        "TIER_FUNC": "project.payments.auth.tier_of",
+    },
     # The abusive key (bench/shedding.py's ABUSIVE_KEY) is on a tier of its own, far below its flood.
     "TIERS": {"anonymous": {"rate": "20/s", "burst": 40}, "bench": BENCH_TIER, "abusive": {"rate": "10/s"}},
-    "DEFAULT_TIERS": {"anonymous": "anonymous", "authenticated": "bench"},
-    "TIER_FUNC": "project.payments.auth.tier_of",
-    "ORGANIZATION_FUNC": "project.payments.auth.organization_of",
-    "API_KEY_MODEL": "payments.ApiKey",
+    "IDENTITY": {"ORGANIZATION_FUNC": "project.payments.auth.organization_of", "API_KEY_MODEL": "payments.ApiKey"},
     # No per-IP or per-organisation backstop: every client of the benchmark is 127.0.0.1.
     "DIMENSIONS": {},
     "ENDPOINTS": {
@@ -69,17 +70,19 @@ RATELIMITS = {
         # limits; here it costs 1 and has none, so the flood is turned away by shedding only.
         "reports.export": {"priority": "low", "cost": 1},
     },
-    "FLEET_CAPACITY": _optional_int("BENCH_SHEDDING_FLEET_CAPACITY"),
-    "SHED_THRESHOLDS": {"low": 60, "normal": 75, "high": 90},
-    "WORKER_CAPACITY": _optional_int("BENCH_SHEDDING_WORKER_CAPACITY"),
+    "SHEDDING": {
+        "FLEET_CAPACITY": _optional_int("BENCH_SHEDDING_FLEET_CAPACITY"),
+        "THRESHOLDS": {"low": 60, "normal": 75, "high": 90},
+        "WORKER_CAPACITY": _optional_int("BENCH_SHEDDING_WORKER_CAPACITY"),
+    },
     # The demo's local path: refusals remembered (and answered before authentication by the demo's
     # EarlyRejectionMiddleware), with X-RateLimit-Local to count them. BENCH_SHEDDING_LOCAL=0 turns
     # both off, for the comparison: every refusal then goes through authentication and the store.
-    "LOCAL_PATH": {"header": True, "denials": os.environ.get("BENCH_SHEDDING_LOCAL", "1") != "0"},
+    "LOCAL_PATH": {"HEADER": True, "DENIALS": os.environ.get("BENCH_SHEDDING_LOCAL", "1") != "0"},
 }
 
 if os.environ.get("BENCH_SHEDDING_ADAPTIVE") == "1":
-    RATELIMITS["ADAPTIVE_CAPACITY"] = {}
+    RATELIMITS["SHEDDING"]["ADAPTIVE"] = True
 if os.environ.get("BENCH_SHEDDING_DOWNSTREAM"):
     DEMO_DOWNSTREAM = json.loads(os.environ["BENCH_SHEDDING_DOWNSTREAM"])
 

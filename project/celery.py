@@ -28,8 +28,8 @@ def schedule_reconciliation(sender: Celery, **kwargs: Any) -> None:
     """
     from ratelimits.conf import conf
 
-    if conf.regions:
-        interval = conf.reconcile.interval
+    if conf.regions.stores:
+        interval = conf.regions.reconcile.interval
         sender.add_periodic_task(
             interval, sender.signature("ratelimits.reconcile_regions"), name="reconcile-regions", expires=interval
         )

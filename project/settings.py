@@ -91,6 +91,12 @@ SPECTACULAR_SETTINGS = {
 }
 
 REDIS_URL = os.environ.get("REDIS_URL")
+# One Redis for the project: the cache, and (RATELIMITS['REDIS']['CACHE']) the limiter.
+CACHES = (
+    {"default": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": REDIS_URL}}
+    if REDIS_URL
+    else {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+)
 
 # Celery: with a broker (e.g. amqp://guest:guest@127.0.0.1:5672//) a worker and beat drain usage;
 # without one the demo drains in process on a timer (see project/payments/apps.py).
@@ -100,24 +106,29 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 
 RATELIMITS = {
-    "BACKEND": "redis" if REDIS_URL else "memory",
-    "REDIS_URL": REDIS_URL or "redis://127.0.0.1:6379/0",
-    # Tiers, assignments, endpoint policies and overrides live in the admin (/admin/ratelimits/).
-    "POLICY_SOURCE": "ratelimits.sources.DatabasePolicySource",
-    # An API key's own tier field places it when no assignment does.
-    "TIER_FUNC": "project.payments.auth.tier_of",
-    "ORGANIZATION_FUNC": "project.payments.auth.organization_of",
-    # Lets the admin suggest API keys by name when picking a subject.
-    "API_KEY_MODEL": "payments.ApiKey",
+    # With REDIS_URL set, the limiter shares the Redis of the "default" cache (the redis backend
+    # follows); without it, the in-process memory backend.
+    **({"REDIS": {"CACHE": "default"}} if REDIS_URL else {}),
+    "POLICIES": {
+        # Tiers, assignments, endpoint policies and overrides live in the admin (/admin/ratelimits/).
+        "SOURCE": "database",
+        # An API key's own tier field places it when no assignment does.
+        "TIER_FUNC": "project.payments.auth.tier_of",
+    },
+    "IDENTITY": {
+        "ORGANIZATION_FUNC": "project.payments.auth.organization_of",
+        # Lets the admin suggest API keys by name when picking a subject.
+        "API_KEY_MODEL": "payments.ApiKey",
+        # 20 failed authentications at once per client IP (and per key prefix), then 10 a minute.
+        "FAILED_AUTH": {"rate": "10/m", "burst": 20},
+    },
     # Static backstops that apply to every request, whatever the admin says.
     "DIMENSIONS": {
         "ip": {"rate": "300/s", "burst": 300},
         "org": {"rate": "500/s", "burst": 500},
     },
-    # 20 failed authentications at once per client IP (and per key prefix), then 10 a minute.
-    "FAILED_AUTH": {"rate": "10/m", "burst": 20},
     # Denials remembered per worker (exact), leases for hot keys, and X-RateLimit-Local to show them.
-    "LOCAL_PATH": {"leases": True, "header": True},
+    "LOCAL_PATH": {"LEASES": True, "HEADER": True},
     # Prometheus metrics at /metrics; under gunicorn set PROMETHEUS_MULTIPROC_DIR (docs/metrics.md).
     "METRICS": True,
 }

@@ -111,7 +111,7 @@ def landing(request: HttpRequest) -> HttpResponse:
         "override": override.describe() if override is not None else None,
         "admin_user": ADMIN,
         "backend": conf.backend,
-        "redis_url": conf.redis_url if conf.backend == "redis" else None,
+        "redis_url": conf.redis.address[0] if conf.backend == "redis" else None,
         "broker": getattr(settings, "CELERY_BROKER_URL", ""),
         "admin_links": [
             ("Tiers", reverse("admin:ratelimits_tier_changelist")),

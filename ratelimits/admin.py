@@ -307,7 +307,7 @@ class FleetSettingsAdmin(AuditedAdmin):
             store, store_error = None, str(exc)
         workers: list[dict[str, Any]] = []
         workers_error = ""
-        adaptive = conf.adaptive_capacity is not None
+        adaptive = conf.shedding.adaptive.settings is not None
         if adaptive:
             try:
                 workers = [{**worker, "moved": _moment(worker.get("moved_at"))} for worker in get_backend().workers()]
@@ -318,7 +318,7 @@ class FleetSettingsAdmin(AuditedAdmin):
             "store_error": store_error,
             "backend": conf.backend,
             "adaptive": adaptive,
-            "worker_capacity": conf.worker_capacity,
+            "worker_capacity": conf.shedding.worker_capacity,
             "workers": workers,
             "workers_error": workers_error,
             **(extra_context or {}),
@@ -469,8 +469,8 @@ class EffectivePolicyForm(forms.Form):
     def notes(self, caller: Caller) -> list[str]:
         """What the page cannot know about the subject, in words."""
         api_key = self.cleaned_data["api_key"].strip()
-        if api_key and caller.credential is None and conf.api_key_model is not None:
-            model = conf.api_key_model._meta.label
+        if api_key and caller.credential is None and conf.identity.api_key_model is not None:
+            model = conf.identity.api_key_model._meta.label
             return [
                 f"No {model} has the identity {api_key!r}: TIER_FUNC and ORGANIZATION_FUNC saw no credential. "
                 "A request made with the key may be placed differently."

@@ -33,7 +33,7 @@ def subject_suggestions_view(request: HttpRequest) -> JsonResponse:
     if kind == SubjectKind.USER:
         model: type[Model] | None = get_user_model()
     elif kind == SubjectKind.API_KEY:
-        model = conf.api_key_model
+        model = conf.identity.api_key_model
     else:
         model = None
     if model is None or not term:
@@ -49,4 +49,4 @@ def subject_suggestions_view(request: HttpRequest) -> JsonResponse:
 def _identifier(kind: str, obj: Any) -> str:
     if kind == SubjectKind.USER:
         return str(obj.pk)
-    return str(conf.api_key_func(obj) or "")
+    return str(conf.identity.api_key_func(obj) or "")

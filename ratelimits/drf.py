@@ -9,9 +9,9 @@ from rest_framework import exceptions
 from rest_framework.request import Request
 
 from .decisions import Decision
-from .problems import problem_response
+from .problems import problem_response as decision_response
 
-__all__ = ["RateLimitUnavailable", "endpoint_name", "exception_handler"]
+__all__ = ["RateLimitUnavailable", "endpoint_name", "exception_handler", "problem_response"]
 
 
 class RateLimitUnavailable(exceptions.APIException):
@@ -27,19 +27,39 @@ class RateLimitUnavailable(exceptions.APIException):
         self.wait = max(-(-decision.retry_after_us // 1_000_000), 1)
 
 
-def exception_handler(exc: Exception, context: dict[str, Any]) -> HttpResponse | None:
-    """DRF's handler, except that rate-limit denials become ``application/problem+json``.
+def problem_response(exc: Exception, context: dict[str, Any]) -> HttpResponse | None:
+    """The ``application/problem+json`` 429 or 503 for a denial of ratelimits; ``None`` for anything else.
 
-    Set ``REST_FRAMEWORK["EXCEPTION_HANDLER"] = "ratelimits.drf.exception_handler"``.
-    A ``Throttled`` raised by another throttle (no ratelimits decision) is left to DRF.
+    For a project with an exception handler of its own: call it first there, and fall through to
+    the project's handling when it returns ``None``::
+
+        def exception_handler(exc, context):
+            response = ratelimits.drf.problem_response(exc, context)
+            if response is None:
+                response = my_project_handler(exc, context)
+            return response
+
+    A ``Throttled`` raised by another throttle (no ratelimits decision on the request) is not ours.
     """
     if isinstance(exc, RateLimitUnavailable):
-        return problem_response(exc.decision)
+        return decision_response(exc.decision)
     if isinstance(exc, exceptions.Throttled):
         request = context.get("request")
         decision = getattr(request, "ratelimit", None) if request is not None else None
         if isinstance(decision, Decision) and not decision.allowed:
-            return problem_response(decision)
+            return decision_response(decision)
+    return None
+
+
+def exception_handler(exc: Exception, context: dict[str, Any]) -> HttpResponse | None:
+    """DRF's handler, except that rate-limit denials become ``application/problem+json``.
+
+    Set ``REST_FRAMEWORK["EXCEPTION_HANDLER"] = "ratelimits.drf.exception_handler"``, or call
+    :func:`problem_response` from a handler of your own.
+    """
+    response = problem_response(exc, context)
+    if response is not None:
+        return response
     # Imported here: rest_framework.views reads DEFAULT_THROTTLE_CLASSES at import time, which
     # imports ratelimits.throttles, which imports this module.
     from rest_framework.views import exception_handler as drf_exception_handler

@@ -29,7 +29,7 @@ def rate_limit_headers(decision: Decision) -> dict[str, str]:
     fully restored. With ``HEADER_PARTITION_KEY`` each item carries ``pk``, its subject's keyed
     hash. GitHub's headers describe the closest policy.
     """
-    style = conf.headers
+    style = conf.headers.style
     headers: dict[str, str] = {}
     if decision.degraded:
         headers["X-RateLimit-Degraded"] = "1"
@@ -48,9 +48,9 @@ def rate_limit_headers(decision: Decision) -> dict[str, str]:
     # Slots have no window: they come back when requests finish, not at a time we could name.
     reset_us = 0 if policy.holds_slots else closest.reset_us
     if style != "github":  # "ietf" or "both"
-        with_keys = conf.header_partition_key
+        with_keys = conf.headers.partition_key
         key = _partition_key(closest.check) if with_keys else ""
-        if conf.header_policies == "all":
+        if conf.headers.policies == "all":
             headers["RateLimit-Policy"] = _policy_list(decision.results, with_keys)
         else:
             headers["RateLimit-Policy"] = static.policy + key
@@ -161,6 +161,6 @@ def retry_after_seconds(decision: Decision) -> int:
 
     Jitter only ever adds, so a client that obeys the header is never early.
     """
-    jitter = conf.retry_after_jitter_us
+    jitter = conf.headers.retry_after_jitter_us
     wait_us = decision.retry_after_us + (random.randint(0, jitter) if jitter else 0)
     return max(math.ceil(wait_us / US), 1)

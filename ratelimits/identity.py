@@ -120,7 +120,7 @@ class Subject:
         another Redis Cluster slot.
         """
         if not self._digest:
-            object.__setattr__(self, "_digest", _digest(conf.hash_key, self.kind, self.value))
+            object.__setattr__(self, "_digest", _digest(conf.identity.hash_key, self.kind, self.value))
         return self._digest
 
     def __str__(self) -> str:
@@ -137,7 +137,7 @@ def subject_of(kind: SubjectKind, value: str) -> Subject:
     The same callers come back request after request: the made subject carries its digest, so
     neither the object nor the hash is made again. Bounded like the memos above.
     """
-    key = (kind, value, conf.hash_key)
+    key = (kind, value, conf.identity.hash_key)
     try:
         return _subjects[key]
     except KeyError:
@@ -196,8 +196,8 @@ def identify(request: HttpRequest, *, endpoint: str, auth: Any = None, user: Any
     user_subject = None
     if user is not None and getattr(user, "is_authenticated", False):
         user_subject = subject_of(SubjectKind.USER, str(user.pk))
-    api_key = conf.api_key_func(auth) if auth is not None else None
-    organization = conf.organization_func(request)
+    api_key = conf.identity.api_key_func(auth) if auth is not None else None
+    organization = conf.identity.organization_func(request)
     return Identity(
         subject_of(SubjectKind.IP, client_ip(request)),
         subject_of(SubjectKind.ENDPOINT, endpoint),
@@ -236,8 +236,8 @@ def client_ip(request: HttpRequest) -> str:
     owns a whole /64; IPv4-mapped IPv6 addresses become IPv4.
     """
     remote_addr = request.META.get("REMOTE_ADDR", "")
-    trusted = conf.trusted_proxies
-    prefix = conf.ipv6_prefix
+    trusted = conf.identity.trusted_proxies
+    prefix = conf.identity.ipv6_prefix
     if not trusted:
         return _subject_of(remote_addr, prefix)
     remote = normalize_ip(remote_addr)
@@ -246,7 +246,7 @@ def client_ip(request: HttpRequest) -> str:
     if not _in_any(remote, trusted):
         return _aggregate(remote, prefix)
     client = remote
-    header = request.META.get(conf.client_ip_header, "")
+    header = request.META.get(conf.identity.client_ip_header, "")
     hops = header.split(",") if isinstance(header, str) else []
     for raw in reversed(hops):
         hop = normalize_ip(raw)

@@ -203,7 +203,11 @@ def _metrics() -> tuple[CollectorRegistry, dict[str, Any], Any, dict[str, set[st
                 buckets=DECISION_BUCKETS,
             )
             _built = (registry, families, histogram, {})
-            if conf.metrics is not None and conf.metrics.multiprocess and not _writes_files(prometheus_client):
+            if (
+                conf.metrics.settings is not None
+                and conf.metrics.settings.multiprocess
+                and not _writes_files(prometheus_client)
+            ):
                 logger.warning(
                     "ratelimits: PROMETHEUS_MULTIPROC_DIR was set after prometheus-client was imported: this "
                     "process keeps its metrics in memory and a scrape of another worker will not see them; set it "
@@ -371,7 +375,7 @@ def _writes_files(prometheus_client: Any) -> bool:
 
 
 def _build() -> Recorder | None:
-    settings = conf.metrics
+    settings = conf.metrics.settings
     return Recorder(settings) if settings is not None else None
 
 

@@ -52,9 +52,10 @@ IETF_HEADERS = (
     Header(
         "RateLimit-Policy",
         "The policies the request is counted under (IETF RateLimit draft, an RFC 9651 List): every enforced "
-        'policy, or only the closest (`HEADER_POLICIES`). `"tier:free";q=20;w=2` is a quota `q` granted over `w` '
-        'seconds, `qu="concurrent-requests"` a limit of requests in flight; with `HEADER_PARTITION_KEY`, `pk` is '
-        "a Byte Sequence of the keyed hash of the subject the policy counts.",
+        "policy, or only the closest (`RATELIMITS['HEADERS']['POLICIES']`). `\"tier:free\";q=20;w=2` is a quota `q` "
+        'granted over `w` seconds, `qu="concurrent-requests"` a limit of requests in flight; with '
+        "`RATELIMITS['HEADERS']['PARTITION_KEY']`, `pk` is a Byte Sequence of the keyed hash of the subject the "
+        "policy counts.",
         {"type": "string", "example": '"tier:free";q=20;w=2, "tier:free:quota";q=100000;w=86400'},
     ),
     Header(
@@ -99,7 +100,7 @@ RETRY_AFTER = Header(
 
 def documented_headers() -> tuple[Header, ...]:
     """The rate-limit headers a decided response may carry, as ``HEADERS`` and ``LOCAL_PATH`` are set now."""
-    style = conf.headers
+    style = conf.headers.style
     headers = [
         *(IETF_HEADERS if style in ("ietf", "both") else ()),
         *(GITHUB_HEADERS if style in ("github", "both") else ()),

@@ -86,15 +86,17 @@ class Round:
 
 def store_timeout() -> float:
     """How long a round waits on one region's store (``STORE_TIMEOUT_S``, or half the interval if less)."""
-    return min(STORE_TIMEOUT_S, conf.reconcile.interval / 2)
+    return min(STORE_TIMEOUT_S, conf.regions.reconcile.interval / 2)
 
 
 def region_stores() -> dict[str, RegionStore]:
     """A store client per region of ``REGIONS`` (one per process and URL, reused by every round)."""
     timeout = store_timeout()
     return {
-        name: RegionStore.from_url(name, url, prefix=conf.key_prefix, timeout=timeout, options=conf.redis_options)
-        for name, url in conf.regions.items()
+        name: RegionStore.from_url(
+            name, url, prefix=conf.redis.key_prefix, timeout=timeout, options=conf.redis.address[1]
+        )
+        for name, url in conf.regions.stores.items()
     }
 
 
@@ -125,7 +127,7 @@ def reconcile(*, stores: Mapping[str, RegionStore] | None = None, now: float | N
 def _round(result: Round, stores: dict[str, RegionStore]) -> None:
     names = list(stores)
     count = len(names)
-    settings = conf.reconcile
+    settings = conf.regions.reconcile
     even = 1 / count
     now_us = result.at * 1_000_000
     demand = _in_each(stores, lambda store: store.demand(result.second))
@@ -257,5 +259,5 @@ def _round_lock(wanted: bool) -> Iterator[bool]:
 
 def _lock_id() -> int:
     """The advisory lock of this fleet (by key prefix): fleets sharing a database do not wait on each other."""
-    digest = hashlib.blake2b(f"ratelimits.reconcile:{conf.key_prefix}".encode(), digest_size=8).digest()
+    digest = hashlib.blake2b(f"ratelimits.reconcile:{conf.redis.key_prefix}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big", signed=True)

@@ -18,7 +18,16 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from redis.connection import parse_url
 
-__all__ = ["CERT_REQS", "CLUSTER_SCHEMES", "OPTIONS", "SCHEMES", "RedisTarget", "check_options", "parse_redis_url"]
+__all__ = [
+    "CERT_REQS",
+    "CLUSTER_SCHEMES",
+    "OPTIONS",
+    "SCHEMES",
+    "RedisTarget",
+    "check_options",
+    "parse_redis_url",
+    "target_of_cache",
+]
 
 #: The URL schemes ``REDIS_URL`` takes.
 SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster", "rediss+cluster")
@@ -112,3 +121,79 @@ def check_options(options: object, field: str) -> dict[str, Any]:
     if options.get("ssl_cert_reqs", "required") not in CERT_REQS:
         raise ValueError(f"{field}['ssl_cert_reqs'] must be one of {', '.join(CERT_REQS)}")
     return dict(options)
+
+
+#: The cache backends whose Redis the limiter can share (``REDIS['CACHE']``).
+DJANGO_REDIS = "django_redis.cache.RedisCache"
+DJANGO_BUILTIN = "django.core.cache.backends.redis.RedisCache"
+#: redis-py's TLS arguments, which a cache's options may hold and the limiter's connections need too.
+_TLS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname")
+
+
+def target_of_cache(alias: str, cache: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The limiter's Redis (a ``REDIS['URL']`` and its ``OPTIONS``) read from the cache ``CACHES[alias]``.
+
+    django-redis' ``RedisCache`` (its default, herd and Sentinel clients) and Django's own
+    ``RedisCache`` are read: the first ``LOCATION`` (the primary: decisions never read a
+    replica), the credentials, the TLS files, and django-redis' sentinels. Timeouts, pools and
+    retries are not taken: the limiter keeps its own. A :class:`ValueError` says what cannot be used.
+    """
+    backend = cache.get("BACKEND")
+    if backend not in (DJANGO_REDIS, DJANGO_BUILTIN):
+        raise ValueError(f"CACHES[{alias!r}] is a {backend!r}, not a Redis cache ({DJANGO_REDIS} or {DJANGO_BUILTIN})")
+    location = cache.get("LOCATION")
+    if isinstance(location, str):
+        location = [part.strip() for part in location.replace(";", ",").split(",")]
+    if not isinstance(location, (list, tuple)) or not location or not isinstance(location[0], str):
+        raise ValueError(f"CACHES[{alias!r}]['LOCATION'] must be a Redis URL (or a list of them), got {location!r}")
+    url = location[0]
+    options = cache.get("OPTIONS") or {}
+    if not isinstance(options, Mapping):
+        raise ValueError(f"CACHES[{alias!r}]['OPTIONS'] must be a dict, got {options!r}")
+    if backend == DJANGO_BUILTIN:
+        given = {key: options[key] for key in ("username", "password", *_TLS) if key in options}
+        if "db" in options and not urlsplit(url).path.strip("/"):
+            url = f"{url.rstrip('/')}/{options['db']}"
+    else:
+        client = str(options.get("CLIENT_CLASS", ""))
+        if client.endswith("ShardClient"):
+            raise ValueError(f"CACHES[{alias!r}] shards keys over several servers; the limiter needs one Redis")
+        pool = options.get("CONNECTION_POOL_KWARGS") or {}
+        given = {key: pool[key] for key in _TLS if key in pool}
+        for ours, theirs in (("username", "USERNAME"), ("password", "PASSWORD")):
+            if options.get(theirs):
+                given[ours] = options[theirs]
+        if options.get("SENTINELS"):
+            url, sentinel = _sentinel_url(alias, url, options["SENTINELS"], options.get("SENTINEL_KWARGS") or {})
+            given.update(sentinel)
+    if "ssl_cert_reqs" in given:
+        given["ssl_cert_reqs"] = _cert_reqs(given["ssl_cert_reqs"])
+    try:
+        parse_redis_url(url)
+        return url, check_options(given, f"CACHES[{alias!r}]['OPTIONS']")
+    except ValueError as exc:
+        raise ValueError(f"CACHES[{alias!r}]: {exc}") from None
+
+
+def _sentinel_url(alias: str, url: str, sentinels: Any, kwargs: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """django-redis' Sentinel client: ``redis://service_name/db`` and the sentinels as ``redis+sentinel://``."""
+    parts = urlsplit(url)
+    try:
+        hosts = ",".join(f"{host}:{int(port)}" for host, port in sentinels)
+    except (TypeError, ValueError):
+        raise ValueError(f"CACHES[{alias!r}]['OPTIONS']['SENTINELS'] must be (host, port) pairs") from None
+    userinfo = parts.netloc.rpartition("@")[0]
+    db = parts.path.strip("/") or "0"
+    target = f"redis+sentinel://{userinfo + '@' if userinfo else ''}{hosts}/{parts.hostname}?db={db}"
+    own = {f"sentinel_{key}": kwargs[key] for key in ("username", "password") if kwargs.get(key)}
+    return target, own
+
+
+def _cert_reqs(value: Any) -> str:
+    """A cache's ``ssl_cert_reqs`` (an ``ssl.CERT_*`` constant, a name or ``None``) as ``REDIS['OPTIONS']`` says it."""
+    import ssl
+
+    names = {ssl.CERT_NONE: "none", ssl.CERT_OPTIONAL: "optional", ssl.CERT_REQUIRED: "required", None: "none"}
+    if isinstance(value, str):
+        return value.lower()
+    return names.get(value, repr(value))

@@ -124,7 +124,7 @@ def _region_shares(checks: list[Check], now_us: int) -> dict[Check, RegionShare]
         record = records.get(check.key(backend.prefix))
         share = record.effective(now_us) if record else check.policy.even_share
         written = datetime.fromtimestamp(record.written_us / US, UTC) if record else None
-        found[check] = RegionShare(conf.region, share, int(check.policy.burst * share + 1e-9), written)
+        found[check] = RegionShare(conf.regions.current, share, int(check.policy.burst * share + 1e-9), written)
     return found
 
 
@@ -189,7 +189,7 @@ def limit_status_call(request: Request, *, endpoint: str, rate: str, burst: int)
     rule = source.endpoint_rule(endpoint, request.method or "GET")
     checks = []
     if not rule.exempt:
-        own = rule.per_caller or _status_policy(endpoint, rate, max(burst, rule.cost), conf.default_fail_mode)
+        own = rule.per_caller or _status_policy(endpoint, rate, max(burst, rule.cost), conf.failure.default_mode)
         checks.append(Check(own, identity.caller, rule.cost))
         if rule.endpoint_wide is not None:
             checks.append(Check(rule.endpoint_wide, identity.endpoint, rule.cost))
@@ -257,7 +257,7 @@ def find_credential(identifier: str) -> Model | None:
     The default identifier is ``"<model name>:<primary key>"``; any other must still come back
     from ``API_KEY_FUNC`` for the object found, or nothing is found.
     """
-    model = conf.api_key_model
+    model = conf.identity.api_key_model
     name, _, pk = identifier.partition(":")
     if model is None or name != model.__name__ or not pk:
         return None
@@ -265,4 +265,4 @@ def find_credential(identifier: str) -> Model | None:
         found = model._default_manager.filter(pk=pk).first()
     except (ValueError, TypeError, ValidationError):
         return None
-    return found if found is not None and str(conf.api_key_func(found)) == identifier else None
+    return found if found is not None and str(conf.identity.api_key_func(found)) == identifier else None

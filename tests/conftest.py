@@ -18,6 +18,7 @@ from .support.clock import FakeClock
 from .support.gate import GATE, Gate
 from .support.redis_cluster import Cluster
 from .support.redis_server import RedisServer
+from .support.settings import merged
 
 
 @pytest.fixture(scope="session")
@@ -78,7 +79,7 @@ def backend(request: pytest.FixtureRequest, clock: FakeClock) -> Any:
 @pytest.fixture
 def use_redis(settings: Any, redis_server: RedisServer, redis_client: redis.Redis) -> Iterator[RedisServer]:
     """Point RATELIMITS at the private Redis (server clock) for the duration of a test."""
-    settings.RATELIMITS = {**settings.RATELIMITS, "BACKEND": "redis", "REDIS_URL": redis_server.url}
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"BACKEND": "redis", "REDIS": {"URL": redis_server.url}})
     yield redis_server
     engine.reset()
 

@@ -14,20 +14,29 @@ from ratelimits import engine
 from ratelimits.backends.base import Backend
 from ratelimits.engine.shedding import get_worker_shedder
 
+from .support.settings import merged
+
 EARLY = "ratelimits.middleware.EarlyRejectionMiddleware"
 
 
 @pytest.fixture
 def adaptive(settings: Any) -> Any:
     settings.MIDDLEWARE = [EARLY, *settings.MIDDLEWARE]
-    settings.RATELIMITS = {
-        **settings.RATELIMITS,
-        "TIERS": {"anonymous": {"rate": "1000/s", "burst": 1000}, "authenticated": {"rate": "1000/s", "burst": 1000}},
-        "WORKER_CAPACITY": 4,
-        # Floor and ceiling alike: a failing window cannot cut, so two of them are taken as usual,
-        # which the shedder's state says. Every response is judged, in a window of its own.
-        "ADAPTIVE_CAPACITY": {"floor": 4, "window": "1ms", "min_samples": 1},
-    }
+    settings.RATELIMITS = merged(
+        settings.RATELIMITS,
+        {
+            "TIERS": {
+                "anonymous": {"rate": "1000/s", "burst": 1000},
+                "authenticated": {"rate": "1000/s", "burst": 1000},
+            },
+            "SHEDDING": {
+                "WORKER_CAPACITY": 4,
+                # Floor and ceiling alike: a failing window cannot cut, so two of them are taken as usual,
+                # which the shedder's state says. Every response is judged, in a window of its own.
+                "ADAPTIVE": {"FLOOR": 4, "WINDOW": "1ms", "MIN_SAMPLES": 1},
+            },
+        },
+    )
     engine.reset()
     return settings
 
@@ -95,7 +104,7 @@ def test_the_fleet_page_shows_each_workers_capacity_and_why_it_moved(adaptive: A
 
 
 def test_the_fleet_page_says_when_the_capacity_is_fixed(settings: Any, admin_client: Client, db: Any) -> None:
-    settings.RATELIMITS = {**settings.RATELIMITS, "WORKER_CAPACITY": 6}
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"SHEDDING": {"WORKER_CAPACITY": 6}})
     page = admin_client.get("/admin/ratelimits/fleetsettings/").content.decode()
     assert "Each worker serves up to 6 requests at once" in page
 

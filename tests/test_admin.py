@@ -24,6 +24,7 @@ from ratelimits.models import AuditEntry, EndpointPolicy, FleetSettings, Overrid
 from ratelimits.reconciler import reconcile
 
 from .support.redis_server import RedisServer
+from .support.settings import merged
 
 pytestmark = pytest.mark.django_db
 
@@ -78,7 +79,9 @@ def make_override(**fields: Any) -> Override:
 
 @pytest.fixture
 def db_source(settings: Any) -> None:
-    settings.RATELIMITS = {**settings.RATELIMITS, "POLICY_SOURCE": "ratelimits.sources.DatabasePolicySource"}
+    settings.RATELIMITS = merged(
+        settings.RATELIMITS, {"POLICIES": {"SOURCE": "ratelimits.sources.DatabasePolicySource"}}
+    )
 
 
 @pytest.fixture
@@ -487,11 +490,9 @@ def test_effective_policy_shows_a_global_policys_share_here_and_the_last_round(
     admin_client: Client, policies: dict[str, Any], use_redis: RedisServer, settings: Any
 ) -> None:
     with RedisServer() as other:
-        settings.RATELIMITS = {
-            **settings.RATELIMITS,
-            "REGION": "eu",
-            "REGIONS": {"eu": {"REDIS_URL": use_redis.url}, "us": {"REDIS_URL": other.url}},
-        }
+        settings.RATELIMITS = merged(
+            settings.RATELIMITS, {"REGIONS": {"CURRENT": "eu", "STORES": {"eu": use_redis.url, "us": other.url}}}
+        )
         Tier.objects.filter(name="enterprise").update(scope="global")
         engine.reset()  # the policies are read afresh
         page = admin_client.get(url("effective_policy"), EFFECTIVE)
@@ -626,7 +627,7 @@ def test_subject_suggestions_find_api_keys_and_users(admin_client: Any, settings
     """The subject field's suggestions: API keys by name (as the limiter names them) and users."""
     from project.payments.models import ApiKey
 
-    settings.RATELIMITS = {**settings.RATELIMITS, "API_KEY_MODEL": "payments.ApiKey"}
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"IDENTITY": {"API_KEY_MODEL": "payments.ApiKey"}})
     key, _ = ApiKey.issue(name="Initech billing", tier="free", organization="initech")
     url = "/admin/ratelimits/fleetsettings/subjects/"
     found = admin_client.get(url, {"kind": "api_key", "term": "initech"}).json()["results"]

@@ -18,6 +18,7 @@ from ratelimits.engine import get_limiter, get_policy_source
 from ratelimits.models import AuditEntry, EndpointPolicy, Override, SubjectAssignment, Tier
 
 from .support.browser import PASSWORD, launch, log_in, screenshot_path, watch
+from .support.settings import merged
 
 API_KEY = "ApiKey:3"
 
@@ -26,7 +27,9 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(900)]
 
 @pytest.fixture
 def policies(settings: Any) -> dict[str, Any]:
-    settings.RATELIMITS = {**settings.RATELIMITS, "POLICY_SOURCE": "ratelimits.sources.DatabasePolicySource"}
+    settings.RATELIMITS = merged(
+        settings.RATELIMITS, {"POLICIES": {"SOURCE": "ratelimits.sources.DatabasePolicySource"}}
+    )
     # Own tiers: an earlier transactional test may have flushed the ones the migrations seed.
     partner = Tier.objects.create(name="browser-partner", rate="100/s", burst=200)
     contract = Tier.objects.create(name="browser-contract", rate="1000/s", burst=2000)
@@ -134,7 +137,7 @@ def test_subject_field_suggests_api_keys_in_chromium(
     """Typing a name in an override's subject field offers the API key as the limiter names it."""
     from project.payments.models import ApiKey
 
-    settings.RATELIMITS = {**settings.RATELIMITS, "API_KEY_MODEL": "payments.ApiKey"}
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"IDENTITY": {"API_KEY_MODEL": "payments.ApiKey"}})
     django_user_model.objects.create_superuser("ops", "ops@example.com", PASSWORD)
     key, _ = ApiKey.issue(name="Initech billing", tier="free", organization="initech")
     add_url = live_server.url + reverse("admin:ratelimits_override_add")

@@ -54,6 +54,7 @@ from .support.gate import Gate
 from .support.http import fetch
 from .support.polling import wait_until
 from .support.redis_server import RedisServer, script_calls
+from .support.settings import merged
 from .test_local_path import check as local_check
 from .test_local_path import limiter_on
 from .test_metrics import scrape, total
@@ -64,8 +65,10 @@ T = TypeVar("T")
 
 BASE = {
     "TIERS": {"free": {"rate": "3/s"}, "anon": {"rate": "3/s"}},
-    "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "free"},
-    "TIER_FUNC": "project.payments.auth.tier_of",
+    "POLICIES": {
+        "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "free"},
+        "TIER_FUNC": "project.payments.auth.tier_of",
+    },
 }
 
 
@@ -212,7 +215,7 @@ def status_of(sent: list[dict[str, Any]]) -> int | None:
 def one_at_a_time(limits: dict[str, Any]) -> dict[str, Any]:
     """``limits`` with an anonymous concurrency of 1 and a worker shedder: a leak refuses the next request."""
     anon = {"rate": "1000/s", "concurrency": 1}
-    return {**limits, "TIERS": {**BASE["TIERS"], "anon": anon}, "WORKER_CAPACITY": 4}
+    return merged(limits, {"TIERS": {**BASE["TIERS"], "anon": anon}, "SHEDDING": {"WORKER_CAPACITY": 4}})
 
 
 def test_under_an_asgi_server_each_response_gives_its_slots_back(settings: Any, limits: Any) -> None:
@@ -317,15 +320,15 @@ def test_async_decisions_are_counted_in_usage(limits: Any) -> None:
 def test_a_dead_store_fails_open_and_closed_by_policy_and_opens_the_breaker(
     settings: Any, own_redis: RedisServer
 ) -> None:
-    settings.RATELIMITS = {
-        **settings.RATELIMITS,
-        **BASE,
-        "TIERS": {"free": {"rate": "100/s", "fail_mode": "closed"}, "anon": {"rate": "100/s"}},
-        "BACKEND": "redis",
-        "REDIS_URL": own_redis.url,
-        "BREAKER_MIN_CALLS": 2,
-        "BREAKER_COOLDOWN": "30s",
-    }
+    settings.RATELIMITS = merged(
+        merged(settings.RATELIMITS, BASE),
+        {
+            "TIERS": {"free": {"rate": "100/s", "fail_mode": "closed"}, "anon": {"rate": "100/s"}},
+            "BACKEND": "redis",
+            "REDIS": {"URL": own_redis.url},
+            "FAILURE": {"BREAKER_MIN_CALLS": 2, "BREAKER_COOLDOWN": "30s"},
+        },
+    )
     ApiKeyFactory(raw="sk_free_closed", tier="free")
     assert [r.status_code for r in burst("/t/async/plain", 1)] == [200]
     own_redis.kill()
@@ -340,13 +343,10 @@ def test_a_dead_store_fails_open_and_closed_by_policy_and_opens_the_breaker(
 
 
 def test_a_stalled_store_never_blocks_the_event_loop(settings: Any, own_redis: RedisServer) -> None:
-    settings.RATELIMITS = {
-        **settings.RATELIMITS,
-        **BASE,
-        "BACKEND": "redis",
-        "REDIS_URL": own_redis.url,
-        "REDIS_SOCKET_TIMEOUT": "400ms",
-    }
+    settings.RATELIMITS = merged(
+        merged(settings.RATELIMITS, BASE),
+        {"BACKEND": "redis", "REDIS": {"URL": own_redis.url, "SOCKET_TIMEOUT": "400ms"}},
+    )
     assert [r.status_code for r in burst("/t/async/plain", 1)] == [200]
     limiter = engine.get_limiter()
     (check,) = [Check(c.policy, c.subject, c.cost) for c in limiter_checks("/t/async/plain", "async-plain")]
@@ -712,7 +712,7 @@ _hold_tier_func = False
 
 
 def test_a_tier_func_that_queries_moves_async_checks_to_a_thread(settings: Any, limits: Any) -> None:
-    settings.RATELIMITS = {**limits, "TIER_FUNC": "tests.test_async.querying_tier"}
+    settings.RATELIMITS = merged(limits, {"POLICIES": {"TIER_FUNC": "tests.test_async.querying_tier"}})
     statuses = [r.status_code for r in burst("/t/async/plain", 4)]
     assert statuses == [200, 200, 200, 429]  # the first one's checks made again, in a thread
     assert evaluation._async_state.get().prepare_in_thread
@@ -724,7 +724,7 @@ def test_a_request_cancelled_while_its_checks_are_made_in_a_thread_counts_itself
     settings: Any, limits: Any, gate: Gate, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     global _hold_tier_func
-    settings.RATELIMITS = {**one_at_a_time(limits), "TIER_FUNC": "tests.test_async.querying_tier"}
+    settings.RATELIMITS = merged(one_at_a_time(limits), {"POLICIES": {"TIER_FUNC": "tests.test_async.querying_tier"}})
     evaluation._async_state.get().prepare_in_thread = True
     shedder = engine.get_worker_shedder()
     assert shedder is not None
@@ -771,7 +771,7 @@ class UnhashableSource(DatabasePolicySource):
 
 
 def test_a_policy_source_that_cannot_be_hashed_serves_async_requests(settings: Any, limits: Any) -> None:
-    settings.RATELIMITS = {**limits, "POLICY_SOURCE": "tests.test_async.UnhashableSource"}
+    settings.RATELIMITS = merged(limits, {"POLICIES": {"SOURCE": "tests.test_async.UnhashableSource"}})
     source = engine.get_policy_source()
     with pytest.raises(TypeError):
         hash(source)

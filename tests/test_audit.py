@@ -30,6 +30,7 @@ from .factories import (
     TierFactory,
     UserFactory,
 )
+from .support.settings import merged
 
 pytestmark = pytest.mark.django_db
 
@@ -309,7 +310,9 @@ def test_bump_reaches_redis_after_commit(use_redis: Any, redis_client: redis.Red
 
 
 def test_bump_drops_this_process_snapshot(settings: Any, django_capture_on_commit_callbacks: CaptureCallbacks) -> None:
-    settings.RATELIMITS = {**settings.RATELIMITS, "POLICY_SOURCE": "ratelimits.sources.DatabasePolicySource"}
+    settings.RATELIMITS = merged(
+        settings.RATELIMITS, {"POLICIES": {"SOURCE": "ratelimits.sources.DatabasePolicySource"}}
+    )
     source = engine.get_policy_source()
     assert isinstance(source, DatabasePolicySource)
     before = source.snapshot()
@@ -326,11 +329,8 @@ def test_commit_succeeds_when_the_version_cannot_be_bumped(
     settings: Any, django_capture_on_commit_callbacks: CaptureCallbacks
 ) -> None:
     """An unreachable store must not turn a committed change into an error: workers poll instead."""
-    settings.RATELIMITS = {
-        **settings.RATELIMITS,
-        "BACKEND": "redis",
-        "REDIS_URL": "redis://127.0.0.1:1/0",  # nothing listens on port 1: connection refused
-    }
+    # Nothing listens on port 1: connection refused.
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"BACKEND": "redis", "REDIS": {"URL": "redis://127.0.0.1:1/0"}})
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]

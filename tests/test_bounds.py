@@ -198,10 +198,9 @@ def test_any_accepted_policy_decides_without_error_alike(
 def configure(settings: Any, own_redis: RedisServer) -> None:
     settings.RATELIMITS = {
         "BACKEND": "redis",
-        "REDIS_URL": own_redis.url,
-        "POLICY_SOURCE": "database",
-        "TIER_FUNC": "project.payments.auth.tier_of",
-        "BREAKER_MIN_CALLS": 5,
+        "REDIS": {"URL": own_redis.url},
+        "POLICIES": {"SOURCE": "database", "TIER_FUNC": "project.payments.auth.tier_of"},
+        "FAILURE": {"BREAKER_MIN_CALLS": 5},
     }
     engine.reset()
 
@@ -255,16 +254,18 @@ def test_a_check_the_store_cannot_decide_goes_by_its_fail_mode_alone(
 ) -> None:
     settings.RATELIMITS = {
         "BACKEND": "redis",
-        "REDIS_URL": own_redis.url,
+        "REDIS": {"URL": own_redis.url},
         "TIERS": {
             "open": {"rate": "100/s", "burst": 100, "concurrency": 5},
             "closed": {"rate": "100/s", "burst": 100, "concurrency": 5, "fail_mode": "closed"},
             "anon": {"rate": "100/s"},
         },
-        "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "open"},
-        "TIER_FUNC": "project.payments.auth.tier_of",
+        "POLICIES": {
+            "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "open"},
+            "TIER_FUNC": "project.payments.auth.tier_of",
+        },
         "DIMENSIONS": {"ip": {"rate": "5/m"}},
-        "BREAKER_MIN_CALLS": 5,
+        "FAILURE": {"BREAKER_MIN_CALLS": 5},
     }
     engine.reset()
     opened = ApiKeyFactory(raw="sk_corrupt_open", tier="open")

@@ -58,6 +58,7 @@ from .support.celery_app import BROKER_URL, broker_reachable, celery_env, celery
 from .support.postgres import throwaway_database
 from .support.processes import Service, manage
 from .support.redis_server import RedisServer
+from .support.settings import merged
 
 pytestmark = pytest.mark.slow
 
@@ -149,12 +150,9 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
 @pytest.fixture
 def limits(settings: Any, stack: Stack, db: None) -> Stack:
     """This process's limiter on the stack's Redis: its decisions count usage where the worker drains."""
-    settings.RATELIMITS = {
-        **settings.RATELIMITS,
-        "BACKEND": "redis",
-        "REDIS_URL": stack.redis_server.url,
-        "TIERS": TIERS,
-    }
+    settings.RATELIMITS = merged(
+        settings.RATELIMITS, {"BACKEND": "redis", "REDIS": {"URL": stack.redis_server.url}, "TIERS": TIERS}
+    )
     engine.reset()
     return stack
 

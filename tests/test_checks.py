@@ -9,12 +9,19 @@ from django.core.management import call_command
 from django.core.management.base import SystemCheckError
 
 from ratelimits.checks import SETTING_IDS, check_deployment, check_settings
-from ratelimits.conf import SETTINGS
+from ratelimits.conf import NAMESPACES, POLICY_SOURCES, SETTINGS, Settings, conf, field_of
 from ratelimits.policies.database import DatabasePolicySource
 
 
 def ids(messages: list[Any]) -> list[str]:
     return [m.id for m in messages]
+
+
+def nested(path: tuple[str, ...], value: Any) -> dict[str, Any]:
+    """``{"REDIS": {"URL": value}}`` for ``("REDIS", "URL")``."""
+    for key in reversed(path):
+        value = {key: value}
+    return value  # type: ignore[no-any-return]
 
 
 def test_default_configuration_is_clean(settings: Any) -> None:
@@ -25,172 +32,322 @@ def test_default_configuration_is_clean(settings: Any) -> None:
 
 def test_every_setting_has_an_id_of_its_own() -> None:
     assert list(SETTING_IDS) == list(SETTINGS)
-    assert len(set(SETTING_IDS.values())) == len(SETTING_IDS)
+    ids_of_namespaces = [namespace.id for namespace in NAMESPACES.values()]
+    every = [*SETTING_IDS.values(), *ids_of_namespaces]
+    assert len(set(every)) == len(every)
     assert set(DatabasePolicySource.ignored_settings) <= set(SETTINGS)
 
 
-def test_unknown_key(settings: Any) -> None:
-    settings.RATELIMITS = {"BACKEND": "redis", "TEIRS": {}}
-    messages = check_settings()
+def test_the_top_level_holds_at_most_fifteen_keys() -> None:
+    assert len(Settings.keys()) <= 15
+    assert {"ENABLED", "BACKEND", "TIERS", "ENDPOINTS", "REDIS", "POLICIES"} <= Settings.keys()
+
+
+@pytest.mark.parametrize(
+    ("written", "message", "hint"),
+    [
+        ({"TEIRS": {}}, "RATELIMITS['TEIRS'] is not a ratelimits setting", "Did you mean 'TIERS'?"),
+        (
+            {"REDIS": {"URI": "redis://x:1/0"}},
+            "RATELIMITS['REDIS']['URI'] is not a ratelimits setting",
+            "Did you mean 'URL'?",
+        ),
+        (
+            {"LOCAL_PATH": {"lease": True}},
+            "RATELIMITS['LOCAL_PATH']['lease'] is not a ratelimits setting",
+            "Did you mean 'LEASES'?",
+        ),
+        (
+            {"RECONCILE": {"every": "1s"}},
+            "RATELIMITS['RECONCILE']['every'] is not a ratelimits setting",
+            None,
+        ),
+    ],
+)
+def test_unknown_keys_at_any_depth(settings: Any, written: dict[str, Any], message: str, hint: str | None) -> None:
+    settings.RATELIMITS = {"BACKEND": "redis", **written}
+    messages = [m for m in check_settings() if m.id != "ratelimits.W008"]
     assert ids(messages) == ["ratelimits.E001"]
-    assert "TEIRS" in messages[0].msg
-    assert messages[0].hint == "Did you mean 'TIERS'?"
+    assert messages[0].msg == message
+    assert messages[0].hint == hint
+
+
+#: The 0.1 names, each still read, and where each is now.
+RENAMED = [
+    (
+        {"REDIS_URL": "redis://127.0.0.1:7000/0"},
+        "RATELIMITS['REDIS_URL']",
+        ("REDIS", "URL"),
+        "redis://127.0.0.1:7000/0",
+    ),
+    ({"POLICY_SOURCE": "database"}, "RATELIMITS['POLICY_SOURCE']", ("POLICIES", "SOURCE"), POLICY_SOURCES["database"]),
+    ({"HEADERS": "ietf"}, "RATELIMITS['HEADERS']", ("HEADERS", "STYLE"), "ietf"),
+    ({"LOCAL_PATH": {"leases": True}}, "RATELIMITS['LOCAL_PATH']['leases']", ("LOCAL_PATH", "LEASES"), True),
+    ({"RECONCILE": {"floor": 0.1}}, "RATELIMITS['RECONCILE']['floor']", ("REGIONS", "SHARE_FLOOR"), 0.1),
+    (
+        {"METRICS": {"flush_interval": "2s"}},
+        "RATELIMITS['METRICS']['flush_interval']",
+        ("METRICS", "FLUSH_INTERVAL"),
+        2.0,
+    ),
+    (
+        {"REGIONS": {"eu": {"REDIS_URL": "redis://a:1/0"}}, "REGIONS.CURRENT": None},
+        "RATELIMITS['REGIONS']",
+        ("REGIONS", "STORES"),
+        {"eu": "redis://a:1/0"},
+    ),
+]
+
+
+@pytest.mark.parametrize(("written", "old", "path", "value"), RENAMED, ids=[r[1] for r in RENAMED])
+def test_a_0_1_name_is_read_and_warned_about(
+    settings: Any, written: dict[str, Any], old: str, path: tuple[str, ...], value: Any
+) -> None:
+    written = {k: v for k, v in written.items() if "." not in k}
+    settings.RATELIMITS = {"BACKEND": "redis", **written}
+    renamed = [m for m in check_settings() if m.id == "ratelimits.W008"]
+    assert [m.msg for m in renamed] == [f"{old} is the name 0.1 gave {field_of(path)}; it is read as such until 0.3"]
+    assert renamed[0].hint == f"Rename it {field_of(path)}."
+    assert conf.value(SETTINGS[".".join(path)]) == value
+
+
+def test_the_0_1_adaptive_capacity_switches_the_feature_on(settings: Any) -> None:
+    settings.RATELIMITS = {"BACKEND": "redis", "WORKER_CAPACITY": 8, "ADAPTIVE_CAPACITY": {"floor": 3}}
+    assert sorted(m.msg.split(" is ")[0] for m in check_settings()) == [
+        "RATELIMITS['ADAPTIVE_CAPACITY']",
+        "RATELIMITS['ADAPTIVE_CAPACITY']['floor']",
+        "RATELIMITS['WORKER_CAPACITY']",
+    ]
+    adaptive = conf.shedding.adaptive.settings
+    assert adaptive is not None and adaptive.floor == 3
+
+
+def test_a_setting_under_both_names_is_an_error_and_the_new_one_is_read(settings: Any) -> None:
+    settings.RATELIMITS = {"REDIS_URL": "redis://old:1/0", "REDIS": {"URL": "redis://new:1/0"}}
+    messages = check_settings()
+    assert ids(messages) == ["ratelimits.E005"]
+    assert messages[0].msg == (
+        "RATELIMITS['REDIS_URL'] and RATELIMITS['REDIS']['URL'] are both set; RATELIMITS['REDIS']['URL'] is read"
+    )
+    assert conf.redis.url == "redis://new:1/0"
+
+
+@pytest.mark.parametrize(
+    ("written", "expected"),
+    [
+        ({"LOCAL_PATH": "yes"}, "ratelimits.E143"),
+        ({"REDIS": "redis://127.0.0.1:6379/0"}, "ratelimits.E152"),
+        ({"SHEDDING": ["WORKER_CAPACITY", 4]}, "ratelimits.E157"),
+        ({"USAGE": "yes"}, "ratelimits.E118"),
+        ({"METRICS": "on"}, "ratelimits.E150"),
+        ({"SHEDDING": {"ADAPTIVE": 3}}, "ratelimits.E147"),
+    ],
+)
+def test_a_namespace_that_is_not_a_dict_is_named_once(settings: Any, written: dict[str, Any], expected: str) -> None:
+    settings.RATELIMITS = {"BACKEND": "redis", **written}
+    messages = check_settings()
+    assert ids(messages) == [expected]
+    assert f"{NAMESPACES[next(iter(written))].field()}" in messages[0].msg
+    assert "expected a dict" in messages[0].msg or "expected True, False or a dict" in messages[0].msg
 
 
 #: One bad value for every setting, and the id it must be reported under.
 BAD_VALUES = [
-    ("ENABLED", "no", "ratelimits.E151", "'no' must be True or False"),
-    ("BACKEND", "cassandra", "ratelimits.E101", "cannot import 'cassandra'"),
-    ("BACKEND", "ratelimits.conf.Settings", "ratelimits.E101", "is not a ratelimits Backend"),
-    ("REDIS_URL", "redis+clusters://10.0.0.1:7000", "ratelimits.E102", "is not a Redis URL"),
-    ("REDIS_URL", "", "ratelimits.E102", "must be a non-empty string"),
-    ("REDIS_SOCKET_TIMEOUT", "fast", "ratelimits.E103", "is not a duration"),
-    ("REDIS_CONNECT_TIMEOUT", -1, "ratelimits.E104", "must be a positive number"),
-    ("REDIS_URL", "redis+sentinel://10.0.0.1:26379", "ratelimits.E102", "name the master's service"),
-    ("REDIS_URL", "redis+cluster://10.0.0.1", "ratelimits.E102", "each cluster node is host:port"),
-    ("REDIS_URL", "redis+cluster://10.0.0.1:7000/0", "ratelimits.E102", "names its startup nodes only"),
-    ("REDIS_URL", "redis+cluster://10.0.0.1:7000?db=1", "ratelimits.E102", "names its startup nodes only"),
-    ("REDIS_URL", "redis+sentinel://10.0.0.1/primary", "ratelimits.E102", "each sentinel is host:port"),
-    ("REDIS_URL", "redis+sentinel://10.0.0.1:26379/primary?db=x", "ratelimits.E102", "db must be a database number"),
-    ("REDIS_OPTIONS", {"pasword": "x"}, "ratelimits.E140", "unknown option 'pasword'"),
-    ("REDIS_OPTIONS", {"ssl_cert_reqs": "maybe"}, "ratelimits.E140", "must be one of required"),
-    ("REDIS_OPTIONS", ["password"], "ratelimits.E140", "must be a dict"),
-    ("REDIS_CLIENT", "no.such.module.client", "ratelimits.E141", "cannot import"),
-    ("REDIS_CLIENT", "ratelimits.conf.conf", "ratelimits.E141", "is not a redis.Redis or redis.RedisCluster client"),
-    ("KEY_PREFIX", "rl{x}", "ratelimits.E105", "without braces"),
-    ("CLOCK", "ntp", "ratelimits.E106", "must be one of 'redis', 'app'"),
-    ("POLICY_SOURCE", "no.such.Source", "ratelimits.E107", "cannot import 'no.such.Source'"),
-    ("POLICY_SOURCE", "ratelimits.conf.Settings", "ratelimits.E107", "is not a policy source"),
-    ("POLICY_POLL_INTERVAL", "soon", "ratelimits.E108", "is not a duration"),
-    ("POLICY_RECHECK_INTERVAL", 0, "ratelimits.E109", "must be a positive number"),
-    ("POLICY_LOAD_TIMEOUT", "soon", "ratelimits.E136", "is not a duration"),
-    ("TIERS", {"a": {"rate": "0/s"}}, "ratelimits.E110", "RATELIMITS['TIERS']['a']['rate']: '0/s'"),
-    ("TIERS", [], "ratelimits.E110", "expected a dict"),
+    (("ENABLED",), "no", "ratelimits.E151", "'no' must be True or False"),
+    (("BACKEND",), "cassandra", "ratelimits.E101", "cannot import 'cassandra'"),
+    (("BACKEND",), "ratelimits.conf.Settings", "ratelimits.E101", "is not a ratelimits Backend"),
+    (("TIERS",), {"a": {"rate": "0/s"}}, "ratelimits.E110", "RATELIMITS['TIERS']['a']['rate']: '0/s'"),
+    (("TIERS",), [], "ratelimits.E110", "expected a dict"),
     (
-        "TIERS",
+        ("TIERS",),
         {"anonymous": {"rate": "10/s", "scope": "global", "quota": "100/d"}, "authenticated": {"rate": "9/s"}},
         "ratelimits.E110",
         "['anonymous']['quota']: a global tier cannot have a quota",
     ),
     (
-        "TIERS",
+        ("TIERS",),
         {"anonymous": {"rate": "10/s", "scope": "planet"}, "authenticated": {"rate": "9/s"}},
         "ratelimits.E110",
         "['anonymous']['scope']: 'planet' must be 'region' or 'global'",
     ),
-    ("DEFAULT_TIERS", {"anonymous": "gold"}, "ratelimits.E111", "'gold' is not in RATELIMITS['TIERS']"),
-    ("DEFAULT_TIERS", {"robots": "anonymous"}, "ratelimits.E111", "unknown keys robots"),
-    ("TIER_FUNC", "no.such.func", "ratelimits.E112", "cannot import"),
-    ("DIMENSIONS", {"country": "1/s"}, "ratelimits.E113", "'country' must be one of"),
-    ("DIMENSIONS", {"ip": {"rate": "1/fortnight"}}, "ratelimits.E113", "unknown unit 'fortnight'"),
-    ("SLOT_TTL", "forever", "ratelimits.E114", "is not a duration"),
-    ("FLEET_CAPACITY", 0, "ratelimits.E115", "must be a positive integer or None"),
-    ("FLEET_SHARDS", 0, "ratelimits.E142", "must be a positive integer"),
-    ("FLEET_SHARDS", True, "ratelimits.E142", "must be a positive integer"),
-    ("SHED_THRESHOLDS", {"low": 90, "normal": 50}, "ratelimits.E116", "must rise with priority"),
-    ("WORKER_CAPACITY", "8", "ratelimits.E117", "must be a positive integer or None"),
-    ("ADAPTIVE_CAPACITY", {"tolerance": 1}, "ratelimits.E147", "['tolerance']: 1 must be a number above 1"),
-    ("ADAPTIVE_CAPACITY", {"window": "soon"}, "ratelimits.E147", "is not a duration"),
-    ("ADAPTIVE_CAPACITY", {"floor": 0}, "ratelimits.E147", "['floor']: 0 must be a positive integer"),
-    ("ADAPTIVE_CAPACITY", {"error_rate": 2}, "ratelimits.E147", "['error_rate']: 2 must be a number in (0, 1]"),
-    ("ADAPTIVE_CAPACITY", {"gain": 2}, "ratelimits.E147", "unknown keys gain"),
-    ("ADAPTIVE_CAPACITY", {}, "ratelimits.E147", "set RATELIMITS['WORKER_CAPACITY'] too"),
-    ("USAGE", "yes", "ratelimits.E118", "must be True or False"),
-    ("USAGE_MAX_SUBJECTS", 0, "ratelimits.E139", "must be a positive integer"),
-    ("USAGE_MAX_SUBJECTS", "50000", "ratelimits.E139", "must be a positive integer"),
-    ("ENDPOINTS", {"x": {"cost": 50}}, "ratelimits.E119", "exceeds the capacity 40 of tier:anonymous"),
-    ("ENDPOINTS", {"x": {"priority": "urgent"}}, "ratelimits.E119", "'urgent' must be one of"),
-    ("EXEMPT_ENDPOINTS", "health", "ratelimits.E120", "must be a list"),
-    ("API_KEY_FUNC", "no.such.func", "ratelimits.E121", "cannot import"),
-    ("API_KEY_MODEL", "payments.NoSuchModel", "ratelimits.E122", "is not an installed model"),
-    ("ORGANIZATION_FUNC", 42, "ratelimits.E123", "must be a non-empty string"),
-    ("TRUSTED_PROXIES", ["10.0.0.0/33"], "ratelimits.E124", "is not an IP address or network"),
-    ("TRUSTED_PROXIES", "10.0.0.1", "ratelimits.E124", "must be a list"),
-    ("CLIENT_IP_HEADER", "X-Forwarded-For", "ratelimits.E125", "must be a request.META key"),
-    ("IPV6_PREFIX", 0, "ratelimits.E126", "from 1 to 128"),
-    ("HASH_KEY", 42, "ratelimits.E127", "must be a string, or None to use SECRET_KEY"),
-    ("HEADERS", "fancy", "ratelimits.E128", "must be one of"),
-    ("HEADER_POLICIES", "every", "ratelimits.E148", "'every' must be one of 'all', 'closest'"),
-    ("HEADER_PARTITION_KEY", "yes", "ratelimits.E149", "'yes' must be True or False"),
-    ("RETRY_AFTER_JITTER", "-1s", "ratelimits.E129", "is not a duration"),
-    ("DEFAULT_FAIL_MODE", "sometimes", "ratelimits.E130", "must be one of open, closed, local"),
-    ("LOCAL_FALLBACK_SHARE", 0, "ratelimits.E131", "must be a number in (0, 1]"),
-    ("LOCAL_PATH", {"lease_ttl": "2s"}, "ratelimits.E143", "longer than the 1 s a lease may last"),
-    ("LOCAL_PATH", {"lease": True}, "ratelimits.E143", "unknown keys lease"),
-    ("LOCAL_PATH", {"lease_share": 1.5}, "ratelimits.E143", "lease_share']: 1.5 must be a number in (0, 1]"),
-    ("LOCAL_PATH", {"denials": "yes"}, "ratelimits.E143", "must be True or False"),
-    ("REGION", "eu west", "ratelimits.E144", "must be a region name"),
-    ("REGION", "eu-west", "ratelimits.E144", "'eu-west' is not one of RATELIMITS['REGIONS'] (none: set REGIONS)"),
-    (
-        "REGIONS",
-        {"eu": "redis://127.0.0.1:6379/0"},
-        "ratelimits.E145",
-        "REGIONS']['eu']: expected a dict with string keys",
-    ),
-    ("REGIONS", {"eu": {"URL": "redis://x"}}, "ratelimits.E145", "unknown keys URL; use REDIS_URL"),
-    (
-        "REGIONS",
-        {"eu": {"REDIS_URL": "http://x"}},
-        "ratelimits.E145",
-        "REGIONS']['eu']['REDIS_URL']: 'http://x' is not a Redis URL",
-    ),
-    (
-        "REGIONS",
-        {"eu": {"REDIS_URL": "redis://127.0.0.1:6379/0"}},
-        "ratelimits.E144",
-        "must name this deployment's region",
-    ),
-    ("RECONCILE", {"floor": 0.5}, "ratelimits.E146", "floor']: 0.5 must be a share above 0 and below 0.5"),
-    ("RECONCILE", {"interval": 0}, "ratelimits.E146", "interval']: 0 must be a positive number of seconds"),
-    ("RECONCILE", {"every": "1s"}, "ratelimits.E146", "unknown keys every"),
-    ("METRICS", {"multiprocess": "yes"}, "ratelimits.E150", "['multiprocess']: 'yes' must be True or False"),
-    ("METRICS", {"flush_interval": "2m"}, "ratelimits.E150", "flush_interval']: 120 s is longer than a minute"),
-    ("METRICS", {"flush_interval": 0}, "ratelimits.E150", "flush_interval']: 0 must be a positive number"),
-    ("METRICS", {"port": 9100}, "ratelimits.E150", "unknown keys port"),
-    ("METRICS", "on", "ratelimits.E150", "expected a dict with string keys"),
-    ("BREAKER_WINDOW", 0, "ratelimits.E132", "must be a positive integer"),
-    ("BREAKER_MIN_CALLS", 2.5, "ratelimits.E133", "must be a positive integer"),
-    ("BREAKER_FAILURE_RATE", 2, "ratelimits.E134", "must be a number in (0, 1]"),
-    ("BREAKER_COOLDOWN", "a while", "ratelimits.E135", "is not a duration"),
-    ("FAILED_AUTH", {"rate": "10/m", "burst": 0}, "ratelimits.E137", "['burst']: 0 must be a positive integer"),
-    ("FAILED_AUTH", "10/m", "ratelimits.E137", "expected a dict"),
-    ("IMPORT_MAX_SIZE", "10 megabytes", "ratelimits.E138", "must be a number of bytes or a size like '10MB'"),
-    ("IMPORT_MAX_SIZE", 0, "ratelimits.E138", "must be a number of bytes"),
+    (("DIMENSIONS",), {"country": "1/s"}, "ratelimits.E113", "'country' must be one of"),
+    (("DIMENSIONS",), {"ip": {"rate": "1/fortnight"}}, "ratelimits.E113", "unknown unit 'fortnight'"),
+    (("ENDPOINTS",), {"x": {"cost": 50}}, "ratelimits.E119", "exceeds the capacity 40 of tier:anonymous"),
+    (("ENDPOINTS",), {"x": {"priority": "urgent"}}, "ratelimits.E119", "'urgent' must be one of"),
+    (("REDIS", "URL"), "redis+clusters://10.0.0.1:7000", "ratelimits.E102", "is not a Redis URL"),
+    (("REDIS", "URL"), "", "ratelimits.E102", "must be a non-empty string"),
+    (("REDIS", "URL"), "redis+sentinel://10.0.0.1:26379", "ratelimits.E102", "name the master's service"),
+    (("REDIS", "URL"), "redis+cluster://10.0.0.1", "ratelimits.E102", "each cluster node is host:port"),
+    (("REDIS", "URL"), "redis+cluster://10.0.0.1:7000/0", "ratelimits.E102", "names its startup nodes only"),
+    (("REDIS", "URL"), "redis+cluster://10.0.0.1:7000?db=1", "ratelimits.E102", "names its startup nodes only"),
+    (("REDIS", "URL"), "redis+sentinel://10.0.0.1/primary", "ratelimits.E102", "each sentinel is host:port"),
+    (("REDIS", "URL"), "redis+sentinel://10.0.0.1:26379/primary?db=x", "ratelimits.E102", "db must be a database"),
+    (("REDIS", "CACHE"), "sessions", "ratelimits.E159", "'sessions' is not a cache of CACHES"),
+    (("REDIS", "CLIENT"), "no.such.module.client", "ratelimits.E141", "cannot import"),
+    (("REDIS", "CLIENT"), "ratelimits.conf.conf", "ratelimits.E141", "is not a redis.Redis or redis.RedisCluster"),
+    (("REDIS", "OPTIONS"), {"pasword": "x"}, "ratelimits.E140", "unknown option 'pasword'"),
+    (("REDIS", "OPTIONS"), {"ssl_cert_reqs": "maybe"}, "ratelimits.E140", "must be one of required"),
+    (("REDIS", "OPTIONS"), ["password"], "ratelimits.E140", "must be a dict"),
+    (("REDIS", "SOCKET_TIMEOUT"), "fast", "ratelimits.E103", "is not a duration"),
+    (("REDIS", "CONNECT_TIMEOUT"), -1, "ratelimits.E104", "must be a positive number"),
+    (("REDIS", "KEY_PREFIX"), "rl{x}", "ratelimits.E105", "without braces"),
+    (("REDIS", "CLOCK"), "ntp", "ratelimits.E106", "must be one of 'redis', 'app'"),
+    (("POLICIES", "SOURCE"), "no.such.Source", "ratelimits.E107", "cannot import 'no.such.Source'"),
+    (("POLICIES", "SOURCE"), "ratelimits.conf.Settings", "ratelimits.E107", "is not a policy source"),
+    (("POLICIES", "DEFAULT_TIERS"), {"anonymous": "gold"}, "ratelimits.E111", "'gold' is not in RATELIMITS['TIERS']"),
+    (("POLICIES", "DEFAULT_TIERS"), {"robots": "anonymous"}, "ratelimits.E111", "unknown keys robots"),
+    (("POLICIES", "TIER_FUNC"), "no.such.func", "ratelimits.E112", "cannot import"),
+    (("POLICIES", "EXEMPT_ENDPOINTS"), "health", "ratelimits.E120", "must be a list"),
+    (("POLICIES", "POLL_INTERVAL"), "soon", "ratelimits.E108", "is not a duration"),
+    (("POLICIES", "RECHECK_INTERVAL"), 0, "ratelimits.E109", "must be a positive number"),
+    (("POLICIES", "LOAD_TIMEOUT"), "soon", "ratelimits.E136", "is not a duration"),
+    (("POLICIES", "IMPORT_MAX_SIZE"), "10 megabytes", "ratelimits.E138", "must be a number of bytes or a size"),
+    (("POLICIES", "IMPORT_MAX_SIZE"), 0, "ratelimits.E138", "must be a number of bytes"),
+    (("IDENTITY", "API_KEY_FUNC"), "no.such.func", "ratelimits.E121", "cannot import"),
+    (("IDENTITY", "API_KEY_MODEL"), "payments.NoSuchModel", "ratelimits.E122", "is not an installed model"),
+    (("IDENTITY", "ORGANIZATION_FUNC"), 42, "ratelimits.E123", "must be a non-empty string"),
+    (("IDENTITY", "TRUSTED_PROXIES"), ["10.0.0.0/33"], "ratelimits.E124", "is not an IP address or network"),
+    (("IDENTITY", "TRUSTED_PROXIES"), "10.0.0.1", "ratelimits.E124", "must be a list"),
+    (("IDENTITY", "CLIENT_IP_HEADER"), "X-Forwarded-For", "ratelimits.E125", "must be a request.META key"),
+    (("IDENTITY", "IPV6_PREFIX"), 0, "ratelimits.E126", "from 1 to 128"),
+    (("IDENTITY", "HASH_KEY"), 42, "ratelimits.E127", "must be a string, or None to use SECRET_KEY"),
+    (("IDENTITY", "FAILED_AUTH"), {"rate": "10/m", "burst": 0}, "ratelimits.E137", "['burst']: 0 must be a positive"),
+    (("IDENTITY", "FAILED_AUTH"), "10/m", "ratelimits.E137", "expected a dict"),
+    (("HEADERS", "STYLE"), "fancy", "ratelimits.E128", "must be one of"),
+    (("HEADERS", "POLICIES"), "every", "ratelimits.E148", "'every' must be one of 'all', 'closest'"),
+    (("HEADERS", "PARTITION_KEY"), "yes", "ratelimits.E149", "'yes' must be True or False"),
+    (("HEADERS", "RETRY_AFTER_JITTER"), "-1s", "ratelimits.E129", "is not a duration"),
+    (("FAILURE", "DEFAULT_MODE"), "sometimes", "ratelimits.E130", "must be one of open, closed, local"),
+    (("FAILURE", "LOCAL_SHARE"), 0, "ratelimits.E131", "must be a number in (0, 1]"),
+    (("FAILURE", "BREAKER_WINDOW"), 0, "ratelimits.E132", "must be a positive integer"),
+    (("FAILURE", "BREAKER_MIN_CALLS"), 2.5, "ratelimits.E133", "must be a positive integer"),
+    (("FAILURE", "BREAKER_FAILURE_RATE"), 2, "ratelimits.E134", "must be a number in (0, 1]"),
+    (("FAILURE", "BREAKER_COOLDOWN"), "a while", "ratelimits.E135", "is not a duration"),
+    (("SHEDDING", "FLEET_CAPACITY"), 0, "ratelimits.E115", "must be a positive integer or None"),
+    (("SHEDDING", "FLEET_SHARDS"), 0, "ratelimits.E142", "must be a positive integer"),
+    (("SHEDDING", "FLEET_SHARDS"), True, "ratelimits.E142", "must be a positive integer"),
+    (("SHEDDING", "THRESHOLDS"), {"low": 90, "normal": 50}, "ratelimits.E116", "must rise with priority"),
+    (("SHEDDING", "WORKER_CAPACITY"), "8", "ratelimits.E117", "must be a positive integer or None"),
+    (("SHEDDING", "SLOT_TTL"), "forever", "ratelimits.E114", "is not a duration"),
+    (("SHEDDING", "ADAPTIVE", "FLOOR"), 0, "ratelimits.E160", "0 must be a positive integer"),
+    (("SHEDDING", "ADAPTIVE", "TOLERANCE"), 1, "ratelimits.E161", "1 must be a number above 1"),
+    (("SHEDDING", "ADAPTIVE", "WINDOW"), "soon", "ratelimits.E162", "is not a duration"),
+    (("SHEDDING", "ADAPTIVE", "MIN_SAMPLES"), 0, "ratelimits.E163", "must be a positive integer"),
+    (("SHEDDING", "ADAPTIVE", "ERROR_RATE"), 2, "ratelimits.E164", "2 must be a number in (0, 1]"),
+    (("SHEDDING", "ADAPTIVE", "TIMEOUT"), "never", "ratelimits.E165", "is not a duration"),
+    (("SHEDDING", "ADAPTIVE", "PROBE_INTERVAL"), 0, "ratelimits.E166", "must be a positive number"),
+    (("USAGE", "MAX_SUBJECTS"), 0, "ratelimits.E139", "must be a positive integer"),
+    (("USAGE", "MAX_SUBJECTS"), "50000", "ratelimits.E139", "must be a positive integer"),
+    (("LOCAL_PATH", "DENIALS"), "yes", "ratelimits.E167", "must be True or False"),
+    (("LOCAL_PATH", "LEASES"), 1, "ratelimits.E168", "must be True or False"),
+    (("LOCAL_PATH", "LEASE_TTL"), "2s", "ratelimits.E169", "longer than the 1 s a lease may last"),
+    (("LOCAL_PATH", "LEASE_SHARE"), 1.5, "ratelimits.E170", "1.5 must be a number in (0, 1]"),
+    (("LOCAL_PATH", "MAX_ENTRIES"), 0, "ratelimits.E171", "must be a positive integer"),
+    (("LOCAL_PATH", "HEADER"), "on", "ratelimits.E172", "must be True or False"),
+    (("REGIONS", "STORES"), {"eu": "http://x"}, "ratelimits.E145", "['eu']: 'http://x' is not a Redis URL"),
+    (("REGIONS", "STORES"), {"eu west": "redis://x"}, "ratelimits.E145", "must be a region name"),
+    (("REGIONS", "STORES"), {"eu": "redis://127.0.0.1:6379/0"}, "ratelimits.E144", "must name this deployment"),
+    (("REGIONS", "CURRENT"), "eu west", "ratelimits.E144", "must be a region name"),
+    (("REGIONS", "CURRENT"), "eu-west", "ratelimits.E144", "'eu-west' is not one of RATELIMITS['REGIONS']['STORES']"),
+    (("REGIONS", "RECONCILE_INTERVAL"), 0, "ratelimits.E146", "0 must be a positive number of seconds"),
+    (("REGIONS", "SHARE_FLOOR"), 0.5, "ratelimits.E173", "0.5 must be a share above 0 and below 0.5"),
+    (("REGIONS", "STALE_AFTER"), "later", "ratelimits.E174", "is not a duration"),
+    (("REGIONS", "DECAY"), -1, "ratelimits.E175", "must be a positive number"),
+    (("METRICS", "MULTIPROCESS"), "yes", "ratelimits.E176", "'yes' must be True or False"),
+    (("METRICS", "FLUSH_INTERVAL"), "2m", "ratelimits.E177", "120 s is longer than a minute"),
+    (("METRICS", "FLUSH_INTERVAL"), 0, "ratelimits.E177", "0 must be a positive number"),
 ]
 
 
 def test_the_table_covers_every_setting() -> None:
-    assert {key for key, *_ in BAD_VALUES} == set(SETTINGS)
+    assert {".".join(path) for path, *_ in BAD_VALUES} == set(SETTINGS)
 
 
-@pytest.mark.parametrize(("key", "value", "expected", "needle"), BAD_VALUES)
-def test_invalid_values_name_the_setting(settings: Any, key: str, value: Any, expected: str, needle: str) -> None:
-    settings.RATELIMITS = {"BACKEND": "redis", key: value}
+@pytest.mark.parametrize(("path", "value", "expected", "needle"), BAD_VALUES)
+def test_invalid_values_name_the_setting(
+    settings: Any, path: tuple[str, ...], value: Any, expected: str, needle: str
+) -> None:
+    given = nested(path, value)
+    if path[:2] == ("SHEDDING", "ADAPTIVE"):
+        given["SHEDDING"]["WORKER_CAPACITY"] = 8  # the adaptive capacity needs its ceiling
+    settings.RATELIMITS = {"BACKEND": "redis", **given}
     messages = check_settings()
     assert ids(messages) == [expected]
-    assert f"RATELIMITS['{key}']" in messages[0].msg
+    field = field_of(path) if expected == SETTINGS[".".join(path)].id else "RATELIMITS['REGIONS']['CURRENT']"
+    assert field in messages[0].msg
     assert needle in messages[0].msg
 
 
-def test_the_adaptive_floor_may_not_exceed_the_worker_capacity(settings: Any) -> None:
-    settings.RATELIMITS = {"BACKEND": "redis", "WORKER_CAPACITY": 4, "ADAPTIVE_CAPACITY": {"floor": 5}}
+def test_the_adaptive_capacity_needs_a_worker_capacity_above_its_floor(settings: Any) -> None:
+    settings.RATELIMITS = {"BACKEND": "redis", "SHEDDING": {"ADAPTIVE": True}}
     messages = check_settings()
     assert ids(messages) == ["ratelimits.E147"]
-    assert "['floor']: 5 is above RATELIMITS['WORKER_CAPACITY'] (4)" in messages[0].msg
-    settings.RATELIMITS = {"BACKEND": "redis", "WORKER_CAPACITY": 4, "ADAPTIVE_CAPACITY": {"floor": 4}}
+    assert "set RATELIMITS['SHEDDING']['WORKER_CAPACITY'] too" in messages[0].msg
+    settings.RATELIMITS = {"BACKEND": "redis", "SHEDDING": {"WORKER_CAPACITY": 4, "ADAPTIVE": {"FLOOR": 5}}}
+    messages = check_settings()
+    assert ids(messages) == ["ratelimits.E160"]
+    assert "['FLOOR']: 5 is above RATELIMITS['SHEDDING']['WORKER_CAPACITY'] (4)" in messages[0].msg
+    settings.RATELIMITS = {"BACKEND": "redis", "SHEDDING": {"WORKER_CAPACITY": 4, "ADAPTIVE": {"FLOOR": 4}}}
     assert check_settings() == []
 
 
 def test_several_bad_settings_are_each_reported(settings: Any) -> None:
-    settings.RATELIMITS = {"BACKEND": "redis", "USAGE": 1, "WORKER_CAPACITY": -4, "HASH_KEY": 7}
-    assert ids(check_settings()) == ["ratelimits.E117", "ratelimits.E118", "ratelimits.E127"]
+    settings.RATELIMITS = {
+        "BACKEND": "redis",
+        "USAGE": 1,
+        "SHEDDING": {"WORKER_CAPACITY": -4},
+        "IDENTITY": {"HASH_KEY": 7},
+    }
+    assert ids(check_settings()) == ["ratelimits.E127", "ratelimits.E117", "ratelimits.E118"]
 
 
 @pytest.mark.django_db  # the command runs the models' checks too, which read the database
 def test_a_bad_redis_url_fails_manage_py_check(settings: Any) -> None:
-    settings.RATELIMITS = {"BACKEND": "redis", "REDIS_URL": "http://127.0.0.1:6379"}
-    with pytest.raises(SystemCheckError, match=r"ratelimits\.E102.*RATELIMITS\['REDIS_URL'\]"):
+    settings.RATELIMITS = {"REDIS": {"URL": "http://127.0.0.1:6379"}}
+    with pytest.raises(SystemCheckError, match=r"ratelimits\.E102.*RATELIMITS\['REDIS'\]\['URL'\]"):
         call_command("check")
+
+
+def test_the_backend_follows_where_the_redis_is(settings: Any) -> None:
+    settings.RATELIMITS = {}
+    assert conf.backend == "memory"
+    for written in (
+        {"REDIS": {"URL": "redis://127.0.0.1:6379/3"}},
+        {"REDIS_URL": "redis://127.0.0.1:6379/3"},
+        {"REDIS": {"CLIENT": "tests.test_checks.make_client"}},
+    ):
+        settings.RATELIMITS = written
+        assert conf.backend == "redis", written
+    settings.CACHES = {"shared": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": "redis://127.0.0.1:6379/4"}}
+    settings.RATELIMITS = {"REDIS": {"CACHE": "shared"}}
+    assert conf.backend == "redis"
+    assert conf.redis.address == ("redis://127.0.0.1:6379/4", {})
+
+
+def make_client() -> Any:
+    import redis
+
+    return redis.Redis(host="127.0.0.1", port=1)
+
+
+def test_a_redis_the_memory_backend_never_uses_is_a_warning(settings: Any) -> None:
+    settings.DEBUG = True
+    settings.RATELIMITS = {"BACKEND": "memory", "REDIS": {"URL": "redis://127.0.0.1:6379/0"}}
+    messages = check_deployment()
+    assert ids(messages) == ["ratelimits.W009"]
+    assert messages[0].msg.startswith(
+        "RATELIMITS['REDIS']['URL'] set, but RATELIMITS['BACKEND'] is 'memory': the limiter never uses that Redis"
+    )
+    settings.RATELIMITS = {"REDIS": {"URL": "redis://127.0.0.1:6379/0"}}
+    assert check_deployment() == []
+
+
+def test_a_cache_and_a_url_are_not_both_the_limiters_redis(settings: Any) -> None:
+    settings.CACHES = {"default": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": "redis://127.0.0.1/1"}}
+    settings.RATELIMITS = {"REDIS": {"CACHE": "default", "URL": "redis://127.0.0.1:6379/0"}}
+    messages = check_settings()
+    assert ids(messages) == ["ratelimits.E159"]
+    assert "RATELIMITS['REDIS']['CACHE'] and RATELIMITS['REDIS']['URL'] are both set" in messages[0].msg
 
 
 def test_settings_must_be_a_dict(settings: Any) -> None:
@@ -213,21 +370,25 @@ def test_throttle_without_problem_handler_warns(settings: Any) -> None:
 
 
 def test_settings_the_database_source_ignores_are_named(settings: Any) -> None:
-    settings.RATELIMITS = {"BACKEND": "redis", "POLICY_SOURCE": "database", "TIERS": {"x": "1/s"}, "FLEET_CAPACITY": 9}
+    settings.RATELIMITS = {
+        "BACKEND": "redis",
+        "POLICIES": {"SOURCE": "database"},
+        "TIERS": {"x": "1/s"},
+        "SHEDDING": {"FLEET_CAPACITY": 9},
+    }
     messages = check_deployment()
     assert ids(messages) == ["ratelimits.W003"]
     assert (
-        messages[0].msg
-        == "RATELIMITS['TIERS'], RATELIMITS['FLEET_CAPACITY'] set, but the policy source DatabasePolicySource "
-        "does not read them."
+        messages[0].msg == "RATELIMITS['TIERS'], RATELIMITS['SHEDDING']['FLEET_CAPACITY'] set, but the policy source "
+        "DatabasePolicySource does not read them."
     )
-    settings.RATELIMITS = {"BACKEND": "redis", "POLICY_SOURCE": "database"}
+    settings.RATELIMITS = {"BACKEND": "redis", "POLICIES": {"SOURCE": "database"}}
     assert check_deployment() == []
 
 
 def test_the_backstops_are_checked_whatever_the_source(settings: Any) -> None:
     """The database source reads DIMENSIONS only when it first loads: the checks must not wait for that."""
-    settings.RATELIMITS = {"BACKEND": "redis", "POLICY_SOURCE": "database", "DIMENSIONS": {"ip": "1/fortnight"}}
+    settings.RATELIMITS = {"BACKEND": "redis", "POLICIES": {"SOURCE": "database"}, "DIMENSIONS": {"ip": "1/fortnight"}}
     messages = check_settings()
     assert ids(messages) == ["ratelimits.E113"]
     assert "RATELIMITS['DIMENSIONS']['ip']: '1/fortnight' has an unknown unit 'fortnight'" in messages[0].msg
@@ -247,7 +408,7 @@ class LegacySource:
 
 
 def test_a_source_missing_part_of_the_protocol_is_refused_by_name(settings: Any) -> None:
-    settings.RATELIMITS = {"BACKEND": "redis", "POLICY_SOURCE": f"{__name__}.LegacySource"}
+    settings.RATELIMITS = {"BACKEND": "redis", "POLICIES": {"SOURCE": f"{__name__}.LegacySource"}}
     messages = check_settings()
     assert ids(messages) == ["ratelimits.E107"]
     assert (

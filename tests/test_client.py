@@ -50,6 +50,8 @@ from ratelimits.client.policy import (
     problem_retry_after,
 )
 
+from .support.settings import merged
+
 KINDS = ["requests", "httpx", "httpx-async"]
 PROBLEM = "application/problem+json"
 
@@ -778,11 +780,13 @@ def test_the_client_imports_nothing_it_does_not_need(module: str, absent: list[s
 @pytest.fixture
 def tight(settings: Any) -> None:
     """Anonymous callers get 1 request a second, burst 1 (the memory backend, shared with the live server)."""
-    settings.RATELIMITS = {
-        **settings.RATELIMITS,
-        "TIERS": {"anon": {"rate": "1/s", "burst": 1}},
-        "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "anon"},
-    }
+    settings.RATELIMITS = merged(
+        settings.RATELIMITS,
+        {
+            "TIERS": {"anon": {"rate": "1/s", "burst": 1}},
+            "POLICIES": {"DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "anon"}},
+        },
+    )
 
 
 def test_against_this_apps_own_429(live_server: Any, tight: None) -> None:

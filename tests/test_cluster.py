@@ -39,6 +39,7 @@ from ratelimits.redis_url import parse_redis_url
 from .support.clock import FakeClock
 from .support.redis_cluster import Cluster
 from .support.redis_server import free_port
+from .support.settings import merged
 from .test_contract import assert_same_decision, policy
 
 CALLER = Subject("api_key", "cluster-caller")
@@ -94,7 +95,7 @@ def test_a_cluster_url_names_its_startup_nodes_and_credentials() -> None:
 def test_a_cluster_url_gives_the_cluster_backend_and_decides(
     settings: Any, redis_cluster: Cluster, cluster_client: Any
 ) -> None:
-    settings.RATELIMITS = {**settings.RATELIMITS, "BACKEND": "redis", "REDIS_URL": redis_cluster.url}
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"BACKEND": "redis", "REDIS": {"URL": redis_cluster.url}})
     engine.reset()
     try:
         assert isinstance(get_backend(), ClusterBackend)
@@ -107,7 +108,7 @@ def test_a_cluster_url_gives_the_cluster_backend_and_decides(
 
 
 def test_a_prebuilt_cluster_client_is_taken(settings: Any, redis_cluster: Cluster, cluster_client: Any) -> None:
-    settings.RATELIMITS = {**settings.RATELIMITS, "BACKEND": "redis", "REDIS_CLIENT": cluster_client}
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"BACKEND": "redis", "REDIS": {"CLIENT": cluster_client}})
     engine.reset()
     try:
         backend = get_backend()
@@ -119,7 +120,7 @@ def test_a_prebuilt_cluster_client_is_taken(settings: Any, redis_cluster: Cluste
 
 def test_an_unreachable_cluster_degrades_by_fail_mode_instead_of_failing_start_up(settings: Any) -> None:
     url = f"redis+cluster://127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
-    settings.RATELIMITS = {**settings.RATELIMITS, "BACKEND": "redis", "REDIS_URL": url}
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"BACKEND": "redis", "REDIS": {"URL": url}})
     engine.reset()
     try:
         backend = get_backend()  # made without reaching the cluster

@@ -38,6 +38,8 @@ from ratelimits.policies.portability import (
     load_document,
 )
 
+from .support.settings import merged
+
 pytestmark = pytest.mark.django_db
 
 LATER = datetime(2099, 1, 1, tzinfo=UTC)
@@ -53,7 +55,9 @@ def run(*args: Any, **options: Any) -> str:
 @pytest.fixture
 def db_source(settings: Any, use_redis: Any) -> None:
     """The admin-managed policies, decided on the private Redis."""
-    settings.RATELIMITS = {**settings.RATELIMITS, "POLICY_SOURCE": "ratelimits.sources.DatabasePolicySource"}
+    settings.RATELIMITS = merged(
+        settings.RATELIMITS, {"POLICIES": {"SOURCE": "ratelimits.sources.DatabasePolicySource"}}
+    )
 
 
 def wipe() -> None:
@@ -167,12 +171,14 @@ def test_effective_normalises_ipv6_like_requests(db_source: None) -> None:
 
 
 def test_effective_shows_degraded_when_the_store_is_unreachable(settings: Any) -> None:
-    settings.RATELIMITS = {
-        **settings.RATELIMITS,
-        "POLICY_SOURCE": "ratelimits.sources.DatabasePolicySource",
-        "BACKEND": "redis",
-        "REDIS_URL": "redis://127.0.0.1:1/0",
-    }
+    settings.RATELIMITS = merged(
+        settings.RATELIMITS,
+        {
+            "POLICIES": {"SOURCE": "ratelimits.sources.DatabasePolicySource"},
+            "BACKEND": "redis",
+            "REDIS": {"URL": "redis://127.0.0.1:1/0"},
+        },
+    )
     policies()
     text = run("ratelimits_effective", "--subject", "api_key:ApiKey:1", "--endpoint", "charges", "--method", "POST")
     assert "unreachable (degraded)" in text
@@ -183,11 +189,13 @@ def test_effective_shows_degraded_when_the_store_is_unreachable(settings: Any) -
 
 
 def test_effective_falls_back_to_checks_for_with_the_settings_source(settings: Any, use_redis: Any) -> None:
-    settings.RATELIMITS = {
-        **settings.RATELIMITS,
-        "TIERS": {"anon": {"rate": "2/m"}, "auth": {"rate": "9/s"}},
-        "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "auth"},
-    }
+    settings.RATELIMITS = merged(
+        settings.RATELIMITS,
+        {
+            "TIERS": {"anon": {"rate": "2/m"}, "auth": {"rate": "9/s"}},
+            "POLICIES": {"DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "auth"}},
+        },
+    )
     report = json.loads(run("ratelimits_effective", "--subject", "user:7", "--endpoint", "customers", "--json"))
     assert [(c["policy"], c["subject"], c["origin"], c["remaining"]) for c in report["checks"]] == [
         ("tier:auth", "user", "settings", 9)
@@ -589,22 +597,26 @@ def test_an_expired_row_that_is_already_stored_is_left_alone() -> None:
 
 
 def test_import_refuses_a_file_over_the_size_limit(settings: Any, tmp_path: Path) -> None:
-    settings.RATELIMITS = {**settings.RATELIMITS, "IMPORT_MAX_SIZE": "1KB"}
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"POLICIES": {"IMPORT_MAX_SIZE": "1KB"}})
     document = export_policies()
     path = tmp_path / "big.json"
     path.write_text(json.dumps({**document, "tiers": [{"name": "big", "rate": "1/s", "description": "x" * 2000}]}))
     size = path.stat().st_size
     with pytest.raises(CommandError) as error:
         run("ratelimits_import", str(path), reason="too big")
-    assert str(error.value) == f"{path} is {size:,} bytes, over the 1 KB RATELIMITS['IMPORT_MAX_SIZE'] allows."
+    assert (
+        str(error.value) == f"{path} is {size:,} bytes, over the 1 KB RATELIMITS['POLICIES']['IMPORT_MAX_SIZE'] allows."
+    )
     assert export_policies() == document
 
 
 def test_import_reads_no_more_of_a_stream_than_the_limit(settings: Any, monkeypatch: Any) -> None:
     """A pipe has no size to ask for: it is read up to the limit, and refused past it."""
-    settings.RATELIMITS = {**settings.RATELIMITS, "IMPORT_MAX_SIZE": 1024}
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"POLICIES": {"IMPORT_MAX_SIZE": 1024}})
     stream = io.BytesIO(b" " * 1025 + b"{}")
-    with pytest.raises(PolicyImportError, match=r"^stdin is over the 1 KB RATELIMITS\['IMPORT_MAX_SIZE'\] allows\.$"):
+    with pytest.raises(
+        PolicyImportError, match=r"^stdin is over the 1 KB RATELIMITS\['POLICIES'\]\['IMPORT_MAX_SIZE'\] allows\.$"
+    ):
         load_document(stream, name="stdin")
     assert stream.tell() == 1025  # the limit and one byte more, never the rest
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b" " * 1025 + b"{}")))

@@ -69,7 +69,7 @@ def test_missing_or_wrong_credentials_fail_the_checks_naming_the_setting(setting
     port = acl_redis.port
     for url in (f"redis://127.0.0.1:{port}/0", f"redis://limiter:wrong@127.0.0.1:{port}/0"):
         errors = store_errors(settings, REDIS_URL=url)
-        assert len(errors) == 1 and "REDIS_URL" in errors[0].msg and "credentials" in errors[0].msg
+        assert len(errors) == 1 and "RATELIMITS['REDIS']" in errors[0].msg and "credentials" in errors[0].msg
     assert store_errors(settings, REDIS_URL=f"redis://limiter:limiter-secret@127.0.0.1:{port}/0") == []
 
 
@@ -254,7 +254,7 @@ def test_the_limiter_decides_on_a_cluster_as_its_acl_user_and_the_checks_fail_wi
     assert backend.decide(checks).results[0].remaining == 3
     for url in (acl_cluster.url, f"redis+cluster://limiter:wrong@{nodes}"):
         errors = store_errors(settings, REDIS_URL=url)
-        assert len(errors) == 1 and "REDIS_URL" in errors[0].msg and "credentials" in errors[0].msg, errors
+        assert len(errors) == 1 and "RATELIMITS['REDIS']" in errors[0].msg and "credentials" in errors[0].msg, errors
     assert store_errors(settings, REDIS_URL=f"redis+cluster://limiter:limiter-secret@{nodes}") == []
 
 

@@ -36,7 +36,7 @@ def usage(subject: str, tier: str, minute: int, kind: str = "api_key", **counts:
 def test_digest_lists_subjects_near_their_daily_quota_and_the_most_throttled(settings: Any) -> None:
     settings.RATELIMITS = {
         "TIERS": {"free": {"rate": "10/s", "quota": "1000/d"}, "pro": {"rate": "100/s"}},
-        "DEFAULT_TIERS": {"anonymous": "free", "authenticated": "free"},
+        "POLICIES": {"DEFAULT_TIERS": {"anonymous": "free", "authenticated": "free"}},
     }
     # Addresses alone from Django 6.0, which deprecates (name, address) pairs; 5.2 takes pairs only.
     settings.ADMINS = ["ops@example.com"] if django.VERSION >= (6, 0) else [("Ops", "ops@example.com")]
@@ -58,7 +58,8 @@ def test_the_digest_says_what_overflow_and_digest_rows_stand_for(settings: Any) 
     usage("ip", "", 0, kind="overflow", allowed=900, throttled=90)
     usage("digest:AAAAAAAAAAAAAAAA", "free", 0, allowed=9, throttled=9)
     text = near_limit_digest(DAY).render()
-    assert "overflow ip (every one beyond the subjects a minute counts, USAGE_MAX_SUBJECTS, together): 90 of" in text
+    cap = "RATELIMITS['USAGE']['MAX_SUBJECTS']"
+    assert f"overflow ip (every one beyond the subjects a minute counts, {cap}, together): 90 of" in text
     assert "api_key digest:AAAAAAAAAAAAAAAA (its label was not recorded: named by its digest): 9 of 18" in text
 
 

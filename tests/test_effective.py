@@ -25,6 +25,8 @@ from project.payments.models import ApiKey, hash_key
 from project.settings import RATELIMITS as DEMO_RATELIMITS
 from ratelimits.models import EndpointPolicy, Override
 
+from .support.settings import merged
+
 pytestmark = pytest.mark.django_db
 
 IP = "127.0.0.1"  # the test client's REMOTE_ADDR
@@ -35,7 +37,7 @@ Row = tuple[str, str, int, int, int | None]
 @pytest.fixture
 def demo(settings: Any, use_redis: Any) -> dict[str, tuple[str, ApiKey]]:
     """The demo's settings and seeded data, decided on the private Redis; its keys by tier."""
-    settings.RATELIMITS = {**DEMO_RATELIMITS, "BACKEND": "redis", "REDIS_URL": use_redis.url}
+    settings.RATELIMITS = merged(DEMO_RATELIMITS, {"BACKEND": "redis", "REDIS": {"URL": use_redis.url}})
     call_command("seed_demo", stdout=StringIO())
     return {tier: (raw, ApiKey.objects.get(key_hash=hash_key(raw))) for _, tier, _, raw in DEMO_KEYS}
 
@@ -134,12 +136,10 @@ def test_while_degraded_a_local_policy_is_reported_out_of_this_workers_share(
     """Fail mode local decides in process against the policy scaled down: the figures say so consistently."""
     settings.RATELIMITS = {
         "BACKEND": "redis",
-        "REDIS_URL": own_redis.url,
-        "REDIS_SOCKET_TIMEOUT": "100ms",
-        "REDIS_CONNECT_TIMEOUT": "100ms",
-        "LOCAL_FALLBACK_SHARE": 0.25,
+        "REDIS": {"URL": own_redis.url, "SOCKET_TIMEOUT": "100ms", "CONNECT_TIMEOUT": "100ms"},
+        "FAILURE": {"LOCAL_SHARE": 0.25},
         "TIERS": {"anon": {"rate": "100/h", "burst": 100, "fail_mode": "local"}, "auth": "10/s"},
-        "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "auth"},
+        "POLICIES": {"DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "auth"}},
         "DIMENSIONS": {"ip": {"rate": "50/h", "fail_mode": "open"}},
     }
     own_redis.kill()
@@ -157,8 +157,7 @@ def reads_the_user(request: Any, identity: Any) -> str | None:
 def test_a_stand_in_request_carries_a_user_a_tier_func_can_ask(settings: Any, admin_client: Client) -> None:
     settings.RATELIMITS = {
         "TIERS": {"anon": "10/s", "auth": "20/s"},
-        "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "anon"},
-        "TIER_FUNC": reads_the_user,
+        "POLICIES": {"DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "anon"}, "TIER_FUNC": reads_the_user},
     }
     query = {"api_key": "ApiKey:5", "endpoint": "customers", "method": "GET"}
     response = admin_client.get(reverse("admin:ratelimits_effective_policy"), query)

@@ -29,6 +29,7 @@ from ratelimits.policies.versioning import bump_policy_version
 from ratelimits.rates import parse_rate
 
 from .support.redis_server import RedisServer, free_port, script_calls
+from .support.settings import merged
 
 #: Small enough to fill in a moment, above what an empty redis-server uses on its own.
 MAXMEMORY = "4mb"
@@ -55,7 +56,7 @@ def start() -> Iterator[Any]:
 
 
 def limit_with(settings: Any, server: RedisServer, **extra: Any) -> None:
-    settings.RATELIMITS = {**settings.RATELIMITS, "BACKEND": "redis", "REDIS_URL": server.url, **extra}
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"BACKEND": "redis", "REDIS": {"URL": server.url}, **extra})
 
 
 def fill_until_evicted(server: RedisServer, gone: str | None = None) -> int:
@@ -113,7 +114,9 @@ def test_a_store_that_will_not_say_gets_a_note_not_an_error(settings: Any, start
 
 
 def test_an_unreachable_redis_says_nothing_and_does_not_hang(settings: Any) -> None:
-    settings.RATELIMITS = {**settings.RATELIMITS, "BACKEND": "redis", "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    settings.RATELIMITS = merged(
+        settings.RATELIMITS, {"BACKEND": "redis", "REDIS": {"URL": f"redis://127.0.0.1:{free_port()}/0"}}
+    )
     began = time.monotonic()
     assert check_store() == []
     assert time.monotonic() - began < 2
@@ -131,7 +134,7 @@ def test_a_stalled_redis_does_not_hang_the_check(settings: Any, own_redis: Redis
 
 
 def test_only_the_redis_backend_is_asked(settings: Any) -> None:
-    settings.RATELIMITS = {"BACKEND": "memory", "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    settings.RATELIMITS = {"BACKEND": "memory", "REDIS": {"URL": f"redis://127.0.0.1:{free_port()}/0"}}
     assert check_store() == []
     assert get_backend().store_health() is None  # nothing to evict: state lives in the process
 
@@ -171,7 +174,9 @@ def test_the_fleet_page_shows_the_eviction_policy_and_evicted_keys(
 
 @pytest.mark.django_db
 def test_the_fleet_page_says_when_the_store_cannot_be_read(settings: Any, admin_client: Client) -> None:
-    settings.RATELIMITS = {**settings.RATELIMITS, "BACKEND": "redis", "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    settings.RATELIMITS = merged(
+        settings.RATELIMITS, {"BACKEND": "redis", "REDIS": {"URL": f"redis://127.0.0.1:{free_port()}/0"}}
+    )
     page = admin_client.get(reverse("admin:ratelimits_fleetsettings_changelist"))
     assert page.status_code == 200
     assert "could not be read" in page.content.decode()
@@ -217,7 +222,7 @@ def test_an_evicted_stamp_is_republished_at_most_once_per_interval(settings: Any
     """A stamp that keeps vanishing must not cost every decision a second script call (and a warning)."""
     server = start(*EVICTING)
     # Every request to the store, its 429s too (a denial remembered would spare it the call).
-    limit_with(settings, server, POLICY_SOURCE="database", POLICY_POLL_INTERVAL="60s", LOCAL_PATH={"denials": False})
+    limit_with(settings, server, POLICIES={"SOURCE": "database", "POLL_INTERVAL": "60s"}, LOCAL_PATH={"DENIALS": False})
     PolicyVersion.advance()  # a policy change committed...
     bump_policy_version()  # ...and published: its version in the database and the store
     source = engine.get_policy_source()
@@ -241,7 +246,7 @@ def test_an_evicted_stamp_is_republished_at_most_once_per_interval(settings: Any
 @pytest.mark.django_db
 def test_a_lagging_stamp_is_republished_again_after_the_interval(settings: Any, start: Any) -> None:
     server = start()
-    limit_with(settings, server, POLICY_SOURCE="database", POLICY_POLL_INTERVAL="60s")
+    limit_with(settings, server, POLICIES={"SOURCE": "database", "POLL_INTERVAL": "60s"})
     PolicyVersion.advance()
     bump_policy_version()
     source = engine.get_policy_source()

@@ -22,6 +22,7 @@ from ratelimits.identity import Subject, SubjectKind
 
 from .factories import ApiKeyFactory
 from .support.redis_server import RedisServer, free_port
+from .support.settings import merged
 
 pytestmark = pytest.mark.django_db
 
@@ -33,14 +34,15 @@ LIMIT = {"rate": "1/h", "burst": BURST}
 
 def configure(settings: Any, url: str, **extra: Any) -> None:
     settings.MIDDLEWARE = [MIDDLEWARE, *settings.MIDDLEWARE]
-    settings.RATELIMITS = {
-        "BACKEND": "redis",
-        "REDIS_URL": url,
-        "TIERS": {"anon": {"rate": "10000/s"}, "paid": {"rate": "10000/s"}},
-        "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "paid"},
-        "FAILED_AUTH": LIMIT,
-        **extra,
-    }
+    settings.RATELIMITS = merged(
+        {
+            "REDIS": {"URL": url},
+            "TIERS": {"anon": {"rate": "10000/s"}, "paid": {"rate": "10000/s"}},
+            "POLICIES": {"DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "paid"}},
+            "IDENTITY": {"FAILED_AUTH": LIMIT},
+        },
+        extra,
+    )
     engine.reset()
 
 
@@ -89,7 +91,7 @@ def test_a_thousand_guesses_get_the_burst_of_401s_and_then_429s_without_asking_t
 def test_one_credential_prefix_guessed_from_many_addresses_is_limited_too(
     settings: Any, use_redis: RedisServer
 ) -> None:
-    configure(settings, use_redis.url, FAILED_AUTH={**LIMIT, "prefix_length": 12})
+    configure(settings, use_redis.url, IDENTITY={"FAILED_AUTH": {**LIMIT, "prefix_length": 12}})
     ApiKeyFactory(raw="sk_live_acme_the_real_one", tier="paid")
     statuses = [guess(f"192.0.2.{n}", f"sk_live_acme{secrets.token_hex(8)}").status_code for n in range(60)]
     assert statuses == [401] * BURST + [429] * (60 - BURST)
@@ -112,17 +114,17 @@ def test_requests_without_credentials_and_successful_ones_are_never_counted(
 
 
 def test_without_the_store_authentication_goes_on(settings: Any) -> None:
-    configure(settings, f"redis://127.0.0.1:{free_port()}/0", REDIS_CONNECT_TIMEOUT="20ms")
+    configure(settings, f"redis://127.0.0.1:{free_port()}/0", REDIS={"CONNECT_TIMEOUT": "20ms"})
     assert [guess("203.0.113.77").status_code for _ in range(BURST + 5)] == [401] * (BURST + 5)
 
 
 def test_bad_settings_and_a_missing_middleware_fail_the_checks(settings: Any) -> None:
-    settings.RATELIMITS = {"FAILED_AUTH": {"rate": "10/m", "burst": 0}}
-    errors = [m for m in run_checks() if m.id == SETTING_IDS["FAILED_AUTH"]]
-    assert [m.msg for m in errors] == ["RATELIMITS['FAILED_AUTH']['burst']: 0 must be a positive integer"]
-    settings.RATELIMITS = {"FAILED_AUTH": {"rate": "10/m", "prefix": 4}}
-    assert any("unknown keys prefix" in m.msg for m in run_checks() if m.id == SETTING_IDS["FAILED_AUTH"])
-    settings.RATELIMITS = {"FAILED_AUTH": LIMIT}
+    settings.RATELIMITS = {"IDENTITY": {"FAILED_AUTH": {"rate": "10/m", "burst": 0}}}
+    errors = [m for m in run_checks() if m.id == SETTING_IDS["IDENTITY.FAILED_AUTH"]]
+    assert [m.msg for m in errors] == ["RATELIMITS['IDENTITY']['FAILED_AUTH']['burst']: 0 must be a positive integer"]
+    settings.RATELIMITS = {"IDENTITY": {"FAILED_AUTH": {"rate": "10/m", "prefix": 4}}}
+    assert any("unknown keys prefix" in m.msg for m in run_checks() if m.id == SETTING_IDS["IDENTITY.FAILED_AUTH"])
+    settings.RATELIMITS = {"IDENTITY": {"FAILED_AUTH": LIMIT}}
     assert [m.id for m in run_checks() if m.id == W005] == [W005]
     settings.MIDDLEWARE = [MIDDLEWARE, *settings.MIDDLEWARE]
     assert not [m for m in run_checks() if m.id == W005]

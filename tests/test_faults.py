@@ -21,6 +21,7 @@ from ratelimits.backends.redis import DECIDE_SHA
 
 from .factories import ApiKeyFactory
 from .support.redis_server import RedisServer
+from .support.settings import merged
 
 pytestmark = pytest.mark.django_db
 
@@ -31,18 +32,21 @@ RECOVERY_BOUND = 5.0
 
 
 def configure(settings: Any, own_redis: RedisServer, **overrides: Any) -> None:
-    settings.RATELIMITS = {
-        "BACKEND": "redis",
-        "REDIS_URL": own_redis.url,
-        "REDIS_SOCKET_TIMEOUT": f"{int(SOCKET_TIMEOUT * 1000)}ms",
-        "REDIS_CONNECT_TIMEOUT": f"{int(SOCKET_TIMEOUT * 1000)}ms",
-        "BREAKER_COOLDOWN": f"{int(COOLDOWN * 1000)}ms",
-        "TIERS": {"free": {"rate": "5/m"}, "anon": {"rate": "1000/s", "burst": 1000}},
-        "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "free"},
-        "TIER_FUNC": "project.payments.auth.tier_of",
-        "LOCAL_PATH": {"header": True},
-        **overrides,
-    }
+    timeout = f"{int(SOCKET_TIMEOUT * 1000)}ms"
+    settings.RATELIMITS = merged(
+        {
+            "BACKEND": "redis",
+            "REDIS": {"URL": own_redis.url, "SOCKET_TIMEOUT": timeout, "CONNECT_TIMEOUT": timeout},
+            "FAILURE": {"BREAKER_COOLDOWN": f"{int(COOLDOWN * 1000)}ms"},
+            "TIERS": {"free": {"rate": "5/m"}, "anon": {"rate": "1000/s", "burst": 1000}},
+            "POLICIES": {
+                "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "free"},
+                "TIER_FUNC": "project.payments.auth.tier_of",
+            },
+            "LOCAL_PATH": {"HEADER": True},
+        },
+        overrides,
+    )
     engine.reset()
 
 
@@ -253,7 +257,7 @@ def test_fail_closed_policy_answers_503_problem_with_retry_after(settings: Any, 
         settings,
         own_redis,
         TIERS={"free": {"rate": "100/s", "fail_mode": "closed"}, "anon": {"rate": "100/s"}},
-        BREAKER_COOLDOWN="3s",
+        FAILURE={"BREAKER_COOLDOWN": "3s"},
     )
     closed = key("sk_fault_closed")
     anonymous = Caller(path="/t/ping")
@@ -289,7 +293,7 @@ def test_fail_local_policy_is_enforced_in_process(settings: Any, own_redis: Redi
         settings,
         own_redis,
         TIERS={"free": {"rate": "4/m", "fail_mode": "local"}, "anon": {"rate": "100/s"}},
-        LOCAL_FALLBACK_SHARE=0.5,
+        FAILURE={"LOCAL_SHARE": 0.5},
     )
     first, second = key("sk_fault_local_1"), key("sk_fault_local_2")
     assert first.get().status == 200

@@ -20,6 +20,7 @@ from ratelimits.identity import SubjectKind, subject_of
 
 from .factories import ApiKeyFactory
 from .support.clients import client_for
+from .support.settings import merged
 
 pytestmark = pytest.mark.django_db
 
@@ -35,13 +36,17 @@ def metered(settings: Any, use_redis: Any) -> dict[str, Any]:
 
     The rate's bucket holds 5 and refills one a second: the requests of a test come well within that.
     """
-    settings.RATELIMITS = {
-        **settings.RATELIMITS,
-        "TIERS": TIERS,
-        "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "metered"},
-        "TIER_FUNC": "project.payments.auth.tier_of",
-        "LOCAL_PATH": {"header": True},
-    }
+    settings.RATELIMITS = merged(
+        settings.RATELIMITS,
+        {
+            "TIERS": TIERS,
+            "POLICIES": {
+                "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "metered"},
+                "TIER_FUNC": "project.payments.auth.tier_of",
+            },
+            "LOCAL_PATH": {"HEADER": True},
+        },
+    )
     return settings.RATELIMITS  # type: ignore[no-any-return]
 
 
@@ -78,7 +83,7 @@ def test_a_request_with_a_per_second_tier_and_a_daily_quota_sees_both(metered: A
 
 
 def test_closest_lists_the_closest_policy_only(metered: Any, settings: Any) -> None:
-    settings.RATELIMITS = {**metered, "HEADER_POLICIES": "closest"}
+    settings.RATELIMITS = merged(metered, {"HEADERS": {"POLICIES": "closest"}})
     ApiKeyFactory(raw="sk_metered_2", tier="metered")
     response = client_for("sk_metered_2").get("/v1/customers")
     assert response["RateLimit-Policy"] == '"tier:metered";q=5;w=5'
@@ -92,7 +97,7 @@ def partition_keys(response: HttpResponse) -> set[bytes]:
 
 
 def test_the_partition_key_is_the_callers_keyed_hash_and_never_its_key(metered: Any, settings: Any) -> None:
-    settings.RATELIMITS = {**metered, "HEADER_PARTITION_KEY": True}
+    settings.RATELIMITS = merged(metered, {"HEADERS": {"PARTITION_KEY": True}})
     alice = ApiKeyFactory(raw="sk_alice_secret_0001", tier="metered")
     ApiKeyFactory(raw="sk_bob_secret_000002", tier="metered")
     client = client_for("sk_alice_secret_0001")
@@ -113,7 +118,7 @@ def test_the_partition_key_is_the_callers_keyed_hash_and_never_its_key(metered: 
 
 
 def test_an_anonymous_callers_partition_key_is_not_its_address(metered: Any, settings: Any) -> None:
-    settings.RATELIMITS = {**metered, "HEADER_PARTITION_KEY": True}
+    settings.RATELIMITS = merged(metered, {"HEADERS": {"PARTITION_KEY": True}})
     response = client_for(address="198.51.100.23").get("/v1/customers")
     [(name, params)] = members(response, "RateLimit-Policy")
     assert name == "tier:anon"

@@ -132,7 +132,7 @@ def test_degraded_and_shadow_decisions_say_so() -> None:
 
 
 def test_closest_describes_only_the_closest_policy(settings: Any) -> None:
-    settings.RATELIMITS = {"HEADER_POLICIES": "closest"}
+    settings.RATELIMITS = {"HEADERS": {"POLICIES": "closest"}}
     admitted = decide(result(SECOND, remaining=15, reset_us=500_000), result(DAY, remaining=100, reset_us=10**9))
     assert rate_limit_headers(admitted)["RateLimit-Policy"] == '"per-day";q=1000;w=86400'
     full = decide(
@@ -155,7 +155,7 @@ def keyed_hash(subject: Subject) -> bytes:
 
 
 def test_the_partition_key_is_the_keyed_hash_of_each_checks_subject(settings: Any) -> None:
-    settings.RATELIMITS = {"HEADER_PARTITION_KEY": True}
+    settings.RATELIMITS = {"HEADERS": {"PARTITION_KEY": True}}
     caller = subject_of(SubjectKind.API_KEY, "ApiKey:7")
     endpoint = subject_of(SubjectKind.ENDPOINT, "search")
     everyone = Policy("endpoint-all", parse_rate("100/s"), 100)
@@ -182,7 +182,7 @@ def test_the_partition_key_is_the_keyed_hash_of_each_checks_subject(settings: An
 def test_the_partition_key_is_keyed_with_the_hash_key_not_a_plain_hash_of_the_subject() -> None:
     seen = []
     for hash_key in ("one secret", "another secret"):
-        with override_settings(RATELIMITS={"HEADER_PARTITION_KEY": True, "HASH_KEY": hash_key}):
+        with override_settings(RATELIMITS={"HEADERS": {"PARTITION_KEY": True}, "IDENTITY": {"HASH_KEY": hash_key}}):
             subject = subject_of(SubjectKind.IP, "192.0.2.9")
             seen.append(named(rate_limit_headers(decide(result(SECOND, remaining=3, subject=subject))))[1]["pk"])
     unkeyed = hashlib.blake2b(b"ip\x00192.0.2.9", digest_size=12).digest()
@@ -191,7 +191,7 @@ def test_the_partition_key_is_keyed_with_the_hash_key_not_a_plain_hash_of_the_su
 
 
 def test_a_sharded_policy_gives_the_whole_subjects_partition_key(settings: Any) -> None:
-    settings.RATELIMITS = {"HEADER_PARTITION_KEY": True}
+    settings.RATELIMITS = {"HEADERS": {"PARTITION_KEY": True}}
     endpoint = subject_of(SubjectKind.ENDPOINT, "search")
     shards, keys = set(), set()
     for _ in range(64):  # check_for picks one of the 4 shards at random: all of them, in all likelihood
@@ -205,7 +205,7 @@ def test_a_sharded_policy_gives_the_whole_subjects_partition_key(settings: Any) 
 def test_the_partition_key_follows_the_setting_both_ways() -> None:
     decision = decide(result(SECOND, remaining=15), result(DAY, remaining=100))
     for partition_key, policies in [(False, "all"), (True, "all"), (True, "closest"), (False, "all")]:
-        with override_settings(RATELIMITS={"HEADER_PARTITION_KEY": partition_key, "HEADER_POLICIES": policies}):
+        with override_settings(RATELIMITS={"HEADERS": {"PARTITION_KEY": partition_key, "POLICIES": policies}}):
             headers = rate_limit_headers(decision)
         items = parsed(headers["RateLimit-Policy"])
         assert len(items) == (2 if policies == "all" else 1)
@@ -215,8 +215,8 @@ def test_the_partition_key_follows_the_setting_both_ways() -> None:
 def test_the_github_headers_are_the_same_whatever_the_new_options() -> None:
     decision = decide(result(SECOND, remaining=15, reset_us=500_000), result(DAY, remaining=100, reset_us=10**9))
     seen = []
-    for extra in ({"HEADER_POLICIES": "closest"}, {"HEADER_POLICIES": "all", "HEADER_PARTITION_KEY": True}):
-        with override_settings(RATELIMITS={"HEADERS": "github", **extra}):
+    for extra in ({"POLICIES": "closest"}, {"POLICIES": "all", "PARTITION_KEY": True}):
+        with override_settings(RATELIMITS={"HEADERS": {"STYLE": "github", **extra}}):
             seen.append(rate_limit_headers(decision))
     assert seen[0] == seen[1] and "RateLimit-Policy" not in seen[0] and seen[0]["X-RateLimit-Resource"] == "per-day"
 
@@ -230,7 +230,7 @@ def test_the_github_headers_are_the_same_whatever_the_new_options() -> None:
     ],
 )
 def test_header_styles(settings: Any, style: str, present: list[str], absent: list[str]) -> None:
-    settings.RATELIMITS = {"HEADERS": style}
+    settings.RATELIMITS = {"HEADERS": {"STYLE": style}}
     headers = rate_limit_headers(decide(result(SECOND, remaining=3)))
     assert all(name in headers for name in present) and not any(name in headers for name in absent)
 
@@ -243,7 +243,7 @@ def test_retry_after_is_whole_seconds_rounded_up_and_at_least_one() -> None:
 
 
 def test_jitter_only_ever_adds(settings: Any) -> None:
-    settings.RATELIMITS = {"RETRY_AFTER_JITTER": "3s"}
+    settings.RATELIMITS = {"HEADERS": {"RETRY_AFTER_JITTER": "3s"}}
     decision = decide(result(SECOND, allowed=False, remaining=0, retry_us=2_000_000))
     seen = {retry_after_seconds(decision) for _ in range(300)}
     assert seen <= {2, 3, 4, 5} and len(seen) > 1  # never less than the exact wait, and it varies
@@ -312,7 +312,7 @@ def test_every_decision_has_headers_a_structured_field_parser_reads_as_described
     rows: list[Row], style: str, policies: str, partition_key: bool
 ) -> None:
     decision = decide(*results_of(rows))
-    options = {"HEADERS": style, "HEADER_POLICIES": policies, "HEADER_PARTITION_KEY": partition_key}
+    options = {"HEADERS": {"POLICIES": policies, "PARTITION_KEY": partition_key}}
     with override_settings(RATELIMITS=options):
         headers = rate_limit_headers(decision)
     closest = decision.closest

@@ -27,7 +27,7 @@ def test_ipv6_is_aggregated_to_64(rf: RequestFactory) -> None:
 
 
 def test_ipv6_prefix_setting(rf: RequestFactory, settings: Any) -> None:
-    settings.RATELIMITS = {"IPV6_PREFIX": 128}
+    settings.RATELIMITS = {"IDENTITY": {"IPV6_PREFIX": 128}}
     assert ip_of(rf, "2001:db8::1") == "2001:db8::1"
 
 
@@ -58,12 +58,12 @@ def test_missing_or_bad_remote_addr(rf: RequestFactory) -> None:
     ],
 )
 def test_trusted_proxies(rf: RequestFactory, settings: Any, forwarded: str, expected: str) -> None:
-    settings.RATELIMITS = {"TRUSTED_PROXIES": ["10.0.0.0/8"]}
+    settings.RATELIMITS = {"IDENTITY": {"TRUSTED_PROXIES": ["10.0.0.0/8"]}}
     assert ip_of(rf, "10.0.0.1", forwarded=forwarded) == expected
 
 
 def test_forged_headers_do_not_give_a_fresh_bucket_per_request(rf: RequestFactory, settings: Any) -> None:
-    settings.RATELIMITS = {"TRUSTED_PROXIES": ["10.0.0.0/8"]}
+    settings.RATELIMITS = {"IDENTITY": {"TRUSTED_PROXIES": ["10.0.0.0/8"]}}
     seen = {ip_of(rf, "10.0.0.1", forwarded=f"{n}.{n}, 198.51.100.9") for n in range(50)}
     assert seen == {"198.51.100.9"}
     bad = {ip_of(rf, "10.0.0.1", forwarded=f"junk-{n}") for n in range(50)}
@@ -71,7 +71,7 @@ def test_forged_headers_do_not_give_a_fresh_bucket_per_request(rf: RequestFactor
 
 
 def test_untrusted_remote_ignores_forwarded(rf: RequestFactory, settings: Any) -> None:
-    settings.RATELIMITS = {"TRUSTED_PROXIES": ["10.0.0.0/8"]}
+    settings.RATELIMITS = {"IDENTITY": {"TRUSTED_PROXIES": ["10.0.0.0/8"]}}
     assert ip_of(rf, "203.0.113.1", forwarded="198.51.100.9") == "203.0.113.1"
 
 
@@ -107,7 +107,7 @@ def test_api_key_identity() -> None:
 
 
 def test_identify_collects_subjects(rf: RequestFactory, settings: Any) -> None:
-    settings.RATELIMITS = {"ORGANIZATION_FUNC": lambda request: "acme"}
+    settings.RATELIMITS = {"IDENTITY": {"ORGANIZATION_FUNC": lambda request: "acme"}}
 
     class User:
         pk = 7

@@ -33,6 +33,7 @@ from .support.clients import client_for
 from .support.clock import FakeClock
 from .support.gate import Gate
 from .support.redis_server import RedisServer
+from .support.settings import merged
 from .support.storm import hold_slots
 
 SECOND = 1_000_000
@@ -59,16 +60,20 @@ def stack(request: pytest.FixtureRequest, settings: Any) -> str:
     """RATELIMITS for the concurrency tier, on each backend (Redis: the session's private server)."""
     if request.param == "redis":
         request.getfixturevalue("use_redis")
-    settings.RATELIMITS = {
-        **settings.RATELIMITS,
-        "BACKEND": request.param,
-        "TIERS": {
-            "free": {"rate": "1000/s", "burst": 1000, "concurrency": N},
-            "anon": {"rate": "1000/s", "burst": 1000},
+    settings.RATELIMITS = merged(
+        settings.RATELIMITS,
+        {
+            "BACKEND": request.param,
+            "TIERS": {
+                "free": {"rate": "1000/s", "burst": 1000, "concurrency": N},
+                "anon": {"rate": "1000/s", "burst": 1000},
+            },
+            "POLICIES": {
+                "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "free"},
+                "TIER_FUNC": "project.payments.auth.tier_of",
+            },
         },
-        "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "free"},
-        "TIER_FUNC": "project.payments.auth.tier_of",
-    }
+    )
     engine.reset()
     return str(request.param)
 
@@ -314,7 +319,7 @@ def redis_now_us(client: Any) -> int:
 def test_slots_of_a_killed_worker_are_free_within_ttl(
     settings: Any, redis_server: RedisServer, redis_client: Any
 ) -> None:
-    settings.RATELIMITS = {**settings.RATELIMITS, "SLOT_TTL": f"{TTL_S}s"}
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"SHEDDING": {"SLOT_TTL": f"{TTL_S}s"}})
     policy = concurrency_policy("inflight:killed", HELD, fail_mode="open")
     assert policy.rate.period_us == TTL_S * SECOND  # SLOT_TTL is what a slot lives
     check = Check(policy, Subject("api_key", "killed-worker"))
@@ -386,11 +391,9 @@ def test_local_fail_mode_releases_its_slots(settings: Any, own_redis: RedisServe
     """With Redis gone, a concurrency limit that fails "local" is held in process, and released."""
     settings.RATELIMITS = {
         "BACKEND": "redis",
-        "REDIS_URL": own_redis.url,
-        "REDIS_SOCKET_TIMEOUT": "100ms",
-        "REDIS_CONNECT_TIMEOUT": "100ms",
+        "REDIS": {"URL": own_redis.url, "SOCKET_TIMEOUT": "100ms", "CONNECT_TIMEOUT": "100ms"},
         "TIERS": {"anon": {"rate": "1000/s", "burst": 1000, "concurrency": 2, "fail_mode": "local"}},
-        "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "anon"},
+        "POLICIES": {"DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "anon"}},
     }
     engine.reset()
     own_redis.kill()

@@ -16,6 +16,8 @@ from project.payments.management.commands.seed_demo import DEMO_KEYS
 from project.payments.models import ApiKey, hash_key
 from project.settings import RATELIMITS as DEMO_RATELIMITS
 
+from .support.settings import merged
+
 pytestmark = pytest.mark.django_db
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -85,7 +87,7 @@ def test_only_the_docs_are_served(client: Client) -> None:
 
 def test_the_page_names_the_redis_server_limits_are_kept_in(settings: Any, client: Client) -> None:
     # Rendering reads the settings only: no connection to this address is made.
-    settings.RATELIMITS = {**DEMO_RATELIMITS, "BACKEND": "redis", "REDIS_URL": "redis://127.0.0.1:6399/3"}
+    settings.RATELIMITS = merged(DEMO_RATELIMITS, {"BACKEND": "redis", "REDIS": {"URL": "redis://127.0.0.1:6399/3"}})
     html = client.get("/").content.decode()
     assert '<code id="backend">redis</code> (<code>redis://127.0.0.1:6399/3</code>)' in html
 
@@ -94,7 +96,7 @@ def test_the_page_names_the_redis_server_limits_are_kept_in(settings: Any, clien
     ("backend", "where"), [("memory", "in-process, this server only"), ("redis", "redis://127.0.0.1:6399/3")]
 )
 def test_seeding_prints_where_limits_are_kept(settings: Any, backend: str, where: str) -> None:
-    settings.RATELIMITS = {**DEMO_RATELIMITS, "BACKEND": backend, "REDIS_URL": "redis://127.0.0.1:6399/3"}
+    settings.RATELIMITS = merged(DEMO_RATELIMITS, {"BACKEND": backend, "REDIS": {"URL": "redis://127.0.0.1:6399/3"}})
     out = StringIO()
     call_command("seed_demo", stdout=out)
     assert f"  rate limiting backend: {backend} ({where})\n" in out.getvalue()

@@ -34,6 +34,7 @@ from ratelimits.rates import parse_rate
 from .factories import ApiKeyFactory
 from .support.clock import FakeClock
 from .support.redis_server import RedisServer, script_calls
+from .support.settings import merged
 
 US = 1_000_000
 #: How long a test waits for a message on the invalidation channel to arrive (a bounded poll).
@@ -200,13 +201,17 @@ def test_memory_is_not_trusted_while_the_channel_is_down_and_the_store_is_up(
 
 @pytest.fixture
 def stack(settings: Any, use_redis: RedisServer) -> Iterator[RedisServer]:
-    settings.RATELIMITS = {
-        **settings.RATELIMITS,
-        "TIERS": {"free": {"rate": "5/m"}, "anon": {"rate": "1000/s", "burst": 1000}},
-        "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "free"},
-        "TIER_FUNC": "project.payments.auth.tier_of",
-        "LOCAL_PATH": {"header": True},
-    }
+    settings.RATELIMITS = merged(
+        settings.RATELIMITS,
+        {
+            "TIERS": {"free": {"rate": "5/m"}, "anon": {"rate": "1000/s", "burst": 1000}},
+            "POLICIES": {
+                "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "free"},
+                "TIER_FUNC": "project.payments.auth.tier_of",
+            },
+            "LOCAL_PATH": {"HEADER": True},
+        },
+    )
     settings.MIDDLEWARE = ["ratelimits.middleware.EarlyRejectionMiddleware", *settings.MIDDLEWARE]
     yield use_redis
 
@@ -277,7 +282,7 @@ def test_a_refused_credential_is_answered_before_authentication(stack: RedisServ
 
 @pytest.mark.django_db
 def test_the_worker_shedder_sheds_before_authentication(settings: Any, stack: RedisServer) -> None:
-    settings.RATELIMITS = {**settings.RATELIMITS, "WORKER_CAPACITY": 1, "SHED_THRESHOLDS": {"low": 1}}
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"SHEDDING": {"WORKER_CAPACITY": 1, "THRESHOLDS": {"low": 1}}})
     settings.RATELIMITS["ENDPOINTS"] = {"ping": {"priority": "low"}}
     engine.reset()
     anonymous = APIClient(REMOTE_ADDR="198.51.100.41")

@@ -31,11 +31,14 @@ from .support.clients import client_for
 from .support.demo import Demo, demo_server
 from .support.http import fetch
 from .support.redis_server import RedisServer
+from .support.settings import merged
 
 TIERS = {
     "TIERS": {"free": {"rate": "3/s"}, "anon": {"rate": "2/m"}},
-    "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "free"},
-    "TIER_FUNC": "project.payments.auth.tier_of",
+    "POLICIES": {
+        "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "free"},
+        "TIER_FUNC": "project.payments.auth.tier_of",
+    },
 }
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -99,15 +102,15 @@ def test_a_dead_store_shows_as_errors_degraded_decisions_and_an_open_breaker(
     settings: Any, own_redis: RedisServer
 ) -> None:
     settings.ROOT_URLCONF = "project.urls"
-    settings.RATELIMITS = {
-        **settings.RATELIMITS,
-        **TIERS,
-        "BACKEND": "redis",
-        "REDIS_URL": own_redis.url,
-        "METRICS": {"multiprocess": False},
-        "BREAKER_MIN_CALLS": 3,
-        "BREAKER_COOLDOWN": "60s",
-    }
+    settings.RATELIMITS = merged(
+        merged(settings.RATELIMITS, TIERS),
+        {
+            "BACKEND": "redis",
+            "REDIS": {"URL": own_redis.url},
+            "METRICS": {"MULTIPROCESS": False},
+            "FAILURE": {"BREAKER_MIN_CALLS": 3, "BREAKER_COOLDOWN": "60s"},
+        },
+    )
     ApiKeyFactory(raw="sk_free_dead", tier="free")
     caller = client_for("sk_free_dead")
     assert caller.get("/v1/customers").status_code == 200
@@ -151,13 +154,13 @@ def test_the_view_is_a_404_while_metrics_are_off_and_takes_only_safe_methods(set
     settings.ROOT_URLCONF = "project.urls"
     settings.RATELIMITS = {**settings.RATELIMITS, "METRICS": False}
     assert Client().get("/metrics").status_code == 404
-    settings.RATELIMITS = {**settings.RATELIMITS, "METRICS": {"multiprocess": False}}
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"METRICS": {"MULTIPROCESS": False}})
     assert Client().get("/metrics").status_code == 200
     assert Client().post("/metrics").status_code == 405
 
 
 def test_labels_keep_a_bounded_number_of_values(settings: Any) -> None:
-    settings.RATELIMITS = {**settings.RATELIMITS, "METRICS": {"multiprocess": False}}
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"METRICS": {"MULTIPROCESS": False}})
     recorder = get_recorder()
     assert isinstance(recorder, Recorder)
     before = scrape(metrics.exposition()[0].decode())
@@ -173,7 +176,7 @@ def test_labels_keep_a_bounded_number_of_values(settings: Any) -> None:
 
 
 def test_counts_reach_prometheus_client_within_the_flush_interval_without_a_scrape(settings: Any) -> None:
-    settings.RATELIMITS = {**settings.RATELIMITS, "METRICS": {"multiprocess": False, "flush_interval": "50ms"}}
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"METRICS": {"MULTIPROCESS": False, "FLUSH_INTERVAL": "50ms"}})
     recorder = get_recorder()
     assert recorder is not None
     held = recorder._families["ratelimits_slots_held"]
@@ -190,7 +193,7 @@ def test_w007_without_multiprocess_mode_outside_debug(settings: Any, monkeypatch
     settings.DEBUG = False
     settings.RATELIMITS = {**settings.RATELIMITS, "BACKEND": "redis", "METRICS": True}
     assert W007 in {message.id for message in check_deployment()}
-    settings.RATELIMITS = {**settings.RATELIMITS, "METRICS": {"multiprocess": False}}
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"METRICS": {"MULTIPROCESS": False}})
     assert W007 not in {message.id for message in check_deployment()}
     with tempfile.TemporaryDirectory() as directory:
         monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", directory)
@@ -200,8 +203,8 @@ def test_w007_without_multiprocess_mode_outside_debug(settings: Any, monkeypatch
 
 def test_multiprocess_mode_asked_for_needs_its_directory(settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
-    settings.RATELIMITS = {**settings.RATELIMITS, "METRICS": {"multiprocess": True}}
-    found = [message for message in check_settings() if message.id == "ratelimits.E150"]
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"METRICS": {"MULTIPROCESS": True}})
+    found = [message for message in check_settings() if message.id == "ratelimits.E176"]
     assert found and "PROMETHEUS_MULTIPROC_DIR is not set" in found[0].msg
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "/nonexistent/ratelimits-metrics")
     settings.RATELIMITS = {**settings.RATELIMITS, "METRICS": True}

@@ -144,7 +144,7 @@ def test_an_operation_left_alone_has_none_of_it() -> None:
 )
 @pytest.mark.parametrize("local", [False, True])
 def test_the_documented_headers_follow_the_settings(settings: Any, style: str, expected: set[str], local: bool) -> None:
-    settings.RATELIMITS = {"BACKEND": "memory", "HEADERS": style, "LOCAL_PATH": {"header": local}}
+    settings.RATELIMITS = {"BACKEND": "memory", "HEADERS": {"STYLE": style}, "LOCAL_PATH": {"HEADER": local}}
     schema = schema_of(Limited)
     responses = operation(schema, Limited)["responses"]
     every = expected | EVERY_STYLE | ({LOCAL} if local else set())
@@ -217,7 +217,7 @@ def coerce(value: str, schema: dict[str, Any]) -> Any:
 
 @pytest.mark.parametrize("style", ["ietf", "github", "both"])
 def test_every_header_the_limiter_sends_is_documented_and_matches(settings: Any, style: str) -> None:
-    settings.RATELIMITS = {"BACKEND": "memory", "HEADERS": style, "LOCAL_PATH": {"header": True}}
+    settings.RATELIMITS = {"BACKEND": "memory", "HEADERS": {"STYLE": style}, "LOCAL_PATH": {"HEADER": True}}
     documented = {header.name: header for header in documented_headers()}
     sent: set[str] = set()
     for name, decision in decisions().items():

@@ -14,13 +14,15 @@ from ratelimits.identity import identify
 from ratelimits.policies import Policy, SettingsPolicySource
 from ratelimits.rates import parse_rate
 
+from .support.settings import merged
+
 GOOD = {
     "TIERS": {
         "anon": {"rate": "10/s", "burst": 20},
         "free": {"rate": "10/s", "burst": 20, "quota": "1000/d"},
         "pro": {"rate": "100/s", "burst": 200, "algorithm": "sliding_window", "fail_mode": "closed"},
     },
-    "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "free"},
+    "POLICIES": {"DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "free"}},
     "DIMENSIONS": {"ip": {"rate": "300/s"}, "org": {"rate": "1000/m", "burst": 100}},
     "ENDPOINTS": {
         "POST charges": {"cost": 1, "priority": "critical"},
@@ -31,12 +33,12 @@ GOOD = {
 
 
 def source(settings: Any, **changes: Any) -> SettingsPolicySource:
-    settings.RATELIMITS = {**GOOD, **changes}
+    settings.RATELIMITS = merged(GOOD, changes)
     return SettingsPolicySource()
 
 
 def test_good_configuration_resolves_every_dimension(settings: Any, rf: RequestFactory) -> None:
-    settings.RATELIMITS = {**GOOD, "ORGANIZATION_FUNC": lambda request: "acme"}
+    settings.RATELIMITS = merged(GOOD, {"IDENTITY": {"ORGANIZATION_FUNC": lambda request: "acme"}})
     policies = SettingsPolicySource()
     request = rf.post("/v1/reports/export", REMOTE_ADDR="192.0.2.1")
     identity = identify(request, endpoint="reports.export", auth="sk_1")
@@ -83,7 +85,7 @@ def test_tier_func_picks_tier_and_unknown_tier_gets_the_default_with_a_logged_er
             ]
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert errors == [  # once per loaded snapshot, not once per request
-        "ratelimits: RATELIMITS['TIER_FUNC'] returned 'platinum', which is not an enabled tier; "
+        "ratelimits: RATELIMITS['POLICIES']['TIER_FUNC'] returned 'platinum', which is not an enabled tier; "
         "the callers it names get the default tier instead",
     ]
 
@@ -102,14 +104,17 @@ def test_tier_func_picks_tier_and_unknown_tier_gets_the_default_with_a_logged_er
         ({"TIERS": {**GOOD["TIERS"], "free": {"rate": "1/s", "fail_mode": "maybe"}}}, r"\['fail_mode'\]: 'maybe'"),
         ({"TIERS": {**GOOD["TIERS"], "free": {"rate": "1/s", "brust": 5}}}, r"\['free'\]: unknown keys brust"),
         ({"TIERS": {**GOOD["TIERS"], "free": {"rate": "1/s", "quota": "0/d"}}}, r"\['free'\]\['quota'\]: '0/d'"),
-        ({"DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "gold"}}, r"\['authenticated'\]: 'gold'"),
+        (
+            {"POLICIES": {"DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "gold"}}},
+            r"\['authenticated'\]: 'gold'",
+        ),
         ({"DIMENSIONS": {"country": {"rate": "1/s"}}}, r"DIMENSIONS'\]: 'country'"),
         ({"ENDPOINTS": {"x": {"cost": 0}}}, r"ENDPOINTS'\]\['x'\]\['cost'\]: 0"),
         ({"ENDPOINTS": {"x": {"priority": "urgent"}}}, r"\['priority'\]: 'urgent'"),
         ({"ENDPOINTS": {"x": {"rate": "NaN/s"}}}, r"\['x'\]\['rate'\]: 'NaN/s'"),
         ({"ENDPOINTS": {"x": {"cost": 25}}}, r"\['x'\]\['cost'\]: 25 exceeds the capacity 20 of tier:anon"),
         ({"ENDPOINTS": {"x": {"cost": 5, "rate": "4/s"}}}, r"capacity 4 of endpoint:x"),
-        ({"EXEMPT_ENDPOINTS": "health"}, r"EXEMPT_ENDPOINTS'\] must be a list"),
+        ({"POLICIES": {"EXEMPT_ENDPOINTS": "health"}}, r"EXEMPT_ENDPOINTS'\] must be a list"),
     ],
 )
 def test_bad_configuration_names_the_field(settings: Any, changes: dict[str, Any], message: str) -> None:

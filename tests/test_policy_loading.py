@@ -22,6 +22,7 @@ from ratelimits.models import Tier
 from ratelimits.policies.database import DatabasePolicySource, bounded_waits
 
 from .support.polling import wait_until
+from .support.settings import merged
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -54,7 +55,7 @@ def locked() -> Iterator[psycopg.Connection[Any]]:
 
 @pytest.fixture
 def source(settings: Any) -> DatabasePolicySource:
-    settings.RATELIMITS = {**settings.RATELIMITS, "POLICY_SOURCE": "database", "POLICY_LOAD_TIMEOUT": "100ms"}
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"POLICIES": {"SOURCE": "database", "LOAD_TIMEOUT": "100ms"}})
     engine.reset()
     built = engine.get_policy_source()
     assert isinstance(built, DatabasePolicySource)

@@ -56,6 +56,7 @@ from ratelimits.shares import ShareRecord, target_shares
 from .support.redis_cluster import Cluster
 from .support.redis_server import RedisServer
 from .support.regions import PREFIX, global_check, region_settings, share_in
+from .support.settings import merged
 
 US = 1_000_000
 #: A round takes the reconciliation lock in the database (on PostgreSQL).
@@ -119,7 +120,7 @@ def test_the_script_and_the_python_mirror_decide_a_global_bucket_alike(own_redis
     rng = random.Random(13)
     client = own_redis.client()
     store = RedisBackend(client, prefix=PREFIX, clock=lambda: clock[0])
-    with_regions = {"REGION": "a", "REGIONS": {"a": {"REDIS_URL": own_redis.url}, "b": {"REDIS_URL": own_redis.url}}}
+    with_regions = {"REGIONS": {"CURRENT": "a", "STORES": {"a": own_redis.url, "b": own_redis.url}}}
     with override_settings(RATELIMITS=with_regions):
         conf.clear()
         check = Check(Policy("g", parse_rate("7/s"), 9, scope=Scope.GLOBAL), Subject(SubjectKind.USER, "u"), 1)
@@ -140,11 +141,10 @@ def test_the_script_and_the_python_mirror_decide_a_global_bucket_alike(own_redis
 
 
 def test_the_memory_backend_enforces_the_even_split(settings: Any) -> None:
-    settings.RATELIMITS = {
-        **settings.RATELIMITS,
-        "REGION": "a",
-        "REGIONS": {name: {"REDIS_URL": "redis://127.0.0.1:6379/0"} for name in ("a", "b", "c", "d")},
-    }
+    settings.RATELIMITS = merged(
+        settings.RATELIMITS,
+        {"REGIONS": {"CURRENT": "a", "STORES": {name: "redis://127.0.0.1:6379/0" for name in ("a", "b", "c", "d")}}},
+    )
     conf.clear()
     check = global_check("1/m", 40)
     store = MemoryBackend()
@@ -163,7 +163,7 @@ def test_a_round_moves_the_shares_toward_demand_and_they_sum_to_the_limit(region
     # Both regions told the round's shares (b lowered, a held), then a raised: three writes.
     assert done.reached == ["a", "b"] and done.subjects == 1 and done.written == 3, done
     a, b = (share_in(regions[name], check, 2) for name in ("a", "b"))
-    floor = conf.reconcile.floor
+    floor = conf.regions.reconcile.floor
     assert a == pytest.approx(1 - floor) and b == pytest.approx(floor)
     assert a + b == pytest.approx(1.0, abs=1e-12)
     # Demand in both, three to one: the floor each, the rest three to one.
@@ -203,7 +203,7 @@ def test_a_stale_share_decays_to_the_even_split_in_the_script_as_in_the_record(
     regions: dict[str, RedisServer],
 ) -> None:
     check = global_check("1/h", 1000)
-    settings = conf.reconcile
+    settings = conf.regions.reconcile
     # Written by a round long ago: a's 0.95 went stale half the decay ago.
     long_ago = time.time() - settings.stale_after - settings.decay / 2
     store = RegionStore("a", regions["a"].client(), prefix=PREFIX)
@@ -219,7 +219,7 @@ def test_a_stale_share_decays_to_the_even_split_in_the_script_as_in_the_record(
 def test_a_share_below_the_even_split_never_rises_by_decay(regions: dict[str, RedisServer]) -> None:
     """Only a write raises a share: a region left low by a round the others outlived cannot grow on its own."""
     check = global_check("1/h", 1000)
-    settings = conf.reconcile
+    settings = conf.regions.reconcile
     long_ago = time.time() - settings.stale_after - settings.decay * 2  # fully decayed, were it above
     record = ShareRecord(0.05, long_ago * US, settings.stale_after * US, settings.decay * US, 0.5, 3, (0.95, 0.05))
     store = RegionStore("b", regions["b"].client(), prefix=PREFIX)
@@ -249,7 +249,7 @@ def test_a_write_that_arrives_too_late_is_refused(regions: dict[str, RedisServer
     """A stopped store runs what queued up once resumed: a share write that old must not land."""
     check = global_check("1/h", 1000)
     key = check.key(PREFIX)
-    settings = conf.reconcile
+    settings = conf.regions.reconcile
     record = ShareRecord(0.9, time.time() * US, settings.stale_after * US, settings.decay * US, 0.5, 1, (0.9, 0.1))
     store = RegionStore("a", regions["a"].client(), prefix=PREFIX)  # 5 s timeout: waits out the stop
     store.client.script_load(RESHARE.text)  # so the write is sent once, not again after a NOSCRIPT
@@ -427,12 +427,16 @@ def test_the_admin_refuses_a_global_tier_it_cannot_split() -> None:
 def test_the_rate_limit_view_shows_the_global_limit_and_this_regions_share(
     regions: dict[str, RedisServer], settings: Any
 ) -> None:
-    settings.RATELIMITS = {
-        **settings.RATELIMITS,
-        "REDIS_URL": regions["a"].url,
-        "KEY_PREFIX": PREFIX,
-        "TIERS": {"anonymous": {"rate": "100/s", "burst": 100, "scope": "global"}, "authenticated": {"rate": "100/s"}},
-    }
+    settings.RATELIMITS = merged(
+        settings.RATELIMITS,
+        {
+            "REDIS": {"URL": regions["a"].url, "KEY_PREFIX": PREFIX},
+            "TIERS": {
+                "anonymous": {"rate": "100/s", "burst": 100, "scope": "global"},
+                "authenticated": {"rate": "100/s"},
+            },
+        },
+    )
     conf.clear()
     engine.reset()
     client = APIClient(REMOTE_ADDR="203.0.113.9")
@@ -450,11 +454,9 @@ def test_a_cluster_region_is_reconciled_like_a_single_server(
     settings: Any, own_redis: RedisServer, redis_cluster: Cluster, cluster_client: Any
 ) -> None:
     """Region b on a Redis Cluster: demand counted per slot, read from every node, shares written per slot."""
-    settings.RATELIMITS = {
-        **settings.RATELIMITS,
-        "REGION": "a",
-        "REGIONS": {"a": {"REDIS_URL": own_redis.url}, "b": {"REDIS_URL": redis_cluster.url}},
-    }
+    settings.RATELIMITS = merged(
+        settings.RATELIMITS, {"REGIONS": {"CURRENT": "a", "STORES": {"a": own_redis.url, "b": redis_cluster.url}}}
+    )
     conf.clear()
     in_b = ClusterBackend(make_client(redis_cluster.url, 2.0, 2.0), prefix=PREFIX)  # type: ignore[arg-type]
     checks = [global_check("1/m", 100, subject=f"org-{i}") for i in range(12)]  # over every master; no refill
@@ -479,7 +481,7 @@ def test_what_is_left_of_a_global_policy_counts_this_regions_slower_refill(own_r
     """A region at share 0.5 refills 50 of 100/s: 10 spent are whole again in 0.2 s, not 0.1 s."""
     store = RedisBackend(own_redis.client(), prefix=PREFIX, clock=lambda: clock[0])
     clock = [1_800_000_000_000_000]
-    with override_settings(RATELIMITS={"REGION": "a", "REGIONS": {n: {"REDIS_URL": own_redis.url} for n in "ab"}}):
+    with override_settings(RATELIMITS={"REGIONS": {"CURRENT": "a", "STORES": {n: own_redis.url for n in "ab"}}}):
         conf.clear()
         check = global_check("100/s", 100)
         for _ in range(10):

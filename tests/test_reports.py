@@ -42,6 +42,8 @@ from ratelimits.usage.queries import (
     top_consumers,
 )
 
+from .support.settings import merged
+
 pytestmark = pytest.mark.django_db
 
 START = datetime(2025, 3, 1, tzinfo=UTC)
@@ -577,7 +579,7 @@ def test_long_series_are_drawn_as_lines_and_empty_ones_say_so() -> None:
 
 
 def test_the_page_says_how_much_is_in_overflow_rows_and_under_digests(settings: Any, admin_client: Client) -> None:
-    settings.RATELIMITS = {**settings.RATELIMITS, "USAGE_MAX_SUBJECTS": 2500}
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"USAGE": {"MAX_SUBJECTS": 2500}})
     record("ApiKey:1", START, allowed=10)
     record("ip", START, kind="overflow", endpoint="charges", allowed=1200, throttled=34)
     record("digest:AAAAAAAAAAAAAAAA", START + HOUR, kind="ip", allowed=5, throttled=2)

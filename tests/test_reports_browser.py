@@ -211,7 +211,7 @@ def fresh_demo(request: pytest.FixtureRequest, settings: Any) -> dict[str, str]:
     """
     store: dict[str, Any] = {"BACKEND": "memory"}
     if request.param == "redis":
-        store = {"BACKEND": "redis", "REDIS_URL": request.getfixturevalue("use_redis").url}
+        store = {"BACKEND": "redis", "REDIS": {"URL": request.getfixturevalue("use_redis").url}}
     settings.RATELIMITS = {**DEMO_RATELIMITS, **store}
     # What `migrate` seeds, again: an earlier transactional test's flush may have emptied the tables.
     with connection.schema_editor() as editor:

@@ -20,6 +20,8 @@ from ratelimits.models import EndpointPolicy, FleetSettings, Override, SubjectAs
 from ratelimits.policies.audit import audit_context
 from ratelimits.rates import MAX_LIMIT
 
+from .support.settings import merged
+
 pytestmark = pytest.mark.django_db
 
 TIERS = {
@@ -132,18 +134,15 @@ CASES = [
 
 
 def use_settings(settings: Any, case: Case) -> None:
-    settings.RATELIMITS = {
-        **base(case),
-        "TIERS": TIERS,
-        "DEFAULT_TIERS": DEFAULTS,
-        "ENDPOINTS": case.endpoints,
-        "FLEET_CAPACITY": case.fleet[0] if case.fleet else None,
-        **({"SHED_THRESHOLDS": case.fleet[1]} if case.fleet else {}),
-    }
+    shedding = {"FLEET_CAPACITY": case.fleet[0], "THRESHOLDS": case.fleet[1]} if case.fleet else {}
+    settings.RATELIMITS = merged(
+        base(case),
+        {"TIERS": TIERS, "POLICIES": {"DEFAULT_TIERS": DEFAULTS}, "ENDPOINTS": case.endpoints, "SHEDDING": shedding},
+    )
 
 
 def use_database(settings: Any, case: Case) -> None:
-    settings.RATELIMITS = {**base(case), "POLICY_SOURCE": "database"}
+    settings.RATELIMITS = merged(base(case), {"POLICIES": {"SOURCE": "database"}})
     with audit_context(reason="resolution table"):
         for model in (Override, SubjectAssignment, EndpointPolicy, FleetSettings, Tier):
             for row in model.objects.all():
@@ -185,9 +184,11 @@ def base(case: Case) -> dict[str, Any]:
     return {
         "BACKEND": "memory",
         "DIMENSIONS": case.dimensions,
-        "EXEMPT_ENDPOINTS": list(case.exempt),
-        "TIER_FUNC": (lambda request, identity: tier) if tier else None,
-        "ORGANIZATION_FUNC": lambda request: case.org,
+        "POLICIES": {
+            "EXEMPT_ENDPOINTS": list(case.exempt),
+            "TIER_FUNC": (lambda request, identity: tier) if tier else None,
+        },
+        "IDENTITY": {"ORGANIZATION_FUNC": lambda request: case.org},
     }
 
 

@@ -32,9 +32,11 @@ pytestmark = pytest.mark.django_db
 
 FOUR_CHECKS = {
     "TIERS": {"anon": {"rate": "2/m"}, "free": {"rate": "3/s"}, "pro": {"rate": "1000/h"}},
-    "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "free"},
-    "TIER_FUNC": "project.payments.auth.tier_of",
-    "ORGANIZATION_FUNC": "project.payments.auth.organization_of",
+    "POLICIES": {
+        "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "free"},
+        "TIER_FUNC": "project.payments.auth.tier_of",
+    },
+    "IDENTITY": {"ORGANIZATION_FUNC": "project.payments.auth.organization_of"},
     "DIMENSIONS": {"ip": {"rate": "1000/s"}, "org": {"rate": "1000/s"}},
     "ENDPOINTS": {"customers": {"rate": "50/s"}},
 }

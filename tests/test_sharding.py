@@ -26,6 +26,7 @@ from ratelimits.rates import parse_rate
 
 from .support.clock import FakeClock
 from .support.redis_cluster import Cluster
+from .support.settings import merged
 from .test_cluster import node_ids, node_of
 from .test_concurrency import assert_clean, storm, summary
 
@@ -99,19 +100,20 @@ def test_sharded_decisions_never_admit_more_than_the_budget_and_the_cost_is_meas
 
 
 def test_settings_take_shards_for_an_endpoint_wide_limit_and_the_fleet(settings: Any) -> None:
-    settings.RATELIMITS = {
-        **settings.RATELIMITS,
-        "ENDPOINTS": {"POST /v1/search": {"endpoint_rate": {"rate": "1000/s", "shards": 8}}},
-        "FLEET_CAPACITY": 400,
-        "FLEET_SHARDS": 4,
-    }
+    settings.RATELIMITS = merged(
+        settings.RATELIMITS,
+        {
+            "ENDPOINTS": {"POST /v1/search": {"endpoint_rate": {"rate": "1000/s", "shards": 8}}},
+            "SHEDDING": {"FLEET_CAPACITY": 400, "FLEET_SHARDS": 4},
+        },
+    )
     assert [m.id for m in check_settings()] == []
     fleet = fleet_checks(400, {"low": 60}, 4)
     assert all(check.policy.shards == 4 and check.policy.shard is not None for check in fleet.values())
 
 
 def test_too_many_fleet_shards_fail_the_checks_naming_the_setting(settings: Any) -> None:
-    settings.RATELIMITS = {**settings.RATELIMITS, "FLEET_CAPACITY": 10, "FLEET_SHARDS": 16}
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"SHEDDING": {"FLEET_CAPACITY": 10, "FLEET_SHARDS": 16}})
     errors = [m for m in check_settings() if m.level >= 40]
     assert [m.id for m in errors] == ["ratelimits.E142"]
     assert "FLEET_SHARDS" in errors[0].msg

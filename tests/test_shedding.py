@@ -23,6 +23,7 @@ from .support import clients
 from .support.bursts import Burst, in_flight
 from .support.gate import Gate
 from .support.redis_server import RedisServer
+from .support.settings import merged
 
 REDUCED_CAPACITY = "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity"
 
@@ -54,20 +55,23 @@ BURST = 100
 
 @pytest.fixture
 def fleet(settings: Any, use_redis: RedisServer, monkeypatch: pytest.MonkeyPatch, gate: Gate) -> Gate:
-    settings.RATELIMITS = {
-        **settings.RATELIMITS,
-        # A slow refill (36 s per token): token counts read later in the test are exact.
-        "TIERS": {"free": {"rate": "100/h", "burst": BURST}, "anon": {"rate": "1000/s", "burst": 1000}},
-        "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "free"},
-        "TIER_FUNC": "project.payments.auth.tier_of",
-        "FLEET_CAPACITY": CAPACITY,
-        "SHED_THRESHOLDS": {"low": 60, "normal": 75, "high": 90},
-        "ENDPOINTS": {
-            "reports.export": {"cost": EXPORT_COST, "priority": "low"},
-            "charges": {"priority": "critical"},
-            "customers": {"priority": "normal"},
+    settings.RATELIMITS = merged(
+        settings.RATELIMITS,
+        {
+            # A slow refill (36 s per token): token counts read later in the test are exact.
+            "TIERS": {"free": {"rate": "100/h", "burst": BURST}, "anon": {"rate": "1000/s", "burst": 1000}},
+            "POLICIES": {
+                "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "free"},
+                "TIER_FUNC": "project.payments.auth.tier_of",
+            },
+            "SHEDDING": {"FLEET_CAPACITY": CAPACITY, "THRESHOLDS": {"low": 60, "normal": 75, "high": 90}},
+            "ENDPOINTS": {
+                "reports.export": {"cost": EXPORT_COST, "priority": "low"},
+                "charges": {"priority": "critical"},
+                "customers": {"priority": "normal"},
+            },
         },
-    }
+    )
     engine.reset()
     # The export is slow: here it stays in flight until the test opens the gate.
     export = ReportExport.post
@@ -152,14 +156,15 @@ def test_flood_of_low_priority_exports_is_shed_while_critical_charges_succeed(fl
 @pytest.fixture
 def small_fleet(settings: Any, use_redis: RedisServer, gate: Gate) -> Gate:
     """A fleet of 2 where low priority is shed from 1 request in flight; anonymous callers by IP."""
-    settings.RATELIMITS = {
-        **settings.RATELIMITS,
-        "TIERS": {"anon": {"rate": "1/h", "burst": 1}},
-        "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "anon"},
-        "FLEET_CAPACITY": 2,
-        "SHED_THRESHOLDS": {"low": 50, "normal": 100, "high": 100},
-        "ENDPOINTS": {"GET gated": {"priority": "low"}, "POST gated": {"priority": "critical"}},
-    }
+    settings.RATELIMITS = merged(
+        settings.RATELIMITS,
+        {
+            "TIERS": {"anon": {"rate": "1/h", "burst": 1}},
+            "POLICIES": {"DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "anon"}},
+            "SHEDDING": {"FLEET_CAPACITY": 2, "THRESHOLDS": {"low": 50, "normal": 100, "high": 100}},
+            "ENDPOINTS": {"GET gated": {"priority": "low"}, "POST gated": {"priority": "critical"}},
+        },
+    )
     engine.reset()
     return gate
 
@@ -217,14 +222,11 @@ def killed_redis(settings: Any, own_redis: RedisServer) -> Iterator[RedisServer]
     """RATELIMITS on a redis-server of this test's own, which the test kills (stopped by PID after)."""
     settings.RATELIMITS = {
         "BACKEND": "redis",
-        "REDIS_URL": own_redis.url,
-        "REDIS_SOCKET_TIMEOUT": "100ms",
-        "REDIS_CONNECT_TIMEOUT": "100ms",
-        "DEFAULT_FAIL_MODE": "open",
+        "REDIS": {"URL": own_redis.url, "SOCKET_TIMEOUT": "100ms", "CONNECT_TIMEOUT": "100ms"},
+        "FAILURE": {"DEFAULT_MODE": "open"},
         "TIERS": {"anon": {"rate": "1000/s", "burst": 1000}},
-        "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "anon"},
-        "WORKER_CAPACITY": WORKER_CAPACITY,
-        "SHED_THRESHOLDS": {"low": 60, "normal": 75, "high": 90},
+        "POLICIES": {"DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "anon"}},
+        "SHEDDING": {"WORKER_CAPACITY": WORKER_CAPACITY, "THRESHOLDS": {"low": 60, "normal": 75, "high": 90}},
         "ENDPOINTS": {"GET gated": {"priority": "low"}, "POST gated": {"priority": "critical"}},
     }
     engine.reset()
@@ -281,7 +283,7 @@ def failing_tier_func(request: Any, identity: Any) -> str:
 
 def test_worker_in_flight_count_survives_a_failing_request(killed_redis: RedisServer, settings: Any) -> None:
     """A request that fails after the shedder counted it in is counted out again."""
-    settings.RATELIMITS = {**settings.RATELIMITS, "TIER_FUNC": failing_tier_func}
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"POLICIES": {"TIER_FUNC": failing_tier_func}})
     engine.reset()
     shedder = engine.get_worker_shedder()
     assert shedder is not None

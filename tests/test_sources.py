@@ -38,6 +38,7 @@ from .factories import (
     UserFactory,
 )
 from .support.clients import client_for
+from .support.settings import merged
 
 pytestmark = pytest.mark.django_db
 
@@ -51,12 +52,11 @@ def configure(settings: Any) -> Configure:
     """Switch RATELIMITS to the database source (plus ``extra`` keys); returns the process's source."""
 
     def apply(**extra: Any) -> DatabasePolicySource:
-        settings.RATELIMITS = {
-            **settings.RATELIMITS,
-            "POLICY_SOURCE": DB_SOURCE,
-            "ORGANIZATION_FUNC": "project.payments.auth.organization_of",
-            **extra,
+        with_database = {
+            "POLICIES": {"SOURCE": DB_SOURCE},
+            "IDENTITY": {"ORGANIZATION_FUNC": "project.payments.auth.organization_of"},
         }
+        settings.RATELIMITS = merged(merged(settings.RATELIMITS, with_database), extra)
         source = engine.get_policy_source()
         assert isinstance(source, DatabasePolicySource)
         return source
@@ -136,13 +136,13 @@ def test_fleet_settings_change_is_picked_up(
 
 def test_without_fleet_tiers_the_settings_defaults_apply_if_they_name_a_tier(configure: Configure) -> None:
     FleetSettingsFactory(anonymous_tier=None, authenticated_tier=None)
-    source = configure(DEFAULT_TIERS={"anonymous": "free", "authenticated": "no-such-tier"})
+    source = configure(POLICIES={"DEFAULT_TIERS": {"anonymous": "free", "authenticated": "no-such-tier"}})
     assert checks(explain(source)) == {("tier:free", "ip"), ("tier:free:quota", "ip")}
     assert explain(source, key=ApiKeyFactory()) == []  # nothing known to place it in
 
 
 def test_tier_func_places_callers_without_an_assignment(configure: Configure) -> None:
-    source = configure(TIER_FUNC="project.payments.auth.tier_of")
+    source = configure(POLICIES={"TIER_FUNC": "project.payments.auth.tier_of"})
     TierFactory(name="retired", rate="1/s", enabled=False)
     explained = explain(source, key=ApiKeyFactory(tier="enterprise"))
     assert checks(explained) == {("tier:enterprise", "api_key")}
@@ -155,7 +155,7 @@ def test_tier_func_places_callers_without_an_assignment(configure: Configure) ->
 
 
 def test_api_key_assignment_beats_tier_func(configure: Configure) -> None:
-    source = configure(TIER_FUNC="project.payments.auth.tier_of")
+    source = configure(POLICIES={"TIER_FUNC": "project.payments.auth.tier_of"})
     key = ApiKeyFactory(tier="free")
     assignment = SubjectAssignmentFactory(subject_id=key_subject(key), tier=tier("enterprise"))
     SubjectAssignmentFactory(subject_id="ApiKey:999999999", tier=tier("anonymous"))  # someone else's
@@ -317,7 +317,7 @@ def test_method_specific_policy_beats_any(source: DatabasePolicySource) -> None:
 
 def test_exempt_endpoints(configure: Configure) -> None:
     EndpointPolicyFactory(endpoint="health", exempt=True)
-    source = configure(EXEMPT_ENDPOINTS=["metrics"])
+    source = configure(POLICIES={"EXEMPT_ENDPOINTS": ["metrics"]})
     key = ApiKeyFactory()
     assert explain(source, key=key, endpoint="health") == []
     assert explain(source, endpoint="metrics") == []
@@ -507,7 +507,7 @@ def test_a_lagging_store_is_repaired_not_reloaded(source: DatabasePolicySource) 
 
 def test_the_database_is_rechecked_even_when_no_stamp_moves(configure: Configure) -> None:
     """A change whose publication nobody saw fail is still found within POLICY_RECHECK_INTERVAL."""
-    configure(POLICY_RECHECK_INTERVAL="60s")
+    configure(POLICIES={"RECHECK_INTERVAL": "60s"})
     worker = DatabasePolicySource()
     snap = worker.snapshot()
     current = decision_with_version(worker, str(snap.version))

@@ -22,13 +22,16 @@ from ratelimits.models import EndpointPolicy
 
 from .factories import ApiKeyFactory
 from .support.clients import client_for
+from .support.settings import merged
 
 pytestmark = pytest.mark.django_db
 
 BASE = {
     "TIERS": {"free": {"rate": "3/s"}, "anon": {"rate": "2/m"}},
-    "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "free"},
-    "TIER_FUNC": "project.payments.auth.tier_of",
+    "POLICIES": {
+        "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "free"},
+        "TIER_FUNC": "project.payments.auth.tier_of",
+    },
 }
 
 
@@ -81,7 +84,7 @@ def test_its_calls_spend_nothing_of_what_it_reports(limits: Any) -> None:
 
 
 def test_an_exempt_status_endpoint_is_not_limited(limits: Any, settings: Any) -> None:
-    settings.RATELIMITS = {**limits, "EXEMPT_ENDPOINTS": ["rate_limit"]}
+    settings.RATELIMITS = merged(limits, {"POLICIES": {"EXEMPT_ENDPOINTS": ["rate_limit"]}})
     ApiKeyFactory(raw="sk_status_4", tier="free")
     response = status(client_for("sk_status_4"), endpoint="customers")
     assert response.status_code == 200
@@ -132,14 +135,14 @@ def test_every_route_and_policy_name_is_an_endpoint(limits: Any) -> None:
 
 
 def test_database_policies_name_endpoints_too(settings: Any, use_redis: Any) -> None:
-    settings.RATELIMITS = {**settings.RATELIMITS, "POLICY_SOURCE": "database"}
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"POLICIES": {"SOURCE": "database"}})
     EndpointPolicy.objects.create(endpoint="legacy.export", method="POST")
     assert status(APIClient(), endpoint="legacy.export", method="POST").status_code == 200
     assert status(APIClient(), endpoint="legacy.import").status_code == 400
 
 
 def test_the_demo_seeds_a_cheap_policy_for_it(settings: Any, use_redis: Any) -> None:
-    settings.RATELIMITS = {**DEMO_RATELIMITS, "BACKEND": "redis", "REDIS_URL": use_redis.url}
+    settings.RATELIMITS = merged(DEMO_RATELIMITS, {"BACKEND": "redis", "REDIS": {"URL": use_redis.url}})
     call_command("seed_demo", stdout=StringIO())
     policy = EndpointPolicy.objects.get(endpoint="rate_limit")
     assert (policy.per_caller_rate, policy.per_caller_burst, policy.cost) == ("60/m", 20, 1)

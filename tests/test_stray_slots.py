@@ -10,19 +10,21 @@ import pytest
 from django.test import Client
 
 from .support.redis_server import RedisServer
+from .support.settings import merged
 
 pytestmark = pytest.mark.django_db
 
 
 @pytest.fixture
 def stalled_redis(settings: Any, own_redis: RedisServer) -> Iterator[RedisServer]:
-    settings.RATELIMITS = {
-        **settings.RATELIMITS,
-        "BACKEND": "redis",
-        "REDIS_URL": own_redis.url,
-        "REDIS_SOCKET_TIMEOUT": "50ms",
-        "TIERS": {"anonymous": {"rate": "100/s", "concurrency": 1}, "authenticated": {"rate": "100/s"}},
-    }
+    settings.RATELIMITS = merged(
+        settings.RATELIMITS,
+        {
+            "BACKEND": "redis",
+            "REDIS": {"URL": own_redis.url, "SOCKET_TIMEOUT": "50ms"},
+            "TIERS": {"anonymous": {"rate": "100/s", "concurrency": 1}, "authenticated": {"rate": "100/s"}},
+        },
+    )
     yield own_redis
 
 

@@ -15,14 +15,17 @@ from ratelimits.throttles import RateLimitThrottle
 
 from .factories import ApiKeyFactory
 from .support.clients import client_for
+from .support.settings import merged
 
 pytestmark = pytest.mark.django_db
 
 BASE = {
     "TIERS": {"free": {"rate": "3/s"}, "pro": {"rate": "100/s", "burst": 200}, "anon": {"rate": "2/m"}},
-    "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "free"},
-    "TIER_FUNC": "project.payments.auth.tier_of",
-    "ORGANIZATION_FUNC": "project.payments.auth.organization_of",
+    "POLICIES": {
+        "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "free"},
+        "TIER_FUNC": "project.payments.auth.tier_of",
+    },
+    "IDENTITY": {"ORGANIZATION_FUNC": "project.payments.auth.organization_of"},
 }
 
 
@@ -76,7 +79,7 @@ def test_retry_after_is_rounded_up_never_down(limits: Any, settings: Any) -> Non
 
 
 def test_jitter_only_adds(limits: Any, settings: Any) -> None:
-    settings.RATELIMITS = {**limits, "RETRY_AFTER_JITTER": "5s"}
+    settings.RATELIMITS = merged(limits, {"HEADERS": {"RETRY_AFTER_JITTER": "5s"}})
     ApiKeyFactory(raw="sk_free_3", tier="free")
     client = client_for("sk_free_3")
     for _ in range(3):
@@ -101,7 +104,7 @@ def test_jitter_only_adds(limits: Any, settings: Any) -> None:
     ],
 )
 def test_header_style_setting(limits: Any, settings: Any, style: str, present: list[str], absent: list[str]) -> None:
-    settings.RATELIMITS = {**limits, "HEADERS": style}
+    settings.RATELIMITS = merged(limits, {"HEADERS": {"STYLE": style}})
     ApiKeyFactory(raw="sk_pro_2", tier="pro")
     response = client_for("sk_pro_2").get("/v1/customers")
     for name in present:
@@ -189,7 +192,7 @@ def test_plain_django_view_with_decorator(limits: Any, settings: Any) -> None:
     ],
 )
 def test_bad_forwarded_headers_never_500(limits: Any, settings: Any, forwarded: str) -> None:
-    settings.RATELIMITS = {**limits, "TRUSTED_PROXIES": ["10.0.0.0/8"]}
+    settings.RATELIMITS = merged(limits, {"IDENTITY": {"TRUSTED_PROXIES": ["10.0.0.0/8"]}})
     response = APIClient().get("/t/ping", REMOTE_ADDR="10.0.0.1", HTTP_X_FORWARDED_FOR=forwarded)
     assert response.status_code in (200, 429)
 

@@ -13,12 +13,13 @@ from ratelimits.models import UsageBatch, UsageRecord
 from ratelimits.usage import drain
 
 from .factories import ApiKeyFactory
+from .support.settings import merged
 
 pytestmark = pytest.mark.django_db
 
 LIMITS = {
     "TIERS": {"anonymous": {"rate": "5/m"}, "authenticated": {"rate": "3/m"}},
-    "ORGANIZATION_FUNC": "project.payments.auth.organization_of",
+    "IDENTITY": {"ORGANIZATION_FUNC": "project.payments.auth.organization_of"},
     "ENDPOINTS": {"reports.export": {"cost": 2}},
 }
 
@@ -98,7 +99,9 @@ def test_open_minutes_are_not_drained(backend_settings: str) -> None:
 
 
 def test_degraded_decisions_are_counted_and_added_when_the_store_returns(settings: Any, own_redis: Any) -> None:
-    settings.RATELIMITS = {**LIMITS, "BACKEND": "redis", "REDIS_URL": own_redis.url, "BREAKER_COOLDOWN": "50ms"}
+    settings.RATELIMITS = merged(
+        LIMITS, {"BACKEND": "redis", "REDIS": {"URL": own_redis.url}, "FAILURE": {"BREAKER_COOLDOWN": "50ms"}}
+    )
     client = APIClient(REMOTE_ADDR="198.51.100.8")
     assert client.get("/t/ping").status_code == 200
     own_redis.kill()

@@ -27,6 +27,7 @@ from ratelimits.usage.subjects import write_pending
 
 from .support.clock import FakeClock
 from .support.redis_server import RedisServer
+from .support.settings import merged
 
 pytestmark = pytest.mark.django_db
 
@@ -37,7 +38,7 @@ LIMITS = {"TIERS": {"anonymous": {"rate": "100/m"}, "authenticated": {"rate": "1
 def backend_name(request: pytest.FixtureRequest, settings: Any) -> str:
     if request.param == "redis":
         request.getfixturevalue("use_redis")
-    settings.RATELIMITS = {**settings.RATELIMITS, **LIMITS, "USAGE_MAX_SUBJECTS": 3}
+    settings.RATELIMITS = merged(merged(settings.RATELIMITS, LIMITS), {"USAGE": {"MAX_SUBJECTS": 3}})
     return str(request.param)
 
 

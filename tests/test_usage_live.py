@@ -24,6 +24,7 @@ from ratelimits.usage.live import LIVE_MINUTES, live_minutes, read_live
 from ratelimits.usage.subjects import write_pending
 
 from .support.redis_server import free_port
+from .support.settings import merged
 
 URL = "/admin/ratelimits/fleetsettings/usage/"
 #: A minute since the epoch (2025-02-19 05:20 UTC), far from now: no live minute of a report.
@@ -184,7 +185,9 @@ def test_minutes_not_drained_are_live_and_once_drained_are_counted_from_their_ro
 
 @pytest.mark.django_db
 def test_the_report_renders_without_its_live_part_when_the_store_is_down(settings: Any, admin_client: Client) -> None:
-    settings.RATELIMITS = {**settings.RATELIMITS, "BACKEND": "redis", "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    settings.RATELIMITS = merged(
+        settings.RATELIMITS, {"BACKEND": "redis", "REDIS": {"URL": f"redis://127.0.0.1:{free_port()}/0"}}
+    )
     response = admin_client.get(URL)
     assert response.status_code == 200
     html = response.content.decode()

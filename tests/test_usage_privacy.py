@@ -31,13 +31,14 @@ from ratelimits.usage.subjects import KEEP_FOR, write_pending
 
 from .factories import ApiKeyFactory, UserFactory
 from .support.redis_server import RedisServer
+from .support.settings import merged
 
 pytestmark = pytest.mark.django_db
 
 LIMITS = {
     "TIERS": {"anonymous": {"rate": "100/m"}, "authenticated": {"rate": "100/m"}},
     "DIMENSIONS": {"ip": "1000/m", "org": "1000/m"},
-    "ORGANIZATION_FUNC": "project.payments.auth.organization_of",
+    "IDENTITY": {"ORGANIZATION_FUNC": "project.payments.auth.organization_of"},
 }
 IPS = ["198.51.100.41", "198.51.100.42", "203.0.113.77"]
 IPV6 = "2001:db8:7:7::1"
@@ -225,7 +226,7 @@ def test_a_subject_under_two_digests_in_one_minute_is_one_row(settings: Any, use
     ip, minute = "198.51.100.93", int(time.time() // 60) - 3
     counts = {}
     for hash_key in ("first-hash-key", "second-hash-key"):
-        settings.RATELIMITS = {**settings.RATELIMITS, "HASH_KEY": hash_key}
+        settings.RATELIMITS = merged(settings.RATELIMITS, {"IDENTITY": {"HASH_KEY": hash_key}})
         counts[(minute, usage_for(Subject(SubjectKind.IP, ip), None, "", "ping", 1).field + "a")] = 2
         write_pending()
     assert len(counts) == 2

@@ -40,10 +40,10 @@ def backend_class(name: str) -> type[Backend]:
 
 def _on_a_cluster() -> bool:
     try:
-        client = conf.redis_client
+        client = conf.redis.client
         if client is not None:
             return isinstance(client, redis.RedisCluster)
-        return parse_redis_url(conf.redis_url).cluster
+        return parse_redis_url(conf.redis.address[0]).cluster
     except ConfigurationError:
         return False  # a bad REDIS_URL or REDIS_CLIENT is reported as itself, once
 

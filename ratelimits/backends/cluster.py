@@ -144,9 +144,10 @@ class ClusterBackend(RedisBackend):
 
     @classmethod
     def from_settings(cls) -> ClusterBackend:
-        """For ``REDIS_CLIENT`` (a :class:`redis.RedisCluster`) or a cluster ``REDIS_URL``: reached on first use."""
+        """For ``REDIS['CLIENT']`` (a :class:`redis.RedisCluster`) or a cluster's URL: reached on first use."""
         options = cls.options_from_settings()
-        url, redis_options, client = conf.redis_url, conf.redis_options, conf.redis_client
+        client = conf.redis.client
+        url, redis_options = conf.redis.address
         socket_timeout, connect_timeout = options["timeouts"]
         if isinstance(client, RedisCluster):
             return cls(client, **options)

@@ -41,7 +41,7 @@ class MemoryBackend(Backend):
         self.clock = clock
         self.prefix = prefix
         #: The most rows a minute of usage counts (``USAGE_MAX_SUBJECTS``).
-        self.usage_cap = conf.usage_max_subjects if usage_cap is None else usage_cap
+        self.usage_cap = conf.usage.max_subjects if usage_cap is None else usage_cap
         self.version: str | None = None
         self._state: dict[str, tuple[State, int]] = {}
         self._slots: dict[str, dict[str, int]] = {}
@@ -55,7 +55,7 @@ class MemoryBackend(Backend):
 
     @classmethod
     def from_settings(cls) -> MemoryBackend:
-        return cls(prefix=conf.key_prefix)
+        return cls(prefix=conf.redis.key_prefix)
 
     async def adecide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
         # In this process's memory, under a lock held for microseconds: nothing to wait for.

@@ -151,7 +151,7 @@ class RedisBackend(Backend):
         #: ``None`` lets the script read Redis ``TIME``; otherwise integer microseconds.
         self.clock = clock
         #: The most rows a minute of usage counts (``USAGE_MAX_SUBJECTS``).
-        self.usage_cap = conf.usage_max_subjects if usage_cap is None else usage_cap
+        self.usage_cap = conf.usage.max_subjects if usage_cap is None else usage_cap
         self.version_key = layout.version_key(prefix)
         self._local = threading.local()
         #: This process's subscribers, told of its own publications at once (the others by the
@@ -163,15 +163,16 @@ class RedisBackend(Backend):
     def from_settings(cls) -> RedisBackend:
         options = cls.options_from_settings()
         socket_timeout, connect_timeout = options["timeouts"]
-        client = conf.redis_client or make_client(conf.redis_url, socket_timeout, connect_timeout, conf.redis_options)
+        url, redis_options = conf.redis.address
+        client = conf.redis.client or make_client(url, socket_timeout, connect_timeout, redis_options)
         return cls(client, **options)  # type: ignore[arg-type]
 
     @staticmethod
     def options_from_settings() -> dict[str, Any]:
         """The constructor's options from settings: the key prefix, the clock, the decision path's timeouts."""
-        clock = None if conf.use_redis_time else (lambda: time.time_ns() // 1000)
-        timeouts = (conf.redis_socket_timeout, conf.redis_connect_timeout)
-        return {"prefix": conf.key_prefix, "clock": clock, "timeouts": timeouts}
+        clock = None if conf.redis.use_redis_time else (lambda: time.time_ns() // 1000)
+        timeouts = (conf.redis.socket_timeout, conf.redis.connect_timeout)
+        return {"prefix": conf.redis.key_prefix, "clock": clock, "timeouts": timeouts}
 
     def decide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
         return self._decided(checks, consume=consume, usage=usage)[0]

@@ -144,7 +144,8 @@ async def _aprepare(
             # _prepare undid what it had done (the shedder's count) before raising: made again below.
             state.prepare_in_thread = True
             logger.warning(
-                "ratelimits: TIER_FUNC, ORGANIZATION_FUNC or API_KEY_FUNC queried the database during an "
+                "ratelimits: TIER_FUNC, ORGANIZATION_FUNC or API_KEY_FUNC (RATELIMITS['POLICIES'], ['IDENTITY']) "
+                "queried the database during an "
                 "async request; from now on this process resolves async requests' checks in a thread, "
                 "which costs a thread hop each (docs/async.md)"
             )
@@ -205,7 +206,7 @@ def _prepare(
         generation = local.generation if local is not None else 0
         snapshot = source.snapshot() if local is not None else None
         checks = source.checks_for(request, identity)
-        usage = usage_of(identity, checks) if consume and conf.usage_counting else None
+        usage = usage_of(identity, checks) if consume and conf.usage.enabled else None
     except BaseException:
         if shedder is not None:
             shedder.finish()  # counted in above, and nothing is held to count it out

@@ -133,7 +133,7 @@ def presented_authorization(request: HttpRequest) -> str | None:
 
 
 def _build() -> FailedAuthentication | None:
-    limit = conf.failed_auth
+    limit = conf.identity.failed_auth
     return FailedAuthentication(limit) if limit is not None else None
 
 

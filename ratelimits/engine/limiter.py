@@ -524,7 +524,10 @@ def build_limiter(
 
 def _build() -> Limiter:
     return build_limiter(
-        get_backend(), CircuitBreaker(**conf.breaker), conf.local_path, local_share=conf.local_fallback_share
+        get_backend(),
+        CircuitBreaker(**conf.failure.breaker),
+        conf.local_path.settings,
+        local_share=conf.failure.local_share,
     )
 
 

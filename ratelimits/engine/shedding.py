@@ -160,8 +160,8 @@ def _log(move: Move) -> None:
 
 
 def _build() -> WorkerShedder | None:
-    capacity = conf.worker_capacity
-    return WorkerShedder(capacity, conf.shed_thresholds, conf.adaptive_capacity) if capacity else None
+    capacity = conf.shedding.worker_capacity
+    return WorkerShedder(capacity, conf.shedding.thresholds, conf.shedding.adaptive.settings) if capacity else None
 
 
 _shedder: ProcessWide[WorkerShedder | None] = ProcessWide(_build)

@@ -54,15 +54,15 @@ FLEET = Origin(OriginKind.FLEET, "fleet settings")
 
 
 class DatabasePolicySource(SnapshotPolicySource):
-    """Policies from the admin-managed tables (``POLICY_SOURCE`` short name ``"database"``)."""
+    """Policies from the admin-managed tables (``POLICIES['SOURCE']`` short name ``"database"``)."""
 
     #: Tiers, endpoint policies and the fleet's capacity are rows here, not settings.
-    ignored_settings = ("TIERS", "ENDPOINTS", "FLEET_CAPACITY")
+    ignored_settings = ("TIERS", "ENDPOINTS", "SHEDDING.FLEET_CAPACITY")
     #: When this process last published a lagging stamp again (monotonic seconds; never, at first).
     _republished_at = -math.inf
 
     def load(self) -> PolicySnapshot:
-        with bounded_waits(conf.policy_load_timeout):
+        with bounded_waits(conf.policies.load_timeout):
             return load_snapshot()
 
     def finish_thread(self) -> None:
@@ -71,8 +71,8 @@ class DatabasePolicySource(SnapshotPolicySource):
     def observe(self, decision: Decision) -> None:
         """Reload when the store's version stamp is ahead of the snapshot; repair it when behind.
 
-        While the store is unreachable, reload every ``POLICY_POLL_INTERVAL``. And every
-        ``POLICY_RECHECK_INTERVAL`` compare with the database itself (one query), for changes
+        While the store is unreachable, reload every ``POLICIES['POLL_INTERVAL']``. And every
+        ``POLICIES['RECHECK_INTERVAL']`` compare with the database itself (one query), for changes
         whose publication nobody saw fail (a command run while only its host lost the store).
         """
         snapshot = self._snapshot
@@ -80,7 +80,7 @@ class DatabasePolicySource(SnapshotPolicySource):
             return
         now = time.monotonic()
         if decision.degraded:
-            if now - snapshot.loaded_at > conf.policy_poll_interval:
+            if now - snapshot.loaded_at > conf.policies.poll_interval:
                 self.invalidate()
             return
         if not decision.results or decision.local is not None:
@@ -93,20 +93,20 @@ class DatabasePolicySource(SnapshotPolicySource):
         elif stamp < snapshot.version:
             # The store lags behind the database: a publication was lost while it was
             # unreachable, or the stamp expired, was flushed or evicted. Publish again, so workers
-            # that were idle meanwhile reload too; but at most once per POLICY_POLL_INTERVAL: a
+            # that were idle meanwhile reload too; but at most once per POLICIES['POLL_INTERVAL']: a
             # store that keeps evicting the stamp (or refusing the write) would otherwise cost
             # every decision a second script call, and a warning each time it fails.
-            if now - self._republished_at >= conf.policy_poll_interval:
+            if now - self._republished_at >= conf.policies.poll_interval:
                 self._republished_at = now
                 _blocking(lambda: publish_version(snapshot.version))
-        elif now - snapshot.checked_at > conf.policy_recheck_interval:
+        elif now - snapshot.checked_at > conf.policies.recheck_interval:
             snapshot.checked_at = now
             _blocking(lambda: self._recheck(snapshot))
 
     def _recheck(self, snapshot: PolicySnapshot) -> None:
         """Invalidate ``snapshot`` if the database has a newer version (one query)."""
         try:
-            with bounded_waits(conf.policy_load_timeout):
+            with bounded_waits(conf.policies.load_timeout):
                 newer = committed_version() > snapshot.version
         except DatabaseError as exc:
             logger.warning("ratelimits: policy version recheck failed (%s); checked again later", exc)
@@ -189,7 +189,7 @@ def load_snapshot() -> PolicySnapshot:
     shadow = bool(fleet and fleet.shadow)
     # A policy made from an override alone (a concurrency limit where the tier has none) takes the
     # settings' fail mode, not the fleet settings': what 0.1 did, kept by the redesign.
-    snapshot = PolicySnapshot(default_fail_mode=conf.default_fail_mode, version=version, fleet_origin=FLEET)
+    snapshot = PolicySnapshot(default_fail_mode=conf.failure.default_mode, version=version, fleet_origin=FLEET)
     for tier in Tier.objects.filter(enabled=True):
         try:
             snapshot.tiers[tier.name] = _tier(tier, mode, shadow)
@@ -197,7 +197,7 @@ def load_snapshot() -> PolicySnapshot:
             logger.error("ratelimits: tier %s left out: %s", tier.name, exc)
     _default_tiers(snapshot, fleet)
     if fleet is not None:
-        snapshot.fleet = fleet_checks(fleet.capacity or None, fleet.shed_thresholds(), conf.fleet_shards)
+        snapshot.fleet = fleet_checks(fleet.capacity or None, fleet.shed_thresholds(), conf.shedding.fleet_shards)
     _assignments(snapshot, now)
     for row in EndpointPolicy.objects.filter(enabled=True):
         try:
@@ -213,14 +213,14 @@ def load_snapshot() -> PolicySnapshot:
 
 def _fail_mode(fleet: FleetSettings | None) -> FailMode:
     if fleet is None:
-        return conf.default_fail_mode
+        return conf.failure.default_mode
     try:
         return FailMode(fleet.default_fail_mode)
     except ValueError:
         logger.error(
             "ratelimits: fleet settings' fail mode %r is unknown; using the settings'", fleet.default_fail_mode
         )
-        return conf.default_fail_mode
+        return conf.failure.default_mode
 
 
 def _tier(tier: Tier, mode: FailMode, shadow: bool) -> tuple[Policy, ...]:
@@ -237,7 +237,7 @@ def _tier(tier: Tier, mode: FailMode, shadow: bool) -> tuple[Policy, ...]:
 
 
 def _default_tiers(snapshot: PolicySnapshot, fleet: FleetSettings | None) -> None:
-    """The fleet settings' default tiers, else ``RATELIMITS['DEFAULT_TIERS']`` if it names a tier here."""
+    """The fleet settings' default tiers, else ``POLICIES['DEFAULT_TIERS']`` if it names a tier here."""
     chosen = {
         "anonymous": fleet.anonymous_tier if fleet else None,
         "authenticated": fleet.authenticated_tier if fleet else None,
@@ -247,7 +247,7 @@ def _default_tiers(snapshot: PolicySnapshot, fleet: FleetSettings | None) -> Non
         if row is not None:  # a disabled tier applies no limits, as assigning one does
             snapshot.default_tiers[kind] = Assignment(row.name, Origin(OriginKind.TIER, detail))
             continue
-        name = conf.default_tiers.get(kind)
+        name = conf.policies.default_tiers.get(kind)
         if name in snapshot.tiers:
             snapshot.default_tiers[kind] = Assignment(str(name), Origin(OriginKind.SETTINGS, detail))
 

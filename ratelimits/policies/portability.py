@@ -16,7 +16,7 @@ resulting state, so a guardrail that compares rows (a tier's capacity against en
 sees the policies as they will be. Any error rolls the whole import back. A dry run goes through
 the same steps and always rolls back.
 
-A document is read with :func:`load_document`, which refuses one larger than ``IMPORT_MAX_SIZE``
+A document is read with :func:`load_document`, which refuses one larger than ``POLICIES['IMPORT_MAX_SIZE']``
 before reading it and one nested deeper than :data:`MAX_DEPTH` before parsing it.
 """
 
@@ -39,7 +39,7 @@ from django.db import DatabaseError, models, transaction
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from ..conf import SIZE_UNITS, conf
+from ..conf import SIZE_UNITS, Policies, conf
 from ..models import EndpointPolicy, FleetSettings, Override, SubjectAssignment, Tier, expired, validate_subject
 from .audit import audit_context
 
@@ -229,12 +229,12 @@ _STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
 def load_document(stream: IO[bytes], *, name: str) -> Any:
     """The JSON document in ``stream`` (called ``name`` in errors), or a :class:`PolicyImportError` saying why not.
 
-    A document larger than ``RATELIMITS['IMPORT_MAX_SIZE']`` is refused before it is read: a file
+    A document larger than ``POLICIES['IMPORT_MAX_SIZE']`` is refused before it is read: a file
     by its size, a pipe once the limit is read and one byte more. One nested deeper than
     :data:`MAX_DEPTH` is refused before it is parsed.
     """
-    limit = conf.import_max_size
-    allowed = f"the {_describe_size(limit)} RATELIMITS['IMPORT_MAX_SIZE'] allows"
+    limit = conf.policies.import_max_size
+    allowed = f"the {_describe_size(limit)} {Policies.import_max_size.field} allows"
     size = _file_size(stream)
     if size is not None and size > limit:
         raise PolicyImportError([f"{name} is {size:,} bytes, over {allowed}."])

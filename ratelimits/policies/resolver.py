@@ -136,7 +136,7 @@ def default_assignment(snapshot: PolicySnapshot, request: HttpRequest, identity:
     """
     kind = "anonymous" if identity.is_anonymous else "authenticated"
     default = snapshot.default_tiers.get(kind)
-    func = conf.tier_func
+    func = conf.policies.tier_func
     if func is not None:
         name = func(request, identity)
         if name is not None:
@@ -152,7 +152,7 @@ def default_assignment(snapshot: PolicySnapshot, request: HttpRequest, identity:
             if repr(name) not in snapshot.reported and len(snapshot.reported) < REPORTED_NAMES:
                 snapshot.reported.add(repr(name))
                 logger.error(
-                    "ratelimits: RATELIMITS['TIER_FUNC'] returned %r, which is not an enabled tier; "
+                    "ratelimits: RATELIMITS['POLICIES']['TIER_FUNC'] returned %r, which is not an enabled tier; "
                     "the callers it names get the default tier instead",
                     name,
                 )

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from ..choices import FailMode, Priority
-from ..conf import conf
+from ..conf import Policies, Settings, Shedding, conf
 from ..exceptions import ConfigurationError, about_setting
 from ..identity import SubjectKind
 from .snapshot import Assignment, PolicySnapshot, check_costs, endpoint_key, endpoint_rule, exempt_rule, tier_policies
@@ -25,7 +25,7 @@ _ENDPOINT_KEYS = {"cost", "priority", "rate", "endpoint_rate", "exempt"}
 
 
 class SettingsPolicySource(SnapshotPolicySource):
-    """Policies from ``settings.RATELIMITS`` (the default ``POLICY_SOURCE``, short name ``"settings"``)."""
+    """Policies from ``settings.RATELIMITS`` (the default ``POLICIES['SOURCE']``, short name ``"settings"``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -33,21 +33,21 @@ class SettingsPolicySource(SnapshotPolicySource):
         self._snapshot = self._last_good = self.load()
 
     def load(self) -> PolicySnapshot:
-        mode = conf.default_fail_mode
+        mode = conf.failure.default_mode
         snapshot = PolicySnapshot(default_fail_mode=mode)
         with about_setting("TIERS"):
             for name, config in conf.tiers.items():
                 snapshot.tiers[name] = tier_policies(
                     name, config, field=f"RATELIMITS['TIERS']['{name}']", fail_mode=mode
                 )
-        with about_setting("DEFAULT_TIERS"):
+        with about_setting(Policies.default_tiers.name):
             for kind in ("anonymous", "authenticated"):
-                default = conf.default_tiers.get(kind)
+                default = conf.policies.default_tiers.get(kind)
                 if default is None or default not in snapshot.tiers:
                     raise ConfigurationError(
-                        f"RATELIMITS['DEFAULT_TIERS']['{kind}']: {default!r} is not in RATELIMITS['TIERS']"
+                        f"{Policies.default_tiers.field}['{kind}']: {default!r} is not in {Settings.tiers.field}"
                     )
-                detail = f"default tier for {kind} callers (RATELIMITS['DEFAULT_TIERS'])"
+                detail = f"default tier for {kind} callers ({Policies.default_tiers.field})"
                 snapshot.default_tiers[kind] = Assignment(default, Origin(OriginKind.SETTINGS, detail))
         snapshot.dimensions = dimensions_from_settings(mode)
         with about_setting("ENDPOINTS"):
@@ -55,8 +55,10 @@ class SettingsPolicySource(SnapshotPolicySource):
                 snapshot.endpoints[endpoint_key(name)] = _endpoint(name, config, mode)
         snapshot.endpoints.update(exempt_rules_from_settings())
         check_costs(snapshot)
-        snapshot.fleet = fleet_checks(conf.fleet_capacity, conf.shed_thresholds, conf.fleet_shards)
-        snapshot.fleet_origin = Origin(OriginKind.SETTINGS, "RATELIMITS['FLEET_CAPACITY']")
+        snapshot.fleet = fleet_checks(
+            conf.shedding.fleet_capacity, conf.shedding.thresholds, conf.shedding.fleet_shards
+        )
+        snapshot.fleet_origin = Origin(OriginKind.SETTINGS, Shedding.fleet_capacity.field)
         return snapshot
 
 
@@ -95,6 +97,6 @@ def dimensions_from_settings(mode: FailMode, *, shadow: bool = False) -> dict[Su
 
 
 def exempt_rules_from_settings() -> dict[str, EndpointRule]:
-    """``RATELIMITS['EXEMPT_ENDPOINTS']``: endpoints never limited."""
-    origin = Origin(OriginKind.SETTINGS, "RATELIMITS['EXEMPT_ENDPOINTS']")
-    return {endpoint_key(name): exempt_rule(origin) for name in conf.exempt_endpoints}
+    """``POLICIES['EXEMPT_ENDPOINTS']``: endpoints never limited."""
+    origin = Origin(OriginKind.SETTINGS, Policies.exempt_endpoints.field)
+    return {endpoint_key(name): exempt_rule(origin) for name in conf.policies.exempt_endpoints}

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from django.utils.module_loading import import_string
 
-from ..conf import ProcessWide, conf
+from ..conf import Policies, ProcessWide, conf
 from ..exceptions import ConfigurationError
 from .resolver import default_assignment, explain, resolve
 from .snapshot import PolicySnapshot
@@ -31,7 +31,7 @@ logger = logging.getLogger("ratelimits")
 
 @runtime_checkable
 class PolicySource(Protocol):
-    """Where the checks for a request come from (``RATELIMITS['POLICY_SOURCE']`` names the class).
+    """Where the checks for a request come from (``RATELIMITS['POLICIES']['SOURCE']`` names the class).
 
     Everything the engine, the status API, the admin and the commands ask of a source is here;
     :class:`SnapshotPolicySource` implements all of it on top of one ``load()``.
@@ -198,7 +198,7 @@ class SnapshotPolicySource(ABC):
         return self.snapshot().endpoint_rule(endpoint, method)
 
     def tier_for(self, request: HttpRequest, identity: Identity) -> str | None:
-        """The tier of a caller nothing assigns (``TIER_FUNC``'s, else the default); ``None`` if none."""
+        """The tier of a caller nothing assigns (``POLICIES['TIER_FUNC']``'s, else the default); ``None`` if none."""
         assignment = default_assignment(self.snapshot(), request, identity)
         return assignment.tier if assignment is not None else None
 
@@ -216,26 +216,26 @@ def in_event_loop() -> bool:
 
 
 def get_policy_source() -> PolicySource:
-    """The process-wide policy source named by ``RATELIMITS['POLICY_SOURCE']``."""
+    """The process-wide policy source named by ``RATELIMITS['POLICIES']['SOURCE']``."""
     return _source.get()
 
 
 def build_policy_source() -> PolicySource:
     """A new instance of the configured source; a :class:`ConfigurationError` if it is not one."""
-    path = conf.policy_source
+    path = conf.policies.source
     try:
         source = import_string(path)()
     except ImportError as exc:
         raise ConfigurationError(
-            f"RATELIMITS['POLICY_SOURCE']: cannot import {path!r}: {exc}", setting="POLICY_SOURCE"
+            f"{Policies.source.field}: cannot import {path!r}: {exc}", setting=Policies.source.name
         ) from exc
     if not isinstance(source, PolicySource):
         missing = ", ".join(name for name in _MEMBERS if not hasattr(source, name))
         raise ConfigurationError(
-            f"RATELIMITS['POLICY_SOURCE']: {path!r} is not a policy source (see ratelimits.policies.PolicySource): "
+            f"{Policies.source.field}: {path!r} is not a policy source (see ratelimits.policies.PolicySource): "
             f"it has no {missing}. Subclassing ratelimits.policies.SnapshotPolicySource and writing load() gives "
             "it all of them.",
-            setting="POLICY_SOURCE",
+            setting=Policies.source.name,
         )
     return source
 

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 from ..algorithms import RATE_ALGORITHMS, Algorithm
 from ..choices import SHEDDABLE, FailMode, Priority
-from ..conf import conf
+from ..conf import Shedding, conf
 from ..exceptions import ConfigurationError
 from ..identity import Subject, SubjectKind, remember, subject_of
 from ..rates import MAX_LIMIT, MAX_PERIOD_US, Rate, check_burst, parse_rate
@@ -154,7 +154,7 @@ class Policy:
         object.__setattr__(self, "capacity", capacity)
         is_global = self.scope is Scope.GLOBAL
         object.__setattr__(self, "is_global", is_global)
-        object.__setattr__(self, "even_share", 1 / conf.region_count if is_global else 1.0)
+        object.__setattr__(self, "even_share", 1 / conf.regions.count if is_global else 1.0)
         flags = self.shadow | (_GLOBAL_FLAG if is_global else 0)
         record = _SCRIPT_POLICY.pack(self.algorithm.code, flags, self.rate.limit, self.rate.period_us, self.burst)
         object.__setattr__(self, "script_record", record)
@@ -215,7 +215,7 @@ class Policy:
             if self.scope is Scope.GLOBAL:
                 # A region's bucket refills at its share of the rate, at worst the reconciler's
                 # floor: kept until even that has refilled it (then it reads as full, as it is).
-                span = int(span / conf.reconcile.floor)
+                span = int(span / conf.regions.reconcile.floor)
         elif self.algorithm is Algorithm.SLIDING_WINDOW:
             span = 2 * period
         else:
@@ -412,9 +412,16 @@ def every_shard(check: Check) -> list[Check]:
 def concurrency_policy(
     name: str, limit: int, *, fail_mode: FailMode, shadow: bool = False, tier: str | None = None
 ) -> Policy:
-    """At most ``limit`` requests of one subject in flight; slots expire after ``SLOT_TTL``."""
+    """At most ``limit`` requests of one subject in flight; slots expire after ``SHEDDING['SLOT_TTL']``."""
     return Policy(
-        name, Rate(limit, conf.slot_ttl_us), limit, Algorithm.CONCURRENCY, fail_mode, shadow, tier, Role.CONCURRENCY
+        name,
+        Rate(limit, conf.shedding.slot_ttl_us),
+        limit,
+        Algorithm.CONCURRENCY,
+        fail_mode,
+        shadow,
+        tier,
+        Role.CONCURRENCY,
     )
 
 
@@ -426,7 +433,7 @@ def fleet_checks(capacity: int | None, thresholds: Mapping[Priority, int], shard
     """The fleet's in-flight check per priority class: lower classes are shed at a lower share.
 
     Critical requests are never shed, but still hold a slot: they take capacity too. Without a
-    capacity there is no fleet shedding at all. With ``shards`` (``FLEET_SHARDS``), the in-flight
+    capacity there is no fleet shedding at all. With ``shards`` (``SHEDDING['FLEET_SHARDS']``), the in-flight
     set is split over that many keys, each counting its share of every class's limit.
     """
     if capacity is None:
@@ -435,15 +442,15 @@ def fleet_checks(capacity: int | None, thresholds: Mapping[Priority, int], shard
     for priority in Priority:
         percent = thresholds.get(priority) if priority in SHEDDABLE else None
         limit = MAX_LIMIT if percent is None else min(max(capacity * percent // 100, 1), MAX_LIMIT)
-        rate = Rate(limit, conf.slot_ttl_us)
+        rate = Rate(limit, conf.shedding.slot_ttl_us)
         try:
             # Fails open: without Redis the fleet cannot be counted; the worker shedder still works.
             policy = Policy("fleet", rate, limit, Algorithm.FLEET, FailMode.OPEN, role=Role.FLEET, shards=shards)
         except ConfigurationError as exc:
             raise ConfigurationError(
-                f"RATELIMITS['FLEET_SHARDS']: {shards} shards leave the {priority} class less than one slot each "
+                f"{Shedding.fleet_shards.field}: {shards} shards leave the {priority} class less than one slot each "
                 f"({exc}); use fewer shards or a larger fleet capacity",
-                setting="FLEET_SHARDS",
+                setting=Shedding.fleet_shards.name,
             ) from None
         checks[priority] = Check(policy, FLEET_SUBJECT, 1)
     return checks

@@ -42,7 +42,7 @@ class Digest:
 def _note(kind: str, ident: str) -> str:
     """What a row that names no one subject stands for."""
     if kind == OVERFLOW:
-        return " (every one beyond the subjects a minute counts, USAGE_MAX_SUBJECTS, together)"
+        return " (every one beyond the subjects a minute counts, RATELIMITS['USAGE']['MAX_SUBJECTS'], together)"
     if ident.startswith(UNRESOLVED):
         return " (its label was not recorded: named by its digest)"
     return ""

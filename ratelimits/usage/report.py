@@ -266,7 +266,7 @@ def usage_report_view(model_admin: ModelAdmin[Any]) -> Callable[[HttpRequest], H
                     "sections": sections,
                     # Only those there are, written as the page writes numbers.
                     "caveats": {name: display_text(n) for name, n in asdict(caveats(filters, live.rows)).items() if n},
-                    "max_subjects": display_text(conf.usage_max_subjects),
+                    "max_subjects": display_text(conf.usage.max_subjects),
                     "live": _live_notes(live, series),
                 }
             )

@@ -68,7 +68,7 @@ def _write(labels: SubjectLabels, due: dict[str, tuple[str, str]]) -> int:
     ]
     try:
         # Bounded like a policy reload: a locked table must not hold the worker's threads.
-        with bounded_waits(conf.policy_load_timeout):
+        with bounded_waits(conf.policies.load_timeout):
             UsageSubject.objects.bulk_create(
                 rows, update_conflicts=True, unique_fields=["digest"], update_fields=["last_seen"]
             )

@@ -8,6 +8,8 @@ fallback can be shown within a bounded test.
 from project.settings import *  # noqa: F403
 from project.settings import RATELIMITS as _DEMO_RATELIMITS
 
+from .settings import merged
+
 POLICY_POLL_INTERVAL_S = 1.0
 
-RATELIMITS = {**_DEMO_RATELIMITS, "POLICY_POLL_INTERVAL": f"{POLICY_POLL_INTERVAL_S:g}s"}
+RATELIMITS = merged(_DEMO_RATELIMITS, {"POLICIES": {"POLL_INTERVAL": f"{POLICY_POLL_INTERVAL_S:g}s"}})

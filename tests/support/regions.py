@@ -45,7 +45,7 @@ def quick_client(server: RedisServer) -> redis.Redis:
 
 def region_settings(servers: Mapping[str, RedisServer], region: str) -> dict[str, Any]:
     """``RATELIMITS`` keys naming every region's store, this deployment being ``region``."""
-    return {"REGION": region, "REGIONS": {name: {"REDIS_URL": server.url} for name, server in servers.items()}}
+    return {"REGIONS": {"CURRENT": region, "STORES": {name: server.url for name, server in servers.items()}}}
 
 
 def global_check(rate: str, burst: int, subject: str = "acme") -> Check:

@@ -33,8 +33,8 @@ class Command(BaseCommand):
             default=[],
             metavar="KIND:ID",
             help=(
-                "A subject of the caller, repeatable: api_key:ID (what API_KEY_FUNC returns, e.g. ApiKey:42), "
-                "user:PK, org:ID, ip:ADDRESS. Without an ip subject the client IP is 'unknown'."
+                "A subject of the caller, repeatable: api_key:ID (what IDENTITY['API_KEY_FUNC'] returns, e.g. "
+                "ApiKey:42), user:PK, org:ID, ip:ADDRESS. Without an ip subject the client IP is 'unknown'."
             ),
         )
         parser.add_argument("--endpoint", required=True, help="The endpoint name (the view's throttle_scope).")
@@ -129,7 +129,7 @@ def build_report(limits: EffectiveLimits, method: str, *, shared: bool = True) -
         "endpoint": identity.endpoint.value,
         "method": method,
         "subjects": {s.kind: s.value for s in identity.subjects() if s.kind is not SubjectKind.ENDPOINT},
-        "policy_source": conf.policy_source,
+        "policy_source": conf.policies.source,
         "backend": conf.backend,
         "store_shared": shared,
         "degraded": limits.degraded,

@@ -21,7 +21,8 @@ class Command(BaseCommand):
         parser.add_argument(
             "file",
             metavar="FILE",
-            help="A ratelimits_export document ('-' for stdin), at most RATELIMITS['IMPORT_MAX_SIZE'] (default 10 MB).",
+            help="A ratelimits_export document ('-' for stdin), at most RATELIMITS['POLICIES']['IMPORT_MAX_SIZE'] "
+            "(default 10 MB).",
         )
         parser.add_argument("--reason", required=True, help="Why: recorded on every audit entry of the import.")
         parser.add_argument(

@@ -78,7 +78,7 @@ class Command(BaseCommand):
         url = str(options["url"]).rstrip("/")
         self.stdout.write(f"  demo     {url}/  (keys, endpoints with curl lines, links to the admin and the docs)")
         self.stdout.write(f"  admin    {url}/admin/  user {ADMIN[0]} / password {ADMIN[1]}")
-        where = conf.redis_url if conf.backend == "redis" else "in-process, this server only"
+        where = conf.redis.address[0] if conf.backend == "redis" else "in-process, this server only"
         self.stdout.write(f"  rate limiting backend: {conf.backend} ({where})")
         self.stdout.write(f"  database: {settings.DATABASES['default']['ENGINE'].rsplit('.', 1)[-1]}")
         broker = getattr(settings, "CELERY_BROKER_URL", "")
