@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from html import escape, unescape
 from io import StringIO
@@ -25,22 +23,6 @@ from .support.processes import REPO
 pytestmark = pytest.mark.django_db
 
 DOCS = REPO / "docs"
-
-
-@pytest.fixture(scope="module")
-def built_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The documentation site, built as `make docs` builds it (strict), into a directory of this module's own."""
-    site = tmp_path_factory.mktemp("site")
-    built = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert built.returncode == 0, built.stderr
-    return site
 
 
 @pytest.fixture
