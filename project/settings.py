@@ -20,6 +20,8 @@ WSGI_APPLICATION = "project.wsgi.application"
 ASGI_APPLICATION = "project.asgi.application"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 STATIC_URL = "static/"
+# The documentation site `make docs` builds (mkdocs.yml), which the demo serves at /docs/.
+DOCS_SITE = BASE_DIR / "site"
 
 INSTALLED_APPS = [
     "django.contrib.admin",

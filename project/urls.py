@@ -1,5 +1,5 @@
 from django.contrib import admin
-from django.urls import include, path
+from django.urls import include, path, re_path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from ratelimits import metrics
@@ -11,7 +11,8 @@ DOCUMENTATION = {"authentication_classes": [], "throttle_classes": []}
 
 urlpatterns = [
     path("", views.landing, name="demo-landing"),
-    path("docs/<slug:name>", views.doc, name="demo-doc"),
+    # The documentation site that `make docs` builds (mkdocs.yml), served as files.
+    re_path(r"^docs/(?P<path>.*)$", views.docs, name="demo-docs"),
     path("api/schema/", SpectacularAPIView.as_view(**DOCUMENTATION), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema", **DOCUMENTATION), name="swagger-ui"),
     path("admin/", admin.site.urls),

@@ -1,4 +1,4 @@
-"""The demo's landing page (``/``) and its documentation pages (``/docs/<name>``)."""
+"""The demo's landing page (``/``) and its documentation site (``/docs/``, as ``make docs`` built it)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from django.conf import settings
-from django.http import Http404, HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 from django.urls import reverse
+from django.views import static
 
 from project.payments.management.commands.seed_demo import ADMIN, DEMO_KEYS
 from project.payments.models import ApiKey, hash_key
@@ -125,19 +126,34 @@ def landing(request: HttpRequest) -> HttpResponse:
             ("Usage report", reverse("admin:ratelimits_usage_report")),
             ("Audit trail", reverse("admin:ratelimits_auditentry_changelist")),
         ],
+        "docs_site": reverse("demo-docs", args=[""]),
+        "docs_built": _built_site() is not None,
         "docs": [
-            (path.stem, reverse("demo-doc", args=[path.stem]), _title(path)) for path in sorted(DOCS.glob("*.md"))
+            (path.stem, reverse("demo-docs", args=[f"{path.stem}.html"]), _title(path))
+            for path in sorted(DOCS.glob("*.md"))
+            if path.stem != "index"
         ],
     }
     return render(request, "index.html", context)
 
 
-def doc(request: HttpRequest, name: str) -> HttpResponse:
-    """One of the project's documentation pages, as the Markdown it is written in."""
-    path = DOCS / f"{name}.md"
-    if path.parent != DOCS or not path.is_file():
-        raise Http404(f"no document {name!r}")
-    return HttpResponse(path.read_text(encoding="utf-8"), content_type="text/plain; charset=utf-8")
+def docs(request: HttpRequest, path: str) -> HttpResponse:
+    """A file of the documentation site ``make docs`` built, or a page saying how to build it.
+
+    Django's static serving is enough for a demo, and refuses paths outside the site.
+    """
+    site = _built_site()
+    if site is None:
+        return render(request, "docs_not_built.html", {"site": settings.DOCS_SITE}, status=404)
+    if path == "" or path.endswith("/"):
+        path += "index.html"
+    return static.serve(request, path, document_root=site)
+
+
+def _built_site() -> Path | None:
+    """The directory ``make docs`` built the site into (``settings.DOCS_SITE``), or None before it has."""
+    site = Path(settings.DOCS_SITE)
+    return site if (site / "index.html").is_file() else None
 
 
 def _title(path: Path) -> str:

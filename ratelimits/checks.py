@@ -17,7 +17,7 @@ from django.conf import settings
 from django.core.checks import CheckMessage, Error, Info, Tags, Warning, register
 from django.utils.module_loading import import_string
 
-from . import drf
+from . import documentation, drf
 from .backends import backend_class, get_backend
 from .backends.redis import RedisBackend
 from .conf import MULTIPROC_ENV, SETTINGS, Adaptive, Finding, Identity, Metrics, Policies, Redis, Settings, conf, id_of
@@ -47,7 +47,6 @@ __all__ = [
     "check_settings",
     "check_store",
     "composes_problems",
-    "docs",
 ]
 
 #: Every id these checks report. Tests assert the exact ids a misconfiguration produces.
@@ -115,12 +114,6 @@ def _finding(finding: Finding) -> CheckMessage:
     return Error(finding.message, hint=finding.hint, id=E005)
 
 
-def docs(page: str, section: str | None = None) -> str:
-    """Where the documentation says more, named so that it can be found from an installed package."""
-    where = f"the {page!r} page" if section is None else f"{section!r} on the {page!r} page"
-    return f"see {where} of the ratelimits documentation"
-
-
 @register(Tags.compatibility)
 def check_deployment(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """Warn about set-ups that work in development but not behind several workers, and settings that do nothing."""
@@ -138,7 +131,7 @@ def check_deployment(app_configs: Any = None, **kwargs: Any) -> list[CheckMessag
             Warning(
                 f"{Settings.backend.field} is 'memory': every worker process counts on its own.",
                 hint=f"Say where your Redis is in {Redis.url.field} (or {Redis.cache.field}): the 'redis' backend "
-                f"follows; {docs('Configuration', 'The five settings most projects set')}.",
+                f"follows (see {documentation.page('configuration', 'the-five-settings-most-projects-set')}).",
                 id=W001,
             )
         )
@@ -179,7 +172,7 @@ def check_deployment(app_configs: Any = None, **kwargs: Any) -> list[CheckMessag
                 f"{Metrics.field()} is on, but {MULTIPROC_ENV} is not set: under gunicorn, uWSGI or any "
                 "server with several processes, each worker counts alone and a scrape shows one of them.",
                 hint=f"Set {MULTIPROC_ENV} to an empty directory before the server starts "
-                f"({docs('Metrics', 'Several worker processes: multiprocess mode')}), "
+                f"(see {documentation.page('metrics', 'several-worker-processes-multiprocess-mode')}), "
                 f"or {Metrics.multiprocess.field} = False if one process serves.",
                 id=W007,
             )
@@ -216,7 +209,7 @@ def _exception_handler() -> list[CheckMessage]:
             "default JSON, not problem+json (no Retry-After body, no violated policies).",
             hint="Set REST_FRAMEWORK['EXCEPTION_HANDLER'] = 'ratelimits.drf.exception_handler', or call "
             "ratelimits.drf.problem_response(exc, context) first in your own handler "
-            f"({docs('The contract', 'Your own exception handler')}).",
+            f"(see {documentation.page('contract', 'your-own-exception-handler')}).",
             id=W002,
         )
     ]
@@ -289,9 +282,9 @@ def _refused(exc: BaseException) -> str | None:
     return None
 
 
-_TLS_DOCS = docs("Scaling out", "Credentials and TLS")
-_NOEVICTION_DOCS = docs("Failure modes", "Configure the limiter's Redis not to evict")
-_EVICTION_DOCS = docs("Failure modes", "Eviction: a Redis that drops the limiter's keys")
+_TLS_DOCS = f"see {documentation.page('scaling', 'credentials-and-tls')}"
+_NOEVICTION_DOCS = f"see {documentation.page('failure-modes', 'configure-the-limiters-redis-not-to-evict')}"
+_EVICTION_DOCS = f"see {documentation.page('failure-modes', 'eviction-a-redis-that-drops-the-limiters-keys')}"
 
 
 @register(Tags.compatibility)

@@ -42,6 +42,7 @@ from django.conf import settings as django_settings
 from django.core.signals import setting_changed
 from django.utils.module_loading import import_string
 
+from . import documentation
 from .choices import SHEDDABLE, FailMode, Priority
 from .exceptions import ConfigurationError
 from .rates import Rate, check_burst, parse_duration, parse_rate
@@ -1404,7 +1405,8 @@ class Metrics(Switchable):
         if wanted and not directory:
             raise ConfigurationError(
                 f"{Metrics.multiprocess.field}: True, but {MULTIPROC_ENV} is not set; set it to an empty directory "
-                "before the server starts (docs/metrics.md)",
+                "before the server starts (see "
+                f"{documentation.page('metrics', 'several-worker-processes-multiprocess-mode')})",
                 setting=Metrics.multiprocess.name,
             )
         if directory and wanted is not False and not os.path.isdir(directory):
@@ -1424,7 +1426,7 @@ class Settings(Namespace):
         _boolean,
         id="ratelimits.E151",
         doc="`False` admits every request without asking the store, and sends no rate-limit headers: for a "
-        "project's own test suite ([testing](testing.md))",
+        "project's own test suite",
     )
     backend = Setting(
         None,

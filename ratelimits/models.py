@@ -20,6 +20,7 @@ from django.db import models, transaction
 from django.dispatch import Signal
 from django.utils import timezone
 
+from . import documentation
 from .algorithms import RATE_ALGORITHMS, Algorithm
 from .choices import HTTP_METHODS, SHEDDABLE, FailMode, Priority
 from .exceptions import ConfigurationError
@@ -449,7 +450,10 @@ def validate_global(algorithm: str, quota: str) -> None:
         )
     if quota:
         raise ValidationError(
-            {"quota": "A global tier cannot have a quota: keep the quota on a regional tier (docs/regions.md)."}
+            {
+                "quota": "A global tier cannot have a quota: keep the quota on a regional tier "
+                f"({documentation.page('regions', 'not-supported')})."
+            }
         )
 
 

@@ -15,6 +15,7 @@ from ratelimits.backends.redis import RedisBackend, make_client
 
 from .support.browser import chromium  # noqa: F401  (a fixture the browser tests use)
 from .support.clock import FakeClock
+from .support.docs_site import built_site  # noqa: F401  (a fixture the docs tests use)
 from .support.gate import GATE, Gate
 from .support.redis_cluster import Cluster
 from .support.redis_server import RedisServer

@@ -15,6 +15,8 @@ USE_TZ = True
 ROOT_URLCONF = "tests.urls"
 # The live server of the browser tests serves the admin's and ratelimits' static files from here.
 STATIC_URL = "static/"
+# The demo's documentation site (project/settings.py); the tests build their own into a temporary one.
+DOCS_SITE = BASE_DIR / "site"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 INSTALLED_APPS = [

@@ -7,8 +7,9 @@ importer is inside them already, when they have run before it).
 
 The layers, from the bottom (a module may import its own layer and those below):
 
-0. foundation: settings, exceptions, the named choices, rates; and the HTTP client (``client``), which
-   imports nothing else of the package (tests/test_client.py checks it loads no other module)
+0. foundation: settings, exceptions, the named choices, rates, the documentation's addresses; and the
+   HTTP client (``client``), which imports nothing else of the package (tests/test_client.py checks it
+   loads no other module)
 1. values: algorithms, identity, decisions, counters, the adaptive capacity, the metrics' recorder;
    policies and the settings source
 2. stores: the backends
@@ -36,6 +37,7 @@ LAYERS: dict[str, int] = {
     "ratelimits.choices": 0,
     "ratelimits.rates": 0,
     "ratelimits.conf": 0,
+    "ratelimits.documentation": 0,
     "ratelimits.redis_url": 0,
     "ratelimits.client": 0,
     "ratelimits.client.": 0,

@@ -21,6 +21,7 @@ from asgiref.sync import SyncToAsync, sync_to_async
 from django.core.exceptions import SynchronousOnlyOperation
 from django.core.signals import request_finished, request_started
 
+from .. import documentation
 from ..algorithms import SLOT_RETRY_US
 from ..backends.base import in_thread
 from ..conf import ProcessWide, conf
@@ -147,7 +148,7 @@ async def _aprepare(
                 "ratelimits: TIER_FUNC, ORGANIZATION_FUNC or API_KEY_FUNC (RATELIMITS['POLICIES'], ['IDENTITY']) "
                 "queried the database during an "
                 "async request; from now on this process resolves async requests' checks in a thread, "
-                "which costs a thread hop each (docs/async.md)"
+                f"which costs a thread hop each ({documentation.page('async', 'how-it-works')})"
             )
     # Given up before the thread is done, the request counts itself out of the shedder.
     return await in_thread(lambda: _prepare(request, endpoint, auth, user, consume), _abandon)

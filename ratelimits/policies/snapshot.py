@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
+from .. import documentation
 from ..algorithms import Algorithm
 from ..choices import FailMode, Priority
 from ..exceptions import ConfigurationError
@@ -245,7 +246,8 @@ def tier_policies(
     if quota is not None and rate.is_global:
         raise ConfigurationError(
             f"{field}['quota']: a global tier cannot have a quota: a fixed window's count cannot be split "
-            "between regions without over-admitting (docs/regions.md); keep the quota on a regional tier"
+            f"between regions without over-admitting ({documentation.page('regions', 'not-supported')}); "
+            "keep the quota on a regional tier"
         )
     if quota is not None:
         limit = parse_rate(quota, field=f"{field}['quota']")

@@ -1,16 +1,15 @@
 """Debian's Chromium driven by Playwright, for the admin pages' browser tests.
 
-Chromium comes from Debian's packages (never ``playwright install``): if /usr/bin/chromium is
-missing, the ``chromium`` fixture installs it with apt-get (CI runs as root) and fails, never
-skips, if it cannot. Screenshots go to test-artifacts/.
+Chromium comes from Debian's packages (never ``playwright install``), a prerequisite that ``make
+test`` installs in the open (its ``browser`` target). A test never installs it: if /usr/bin/chromium
+is missing, the ``chromium`` fixture fails, never skips, with the command that installs it.
+Screenshots go to test-artifacts/.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,26 +39,12 @@ PASSWORD = "correct horse battery staple"
 
 @pytest.fixture(scope="session")
 def chromium() -> str:
-    """The path of Debian's Chromium, installed with apt-get when missing."""
+    """The path of Debian's Chromium; a failure that says how to install it when it is missing."""
     if not os.access(CHROMIUM, os.X_OK):
-        sudo = [] if os.geteuid() == 0 else ["sudo", "-n"]
-        if sudo and shutil.which("sudo") is None:
-            pytest.fail(f"{CHROMIUM} is missing and apt-get needs root: run `apt-get install -y chromium` as root.")
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        lock = ["-o", "DPkg::Lock::Timeout=300"]
-        steps = [
-            [*sudo, "apt-get", *lock, "update", "-qq"],
-            [*sudo, "apt-get", *lock, "install", "-y", "-qq", "chromium"],
-        ]
-        for step in steps:
-            done = subprocess.run(step, env=env, capture_output=True, text=True, timeout=800, check=False)
-            if done.returncode != 0:
-                pytest.fail(
-                    f"{CHROMIUM} is missing and `{' '.join(step)}` failed ({done.returncode}):\n"
-                    f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
-                )
-    if not os.access(CHROMIUM, os.X_OK):
-        pytest.fail(f"apt-get installed chromium but {CHROMIUM} is still missing.")
+        pytest.fail(
+            f"{CHROMIUM} is missing: the browser tests need Debian's chromium. Run `make browser`, "
+            "or as root `apt-get update && apt-get install -y chromium`."
+        )
     return CHROMIUM
 
 
