@@ -264,6 +264,21 @@ def test_a_real_429_of_a_plain_view_passes_and_the_schema_is_left_out(documented
         testing.assert_rate_limited(refused, openapi=True)
 
 
+def test_a_429_of_the_async_client_passes(settings: Any) -> None:
+    settings.RATELIMITS = {**settings.RATELIMITS, **ANON}
+
+    async def three() -> list[Any]:
+        client = AsyncClient()
+        return [await client.get("/t/async/plain") for _ in range(3)]
+
+    with testing.limiter():
+        admitted, _, refused = async_to_sync(three)()
+    testing.assert_not_rate_limited(admitted)
+    testing.assert_rate_limited(refused, policy="tier:anon", retry_after=30)
+    with pytest.raises(AssertionError, match="^GET /t/async/plain: expected 429"):
+        testing.assert_rate_limited(admitted)
+
+
 def test_without_drf_spectacular_as_the_schema_class_the_schema_is_left_out(settings: Any) -> None:
     settings.RATELIMITS = {**settings.RATELIMITS, **ANON}
     refused, _ = denied()
