@@ -422,7 +422,7 @@ SWITCHED_OFF_SUITE = """
 from rest_framework.test import APIClient
 
 from ratelimits.conf import conf
-from ratelimits.testing import assert_not_rate_limited, assert_rate_limited
+from ratelimits.testing import assert_not_rate_limited, assert_rate_limited, limiter
 
 
 def get(path="/t/ping"):
@@ -458,6 +458,17 @@ def test_settings_changed_inside(settings, ratelimits_limiter):
     settings.RATELIMITS = {**settings.RATELIMITS, "TIERS": {"anon": {"rate": "1/m"}, "paid": {"rate": "1/m"}}}
     assert get().status_code == 200
     assert_rate_limited(get(), retry_after=60)
+
+
+isolated = limiter()
+
+
+@isolated
+def test_a_decorated_test_with_a_fixture(client):
+    assert [client.get("/t/ping").status_code for _ in range(2)] == [200, 200]
+    assert_rate_limited(client.get("/t/ping"))
+    isolated.advance(30)
+    assert_not_rate_limited(client.get("/t/ping"))
 
 
 def test_off_again_after_them():
@@ -517,7 +528,7 @@ def test_the_fixtures_in_a_suite_that_switches_the_limiter_off(inner_project: py
         test_inner=SWITCHED_OFF_SUITE,
     )
     result = inner_project.runpytest_subprocess("-p", "no:cacheprovider")
-    result.assert_outcomes(passed=5)
+    result.assert_outcomes(passed=6)
 
 
 def test_the_fixtures_without_pytest_django(inner_project: pytest.Pytester) -> None:
