@@ -275,7 +275,7 @@ def test_a_429_of_the_async_client_passes(settings: Any) -> None:
         admitted, _, refused = async_to_sync(three)()
     testing.assert_not_rate_limited(admitted)
     testing.assert_rate_limited(refused, policy="tier:anon", retry_after=30)
-    with pytest.raises(AssertionError, match="^GET /t/async/plain: expected 429"):
+    with pytest.raises(AssertionError, match=r"^GET /t/async/plain: expected 429"):
         testing.assert_rate_limited(admitted)
 
 
@@ -285,6 +285,27 @@ def test_without_drf_spectacular_as_the_schema_class_the_schema_is_left_out(sett
     testing.assert_rate_limited(refused)
     with pytest.raises(AssertionError, match=r"DEFAULT_SCHEMA_CLASS'\] is not drf-spectacular's AutoSchema"):
         testing.assert_rate_limited(refused, openapi=True)
+
+
+def test_a_schema_that_documents_no_429_for_the_operation_fails(settings: Any, documented: None) -> None:
+    settings.REST_FRAMEWORK = {**settings.REST_FRAMEWORK, "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema"}
+    refused, admitted = denied()
+    with pytest.raises(AssertionError) as failure:
+        testing.assert_rate_limited(refused)
+    assert str(failure.value).splitlines()[1:] == [
+        "- OpenAPI: the project's schema documents no 429 for GET /t/ping: set REST_FRAMEWORK['DEFAULT_SCHEMA_CLASS']"
+        " to 'ratelimits.openapi.RateLimitAutoSchema' (docs/openapi.md)"
+    ]
+    testing.assert_rate_limited(refused, openapi=False)
+    # Its 200 is documented, without the headers it carries.
+    with pytest.raises(AssertionError) as failure:
+        testing.assert_not_rate_limited(admitted)
+    assert str(failure.value).splitlines()[1:] == [
+        "- OpenAPI: RateLimit-Policy, RateLimit, X-RateLimit-Limit, X-RateLimit-Remaining, X-RateLimit-Reset, "
+        "X-RateLimit-Used, X-RateLimit-Resource sent, but not documented in the schema's 200 of GET /t/ping "
+        "(ratelimits.openapi.RateLimitAutoSchema documents them: docs/openapi.md)"
+    ]
+    testing.assert_not_rate_limited(admitted, openapi=False)
 
 
 def test_a_200_is_not_a_429(documented: None) -> None:
@@ -370,7 +391,7 @@ BREAKAGES: list[tuple[str, Callable[[dict[str, Any], dict[str, str]], Any], str]
     (
         "an undocumented header",
         lambda b, h: h.update({"X-RateLimit-Bucket": "7"}),
-        "- OpenAPI: X-RateLimit-Bucket: sent, but not documented in the schema's 429 of GET /t/ping",
+        "- OpenAPI: X-RateLimit-Bucket sent, but not documented in the schema's 429 of GET /t/ping",
     ),
 ]
 

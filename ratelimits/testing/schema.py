@@ -18,10 +18,20 @@ from rest_framework.settings import api_settings
 if TYPE_CHECKING:
     from django.http.response import HttpResponseBase
 
-__all__ = ["RATE_LIMIT_HEADERS", "Documented", "differences", "documented", "request_of"]
+__all__ = ["RATE_LIMIT_HEADERS", "Documented", "Undocumented", "differences", "documented", "request_of"]
 
 #: The response headers of the limiter: a documented response must document those it sends.
 RATE_LIMIT_HEADERS = re.compile(r"(x-)?ratelimit(-.+)?|retry-after", re.IGNORECASE)
+
+
+class Undocumented(NamedTuple):
+    """An operation of the schema that documents no response of the status sent."""
+
+    operation: str
+    status: int
+
+    def __str__(self) -> str:
+        return f"the project's schema documents no {self.status} for {self.operation}"
 
 
 class Documented(NamedTuple):
@@ -38,8 +48,9 @@ def request_of(response: HttpResponseBase) -> HttpRequest | None:
     return request if isinstance(request, HttpRequest) else None
 
 
-def documented(response: HttpResponseBase) -> Documented | str:
-    """The schema's response object for ``response``'s operation and status, or why there is none to check against."""
+def documented(response: HttpResponseBase) -> Documented | Undocumented | str:
+    """The schema's response object for ``response``'s operation and status; or its operation, which
+    documents no such status; or why there is nothing to check against."""
     try:
         from drf_spectacular.openapi import AutoSchema
     except ImportError:
@@ -61,7 +72,7 @@ def documented(response: HttpResponseBase) -> Documented | str:
     status = str(response.status_code)
     described = responses.get(status, responses.get("default"))
     if described is None:
-        return f"the project's schema documents no {status} for {method.upper()} {path}"
+        return Undocumented(f"{method.upper()} {path}", response.status_code)
     components: dict[str, Any] = schema.get("components", {})
     return Documented(f"{method.upper()} {path}", _resolved(described, components), components)
 
@@ -84,9 +95,14 @@ def differences(response: HttpResponseBase, found: Documented, *, body: bool) ->
         schema = header.get("schema", {})
         problems.extend(f"{name}: {value!r} {error}" for error in _errors(_typed(value, schema), schema, found))
     known = {name.lower() for name in documented_headers}
-    for name in response.headers:
-        if RATE_LIMIT_HEADERS.fullmatch(name) and name.lower() not in known:
-            problems.append(f"{name}: sent, but not documented in {where}")
+    undocumented = [
+        name for name in response.headers if RATE_LIMIT_HEADERS.fullmatch(name) and name.lower() not in known
+    ]
+    if undocumented:
+        problems.append(
+            f"{', '.join(undocumented)} sent, but not documented in {where} "
+            "(ratelimits.openapi.RateLimitAutoSchema documents them: docs/openapi.md)"
+        )
     return problems
 
 
