@@ -1426,7 +1426,7 @@ class Settings(Namespace):
         _boolean,
         id="ratelimits.E151",
         doc="`False` admits every request without asking the store, and sends no rate-limit headers: for a "
-        "project's own test suite",
+        "project's own test suite ([testing](testing.md))",
     )
     backend = Setting(
         None,

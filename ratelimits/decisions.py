@@ -13,7 +13,7 @@ from .algorithms import Algorithm
 if TYPE_CHECKING:
     from .policies.values import Check
 
-__all__ = ["Decision", "Peek", "Result", "Verdict", "peek"]
+__all__ = ["UNLIMITED", "Decision", "Peek", "Result", "Verdict", "peek"]
 
 US = 1_000_000
 
@@ -143,6 +143,11 @@ class Decision:
         shed = all(r.check.policy.algorithm is Algorithm.FLEET for r in denied)
         verdict = Verdict.SHED if shed else Verdict.LIMITED
         return cls(verdict, tuple(results), max(r.retry_us for r in denied), now_us, degraded, policy_version)
+
+
+#: The decision on a request no check applies to: admitted, by nothing, so its responses carry no
+#: rate-limit headers (what every request gets with ``RATELIMITS['ENABLED']`` off).
+UNLIMITED = Decision(Verdict.ALLOW, ())
 
 
 @dataclass(frozen=True, slots=True)

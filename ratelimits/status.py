@@ -28,7 +28,7 @@ from rest_framework.request import Request
 
 from .choices import FailMode
 from .conf import conf
-from .decisions import US, Decision, Peek, peek
+from .decisions import UNLIMITED, US, Decision, Peek, peek
 from .engine import get_limiter
 from .exceptions import BackendUnavailable
 from .identity import Identity, Subject, SubjectKind, identify, normalize_ip
@@ -91,7 +91,12 @@ class EffectiveLimits:
 
 
 def effective_limits(request: HttpRequest, identity: Identity, *, method: str | None = None) -> EffectiveLimits:
-    """Every check ``request`` (called with ``method``) is subject to, and what is left under each; spends nothing."""
+    """Every check ``request`` (called with ``method``) is subject to, and what is left under each; spends nothing.
+
+    None with ``RATELIMITS['ENABLED']`` off: no request is limited then, and the store is not asked.
+    """
+    if not conf.enabled:
+        return EffectiveLimits(identity, (), degraded=False)
     source = get_policy_source()
     explained = source.explain(request, identity, method=method)
     decision = get_limiter().decide([e.check for e in explained], consume=False)
@@ -183,7 +188,10 @@ def limit_status_call(request: Request, *, endpoint: str, rate: str, burst: int)
     trip and a database sum: it is limited per caller by its endpoint policy's per-caller limit, or
     by ``rate`` and ``burst`` when that gives none, and by the policy's all-callers limit if it has
     one. An exempt endpoint policy exempts it. Not counted in usage: it reads usage, it is not use.
+    With ``RATELIMITS['ENABLED']`` off it is not limited either.
     """
+    if not conf.enabled:
+        return UNLIMITED
     identity = identify(request, endpoint=endpoint, auth=request.auth, user=request.user)
     source = get_policy_source()
     rule = source.endpoint_rule(endpoint, request.method or "GET")

@@ -15,7 +15,8 @@ The layers, from the bottom (a module may import its own layer and those below):
 2. stores: the backends
 3. the policy store: models, the database source, versioning, audit, usage records
 4. the engine
-5. HTTP: throttles, DRF, middleware, headers, problems, views, status, the OpenAPI schema
+5. HTTP: throttles, DRF, middleware, headers, problems, views, status, the OpenAPI schema; the test
+   kit for a project's own suite (``testing``)
 6. operator surfaces: admin, reports, commands, tasks, checks, the app config
 """
 
@@ -80,6 +81,8 @@ LAYERS: dict[str, int] = {
     "ratelimits.endpoints": 5,
     "ratelimits.status": 5,
     "ratelimits.openapi": 5,
+    "ratelimits.testing": 5,
+    "ratelimits.testing.": 5,
     "ratelimits.usage.queries": 6,
     "ratelimits.usage.text": 6,
     "ratelimits.usage.chart": 6,

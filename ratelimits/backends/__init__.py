@@ -6,6 +6,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import redis
 from django.utils.module_loading import import_string
 
@@ -14,7 +17,7 @@ from ..exceptions import ConfigurationError
 from ..redis_url import parse_redis_url
 from .base import Backend, StoreHealth
 
-__all__ = ["ALIASES", "Backend", "StoreHealth", "backend_class", "get_backend", "load_backend"]
+__all__ = ["ALIASES", "Backend", "StoreHealth", "backend_class", "get_backend", "load_backend", "standing_in"]
 
 ALIASES = {
     "memory": "ratelimits.backends.memory.MemoryBackend",
@@ -53,9 +56,34 @@ def load_backend(name: str) -> Backend:
     return backend_class(name).from_settings()
 
 
-_backend: ProcessWide[Backend] = ProcessWide(lambda: load_backend(conf.backend))
+#: Backends standing in for the configured one, the innermost block's last (:func:`standing_in`).
+_stand_ins: list[Backend] = []
+
+
+def _build() -> Backend:
+    return _stand_ins[-1] if _stand_ins else load_backend(conf.backend)
+
+
+_backend: ProcessWide[Backend] = ProcessWide(_build)
 
 
 def get_backend() -> Backend:
     """The process-wide backend named by ``RATELIMITS['BACKEND']`` (the engine decides on it)."""
     return _backend.get()
+
+
+@contextmanager
+def standing_in(backend: Backend) -> Iterator[Backend]:
+    """Decide on ``backend`` instead of ``RATELIMITS['BACKEND']`` until the block ends (the test kit's limiter).
+
+    The process's backend, limiter and policy source are built afresh on entry and on exit. A
+    change of the settings inside the block rebuilds them around ``backend`` still: it stands in
+    until the block ends, whatever the settings say.
+    """
+    _stand_ins.append(backend)
+    ProcessWide.reset_all()
+    try:
+        yield backend
+    finally:
+        _stand_ins.remove(backend)
+        ProcessWide.reset_all()

@@ -176,6 +176,17 @@ class MemoryBackend(Backend):
                 self._state.pop(check.key(self.prefix), None)
                 self._slots.pop(check.key(self.prefix), None)
 
+    def reset(self) -> None:
+        """Forget everything: every limit's state, every slot, the usage counters and the policy version."""
+        with self._lock:
+            self._state.clear()
+            self._slots.clear()
+            self.usage_counts.clear()
+            self._claimed.clear()
+            self._leases.clear()
+            self.version = None
+            self._writes = 0
+
     def publish_version(self, version: int) -> str:
         with self._lock:
             self.version = str(max(int(self.version or 0), version))

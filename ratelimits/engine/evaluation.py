@@ -26,7 +26,7 @@ from ..algorithms import SLOT_RETRY_US
 from ..backends.base import in_thread
 from ..conf import ProcessWide, conf
 from ..counters import LIMITED, Usage, usage_for
-from ..decisions import Decision, Result, Verdict
+from ..decisions import UNLIMITED, Decision, Result, Verdict
 from ..identity import Identity, SubjectKind, identify, remember, subject_of
 from ..metrics import Recorder, get_recorder
 from ..policies.snapshot import PolicySnapshot
@@ -80,7 +80,9 @@ def evaluate(
     """Identify ``request``, collect its checks and decide them in one backend call.
 
     A consuming decision that admits the request holds its slots (and this worker's in-flight
-    count) until its response is closed; see :func:`_hold`.
+    count) until its response is closed; see :func:`_hold`. With ``RATELIMITS['ENABLED']`` off,
+    every request is :data:`~ratelimits.decisions.UNLIMITED`: no policy is loaded, nothing is
+    counted, the store is not asked.
     """
     pending = _prepare(request, endpoint, auth, user, consume)
     if isinstance(pending, tuple):
@@ -98,11 +100,12 @@ async def aevaluate(
 ) -> tuple[Identity, Decision]:
     """:func:`evaluate` for async views: the same decision, with the store asked on the event loop
     (``redis.asyncio``) and the policies, if they must be loaded, loaded in a thread."""
-    source = get_policy_source()
     state = _async_state.get()
-    if not _snapshot_in_hand(source, state):
-        await sync_to_async(source.snapshot)()  # a database query, as the sync path makes it
-        state.loaded_source = source
+    if conf.enabled:  # else _prepare admits the request: there is nothing to load
+        source = get_policy_source()
+        if not _snapshot_in_hand(source, state):
+            await sync_to_async(source.snapshot)()  # a database query, as the sync path makes it
+            state.loaded_source = source
     pending = await _aprepare(request, endpoint, auth, user, consume, state)
     if isinstance(pending, tuple):
         return pending
@@ -186,8 +189,10 @@ class _Pending:
 def _prepare(
     request: HttpRequest, endpoint: str, auth: Any, user: Any, consume: bool
 ) -> _Pending | tuple[Identity, Decision]:
-    """The request's checks, ready to decide; or the worker shedder's refusal."""
+    """The request's checks, ready to decide; or the worker shedder's refusal, or (limiter off) its admission."""
     identity = identify(request, endpoint=endpoint, auth=auth, user=user)
+    if not conf.enabled:
+        return identity, UNLIMITED
     source = get_policy_source()
     if consume:
         # What refuse_early looks the path up as: exactly what this view is limited as.

@@ -134,12 +134,12 @@ def presented_authorization(request: HttpRequest) -> str | None:
 
 def _build() -> FailedAuthentication | None:
     limit = conf.identity.failed_auth
-    return FailedAuthentication(limit) if limit is not None else None
+    return FailedAuthentication(limit) if limit is not None and conf.enabled else None
 
 
 _failed_authentication: ProcessWide[FailedAuthentication | None] = ProcessWide(_build)
 
 
 def get_failed_authentication() -> FailedAuthentication | None:
-    """The process's failed-authentication limit, or ``None`` when ``FAILED_AUTH`` is not set."""
+    """The process's failed-authentication limit, or ``None`` without ``FAILED_AUTH`` (or with ``ENABLED`` off)."""
     return _failed_authentication.get()

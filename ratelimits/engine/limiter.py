@@ -21,7 +21,7 @@ from ..backends.memory import MemoryBackend
 from ..choices import FailMode
 from ..conf import LocalPathSettings, ProcessWide, conf
 from ..counters import ALLOWED, DEGRADED, EXTRA_TOKENS, LIMITED, Usage
-from ..decisions import Decision, Verdict
+from ..decisions import UNLIMITED, Decision, Verdict
 from ..exceptions import BackendUnavailable, PolicyFailed
 from ..metrics import get_recorder
 from ..policies.values import Check
@@ -100,7 +100,7 @@ class Limiter:
     def _plan(self, checks: Sequence[Check], consume: bool, usage: Usage | None) -> Decision | _Ask:
         """What memory answers (a decision), or what the store must be asked (and leased)."""
         if not checks:
-            return Decision(Verdict.ALLOW, ())
+            return UNLIMITED
         local = self.local_path if consume else None
         if local is None:
             return _Ask(checks, None, None, local=False)

@@ -161,14 +161,16 @@ def _log(move: Move) -> None:
 
 def _build() -> WorkerShedder | None:
     capacity = conf.shedding.worker_capacity
-    return WorkerShedder(capacity, conf.shedding.thresholds, conf.shedding.adaptive.settings) if capacity else None
+    if not capacity or not conf.enabled:
+        return None
+    return WorkerShedder(capacity, conf.shedding.thresholds, conf.shedding.adaptive.settings)
 
 
 _shedder: ProcessWide[WorkerShedder | None] = ProcessWide(_build)
 
 
 def get_worker_shedder() -> WorkerShedder | None:
-    """This process's utilisation shedder, or ``None`` when ``WORKER_CAPACITY`` is not set."""
+    """This process's utilisation shedder, or ``None`` when ``WORKER_CAPACITY`` is not set (or ``ENABLED`` is off)."""
     return _shedder.get()
 
 
