@@ -6,6 +6,7 @@ setting, never the first request. Ids are never reused: one retired is kept here
 
 from __future__ import annotations
 
+import difflib
 import functools
 import ssl
 import types
@@ -15,16 +16,22 @@ from typing import Any
 import redis
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Info, Tags, Warning, register
+from django.core.exceptions import ImproperlyConfigured
+from django.db import DatabaseError, connections
+from django.db.migrations.executor import MigrationExecutor
+from django.urls import Resolver404, resolve
 from django.utils.module_loading import import_string
 
 from . import documentation, drf
 from .backends import backend_class, get_backend
 from .backends.redis import RedisBackend
 from .conf import MULTIPROC_ENV, SETTINGS, Adaptive, Finding, Identity, Metrics, Policies, Redis, Settings, conf, id_of
+from .endpoints import route_endpoints, route_throttles
 from .exceptions import BackendUnavailable, ConfigurationError
-from .policies.settings import dimensions_from_settings
+from .policies.settings import SettingsPolicySource, dimensions_from_settings
 from .policies.source import get_policy_source
-from .throttles import RateLimitThrottle
+from .policies.throttle_rates import SETTING as DRF_RATES
+from .throttles import RateLimitThrottle, class_policies
 
 __all__ = [
     "E001",
@@ -32,6 +39,9 @@ __all__ = [
     "E003",
     "E004",
     "E005",
+    "E006",
+    "E007",
+    "E008",
     "I001",
     "SETTING_IDS",
     "W001",
@@ -43,10 +53,19 @@ __all__ = [
     "W007",
     "W008",
     "W009",
+    "W010",
+    "W011",
+    "W012",
+    "W013",
+    "W014",
+    "check_database",
     "check_deployment",
+    "check_endpoints",
     "check_settings",
     "check_store",
+    "check_throttle_settings",
     "composes_problems",
+    "unapplied_migrations",
 ]
 
 #: Every id these checks report. Tests assert the exact ids a misconfiguration produces.
@@ -86,7 +105,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         except ConfigurationError as exc:
             at = exc.setting or name
             invalid.add(at)
-            check_id = id_of(at) or SETTING_IDS[name]
+            check_id = id_of(at) or FOREIGN_IDS.get(at) or SETTING_IDS[name]
             if (check_id, str(exc)) not in reported:  # a namespace of the wrong shape fails each of its settings
                 reported.add((check_id, str(exc)))
                 messages.append(Error(str(exc), id=check_id))
@@ -332,3 +351,202 @@ def check_store(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
             id=W004,
         )
     ]
+
+
+# -- DRF's throttle settings, the project's routes, and the database ----------------------------
+
+E006 = "ratelimits.E006"  # a DRF throttle rate neither DRF nor ratelimits can read
+E007 = "ratelimits.E007"  # a RateLimitThrottle subclass whose scope has no rate, or whose rate cannot be read
+E008 = "ratelimits.E008"  # an ENDPOINTS (or EXEMPT_ENDPOINTS) key that is a URL path, not an endpoint name
+W010 = "ratelimits.W010"  # a DRF throttle rate that ratelimits' own policy replaces
+W011 = "ratelimits.W011"  # DRF's own rate throttles listed beside RateLimitThrottle
+W012 = "ratelimits.W012"  # REST_FRAMEWORK['NUM_PROXIES'] set: ratelimits does not read it
+W013 = "ratelimits.W013"  # an ENDPOINTS (or EXEMPT_ENDPOINTS) key that matches no endpoint of the project
+W014 = "ratelimits.W014"  # the ratelimits migrations are not all applied: policies and usage have no tables
+#: Settings of other packages whose errors the checks report under an id of their own.
+FOREIGN_IDS = {DRF_RATES: E006}
+#: DRF's throttles that count rates: beside RateLimitThrottle, the same rates are counted twice.
+DRF_RATE_THROTTLES = (
+    "rest_framework.throttling.AnonRateThrottle",
+    "rest_framework.throttling.UserRateThrottle",
+    "rest_framework.throttling.ScopedRateThrottle",
+)
+
+
+@register(Tags.compatibility)
+def check_throttle_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """DRF's throttle settings that ratelimits replaces, counts twice, or does not read."""
+    rest = getattr(settings, "REST_FRAMEWORK", {}) or {}
+    throttles = rest.get("DEFAULT_THROTTLE_CLASSES", ())
+    if not any(_is_ours(path) for path in throttles):
+        return []
+    messages: list[CheckMessage] = []
+    for path in throttles:
+        found = _imported(path)
+        drf_own = isinstance(found, type) and any(
+            issubclass(found, _imported(name)) for name in DRF_RATE_THROTTLES if isinstance(_imported(name), type)
+        )
+        if drf_own:
+            messages.append(
+                Warning(
+                    f"REST_FRAMEWORK['DEFAULT_THROTTLE_CLASSES'] lists {path!r} beside RateLimitThrottle, which "
+                    "reads REST_FRAMEWORK['DEFAULT_THROTTLE_RATES'] itself: each rate is counted twice, in two "
+                    "stores, with two round trips.",
+                    hint=f"Remove {path!r} ({documentation.page('migrating-from-drf')}).",
+                    id=W011,
+                )
+            )
+    if rest.get("NUM_PROXIES") is not None:
+        messages.append(
+            Warning(
+                "REST_FRAMEWORK['NUM_PROXIES'] is set, but ratelimits does not read it: it finds the client's address "
+                f"behind {Identity.trusted_proxies.field} and {Identity.client_ip_header.field}.",
+                hint=f"Name your proxies in {Identity.trusted_proxies.field} "
+                f"({documentation.page('security', 'the-client-address')}).",
+                id=W012,
+            )
+        )
+    try:
+        source = get_policy_source()
+        replaced = source.snapshot().replaced if isinstance(source, SettingsPolicySource) else []
+    except ConfigurationError:
+        return messages  # check_settings reports it
+    messages.extend(_replaced(replaced))
+    return messages
+
+
+def _replaced(replaced: list[tuple[str, str, str, str]]) -> list[CheckMessage]:
+    return [
+        Warning(
+            f"{drf_field} ({drf_rate!r}) is replaced by {by} ({policy}).",
+            hint="Remove it from REST_FRAMEWORK['DEFAULT_THROTTLE_RATES'] (it does nothing), or remove the "
+            f"ratelimits policy to keep DRF's rate ({documentation.page('migrating-from-drf')}).",
+            id=W010,
+        )
+        for drf_field, drf_rate, by, policy in replaced
+    ]
+
+
+def _imported(path: object) -> Any:
+    try:
+        return import_string(path) if isinstance(path, str) else path
+    except ImportError:
+        return None
+
+
+@register(Tags.urls)
+def check_endpoints(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Endpoint names in the settings that no route of the project has, or that are URL paths; and
+    throttle classes whose ``scope`` has no rate or whose ``rate`` cannot be read."""
+    try:
+        source = get_policy_source()
+        names = [
+            (Settings.endpoints.field, key) for key in conf.endpoints if "ENDPOINTS" not in source.ignored_settings
+        ]
+        names += [(Policies.exempt_endpoints.field, name) for name in conf.policies.exempt_endpoints]
+        known = set(route_endpoints())
+        routes = list(route_throttles())
+    except ConfigurationError:
+        return []  # check_settings reports it
+    except Exception:  # a URLconf that cannot be imported: Django's own check says why
+        return []
+    messages: list[CheckMessage] = []
+    for _, classes in routes:
+        for cls in classes:
+            if isinstance(cls, type) and issubclass(cls, RateLimitThrottle) and (cls.rate or cls.scope):
+                known.update([cls.scope] if cls.scope else [])
+                messages.extend(_throttle_class(cls, source))
+    for field, key in names:
+        name = key.partition(" ")[2].strip() if " " in key.strip() else key
+        if name.startswith("/") or "/" in name:
+            messages.append(
+                Error(
+                    f"{field}: {key!r} is a URL path; endpoints are named by the view's throttle_scope or its "
+                    "route's name, never by a path.",
+                    hint=_name_of_path(key),
+                    id=E008,
+                )
+            )
+        elif name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            messages.append(
+                Warning(
+                    f"{field}: {key!r} matches no endpoint of the project: no view has that throttle_scope and no "
+                    "route has that name, so the rule limits nothing.",
+                    hint=(f"Did you mean {close[0]!r}? " if close else "")
+                    + f"See {documentation.page('configuration', 'endpoints')}.",
+                    id=W013,
+                )
+            )
+    return list({(m.id, m.msg): m for m in messages}.values())
+
+
+def _throttle_class(cls: type[RateLimitThrottle], source: Any) -> list[CheckMessage]:
+    if cls.scope and not cls.rate and not isinstance(source, SettingsPolicySource):
+        return []  # the admin's tables may give the scope its rate: they are read per request
+    try:
+        class_policies(cls)
+    except (ImproperlyConfigured, ConfigurationError) as exc:
+        return [Error(str(exc), id=E007)]
+    return []
+
+
+def _name_of_path(key: str) -> str:
+    """The key to write for ``METHOD /path``: the endpoint the path is limited as, if a route serves it."""
+    method, _, path = key.strip().rpartition(" ")
+    try:
+        match = resolve(path.split("?")[0])
+    except Resolver404:
+        return "No route of the project serves that path either."
+    view = getattr(match.func, "cls", None) or getattr(match.func, "view_class", None)
+    name = getattr(view, "throttle_scope", None) or getattr(match.func, "ratelimit_scope", None) or match.view_name
+    return f"That path is served as the endpoint {name!r}: write {f'{method} {name}'.strip()!r}."
+
+
+@register(Tags.database)
+def check_database(app_configs: Any = None, databases: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Unapplied ratelimits migrations; and, with the admin's tables as the source, the DRF rates they replace.
+
+    Run by ``manage.py check --database default`` and by ``migrate`` itself, hence a warning: an
+    error would stop the ``migrate`` that fixes it.
+    """
+    if not databases:
+        return []
+    messages: list[CheckMessage] = []
+    for alias in databases:
+        try:
+            pending = unapplied_migrations(alias)
+        except DatabaseError as exc:
+            messages.append(
+                Warning(
+                    f"The database {alias!r} could not be asked for the ratelimits migrations: {exc}",
+                    id=W014,
+                )
+            )
+            continue
+        if pending:
+            messages.append(
+                Warning(
+                    f"ratelimits' migrations {', '.join(pending)} are not applied on the database {alias!r}: until "
+                    "they are, the admin's policies cannot be read (requests follow the fail mode on the settings' "
+                    "policies) and usage is not drained into reports.",
+                    hint=f"Run manage.py migrate --database {alias}.",
+                    id=W014,
+                )
+            )
+    if messages:
+        return messages
+    try:
+        source = get_policy_source()
+        if not isinstance(source, SettingsPolicySource):
+            messages.extend(_replaced(getattr(source.snapshot(), "replaced", [])))
+    except (ConfigurationError, DatabaseError):
+        pass  # the settings' checks, or the migrations above, say why
+    return messages
+
+
+def unapplied_migrations(alias: str = "default") -> list[str]:
+    """The names of the ratelimits migrations not applied on the database ``alias``."""
+    executor = MigrationExecutor(connections[alias])
+    targets = [key for key in executor.loader.graph.leaf_nodes() if key[0] == "ratelimits"]
+    return [migration.name for migration, _ in executor.migration_plan(targets) if migration.app_label == "ratelimits"]

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, NamedTuple, TypeVar, c
 import redis
 from django.apps import apps
 from django.conf import settings as django_settings
+from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 from django.utils.module_loading import import_string
 
@@ -71,6 +72,7 @@ __all__ = [
     "conf",
     "field_of",
     "id_of",
+    "require_app",
 ]
 
 T = TypeVar("T")
@@ -1715,6 +1717,21 @@ def id_of(name: str) -> str | None:
 
 
 conf = Settings()
+
+
+def require_app() -> None:
+    """Refuse to limit anything, with the reason, when ``ratelimits`` is not in ``INSTALLED_APPS``.
+
+    Without the app no system check runs (a bad setting would surface as a 500 on every request)
+    and the admin's tables do not exist. Asked where the engine starts (the policy source is built,
+    a middleware is made, the throttle is imported); before the app registry is ready it cannot
+    be told, and the next of those asks again.
+    """
+    if apps.apps_ready and not apps.is_installed("ratelimits"):
+        raise ImproperlyConfigured(
+            "ratelimits is not in INSTALLED_APPS: add 'ratelimits' there (after 'rest_framework'), then run "
+            "manage.py migrate and manage.py check"
+        )
 
 
 class ProcessWide(Generic[T]):

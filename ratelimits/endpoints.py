@@ -17,7 +17,7 @@ from django.urls import URLPattern, URLResolver, get_resolver, get_urlconf
 
 from .policies.source import get_policy_source
 
-__all__ = ["is_known_endpoint", "known_endpoints"]
+__all__ = ["is_known_endpoint", "known_endpoints", "route_endpoints", "route_throttles"]
 
 
 def known_endpoints() -> frozenset[str]:
@@ -34,23 +34,46 @@ def is_known_endpoint(name: str) -> bool:
     return name in known_endpoints()
 
 
+def route_endpoints() -> frozenset[str]:
+    """The endpoint names of the current URLconf's routes (an error importing it propagates)."""
+    return _route_endpoints(get_resolver(get_urlconf()))
+
+
+def route_throttles() -> Iterator[tuple[str, tuple[Any, ...]]]:
+    """Every DRF route of the current URLconf: its view name and its throttle classes (a viewset
+    action's own, where it names them)."""
+    for name, view, callback in _routes(get_resolver(get_urlconf()).url_patterns, ()):
+        initkwargs = getattr(callback, "initkwargs", None) or {}
+        classes = initkwargs.get("throttle_classes", getattr(view, "throttle_classes", None))
+        if classes is not None and getattr(callback, "cls", None) is not None:
+            yield name, tuple(classes)
+
+
 @functools.lru_cache(maxsize=8)
 def _route_endpoints(resolver: URLResolver) -> frozenset[str]:
     """The names of every route of ``resolver``: read once per URLconf (they never change in a process)."""
-    return frozenset(_walk(resolver.url_patterns, ()))
+    names = set()
+    for name, view, callback in _routes(resolver.url_patterns, ()):
+        initkwargs = getattr(callback, "initkwargs", None) or {}
+        scope = (
+            initkwargs.get("throttle_scope")
+            or getattr(view, "throttle_scope", None)
+            or getattr(callback, "ratelimit_scope", None)
+        )
+        if scope:
+            names.add(str(scope))
+        names.add(name)
+    return frozenset(names)
 
 
-def _walk(patterns: Iterable[Any], namespaces: tuple[str, ...]) -> Iterator[str]:
+def _routes(patterns: Iterable[Any], namespaces: tuple[str, ...]) -> Iterator[tuple[str, Any, Any]]:
+    """(view name, view, callback) of every route: the name as Django's ResolverMatch makes it."""
     for pattern in patterns:
         if isinstance(pattern, URLResolver):
             inner = (*namespaces, pattern.namespace) if pattern.namespace else namespaces
-            yield from _walk(pattern.url_patterns, inner)
+            yield from _routes(pattern.url_patterns, inner)
         elif isinstance(pattern, URLPattern):
             callback = pattern.callback
             view = getattr(callback, "view_class", None) or getattr(callback, "cls", None) or callback
-            scope = getattr(view, "throttle_scope", None) or getattr(callback, "ratelimit_scope", None)
-            if scope:
-                yield str(scope)
-            # The route's view name, as Django's ResolverMatch makes it.
             path = pattern.name or f"{view.__module__}.{getattr(view, '__name__', type(view).__name__)}"
-            yield ":".join((*namespaces, path))
+            yield ":".join((*namespaces, path)), view, callback

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.http import HttpRequest, HttpResponse
 
+from .conf import require_app
 from .decisions import Decision
 from .engine import evaluate
 from .engine.evaluation import aevaluate, early_refusals, endpoint_of, note_response, refuse_early
@@ -92,6 +93,7 @@ class _EitherMode:
     async_capable = True
 
     def __init__(self, get_response: Callable[[HttpRequest], Any]) -> None:
+        require_app()  # made as the server starts: one without the app fails there, saying why
         self.get_response = get_response
         self.is_async = iscoroutinefunction(get_response)
         if self.is_async:

@@ -55,6 +55,7 @@ LAYERS: dict[str, int] = {
     "ratelimits.policies.resolver": 1,
     "ratelimits.policies.source": 1,
     "ratelimits.policies.settings": 1,
+    "ratelimits.policies.throttle_rates": 1,
     "ratelimits.backends.": 2,
     "ratelimits.backends": 2,
     "ratelimits.models": 3,

@@ -120,13 +120,17 @@ def test_wait_is_exact_and_never_none_when_denied(limits: Any, rf: Any) -> None:
 
     view = Ping()
     view.headers = {}
+
+    def request() -> Request:
+        made = Request(rf.get("/t/ping", REMOTE_ADDR="198.51.100.1"))
+        made.auth, made.user = None, None
+        return made
+
     throttle = RateLimitThrottle()
-    request = Request(rf.get("/t/ping", REMOTE_ADDR="198.51.100.1"))
-    request.auth, request.user = None, None
-    assert throttle.allow_request(request, view) and throttle.wait() is None
-    assert RateLimitThrottle().allow_request(request, view)
+    assert throttle.allow_request(request(), view) and throttle.wait() is None
+    assert RateLimitThrottle().allow_request(request(), view)
     denied = RateLimitThrottle()
-    assert not denied.allow_request(request, view)
+    assert not denied.allow_request(request(), view)
     wait = denied.wait()
     assert wait is not None and 0 < wait <= 60
     assert wait == denied.decision.retry_after_us / 1_000_000  # type: ignore[union-attr]
@@ -227,9 +231,22 @@ def test_the_throttle_imports_in_a_project_without_the_auth_models() -> None:
     """
     code = (
         "import django; from django.conf import settings; "
-        "settings.configure(INSTALLED_APPS=['rest_framework'], "
+        "settings.configure(INSTALLED_APPS=['rest_framework', 'ratelimits'], "
         "REST_FRAMEWORK={'DEFAULT_THROTTLE_CLASSES': ['ratelimits.throttles.RateLimitThrottle']}); "
         "django.setup(); import rest_framework.views, ratelimits.throttles"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_without_the_app_installed_the_throttle_refuses_to_start_and_says_why() -> None:
+    """No app, no system checks: a bad rate would be a 500 on every request. The URLconf's import fails instead."""
+    code = (
+        "import django; from django.conf import settings; "
+        "settings.configure(INSTALLED_APPS=['rest_framework'], "
+        "REST_FRAMEWORK={'DEFAULT_THROTTLE_CLASSES': ['ratelimits.throttles.RateLimitThrottle']}); "
+        "django.setup(); import rest_framework.views"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "ImproperlyConfigured: ratelimits is not in INSTALLED_APPS: add 'ratelimits' there" in result.stderr

@@ -31,7 +31,7 @@ from ..identity import Identity, SubjectKind, identify, remember, subject_of
 from ..metrics import Recorder, get_recorder
 from ..policies.snapshot import PolicySnapshot
 from ..policies.source import PolicySource, get_policy_source
-from ..policies.values import Check
+from ..policies.values import Check, Policy, check_for
 from .failed_auth import presented_authorization
 from .limiter import Limiter, current_limiter, get_limiter
 from .shedding import WorkerShedder, get_worker_shedder
@@ -75,16 +75,25 @@ HELD_ATTRIBUTE = "_ratelimit_held"
 
 
 def evaluate(
-    request: HttpRequest, *, endpoint: str, auth: Any = None, user: Any = None, consume: bool = True
+    request: HttpRequest,
+    *,
+    endpoint: str,
+    auth: Any = None,
+    user: Any = None,
+    consume: bool = True,
+    extra: Sequence[Policy] = (),
 ) -> tuple[Identity, Decision]:
     """Identify ``request``, collect its checks and decide them in one backend call.
+
+    ``extra``: policies the caller adds to the request's own (a throttle class's ``rate``),
+    each on the caller and spending the endpoint's cost.
 
     A consuming decision that admits the request holds its slots (and this worker's in-flight
     count) until its response is closed; see :func:`_hold`. With ``RATELIMITS['ENABLED']`` off,
     every request is :data:`~ratelimits.decisions.UNLIMITED`: no policy is loaded, nothing is
     counted, the store is not asked.
     """
-    pending = _prepare(request, endpoint, auth, user, consume)
+    pending = _prepare(request, endpoint, auth, user, consume, extra)
     if isinstance(pending, tuple):
         return pending
     try:
@@ -96,7 +105,13 @@ def evaluate(
 
 
 async def aevaluate(
-    request: HttpRequest, *, endpoint: str, auth: Any = None, user: Any = None, consume: bool = True
+    request: HttpRequest,
+    *,
+    endpoint: str,
+    auth: Any = None,
+    user: Any = None,
+    consume: bool = True,
+    extra: Sequence[Policy] = (),
 ) -> tuple[Identity, Decision]:
     """:func:`evaluate` for async views: the same decision, with the store asked on the event loop
     (``redis.asyncio``) and the policies, if they must be loaded, loaded in a thread."""
@@ -106,7 +121,7 @@ async def aevaluate(
         if not _snapshot_in_hand(source, state):
             await sync_to_async(source.snapshot)()  # a database query, as the sync path makes it
             state.loaded_source = source
-    pending = await _aprepare(request, endpoint, auth, user, consume, state)
+    pending = await _aprepare(request, endpoint, auth, user, consume, extra, state)
     if isinstance(pending, tuple):
         return pending
     try:
@@ -138,12 +153,18 @@ def _snapshot_in_hand(source: PolicySource, state: _AsyncState) -> bool:
 
 
 async def _aprepare(
-    request: HttpRequest, endpoint: str, auth: Any, user: Any, consume: bool, state: _AsyncState
+    request: HttpRequest,
+    endpoint: str,
+    auth: Any,
+    user: Any,
+    consume: bool,
+    extra: Sequence[Policy],
+    state: _AsyncState,
 ) -> _Pending | tuple[Identity, Decision]:
     """:func:`_prepare` on the loop, or in a thread once the project's functions showed they query."""
     if not state.prepare_in_thread:
         try:
-            return _prepare(request, endpoint, auth, user, consume)
+            return _prepare(request, endpoint, auth, user, consume, extra)
         except SynchronousOnlyOperation:
             # _prepare undid what it had done (the shedder's count) before raising: made again below.
             state.prepare_in_thread = True
@@ -154,7 +175,7 @@ async def _aprepare(
                 f"which costs a thread hop each ({documentation.page('async', 'how-it-works')})"
             )
     # Given up before the thread is done, the request counts itself out of the shedder.
-    return await in_thread(lambda: _prepare(request, endpoint, auth, user, consume), _abandon)
+    return await in_thread(lambda: _prepare(request, endpoint, auth, user, consume, extra), _abandon)
 
 
 def _abandon(prepared: _Pending | tuple[Identity, Decision]) -> None:
@@ -187,7 +208,7 @@ class _Pending:
 
 
 def _prepare(
-    request: HttpRequest, endpoint: str, auth: Any, user: Any, consume: bool
+    request: HttpRequest, endpoint: str, auth: Any, user: Any, consume: bool, extra: Sequence[Policy] = ()
 ) -> _Pending | tuple[Identity, Decision]:
     """The request's checks, ready to decide; or the worker shedder's refusal, or (limiter off) its admission."""
     identity = identify(request, endpoint=endpoint, auth=auth, user=user)
@@ -212,6 +233,8 @@ def _prepare(
         generation = local.generation if local is not None else 0
         snapshot = source.snapshot() if local is not None else None
         checks = source.checks_for(request, identity)
+        if extra:
+            checks = _with_extra(checks, extra, identity, source.endpoint_rule(endpoint, request.method or "GET").cost)
         usage = usage_of(identity, checks) if consume and conf.usage.enabled else None
     except BaseException:
         if shedder is not None:
@@ -231,6 +254,14 @@ def _prepare(
         snapshot,
         time.perf_counter(),
     )
+
+
+def _with_extra(checks: list[Check], extra: Sequence[Policy], identity: Identity, cost: int) -> list[Check]:
+    """``checks`` and a check of each ``extra`` policy on the caller, but those already among them:
+    one policy on one subject is one bucket, spent once."""
+    have = {(check.policy.name, check.subject) for check in checks}
+    added = [check_for(policy, identity.caller, cost) for policy in extra]
+    return [*checks, *(check for check in added if (check.policy.name, check.subject) not in have)]
 
 
 def _conclude(request: HttpRequest, pending: _Pending, decision: Decision) -> Decision:

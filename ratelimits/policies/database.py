@@ -29,7 +29,7 @@ from ..exceptions import ConfigurationError
 from ..identity import SubjectKind
 from ..models import EndpointPolicy, FleetSettings, Override, SubjectAssignment, Tier
 from ..rates import MAX_LIMIT, check_burst, parse_rate
-from .settings import dimensions_from_settings, exempt_rules_from_settings
+from .settings import SettingsPolicySource, dimensions_from_settings, exempt_rules_from_settings
 from .snapshot import (
     Assignment,
     OverrideRule,
@@ -40,13 +40,18 @@ from .snapshot import (
     tier_policies,
 )
 from .source import SnapshotPolicySource, in_event_loop
+from .throttle_rates import add_scope_rates, replaced_tiers, throttle_rates
 from .values import EndpointRule, Origin, OriginKind, Policy, Scope, fleet_checks
 from .versioning import committed_version, publish_version, stamp_version
 
 if TYPE_CHECKING:
     from ..decisions import Decision
 
-__all__ = ["DatabasePolicySource", "load_snapshot"]
+__all__ = [
+    "DatabasePolicySource",
+    "load_snapshot",
+    "migrate_hint",
+]
 
 logger = logging.getLogger("ratelimits")
 
@@ -60,6 +65,23 @@ class DatabasePolicySource(SnapshotPolicySource):
     ignored_settings = ("TIERS", "ENDPOINTS", "SHEDDING.FLEET_CAPACITY")
     #: When this process last published a lagging stamp again (monotonic seconds; never, at first).
     _republished_at = -math.inf
+
+    def fallback(self, error: Exception) -> PolicySnapshot | None:
+        """The settings' policies, while the tables cannot be read: never a 500 for a deploy mistake.
+
+        Tables not migrated yet (a deploy that runs the new code before ``migrate``) or a database
+        that refuses: the settings' tiers, DRF's rates, ``DIMENSIONS`` and ``ENDPOINTS`` decide
+        until a background reload reads the tables. Said once, with the cause.
+        """
+        snapshot = SettingsPolicySource().snapshot()  # a bad setting raises: the checks said so at start
+        logger.error(
+            "ratelimits: the policy tables cannot be read (%s: %s)%s; deciding on the settings' policies "
+            "(RATELIMITS['TIERS'], DIMENSIONS, ENDPOINTS) until they can, retried in the background",
+            type(error).__name__,
+            error,
+            migrate_hint(error),
+        )
+        return snapshot
 
     def load(self) -> PolicySnapshot:
         with bounded_waits(conf.policies.load_timeout):
@@ -169,10 +191,19 @@ def bounded_waits(seconds: float, using: str = DEFAULT_DB_ALIAS) -> Iterator[Non
             try:
                 yield
             finally:
-                with connection.cursor() as cursor:
+                # After a failed statement the transaction takes no more until it ends: that
+                # failure, not a TransactionManagementError here, is what the caller must see.
+                with contextlib.suppress(DatabaseError), connection.cursor() as cursor:
                     cursor.execute(f"PRAGMA busy_timeout = {int(busy_timeout)}")
         else:
             yield
+
+
+def migrate_hint(error: BaseException) -> str:
+    """``": run manage.py migrate"`` when ``error`` says a table of the app is missing, else ``""``."""
+    text = str(error).lower()
+    missing = "no such table" in text or ("relation" in text and "does not exist" in text) or "doesn't exist" in text
+    return ": run manage.py migrate" if missing and "ratelimits_" in text else ""
 
 
 def load_snapshot() -> PolicySnapshot:
@@ -204,6 +235,9 @@ def load_snapshot() -> PolicySnapshot:
             snapshot.endpoints[endpoint_key(str(row))] = _endpoint(row, mode, shadow)
         except ConfigurationError as exc:
             logger.error("ratelimits: endpoint policy %s left out: %s", row, exc)
+    drf = throttle_rates()
+    replaced_tiers(snapshot, drf)  # the tables' tiers, not DRF's anon and user rates
+    add_scope_rates(snapshot, drf, mode)
     snapshot.endpoints.update(exempt_rules_from_settings())
     _overrides(snapshot, now, shadow)
     # The fleet's shadow switch means every policy, the settings' static backstops included.

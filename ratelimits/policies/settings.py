@@ -15,8 +15,10 @@ from ..choices import FailMode, Priority
 from ..conf import Policies, Settings, Shedding, conf
 from ..exceptions import ConfigurationError, about_setting
 from ..identity import SubjectKind
+from ..rates import Rate
 from .snapshot import Assignment, PolicySnapshot, check_costs, endpoint_key, endpoint_rule, exempt_rule, tier_policies
 from .source import SnapshotPolicySource
+from .throttle_rates import DrfRates, add_scope_rates, field_of_scope, rate_config, replaced_tiers, throttle_rates
 from .values import EndpointRule, Origin, OriginKind, Policy, Role, fleet_checks, policy_from_config
 
 __all__ = ["SettingsPolicySource", "dimensions_from_settings", "exempt_rules_from_settings"]
@@ -35,11 +37,16 @@ class SettingsPolicySource(SnapshotPolicySource):
     def load(self) -> PolicySnapshot:
         mode = conf.failure.default_mode
         snapshot = PolicySnapshot(default_fail_mode=mode)
+        drf = throttle_rates()
+        # DRF's anon and user rates stand in for the default tiers' until TIERS is the project's own.
+        from_drf = {} if conf.is_set(Settings.tiers) else _drf_tiers(drf)
         with about_setting("TIERS"):
             for name, config in conf.tiers.items():
-                snapshot.tiers[name] = tier_policies(
-                    name, config, field=f"RATELIMITS['TIERS']['{name}']", fail_mode=mode
-                )
+                field = f"RATELIMITS['TIERS']['{name}']"
+                if name in from_drf:
+                    scope, rate = from_drf[name]
+                    config, field = rate_config(rate), field_of_scope(scope)
+                snapshot.tiers[name] = tier_policies(name, config, field=field, fail_mode=mode)
         with about_setting(Policies.default_tiers.name):
             for kind in ("anonymous", "authenticated"):
                 default = conf.policies.default_tiers.get(kind)
@@ -47,12 +54,16 @@ class SettingsPolicySource(SnapshotPolicySource):
                     raise ConfigurationError(
                         f"{Policies.default_tiers.field}['{kind}']: {default!r} is not in {Settings.tiers.field}"
                     )
-                detail = f"default tier for {kind} callers ({Policies.default_tiers.field})"
+                where = field_of_scope(from_drf[default][0]) if default in from_drf else Policies.default_tiers.field
+                detail = f"default tier for {kind} callers ({where})"
                 snapshot.default_tiers[kind] = Assignment(default, Origin(OriginKind.SETTINGS, detail))
+        if not from_drf:
+            replaced_tiers(snapshot, drf)
         snapshot.dimensions = dimensions_from_settings(mode)
         with about_setting("ENDPOINTS"):
             for name, config in conf.endpoints.items():
                 snapshot.endpoints[endpoint_key(name)] = _endpoint(name, config, mode)
+        add_scope_rates(snapshot, drf, mode)
         snapshot.endpoints.update(exempt_rules_from_settings())
         check_costs(snapshot)
         snapshot.fleet = fleet_checks(
@@ -60,6 +71,16 @@ class SettingsPolicySource(SnapshotPolicySource):
         )
         snapshot.fleet_origin = Origin(OriginKind.SETTINGS, Shedding.fleet_capacity.field)
         return snapshot
+
+
+def _drf_tiers(drf: DrfRates) -> dict[str, tuple[str, Rate]]:
+    """The default tiers DRF's ``anon`` and ``user`` rates set, by tier name: (DRF's scope, its rate)."""
+    found: dict[str, tuple[str, Rate]] = {}
+    for kind, rate in (("anonymous", drf.anonymous), ("authenticated", drf.authenticated)):
+        name = conf.policies.default_tiers.get(kind)
+        if rate is not None and name is not None:
+            found.setdefault(name, rate)
+    return found
 
 
 def _endpoint(name: str, config: object, mode: FailMode) -> EndpointRule:

@@ -166,6 +166,9 @@ class PolicySnapshot:
     placed: dict[tuple[str, str], Assignment] = field(default_factory=dict)
     #: Tier names ``TIER_FUNC`` returned that are not tiers here, each logged once (up to a bound).
     reported: set[str] = field(default_factory=set)
+    #: DRF throttle rates this snapshot's own policies replace: (DRF's setting, its rate, what
+    #: replaces it, that policy), for the system checks to name.
+    replaced: list[tuple[str, str, str, str]] = field(default_factory=list)
     _fleet_resolved: dict[Priority, tuple[Check, Origin]] | None = field(default=None, repr=False)
     #: (asked at, the answer) of :meth:`next_change`, valid until that answer.
     _next_change: tuple[datetime, datetime | None] | None = field(default=None, repr=False)

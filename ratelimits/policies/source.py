@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from django.utils.module_loading import import_string
 
-from ..conf import Policies, ProcessWide, conf
+from ..conf import Policies, ProcessWide, conf, require_app
 from ..exceptions import ConfigurationError
 from .resolver import default_assignment, explain, resolve
 from .snapshot import PolicySnapshot
@@ -128,24 +128,42 @@ class SnapshotPolicySource(ABC):
                 return snapshot
             try:
                 snapshot = self.load()
-            except Exception:
+            except Exception as exc:
                 if last is None:
-                    raise  # no policies at all: nothing to fall back on
+                    last = self.fallback(exc)
+                    if last is None:
+                        raise  # no policies at all: nothing to fall back on
+                    self._last_good = last
+                    self._retry_in_background()
+                    return last
                 logger.exception(
                     "ratelimits: reloading the policies failed; serving those of version %s until a reload "
                     "succeeds (retried in the background)",
                     last.version,
                 )
-                self._retrying = True
-                try:
-                    threading.Thread(target=self._retry, name="ratelimits-policy-reload", daemon=True).start()
-                except RuntimeError:
-                    self._retrying = False  # no thread to be had: the next request tries again itself
+                self._retry_in_background()
                 return last
             self._snapshot = self._last_good = snapshot
             return snapshot
         finally:
             self._lock.release()
+
+    def fallback(self, error: Exception) -> PolicySnapshot | None:
+        """What to decide on when the very first load fails with ``error`` (``None``: the error stands).
+
+        A subclass whose store may be unreadable for a while (tables not migrated yet, a database
+        that refuses) gives a snapshot here; the load is then retried in the background, and
+        requests are decided on it meanwhile.
+        """
+        return None
+
+    def _retry_in_background(self) -> None:
+        """Reload in a thread of its own, with backoff, after a failure (called holding the lock)."""
+        self._retrying = True
+        try:
+            threading.Thread(target=self._retry, name="ratelimits-policy-reload", daemon=True).start()
+        except RuntimeError:
+            self._retrying = False  # no thread to be had: the next request tries again itself
 
     def _reload_in_background(self) -> None:
         """Reload in a thread of its own (called holding the lock)."""
@@ -222,6 +240,7 @@ def get_policy_source() -> PolicySource:
 
 def build_policy_source() -> PolicySource:
     """A new instance of the configured source; a :class:`ConfigurationError` if it is not one."""
+    require_app()
     path = conf.policies.source
     try:
         source = import_string(path)()

@@ -334,13 +334,16 @@ class EndpointRule:
     exempt: bool = False
     #: The endpoint policy row or setting the rule was made from.
     origin: Origin = Origin(OriginKind.ENDPOINT, "endpoint rule")
+    #: Where the per-caller limit comes from, when not from ``origin`` (a DRF throttle rate).
+    per_caller_from: Origin | None = field(default=None, repr=False, compare=False)
     #: Where the per-caller and the all-callers limit come from, said once here, not per request.
     per_caller_origin: Origin = field(init=False, repr=False, compare=False)
     endpoint_wide_origin: Origin = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         kind, detail = self.origin.kind, self.origin.detail
-        object.__setattr__(self, "per_caller_origin", Origin(kind, f"{detail}, per caller"))
+        own = self.per_caller_from or Origin(kind, f"{detail}, per caller")
+        object.__setattr__(self, "per_caller_origin", own)
         object.__setattr__(self, "endpoint_wide_origin", Origin(kind, f"{detail}, all callers"))
 
 

@@ -24,7 +24,7 @@ from ..backends import layout
 from ..conf import conf
 from ..counters import SubjectLabels, subject_labels
 from ..models import UsageSubject
-from ..policies.database import bounded_waits
+from ..policies.database import bounded_waits, migrate_hint
 
 __all__ = ["KEEP_FOR", "chunks", "connect", "max_params", "purge", "resolve", "write_due", "write_pending"]
 
@@ -76,10 +76,11 @@ def _write(labels: SubjectLabels, due: dict[str, tuple[str, str]]) -> int:
     except Exception as exc:
         dropped = labels.failed(due)
         logger.warning(
-            "ratelimits: %d usage subject labels not written (%s: %s); %s",
+            "ratelimits: %d usage subject labels not written (%s: %s%s); %s",
             len(due),
             type(exc).__name__,
             exc,
+            migrate_hint(exc),
             f"{dropped} given up, their counts stay under their digests" if dropped else "tried again later",
         )
         return 0
