@@ -39,8 +39,10 @@ if TYPE_CHECKING:
     from django.http import HttpRequest
 
 __all__ = [
+    "adecide_checks",
     "aevaluate",
     "after_response",
+    "decide_checks",
     "early_refusals",
     "endpoint_of",
     "evaluate",
@@ -74,26 +76,35 @@ HELD_ATTRIBUTE = "_ratelimit_held"
 
 
 def evaluate(
-    request: HttpRequest, *, endpoint: str, auth: Any = None, user: Any = None, consume: bool = True
+    request: HttpRequest,
+    *,
+    endpoint: str,
+    auth: Any = None,
+    user: Any = None,
+    consume: bool = True,
+    checks: Sequence[Check] = (),
 ) -> tuple[Identity, Decision]:
     """Identify ``request``, collect its checks and decide them in one backend call.
 
+    ``checks`` are decided with the request's own, in the same call and before them: a view's
+    limits of its own (``ratelimits.decorators.ratelimit`` with ``policies=True``).
     A consuming decision that admits the request holds its slots (and this worker's in-flight
     count) until its response is closed; see :func:`_hold`.
     """
-    pending = _prepare(request, endpoint, auth, user, consume)
-    if isinstance(pending, tuple):
-        return pending
-    try:
-        decision = pending.limiter.decide(pending.checks, consume=consume, usage=pending.usage)
-    except BaseException:
-        pending.abandon()
-        raise
-    return pending.identity, _conclude(request, pending, decision)
+    identity, pending = _prepare(request, endpoint, auth, user, consume, checks)
+    if isinstance(pending, Decision):
+        return identity, pending
+    return identity, _conclude(request, pending, _decided(pending, consume))
 
 
 async def aevaluate(
-    request: HttpRequest, *, endpoint: str, auth: Any = None, user: Any = None, consume: bool = True
+    request: HttpRequest,
+    *,
+    endpoint: str,
+    auth: Any = None,
+    user: Any = None,
+    consume: bool = True,
+    checks: Sequence[Check] = (),
 ) -> tuple[Identity, Decision]:
     """:func:`evaluate` for async views: the same decision, with the store asked on the event loop
     (``redis.asyncio``) and the policies, if they must be loaded, loaded in a thread."""
@@ -102,15 +113,47 @@ async def aevaluate(
     if not _snapshot_in_hand(source, state):
         await sync_to_async(source.snapshot)()  # a database query, as the sync path makes it
         state.loaded_source = source
-    pending = await _aprepare(request, endpoint, auth, user, consume, state)
-    if isinstance(pending, tuple):
-        return pending
+    identity, pending = await _aprepare(request, endpoint, auth, user, consume, checks, state)
+    if isinstance(pending, Decision):
+        return identity, pending
+    return identity, _conclude(request, pending, await _adecided(pending, consume))
+
+
+def decide_checks(request: HttpRequest, checks: Sequence[Check], *, endpoint: str, consume: bool = True) -> Decision:
+    """Decide ``checks`` alone for ``request``, in one backend call: none of its policies.
+
+    No tier, dimension, endpoint rule, fleet check or worker shedder: only ``checks`` (a view's
+    own limits, ``ratelimits.decorators``). Everything else is as :func:`evaluate` does it: the
+    breaker and fail modes, the local path, the metrics (under ``endpoint``), and the policy
+    version the store answers with. No usage is counted: usage rows are a caller's, and
+    these checks name no caller.
+    """
+    pending = _prepare_checks(checks, endpoint, consume)
+    return _conclude(request, pending, _decided(pending, consume))
+
+
+async def adecide_checks(
+    request: HttpRequest, checks: Sequence[Check], *, endpoint: str, consume: bool = True
+) -> Decision:
+    """:func:`decide_checks` for async views: the store asked on the event loop."""
+    pending = _prepare_checks(checks, endpoint, consume)
+    return _conclude(request, pending, await _adecided(pending, consume))
+
+
+def _decided(pending: _Pending, consume: bool) -> Decision:
     try:
-        decision = await pending.limiter.adecide(pending.checks, consume=consume, usage=pending.usage)
+        return pending.limiter.decide(pending.checks, consume=consume, usage=pending.usage)
     except BaseException:
         pending.abandon()
         raise
-    return pending.identity, _conclude(request, pending, decision)
+
+
+async def _adecided(pending: _Pending, consume: bool) -> Decision:
+    try:
+        return await pending.limiter.adecide(pending.checks, consume=consume, usage=pending.usage)
+    except BaseException:
+        pending.abandon()
+        raise
 
 
 @dataclass(slots=True)
@@ -134,12 +177,18 @@ def _snapshot_in_hand(source: PolicySource, state: _AsyncState) -> bool:
 
 
 async def _aprepare(
-    request: HttpRequest, endpoint: str, auth: Any, user: Any, consume: bool, state: _AsyncState
-) -> _Pending | tuple[Identity, Decision]:
+    request: HttpRequest,
+    endpoint: str,
+    auth: Any,
+    user: Any,
+    consume: bool,
+    extra: Sequence[Check],
+    state: _AsyncState,
+) -> tuple[Identity, _Pending | Decision]:
     """:func:`_prepare` on the loop, or in a thread once the project's functions showed they query."""
     if not state.prepare_in_thread:
         try:
-            return _prepare(request, endpoint, auth, user, consume)
+            return _prepare(request, endpoint, auth, user, consume, extra)
         except SynchronousOnlyOperation:
             # _prepare undid what it had done (the shedder's count) before raising: made again below.
             state.prepare_in_thread = True
@@ -149,19 +198,21 @@ async def _aprepare(
                 "which costs a thread hop each (docs/async.md)"
             )
     # Given up before the thread is done, the request counts itself out of the shedder.
-    return await in_thread(lambda: _prepare(request, endpoint, auth, user, consume), _abandon)
+    return await in_thread(lambda: _prepare(request, endpoint, auth, user, consume, extra), _abandon)
 
 
-def _abandon(prepared: _Pending | tuple[Identity, Decision]) -> None:
-    if isinstance(prepared, _Pending):
-        prepared.abandon()
+def _abandon(prepared: tuple[Identity, _Pending | Decision]) -> None:
+    _, pending = prepared
+    if isinstance(pending, _Pending):
+        pending.abandon()
 
 
 @dataclass(slots=True)
 class _Pending:
     """A request between its checks and its decision: what concluding it needs."""
 
-    identity: Identity
+    #: ``None`` when only given checks are decided (:func:`decide_checks`): no caller is identified.
+    identity: Identity | None
     endpoint: str
     consume: bool
     source: PolicySource
@@ -182,9 +233,9 @@ class _Pending:
 
 
 def _prepare(
-    request: HttpRequest, endpoint: str, auth: Any, user: Any, consume: bool
-) -> _Pending | tuple[Identity, Decision]:
-    """The request's checks, ready to decide; or the worker shedder's refusal."""
+    request: HttpRequest, endpoint: str, auth: Any, user: Any, consume: bool, extra: Sequence[Check] = ()
+) -> tuple[Identity, _Pending | Decision]:
+    """The request's identity, and its checks (after ``extra``) ready to decide, or the worker shedder's refusal."""
     identity = identify(request, endpoint=endpoint, auth=auth, user=user)
     source = get_policy_source()
     if consume:
@@ -205,12 +256,15 @@ def _prepare(
         generation = local.generation if local is not None else 0
         snapshot = source.snapshot() if local is not None else None
         checks = source.checks_for(request, identity)
+        # The request's usage is its own checks' (their cost), whatever else is decided with them.
         usage = usage_of(identity, checks) if consume and conf.usage_counting else None
+        if extra:
+            checks = [*extra, *checks]
     except BaseException:
         if shedder is not None:
             shedder.finish()  # counted in above, and nothing is held to count it out
         raise
-    return _Pending(
+    return identity, _Pending(
         identity,
         endpoint,
         consume,
@@ -222,6 +276,24 @@ def _prepare(
         usage,
         generation,
         snapshot,
+        time.perf_counter(),
+    )
+
+
+def _prepare_checks(checks: Sequence[Check], endpoint: str, consume: bool) -> _Pending:
+    """``checks`` alone, ready to decide: no identity, shedder or usage (:func:`decide_checks`)."""
+    return _Pending(
+        None,
+        endpoint,
+        consume,
+        get_policy_source(),
+        get_limiter(),
+        None,
+        get_recorder() if consume else None,
+        list(checks),
+        None,
+        0,
+        None,
         time.perf_counter(),
     )
 
@@ -248,7 +320,7 @@ def _conclude(request: HttpRequest, pending: _Pending, decision: Decision) -> De
     if shadow:
         logger.info(
             "ratelimits: shadow policies would deny %s: %s",
-            identity.caller,
+            identity.caller if identity is not None else f"a request to {endpoint}",
             ", ".join(r.policy_name for r in shadow),
         )
     local = limiter.local_path
@@ -256,11 +328,11 @@ def _conclude(request: HttpRequest, pending: _Pending, decision: Decision) -> De
         if decision.local is not None and conf.local_path.header:
             logger.debug(
                 "ratelimits: %s answered from memory (%s)",
-                identity.caller,
+                identity.caller if identity is not None else f"a request to {endpoint}",
                 decision.local,
                 extra={"ratelimit_local": decision.local},
             )
-        if decision.verdict is Verdict.LIMITED and identity.api_key is not None and consume:
+        if decision.verdict is Verdict.LIMITED and identity is not None and identity.api_key is not None and consume:
             credential = presented_credential(request)
             if credential is not None:
                 usage = pending.usage
