@@ -45,7 +45,9 @@ __all__ = [
     "W005",
     "W006",
     "W007",
+    "W020",
     "check_deployment",
+    "check_django_ratelimit_settings",
     "check_settings",
     "check_store",
 ]
@@ -63,6 +65,7 @@ W005 = "ratelimits.W005"  # FAILED_AUTH is set but its middleware is not install
 W006 = "ratelimits.W006"  # ADAPTIVE_CAPACITY is set but EarlyRejectionMiddleware (which sees 5xx) is not
 W007 = "ratelimits.W007"  # METRICS is on outside DEBUG without prometheus-client's multiprocess mode
 I001 = "ratelimits.I001"  # the limiter's Redis answers but will not say its maxmemory-policy
+W020 = "ratelimits.W020"  # a django-ratelimit setting (RATELIMIT_...), which nothing here reads
 #: The id of each setting's invalid value. A new setting takes the next free number.
 SETTING_IDS: dict[str, str] = {
     "ENABLED": "ratelimits.E151",
@@ -301,4 +304,43 @@ def check_store(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
             "keys: see docs/failure-modes.md.",
             id=W004,
         )
+    ]
+
+
+#: django-ratelimit's settings, which nothing here reads, and what does their work here.
+DJANGO_RATELIMIT_SETTINGS = {
+    "RATELIMIT_ENABLE": "RATELIMITS['ENABLED']",
+    "RATELIMIT_USE_CACHE": "RATELIMITS['REDIS']['CACHE'] (the limiter takes that cache's Redis, not the cache)",
+    "RATELIMIT_CACHE_PREFIX": "RATELIMITS['REDIS']['KEY_PREFIX']",
+    "RATELIMIT_VIEW": (
+        "none: a request over a blocking limit is answered 429 with a problem+json body; to answer it "
+        "yourself, use block=False and read request.limited in the view"
+    ),
+    "RATELIMIT_EXCEPTION_CLASS": (
+        "none: nothing is raised, a request over a blocking limit is answered 429; to answer it "
+        "yourself, use block=False and read request.limited in the view"
+    ),
+    "RATELIMIT_FAIL_OPEN": "RATELIMITS['FAILURE']['DEFAULT_MODE'] ('open', 'closed' or 'local')",
+    "RATELIMIT_IP_META_KEY": (
+        "RATELIMITS['IDENTITY']['CLIENT_IP_HEADER'], read only from RATELIMITS['IDENTITY']['TRUSTED_PROXIES'] "
+        "(a header anyone can send is believed from your proxies only)"
+    ),
+    "RATELIMIT_IPV4_MASK": "none: IPv4 addresses count one by one; a key callable can group them",
+    "RATELIMIT_IPV6_MASK": "RATELIMITS['IDENTITY']['IPV6_PREFIX'] (64 by default, as there)",
+    "RATELIMIT_HASH_ALGORITHM": "RATELIMITS['IDENTITY']['HASH_KEY'] (keys are keyed BLAKE2b hashes)",
+}
+
+
+@register(Tags.compatibility)
+def check_django_ratelimit_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Warn about each django-ratelimit setting left in the project: here it would do nothing, unseen."""
+    return [
+        Warning(
+            f"{name} is django-ratelimit's setting: ratelimits does not read it.",
+            hint=f"Its equivalent here: {equivalent}. Remove it once django-ratelimit is gone, or silence "
+            f"{W020} while both run (docs/migrating-from-django-ratelimit.md).",
+            id=W020,
+        )
+        for name, equivalent in DJANGO_RATELIMIT_SETTINGS.items()
+        if hasattr(settings, name)
     ]
