@@ -157,6 +157,14 @@ def test_a_missing_header_counts_as_empty_and_never_fails() -> None:
     assert client.get("/header", headers={"X-Api-Client": "two"}).status_code == 200
 
 
+@pytest.mark.urls("tests.test_decorators")
+def test_a_form_body_django_cannot_parse_is_its_400_not_a_500() -> None:
+    client = Client(raise_request_exception=False)
+    assert client.post("/login", {"username": "ann"}).status_code == 200
+    broken = client.post("/login", b"--x\r\nno headers", content_type="multipart/form-data; boundary=")
+    assert broken.status_code == 400
+
+
 def test_get_and_post_keys() -> None:
     search = annotated(key="get:q", rate="1/h")
     assert [limited(search, get("/?q=a")), limited(search, get("/?q=a"))] == [False, True]
@@ -286,6 +294,107 @@ def test_as_view_functions_of_two_classes_are_two_groups() -> None:
 
     one, two = (ratelimit(key="ip", rate="1/h")(cls.as_view()) for cls in (One, Two))
     assert [one(get()).status_code, two(get()).status_code] == [200, 200]
+
+
+# -- django-ratelimit's own examples ---------------------------------------------------------------
+
+
+def test_the_examples_of_django_ratelimits_usage_page_run_unchanged() -> None:
+    """Its docs/usage.rst examples, decorators as written there (only the import differs)."""
+
+    @ratelimit(key="ip", rate="5/m", block=False)
+    def myview(request: HttpRequest) -> HttpResponse:
+        was_limited = getattr(request, "limited", False)
+        return HttpResponse(json.dumps({"limited": was_limited}))
+
+    assert [limited(myview, get()) for _ in range(6)] == [False] * 5 + [True]
+
+    @ratelimit(key="ip", rate="5/m", block=True)
+    def blocked(request: HttpRequest) -> HttpResponse:
+        return HttpResponse()
+
+    assert [blocked(get()).status_code for _ in range(6)] == [200] * 5 + [429]
+
+    @ratelimit(key="post:username", rate="5/m", method=["GET", "POST"], block=False)
+    def login(request: HttpRequest) -> HttpResponse:
+        return says_limited(request)
+
+    assert [limited(login, post(data={"username": "ann"})) for _ in range(6)] == [False] * 5 + [True]
+
+    @ratelimit(key="post:username", rate="5/m")
+    @ratelimit(key="post:tenant", rate="5/m")
+    def two_keys(request: HttpRequest) -> HttpResponse:
+        return HttpResponse()
+
+    sent = [two_keys(post(data={"username": "bob", "tenant": f"t{i}"})).status_code for i in range(6)]
+    assert sent == [200] * 5 + [429]  # the username's 5/m, whatever the tenant
+
+    @ratelimit(key="get:q", rate="5/m")
+    @ratelimit(key="post:q", rate="5/m")
+    def search(request: HttpRequest) -> HttpResponse:
+        return HttpResponse()
+
+    assert [search(get("/?q=cats")).status_code for _ in range(6)] == [200] * 5 + [429]
+
+    @ratelimit(key="ip", rate="4/h")
+    def slow(request: HttpRequest) -> HttpResponse:
+        return HttpResponse()
+
+    assert [slow(get()).status_code for _ in range(5)] == [200] * 4 + [429]
+
+    get_rate = lambda g, r: None if r.user.is_authenticated else "100/h"  # noqa: E731
+
+    @ratelimit(key="ip", rate=get_rate)
+    def skipif1(request: HttpRequest) -> HttpResponse:
+        return HttpResponse()
+
+    assert [skipif1(get(user=1)).status_code for _ in range(150)] == [200] * 150
+
+    @ratelimit(key="user_or_ip", rate="10/s")
+    @ratelimit(key="user_or_ip", rate="100/m")
+    def burst_limit(request: HttpRequest) -> HttpResponse:
+        return HttpResponse()
+
+    assert burst_limit(get()).status_code == 200  # (how many follow within the second depends on time)
+
+    @ratelimit(group="expensive", key="user_or_ip", rate="10/h")
+    def expensive_view_a(request: HttpRequest) -> HttpResponse:
+        return HttpResponse()
+
+    @ratelimit(group="expensive", key="user_or_ip", rate="10/h")
+    def expensive_view_b(request: HttpRequest) -> HttpResponse:
+        return HttpResponse()
+
+    shared = [(expensive_view_a if i % 2 else expensive_view_b)(get()).status_code for i in range(11)]
+    assert shared == [200] * 10 + [429]
+
+    @ratelimit(key="header:x-cluster-client-ip")
+    def post_view(request: HttpRequest) -> HttpResponse:
+        return HttpResponse()
+
+    assert post_view(get(HTTP_X_CLUSTER_CLIENT_IP="1.2.3.4")).status_code == 200  # no rate: no limit
+
+    @ratelimit(key=lambda g, r: r.META.get("HTTP_X_CLUSTER_CLIENT_IP", r.META["REMOTE_ADDR"]), rate="1/m")
+    def fallback(request: HttpRequest) -> HttpResponse:
+        return HttpResponse()
+
+    statuses = [fallback(get(HTTP_X_CLUSTER_CLIENT_IP="1.2.3.4")).status_code, fallback(get(ip="1.2.3.4")).status_code]
+    assert statuses == [200, 429]  # the header's value, else the address: one value, one bucket
+
+    class MyView(View):
+        @method_decorator(ratelimit(key="ip", rate="1/m", method="GET"))
+        def get(self, request: HttpRequest) -> HttpResponse:
+            return HttpResponse()
+
+    @method_decorator(ratelimit(key="ip", rate="1/m", method="GET"), name="get")
+    class MyOtherView(View):
+        def get(self, request: HttpRequest) -> HttpResponse:
+            return HttpResponse()
+
+    wrapped_later = ratelimit(key="ip", method="GET", rate="1/m")(MyOtherView.as_view())
+    for n, view in enumerate((MyView.as_view(), MyOtherView.as_view(), wrapped_later)):
+        ip = f"198.51.100.{n}"  # wrapped_later's view is MyOtherView's, limited by both decorators
+        assert [view(get(ip=ip)).status_code, view(get(ip=ip)).status_code] == [200, 429]
 
 
 # -- methods and groups --------------------------------------------------------------------------
@@ -719,7 +828,13 @@ def policies_view(request: HttpRequest) -> HttpResponse:
     return HttpResponse("ok")
 
 
+@ratelimit(key="post:username", rate="5/h")
+def login_view(request: HttpRequest) -> HttpResponse:
+    return HttpResponse("ok")
+
+
 urlpatterns = [
     path("header", header_view, name="decorated-header"),
+    path("login", login_view, name="decorated-login"),
     path("policies", policies_view, name="decorated-policies"),
 ]
