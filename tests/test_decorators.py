@@ -22,6 +22,10 @@ from django.test import Client, RequestFactory
 from django.urls import path
 from django.utils.decorators import method_decorator
 from django.views import View
+from rest_framework.decorators import api_view
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.test import APIRequestFactory
 
 from ratelimits.algorithms import token_bucket
 from ratelimits.backends.memory import MemoryBackend
@@ -556,6 +560,26 @@ def test_policies_under_the_middleware_charge_the_tier_once(settings: Any) -> No
     settings.MIDDLEWARE = [*settings.MIDDLEWARE, "ratelimits.middleware.RateLimitMiddleware"]
     client = Client()
     assert [client.get("/policies").status_code for _ in range(3)] == [200, 200, 429]
+
+
+def test_under_a_drf_function_view_the_throttles_decision_is_not_made_again(settings: Any) -> None:
+    """DRF's throttle decides the request's policies first; a @ratelimit(policies=True) below it
+    adds only its own limit."""
+    settings.RATELIMITS = {**settings.RATELIMITS, **TIERS}
+
+    @api_view(["POST"])
+    @ratelimit(group="login", key="post:username", rate="1/h", policies=True)
+    def login(request: Request) -> Response:
+        return Response({"limited": request.limited})  # type: ignore[attr-defined]
+
+    factory = APIRequestFactory(REMOTE_ADDR="192.0.2.30")
+    first = login(factory.post("/", {"username": "ann"}))
+    assert first.status_code == 200 and first.data == {"limited": False}
+    assert first["RateLimit-Policy"] == '"tier:anonymous";q=2;w=3600'  # DRF writes its throttle's over the view's
+    denied = login(factory.post("/", {"username": "ann"}))
+    assert denied.status_code == 429
+    assert json.loads(denied.content)["violated-policies"] == ["group:login:1/h"]
+    assert login(factory.post("/", {"username": "bob"})).status_code == 429  # the tier: 2/h, charged once each
 
 
 # -- the old decorator ---------------------------------------------------------------------------
