@@ -32,7 +32,7 @@ from .decisions import Decision, Result, Verdict, peek
 from .engine.evaluation import adecide_checks, aevaluate, decide_checks, evaluate
 from .exceptions import ConfigurationError
 from .identity import Subject, SubjectKind, client_ip, remember, subject_of
-from .middleware import _auser, _set_headers, throttling
+from .middleware import _auser, _is_drf_view, _set_headers, throttling
 from .policies.values import Check, Policy, check_for
 from .problems import problem_response
 from .rates import Rate, check_burst, parse_rate
@@ -562,6 +562,11 @@ def ratelimit(
         else:
             # Stacked on another @ratelimit: both decided together, in one store call.
             stack = _Stack((own, *inner.limits), inner.view, policies or inner.policies)
+        if stack.policies and _is_drf_view(stack.view):
+            raise ConfigurationError(
+                "ratelimit(policies=True) around a DRF view: its throttle decides the request's policies after "
+                "the decorator, which would charge them twice. Leave policies off, or put @ratelimit below @api_view"
+            )
         wrapper = _wrapped(view, stack, _group_of(view))
         _stacks[wrapper] = stack
         return wrapper

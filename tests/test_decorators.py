@@ -582,6 +582,20 @@ def test_under_a_drf_function_view_the_throttles_decision_is_not_made_again(sett
     assert login(factory.post("/", {"username": "bob"})).status_code == 429  # the tier: 2/h, charged once each
 
 
+def test_policies_around_a_drf_view_are_refused_when_decorated() -> None:
+    """Its throttle runs after the decorator and would decide the same policies again."""
+
+    @api_view(["GET"])
+    def ping(request: Request) -> Response:
+        return Response({})
+
+    with pytest.raises(ImproperlyConfigured, match=r"ratelimit\(policies=True\) around a DRF view"):
+        ratelimit(key="ip", rate="1/h", policies=True)(ping)
+    with pytest.raises(ImproperlyConfigured, match=r"ratelimit\(policies=True\) around a DRF view"):
+        ratelimit(key="ip", rate="1/h", policies=True)(ratelimit(key="user", rate="1/h")(ping))
+    assert ratelimit(key="ip", rate="1/h")(ping)(APIRequestFactory().get("/")).status_code == 200
+
+
 # -- the old decorator ---------------------------------------------------------------------------
 
 
