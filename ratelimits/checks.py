@@ -58,8 +58,10 @@ __all__ = [
     "W012",
     "W013",
     "W014",
+    "W020",
     "check_database",
     "check_deployment",
+    "check_django_ratelimit_settings",
     "check_endpoints",
     "check_settings",
     "check_store",
@@ -84,6 +86,7 @@ W007 = "ratelimits.W007"  # METRICS is on outside DEBUG without prometheus-clien
 W008 = "ratelimits.W008"  # a setting under the name 0.1 gave it (read until 0.3)
 W009 = "ratelimits.W009"  # REDIS says where a Redis is, but BACKEND is 'memory'
 I001 = "ratelimits.I001"  # the limiter's Redis answers but will not say its maxmemory-policy
+W020 = "ratelimits.W020"  # a django-ratelimit setting (RATELIMIT_...), which nothing here reads
 #: The id of each setting's invalid value (declared with the setting, in ratelimits.conf).
 SETTING_IDS: dict[str, str] = {name: setting.id for name, setting in SETTINGS.items()}
 
@@ -550,3 +553,42 @@ def unapplied_migrations(alias: str = "default") -> list[str]:
     executor = MigrationExecutor(connections[alias])
     targets = [key for key in executor.loader.graph.leaf_nodes() if key[0] == "ratelimits"]
     return [migration.name for migration, _ in executor.migration_plan(targets) if migration.app_label == "ratelimits"]
+
+
+#: django-ratelimit's settings, which nothing here reads, and what does their work here.
+DJANGO_RATELIMIT_SETTINGS = {
+    "RATELIMIT_ENABLE": "RATELIMITS['ENABLED']",
+    "RATELIMIT_USE_CACHE": "RATELIMITS['REDIS']['CACHE'] (the limiter takes that cache's Redis, not the cache)",
+    "RATELIMIT_CACHE_PREFIX": "RATELIMITS['REDIS']['KEY_PREFIX']",
+    "RATELIMIT_VIEW": (
+        "none: a request over a blocking limit is answered 429 with a problem+json body; to answer it "
+        "yourself, use block=False and read request.limited in the view"
+    ),
+    "RATELIMIT_EXCEPTION_CLASS": (
+        "none: nothing is raised, a request over a blocking limit is answered 429; to answer it "
+        "yourself, use block=False and read request.limited in the view"
+    ),
+    "RATELIMIT_FAIL_OPEN": "RATELIMITS['FAILURE']['DEFAULT_MODE'] ('open', 'closed' or 'local')",
+    "RATELIMIT_IP_META_KEY": (
+        "RATELIMITS['IDENTITY']['CLIENT_IP_HEADER'], read only from RATELIMITS['IDENTITY']['TRUSTED_PROXIES'] "
+        "(a header anyone can send is believed from your proxies only)"
+    ),
+    "RATELIMIT_IPV4_MASK": "none: IPv4 addresses count one by one; a key callable can group them",
+    "RATELIMIT_IPV6_MASK": "RATELIMITS['IDENTITY']['IPV6_PREFIX'] (64 by default, as there)",
+    "RATELIMIT_HASH_ALGORITHM": "RATELIMITS['IDENTITY']['HASH_KEY'] (keys are keyed BLAKE2b hashes)",
+}
+
+
+@register(Tags.compatibility)
+def check_django_ratelimit_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Warn about each django-ratelimit setting left in the project: here it would do nothing, unseen."""
+    return [
+        Warning(
+            f"{name} is django-ratelimit's setting: ratelimits does not read it.",
+            hint=f"Its equivalent here: {equivalent}. Remove it once django-ratelimit is gone, or silence "
+            f"{W020} while both run ({documentation.page('migrating-from-django-ratelimit')}).",
+            id=W020,
+        )
+        for name, equivalent in DJANGO_RATELIMIT_SETTINGS.items()
+        if hasattr(settings, name)
+    ]

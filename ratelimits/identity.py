@@ -80,6 +80,9 @@ class SubjectKind(StrEnum):
     FLEET = "fleet"
     #: The first characters of a presented credential: what the failed-authentication limit counts.
     CREDENTIAL = "credential"
+    #: What a view's own limit counts by, when it is not the client IP or the user
+    #: (``ratelimits.decorators.ratelimit``'s ``key``: a header, a query or form parameter, a function's).
+    KEY = "key"
 
     @property
     def label(self) -> str:
@@ -94,6 +97,7 @@ _KIND_LABELS = {
     SubjectKind.ENDPOINT: "endpoint",
     SubjectKind.FLEET: "fleet",
     SubjectKind.CREDENTIAL: "credential prefix",
+    SubjectKind.KEY: "view limit key",
 }
 #: The kinds a tier can be assigned to and an override can name (the callers' identities).
 ASSIGNABLE_KINDS = (SubjectKind.API_KEY, SubjectKind.USER, SubjectKind.ORG, SubjectKind.IP)

@@ -1,13 +1,15 @@
-"""The same engine for plain Django views: a middleware and a per-view decorator.
+"""The same engine for plain Django views: the middlewares, and the decorator behind ``@throttle``.
 
 Each works for sync and async views alike. Under ASGI the middlewares run async, and an async
 view's decision is made on the event loop (:func:`~ratelimits.engine.evaluation.aevaluate`);
-under WSGI they run sync, as Django runs any view.
+under WSGI they run sync, as Django runs any view. The per-view decorators are in
+:mod:`ratelimits.decorators`.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -28,6 +30,7 @@ __all__ = [
     "RateLimitMiddleware",
     "ratelimit",
     "ratelimit_exempt",
+    "throttling",
 ]
 
 View = TypeVar("View", bound=Callable[..., Any])
@@ -254,7 +257,19 @@ def _refused_early(request: HttpRequest) -> HttpResponse | None:
 
 
 def ratelimit(scope: str | None = None) -> Callable[[View], View]:
-    """Limit one plain view, sync or async; ``scope`` names it in ``RATELIMITS['ENDPOINTS']`` (default: route name)."""
+    """Deprecated: ``ratelimits.decorators.throttle(endpoint=...)``, the same decorator under its new name."""
+    warnings.warn(
+        "ratelimits.middleware.ratelimit(scope=...) is deprecated: use ratelimits.decorators.throttle(endpoint=...), "
+        "the same decorator (ratelimits.decorators.ratelimit is django-ratelimit's: a limit on a key of its own)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return throttling(scope)
+
+
+def throttling(scope: str | None = None) -> Callable[[View], View]:
+    """Limit one plain view, sync or async, with the whole engine, as :class:`RateLimitMiddleware` would;
+    ``scope`` names it in ``RATELIMITS['ENDPOINTS']`` (default: route name). ``ratelimits.decorators.throttle``."""
 
     def decorate(view: View) -> View:
         if iscoroutinefunction(view):

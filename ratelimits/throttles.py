@@ -74,7 +74,7 @@ class RateLimitThrottle(BaseThrottle):
         """Every policy that applies to the request, decided (and consumed from) in one round trip."""
         endpoint = endpoint_name(request, view)
         extra = view_policies(view, request.method or "GET")
-        _, decision = evaluate(request, endpoint=endpoint, auth=request.auth, user=request.user, extra=extra)
+        _, decision = evaluate(request, endpoint=endpoint, auth=request.auth, user=request.user, caller_policies=extra)
         return decision
 
     def wait(self) -> float | None:
@@ -97,7 +97,9 @@ class AsyncRateLimitThrottle(RateLimitThrottle):
         if decision is None:
             endpoint = endpoint_name(request, view)
             extra = view_policies(view, request.method or "GET")
-            _, decision = await aevaluate(request, endpoint=endpoint, auth=request.auth, user=request.user, extra=extra)
+            _, decision = await aevaluate(
+                request, endpoint=endpoint, auth=request.auth, user=request.user, caller_policies=extra
+            )
         return self._verdict(request, view, decision)
 
 

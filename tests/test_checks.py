@@ -8,7 +8,13 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import SystemCheckError
 
-from ratelimits.checks import SETTING_IDS, check_deployment, check_settings
+from ratelimits.checks import (
+    DJANGO_RATELIMIT_SETTINGS,
+    SETTING_IDS,
+    check_deployment,
+    check_django_ratelimit_settings,
+    check_settings,
+)
 from ratelimits.conf import NAMESPACES, POLICY_SOURCES, SETTINGS, Settings, conf, field_of
 from ratelimits.policies.database import DatabasePolicySource
 
@@ -416,3 +422,41 @@ def test_a_source_missing_part_of_the_protocol_is_refused_by_name(settings: Any)
         in messages[0].msg
     )
     assert "invalidate, ignored_settings. Subclassing ratelimits.policies.SnapshotPolicySource" in messages[0].msg
+
+
+def test_django_ratelimit_settings_are_each_named_with_their_equivalent(settings: Any) -> None:
+    settings.RATELIMIT_ENABLE = False
+    settings.RATELIMIT_USE_CACHE = "default"
+    settings.RATELIMIT_IPV6_MASK = 48
+    messages = check_django_ratelimit_settings()
+    assert ids(messages) == ["ratelimits.W020", "ratelimits.W020", "ratelimits.W020"]
+    assert [m.msg for m in messages] == [
+        "RATELIMIT_ENABLE is django-ratelimit's setting: ratelimits does not read it.",
+        "RATELIMIT_USE_CACHE is django-ratelimit's setting: ratelimits does not read it.",
+        "RATELIMIT_IPV6_MASK is django-ratelimit's setting: ratelimits does not read it.",
+    ]
+    assert messages[0].hint.startswith("Its equivalent here: RATELIMITS['ENABLED']. ")
+    assert messages[1].hint.startswith("Its equivalent here: RATELIMITS['REDIS']['CACHE'] ")
+    assert messages[2].hint.startswith("Its equivalent here: RATELIMITS['IDENTITY']['IPV6_PREFIX'] ")
+
+
+@pytest.mark.parametrize("name", sorted(DJANGO_RATELIMIT_SETTINGS))
+def test_every_django_ratelimit_setting_is_recognised(settings: Any, name: str) -> None:
+    assert check_django_ratelimit_settings() == []
+    setattr(settings, name, "x")
+    assert ids(check_django_ratelimit_settings()) == ["ratelimits.W020"]
+
+
+def test_django_ratelimits_ten_settings_are_all_in_the_table() -> None:
+    assert set(DJANGO_RATELIMIT_SETTINGS) == {
+        "RATELIMIT_CACHE_PREFIX",
+        "RATELIMIT_ENABLE",
+        "RATELIMIT_EXCEPTION_CLASS",
+        "RATELIMIT_FAIL_OPEN",
+        "RATELIMIT_HASH_ALGORITHM",
+        "RATELIMIT_IP_META_KEY",
+        "RATELIMIT_IPV4_MASK",
+        "RATELIMIT_IPV6_MASK",
+        "RATELIMIT_USE_CACHE",
+        "RATELIMIT_VIEW",
+    }

@@ -76,6 +76,7 @@ LAYERS: dict[str, int] = {
     "ratelimits.throttles": 5,
     "ratelimits.drf": 5,
     "ratelimits.middleware": 5,
+    "ratelimits.decorators": 5,
     "ratelimits.headers": 5,
     "ratelimits.problems": 5,
     "ratelimits.views": 5,

@@ -6,7 +6,8 @@ from django.urls import path
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from ratelimits.middleware import ratelimit, ratelimit_exempt
+from ratelimits.decorators import throttle
+from ratelimits.middleware import ratelimit_exempt
 from ratelimits.throttles import AsyncRateLimitThrottle
 
 
@@ -17,7 +18,7 @@ class Ping(APIView):
         return Response({"ok": True})
 
 
-@ratelimit(scope="plain")
+@throttle(endpoint="plain")
 def plain(request: HttpRequest) -> HttpResponse:
     return HttpResponse("plain ok")
 
@@ -84,7 +85,7 @@ urlpatterns += [path("status/<int:code>", Status.as_view(), name="status")]
 # -- async views: the same engine, decided on the event loop ----------------------------------
 
 
-@ratelimit(scope="async-plain")
+@throttle(endpoint="async-plain")
 async def async_plain(request: HttpRequest) -> HttpResponse:
     return HttpResponse("async plain ok")
 
@@ -94,7 +95,7 @@ async def async_unmarked(request: HttpRequest) -> HttpResponse:
     return HttpResponse("async unmarked ok")
 
 
-@ratelimit(scope="async-gated")
+@throttle(endpoint="async-gated")
 async def async_gated(request: HttpRequest) -> HttpResponse:
     """Held inside (off the event loop) until the test opens ``tests.support.gate.GATE``."""
     from asgiref.sync import sync_to_async
@@ -106,7 +107,7 @@ async def async_gated(request: HttpRequest) -> HttpResponse:
     return HttpResponse("async gated ok")
 
 
-@ratelimit(scope="streaming")
+@throttle(endpoint="streaming")
 def streaming(request: HttpRequest) -> StreamingHttpResponse:
     """A body made after the view returned, by a generator that keeps no reference to the request."""
     return StreamingHttpResponse(iter([b"one ", b"two ", b"three"]))

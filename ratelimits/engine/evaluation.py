@@ -40,8 +40,10 @@ if TYPE_CHECKING:
     from django.http import HttpRequest
 
 __all__ = [
+    "adecide_checks",
     "aevaluate",
     "after_response",
+    "decide_checks",
     "early_refusals",
     "endpoint_of",
     "evaluate",
@@ -81,27 +83,25 @@ def evaluate(
     auth: Any = None,
     user: Any = None,
     consume: bool = True,
-    extra: Sequence[Policy] = (),
+    checks: Sequence[Check] = (),
+    caller_policies: Sequence[Policy] = (),
 ) -> tuple[Identity, Decision]:
     """Identify ``request``, collect its checks and decide them in one backend call.
 
-    ``extra``: policies the caller adds to the request's own (a throttle class's ``rate``),
-    each on the caller and spending the endpoint's cost.
+    ``checks`` are decided with the request's own, in the same call and before them: a view's
+    limits of its own (``ratelimits.decorators.ratelimit`` with ``policies=True``).
+    ``caller_policies`` are added to the request's own on its caller, each spending the
+    endpoint's cost (a ``RateLimitThrottle`` subclass's ``scope`` or ``rate``).
 
     A consuming decision that admits the request holds its slots (and this worker's in-flight
     count) until its response is closed; see :func:`_hold`. With ``RATELIMITS['ENABLED']`` off,
     every request is :data:`~ratelimits.decisions.UNLIMITED`: no policy is loaded, nothing is
     counted, the store is not asked.
     """
-    pending = _prepare(request, endpoint, auth, user, consume, extra)
-    if isinstance(pending, tuple):
-        return pending
-    try:
-        decision = pending.limiter.decide(pending.checks, consume=consume, usage=pending.usage)
-    except BaseException:
-        pending.abandon()
-        raise
-    return pending.identity, _conclude(request, pending, decision)
+    identity, pending = _prepare(request, endpoint, auth, user, consume, checks, caller_policies)
+    if isinstance(pending, Decision):
+        return identity, pending
+    return identity, _conclude(request, pending, _decided(pending, consume))
 
 
 async def aevaluate(
@@ -111,7 +111,8 @@ async def aevaluate(
     auth: Any = None,
     user: Any = None,
     consume: bool = True,
-    extra: Sequence[Policy] = (),
+    checks: Sequence[Check] = (),
+    caller_policies: Sequence[Policy] = (),
 ) -> tuple[Identity, Decision]:
     """:func:`evaluate` for async views: the same decision, with the store asked on the event loop
     (``redis.asyncio``) and the policies, if they must be loaded, loaded in a thread."""
@@ -121,15 +122,47 @@ async def aevaluate(
         if not _snapshot_in_hand(source, state):
             await sync_to_async(source.snapshot)()  # a database query, as the sync path makes it
             state.loaded_source = source
-    pending = await _aprepare(request, endpoint, auth, user, consume, extra, state)
-    if isinstance(pending, tuple):
-        return pending
+    identity, pending = await _aprepare(request, endpoint, auth, user, consume, checks, caller_policies, state)
+    if isinstance(pending, Decision):
+        return identity, pending
+    return identity, _conclude(request, pending, await _adecided(pending, consume))
+
+
+def decide_checks(request: HttpRequest, checks: Sequence[Check], *, endpoint: str, consume: bool = True) -> Decision:
+    """Decide ``checks`` alone for ``request``, in one backend call: none of its policies.
+
+    No tier, dimension, endpoint rule, fleet check or worker shedder: only ``checks`` (a view's
+    own limits, ``ratelimits.decorators``). Everything else is as :func:`evaluate` does it: the
+    breaker and fail modes, the local path, the metrics (under ``endpoint``), and the policy
+    version the store answers with. No usage is counted: usage rows are a caller's, and
+    these checks name no caller.
+    """
+    pending = _prepare_checks(checks, endpoint, consume)
+    return _conclude(request, pending, _decided(pending, consume))
+
+
+async def adecide_checks(
+    request: HttpRequest, checks: Sequence[Check], *, endpoint: str, consume: bool = True
+) -> Decision:
+    """:func:`decide_checks` for async views: the store asked on the event loop."""
+    pending = _prepare_checks(checks, endpoint, consume)
+    return _conclude(request, pending, await _adecided(pending, consume))
+
+
+def _decided(pending: _Pending, consume: bool) -> Decision:
     try:
-        decision = await pending.limiter.adecide(pending.checks, consume=consume, usage=pending.usage)
+        return pending.limiter.decide(pending.checks, consume=consume, usage=pending.usage)
     except BaseException:
         pending.abandon()
         raise
-    return pending.identity, _conclude(request, pending, decision)
+
+
+async def _adecided(pending: _Pending, consume: bool) -> Decision:
+    try:
+        return await pending.limiter.adecide(pending.checks, consume=consume, usage=pending.usage)
+    except BaseException:
+        pending.abandon()
+        raise
 
 
 @dataclass(slots=True)
@@ -158,36 +191,39 @@ async def _aprepare(
     auth: Any,
     user: Any,
     consume: bool,
-    extra: Sequence[Policy],
+    extra: Sequence[Check],
+    caller_policies: Sequence[Policy],
     state: _AsyncState,
-) -> _Pending | tuple[Identity, Decision]:
+) -> tuple[Identity, _Pending | Decision]:
     """:func:`_prepare` on the loop, or in a thread once the project's functions showed they query."""
     if not state.prepare_in_thread:
         try:
-            return _prepare(request, endpoint, auth, user, consume, extra)
+            return _prepare(request, endpoint, auth, user, consume, extra, caller_policies)
         except SynchronousOnlyOperation:
             # _prepare undid what it had done (the shedder's count) before raising: made again below.
             state.prepare_in_thread = True
             logger.warning(
                 "ratelimits: TIER_FUNC, ORGANIZATION_FUNC or API_KEY_FUNC (RATELIMITS['POLICIES'], ['IDENTITY']) "
-                "queried the database during an "
-                "async request; from now on this process resolves async requests' checks in a thread, "
-                f"which costs a thread hop each ({documentation.page('async', 'how-it-works')})"
+                "queried the database during an async request; from now on this process resolves async "
+                "requests' checks in a thread, which costs a thread hop each "
+                f"({documentation.page('async', 'how-it-works')})"
             )
     # Given up before the thread is done, the request counts itself out of the shedder.
-    return await in_thread(lambda: _prepare(request, endpoint, auth, user, consume, extra), _abandon)
+    return await in_thread(lambda: _prepare(request, endpoint, auth, user, consume, extra, caller_policies), _abandon)
 
 
-def _abandon(prepared: _Pending | tuple[Identity, Decision]) -> None:
-    if isinstance(prepared, _Pending):
-        prepared.abandon()
+def _abandon(prepared: tuple[Identity, _Pending | Decision]) -> None:
+    _, pending = prepared
+    if isinstance(pending, _Pending):
+        pending.abandon()
 
 
 @dataclass(slots=True)
 class _Pending:
     """A request between its checks and its decision: what concluding it needs."""
 
-    identity: Identity
+    #: ``None`` when only given checks are decided (:func:`decide_checks`): no caller is identified.
+    identity: Identity | None
     endpoint: str
     consume: bool
     source: PolicySource
@@ -208,9 +244,16 @@ class _Pending:
 
 
 def _prepare(
-    request: HttpRequest, endpoint: str, auth: Any, user: Any, consume: bool, extra: Sequence[Policy] = ()
-) -> _Pending | tuple[Identity, Decision]:
-    """The request's checks, ready to decide; or the worker shedder's refusal, or (limiter off) its admission."""
+    request: HttpRequest,
+    endpoint: str,
+    auth: Any,
+    user: Any,
+    consume: bool,
+    extra: Sequence[Check] = (),
+    caller_policies: Sequence[Policy] = (),
+) -> tuple[Identity, _Pending | Decision]:
+    """The request's identity, and its checks (after ``extra``) ready to decide; or the worker
+    shedder's refusal, or (the limiter off) its admission."""
     identity = identify(request, endpoint=endpoint, auth=auth, user=user)
     if not conf.enabled:
         return identity, UNLIMITED
@@ -233,14 +276,18 @@ def _prepare(
         generation = local.generation if local is not None else 0
         snapshot = source.snapshot() if local is not None else None
         checks = source.checks_for(request, identity)
-        if extra:
-            checks = _with_extra(checks, extra, identity, source.endpoint_rule(endpoint, request.method or "GET").cost)
+        if caller_policies:
+            cost = source.endpoint_rule(endpoint, request.method or "GET").cost
+            checks = _with_caller_policies(checks, caller_policies, identity, cost)
+        # The request's usage is its own checks' (their cost), whatever else is decided with them.
         usage = usage_of(identity, checks) if consume and conf.usage.enabled else None
+        if extra:
+            checks = [*extra, *checks]
     except BaseException:
         if shedder is not None:
             shedder.finish()  # counted in above, and nothing is held to count it out
         raise
-    return _Pending(
+    return identity, _Pending(
         identity,
         endpoint,
         consume,
@@ -256,12 +303,32 @@ def _prepare(
     )
 
 
-def _with_extra(checks: list[Check], extra: Sequence[Policy], identity: Identity, cost: int) -> list[Check]:
-    """``checks`` and a check of each ``extra`` policy on the caller, but those already among them:
+def _with_caller_policies(
+    checks: list[Check], policies: Sequence[Policy], identity: Identity, cost: int
+) -> list[Check]:
+    """``checks`` and a check of each of ``policies`` on the caller, but those already among them:
     one policy on one subject is one bucket, spent once."""
     have = {(check.policy.name, check.subject) for check in checks}
-    added = [check_for(policy, identity.caller, cost) for policy in extra]
+    added = [check_for(policy, identity.caller, cost) for policy in policies]
     return [*checks, *(check for check in added if (check.policy.name, check.subject) not in have)]
+
+
+def _prepare_checks(checks: Sequence[Check], endpoint: str, consume: bool) -> _Pending:
+    """``checks`` alone, ready to decide: no identity, shedder or usage (:func:`decide_checks`)."""
+    return _Pending(
+        None,
+        endpoint,
+        consume,
+        get_policy_source(),
+        get_limiter(),
+        None,
+        get_recorder() if consume else None,
+        list(checks),
+        None,
+        0,
+        None,
+        time.perf_counter(),
+    )
 
 
 def _conclude(request: HttpRequest, pending: _Pending, decision: Decision) -> Decision:
@@ -286,7 +353,7 @@ def _conclude(request: HttpRequest, pending: _Pending, decision: Decision) -> De
     if shadow:
         logger.info(
             "ratelimits: shadow policies would deny %s: %s",
-            identity.caller,
+            identity.caller if identity is not None else f"a request to {endpoint}",
             ", ".join(r.policy_name for r in shadow),
         )
     local = limiter.local_path
@@ -294,11 +361,11 @@ def _conclude(request: HttpRequest, pending: _Pending, decision: Decision) -> De
         if decision.local is not None and conf.local_path.header:
             logger.debug(
                 "ratelimits: %s answered from memory (%s)",
-                identity.caller,
+                identity.caller if identity is not None else f"a request to {endpoint}",
                 decision.local,
                 extra={"ratelimit_local": decision.local},
             )
-        if decision.verdict is Verdict.LIMITED and identity.api_key is not None and consume:
+        if decision.verdict is Verdict.LIMITED and identity is not None and identity.api_key is not None and consume:
             credential = presented_credential(request)
             if credential is not None:
                 usage = pending.usage
