@@ -7,10 +7,11 @@ setting, never the first request. Ids are never reused: one retired is kept here
 from __future__ import annotations
 
 import difflib
+import dis
 import functools
 import ssl
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -116,6 +117,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     for name, setting in SETTINGS.items():
         read(functools.partial(conf.read, setting), name)
     # What needs several settings at once: the adaptive capacity its ceiling, metrics their environment.
+    read(lambda: conf.redis.address, Redis.cache.name)  # a CACHES alias read as an address
     read(lambda: conf.shedding.adaptive.settings, Adaptive.name())
     read(lambda: conf.metrics.settings, Metrics.name())
     if Settings.backend.name not in invalid:
@@ -249,45 +251,37 @@ def _is_ours(path: object) -> bool:
 def composes_problems(handler: Any) -> bool:
     """Whether an exception handler is ours, or calls ours (``exception_handler`` or ``problem_response``).
 
-    Read from the handler's code, not by calling it: the names it (or a function it wraps)
-    reads from its module's globals, at any depth of nested functions, followed through
-    ``ratelimits.drf`` attributes. A handler that reaches ours some other way gets W002, which
-    ``SILENCED_SYSTEM_CHECKS`` can silence.
+    Read from the handler's code, not by calling it: each global it loads, and the attributes it
+    reads from that (``ratelimits.drf.problem_response``), in its own code and in functions
+    nested in it; and the function it wraps (``functools.wraps``). A handler that reaches ours
+    some other way gets W002, which ``SILENCED_SYSTEM_CHECKS`` can silence.
     """
-    ours = {drf.exception_handler, drf.problem_response}
+    ours = (drf.exception_handler, drf.problem_response)
     seen: set[int] = set()
     while handler is not None and id(handler) not in seen:
         seen.add(id(handler))
-        if handler in ours:
-            return True
         code = getattr(handler, "__code__", None)
-        names = getattr(handler, "__globals__", {})
-        if code is not None and any(_reaches(names.get(name), code) in ours for name in _names(code)):
+        if any(handler is own for own in ours) or (
+            code is not None and _loads_any(code, getattr(handler, "__globals__", {}), ours)
+        ):
             return True
         handler = getattr(handler, "__wrapped__", None)
     return False
 
 
-def _names(code: Any) -> Iterator[str]:
-    yield from code.co_names
-    for const in code.co_consts:
-        if hasattr(const, "co_names"):
-            yield from _names(const)
-
-
-def _reaches(value: Any, code: Any) -> Any:
-    """``value``, or the attribute of it the code names next (``ratelimits.drf.problem_response``)."""
-    names = set(_names(code))
-    for _ in range(3):  # ratelimits -> drf -> problem_response
-        if not isinstance(value, types.ModuleType):
-            return value
-        attribute = next(
-            (getattr(value, n) for n in names if hasattr(value, n) and getattr(value, n) is not value), None
-        )
-        if attribute is None:
-            return value
-        value = attribute
-    return value
+def _loads_any(code: types.CodeType, names: dict[str, Any], wanted: tuple[Any, ...]) -> bool:
+    """Whether ``code`` (or code nested in it) loads one of ``wanted``: a global, or an attribute chain from one."""
+    value: Any = None
+    for instruction in dis.get_instructions(code):
+        if instruction.opname == "LOAD_GLOBAL":
+            value = names.get(instruction.argval)
+        elif instruction.opname in ("LOAD_ATTR", "LOAD_METHOD") and value is not None:
+            value = getattr(value, instruction.argval, None)
+        else:
+            value = None
+        if value is not None and any(value is own for own in wanted):
+            return True
+    return any(_loads_any(const, names, wanted) for const in code.co_consts if isinstance(const, types.CodeType))
 
 
 def _refused(exc: BaseException) -> str | None:

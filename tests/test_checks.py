@@ -2,21 +2,30 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
+import rest_framework.views
 from django.core.management import call_command
 from django.core.management.base import SystemCheckError
+from rest_framework.test import APIClient
 
+from ratelimits import drf, engine
 from ratelimits.checks import (
     DJANGO_RATELIMIT_SETTINGS,
     SETTING_IDS,
     check_deployment,
     check_django_ratelimit_settings,
+    check_endpoints,
     check_settings,
 )
 from ratelimits.conf import NAMESPACES, POLICY_SOURCES, SETTINGS, Settings, conf, field_of
+from ratelimits.drf import exception_handler
 from ratelimits.policies.database import DatabasePolicySource
+from ratelimits.redis_url import target_of_cache
+
+from .support.redis_server import script_calls
 
 
 def ids(messages: list[Any]) -> list[str]:
@@ -375,6 +384,52 @@ def test_throttle_without_problem_handler_warns(settings: Any) -> None:
     assert ids(check_deployment()) == ["ratelimits.W002"]
 
 
+def wrapping_handler(exc: Exception, context: dict[str, Any]) -> Any:
+    """A project's handler that renders ours and adds its own field to everything else."""
+    response = drf.problem_response(exc, context)
+    if response is None:
+        response = rest_framework.views.exception_handler(exc, context)
+        if response is not None:
+            response.data["request_id"] = "x"
+    return response
+
+
+def delegating_handler(exc: Exception, context: dict[str, Any]) -> Any:
+    def inner() -> Any:
+        return exception_handler(exc, context)
+
+    return inner()
+
+
+@functools.wraps(drf.exception_handler)
+def wrapped_handler(exc: Exception, context: dict[str, Any]) -> Any:
+    return drf.exception_handler(exc, context)
+
+
+def own_handler(exc: Exception, context: dict[str, Any]) -> Any:
+    return rest_framework.views.exception_handler(exc, context)
+
+
+@pytest.mark.parametrize(
+    ("handler", "expected"),
+    [
+        ("ratelimits.drf.exception_handler", []),
+        ("tests.test_checks.wrapping_handler", []),
+        ("tests.test_checks.delegating_handler", []),
+        ("tests.test_checks.wrapped_handler", []),
+        ("tests.test_checks.own_handler", ["ratelimits.W002"]),
+        ("rest_framework.views.exception_handler", ["ratelimits.W002"]),
+    ],
+)
+def test_a_handler_that_calls_ours_is_recognised(settings: Any, handler: str, expected: list[str]) -> None:
+    settings.RATELIMITS = {"BACKEND": "redis"}
+    settings.REST_FRAMEWORK = {**settings.REST_FRAMEWORK, "EXCEPTION_HANDLER": handler}
+    messages = check_deployment()
+    assert ids(messages) == expected
+    if expected:
+        assert "ratelimits.drf.problem_response(exc, context)" in (messages[0].hint or "")
+
+
 def test_settings_the_database_source_ignores_are_named(settings: Any) -> None:
     settings.RATELIMITS = {
         "BACKEND": "redis",
@@ -460,3 +515,129 @@ def test_django_ratelimits_ten_settings_are_all_in_the_table() -> None:
         "RATELIMIT_USE_CACHE",
         "RATELIMIT_VIEW",
     }
+
+
+@pytest.mark.parametrize(
+    ("endpoints", "exempt", "found"),
+    [
+        ({"customers": {"cost": 1}, "POST charges": {}, "ping": {}}, ["rate_limit"], []),
+        (
+            {"custmers": {"cost": 1}},
+            [],
+            [
+                (
+                    "ratelimits.W013",
+                    "RATELIMITS['ENDPOINTS']: 'custmers' matches no endpoint",
+                    "Did you mean 'customers'?",
+                )
+            ],
+        ),
+        (
+            {"POST /v1/charges": {"priority": "critical"}},
+            [],
+            [("ratelimits.E008", "'POST /v1/charges' is a URL path", "write 'POST charges'.")],
+        ),
+        (
+            {},
+            ["/t/ping", "healthz"],
+            [
+                ("ratelimits.E008", "RATELIMITS['POLICIES']['EXEMPT_ENDPOINTS']: '/t/ping' is a URL path", "'ping'"),
+                ("ratelimits.W013", "'healthz' matches no endpoint of the project", None),
+            ],
+        ),
+    ],
+)
+def test_endpoint_names_that_match_no_route_or_are_paths_are_named(
+    settings: Any, endpoints: dict[str, Any], exempt: list[str], found: list[tuple[str, str, str | None]]
+) -> None:
+    settings.RATELIMITS = {"BACKEND": "redis", "ENDPOINTS": endpoints, "POLICIES": {"EXEMPT_ENDPOINTS": exempt}}
+    messages = check_endpoints()
+    assert ids(messages) == [check_id for check_id, *_ in found]
+    for message, (_, text, hint) in zip(messages, found, strict=True):
+        assert text in message.msg
+        assert hint is None or hint in (message.hint or ""), message.hint
+
+
+def test_the_database_source_ignores_endpoints_so_they_are_not_matched(settings: Any) -> None:
+    settings.RATELIMITS = {"BACKEND": "redis", "POLICIES": {"SOURCE": "database"}, "ENDPOINTS": {"nowhere": {}}}
+    assert check_endpoints() == []  # W003 says ENDPOINTS is ignored there
+
+
+def test_django_redis_and_djangos_own_cache_are_read_as_the_limiters_redis() -> None:
+    assert target_of_cache(
+        "default",
+        {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": ["rediss://cache.internal:6380/2", "rediss://replica.internal:6380/2"],
+            "OPTIONS": {
+                "PASSWORD": "s3cret",
+                "SOCKET_TIMEOUT": 5,  # the cache's: the limiter keeps its own
+                "CONNECTION_POOL_KWARGS": {"ssl_cert_reqs": None, "ssl_ca_certs": "/etc/ca.pem", "max_connections": 9},
+            },
+        },
+    ) == (
+        "rediss://cache.internal:6380/2",
+        {"password": "s3cret", "ssl_cert_reqs": "none", "ssl_ca_certs": "/etc/ca.pem"},
+    )
+    assert target_of_cache(
+        "default",
+        {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": "redis://127.0.0.1:6379,redis://127.0.0.1:6380",
+            "OPTIONS": {"db": 3, "username": "limiter", "password": "pw", "pool_class": "x"},
+        },
+    ) == ("redis://127.0.0.1:6379/3", {"username": "limiter", "password": "pw"})
+    assert target_of_cache(
+        "sessions",
+        {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": "redis://user:pw@primary/1",
+            "OPTIONS": {
+                "CLIENT_CLASS": "django_redis.client.SentinelClient",
+                "SENTINELS": [("10.0.0.1", 26379), ("10.0.0.2", 26380)],
+                "SENTINEL_KWARGS": {"password": "sentinel-pw"},
+            },
+        },
+    ) == ("redis+sentinel://user:pw@10.0.0.1:26379,10.0.0.2:26380/primary?db=1", {"sentinel_password": "sentinel-pw"})
+
+
+@pytest.mark.parametrize(
+    ("cache", "needle"),
+    [
+        ({"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}, "not a Redis cache"),
+        ({"BACKEND": "django_redis.cache.RedisCache", "LOCATION": 7}, "['LOCATION'] must be a Redis URL"),
+        (
+            {
+                "BACKEND": "django_redis.cache.RedisCache",
+                "LOCATION": ["redis://a:1/0", "redis://b:1/0"],
+                "OPTIONS": {"CLIENT_CLASS": "django_redis.client.ShardClient"},
+            },
+            "shards keys over several servers",
+        ),
+        ({"BACKEND": "django_redis.cache.RedisCache", "LOCATION": "memcached://x:1"}, "the scheme must be one of"),
+    ],
+)
+def test_a_cache_the_limiter_cannot_share_fails_the_checks_naming_it(
+    settings: Any, cache: dict[str, Any], needle: str
+) -> None:
+    settings.CACHES = {**settings.CACHES, "shared": cache}
+    settings.RATELIMITS = {"REDIS": {"CACHE": "shared"}}
+    messages = check_settings()
+    assert ids(messages) == ["ratelimits.E159"]
+    assert messages[0].msg.startswith("RATELIMITS['REDIS']['CACHE']: CACHES['shared']") and needle in messages[0].msg
+
+
+@pytest.mark.django_db
+def test_the_limiter_decides_on_the_redis_of_a_django_redis_cache(settings: Any, redis_server: Any) -> None:
+    settings.CACHES = {
+        **settings.CACHES,
+        "default": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": redis_server.url},
+    }
+    settings.RATELIMITS = {"REDIS": {"CACHE": "default"}, "TIERS": {"anonymous": "2/m", "authenticated": "2/m"}}
+    engine.reset()
+    client = APIClient(REMOTE_ADDR="198.51.100.60")
+    assert client.get("/t/ping").status_code == 200  # the first also loads the scripts
+    before = script_calls(redis_server)
+    assert [client.get("/t/ping").status_code for _ in range(2)] == [200, 429]
+    assert script_calls(redis_server) - before == 2  # decided in that Redis, one call a request
+    assert check_settings() == []

@@ -9,13 +9,14 @@ under gunicorn is ``test_policy_lock.py``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
-from django.db import OperationalError, connection, transaction
+from django.db import connection, transaction
 
 from ratelimits import engine
 from ratelimits.models import Tier
@@ -94,11 +95,18 @@ def held(source: DatabasePolicySource, first: Any, locker: psycopg.Connection[An
     locker.commit()
 
 
-def test_the_first_load_has_nothing_to_fall_back_on(source: DatabasePolicySource) -> None:
+def test_a_first_load_that_fails_decides_on_the_settings_policies_until_the_tables_answer(
+    source: DatabasePolicySource, caplog: pytest.LogCaptureFixture
+) -> None:
+    Tier.objects.create(name="tables-own", rate="10/s")
     start = time.monotonic()
-    with locked(), pytest.raises(OperationalError, match="timeout"):
-        source.snapshot()
-    assert time.monotonic() - start < REACTION_BOUND_S
+    with caplog.at_level(logging.ERROR, logger="ratelimits"), locked():
+        fallback = source.snapshot()
+        assert time.monotonic() - start < REACTION_BOUND_S
+        assert set(fallback.tiers) == {"anonymous", "authenticated"}  # the settings' default tiers
+    assert any("the policy tables cannot be read (OperationalError" in r.getMessage() for r in caplog.records)
+    # Unlocked: the background reload reads the tables, with no request's help.
+    assert wait_until(lambda: "tables-own" in source.snapshot().tiers, 10.0)
 
 
 def test_bounded_waits_leave_an_outer_transaction_its_own_timeouts() -> None:

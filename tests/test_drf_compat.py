@@ -1,0 +1,251 @@
+"""A DRF project that swaps its throttle classes for RateLimitThrottle keeps every rate it had.
+
+DRF's ``DEFAULT_THROTTLE_RATES`` (``anon``, ``user``, each scope), a view's ``throttle_scope``,
+DRF 3.18's ``@throttle_scope`` on a function view, and ``scope``/``rate`` on throttle subclasses:
+each enforced here over HTTP, on the memory backend and the suite's Redis, and decided in one
+round trip however many throttle classes a view has.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.core.exceptions import ImproperlyConfigured
+from django.urls import path
+from rest_framework.decorators import api_view, throttle_scope
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.test import APIClient
+from rest_framework.views import APIView
+
+from ratelimits import engine
+from ratelimits.checks import check_endpoints, check_settings, check_throttle_settings
+from ratelimits.exceptions import ConfigurationError
+from ratelimits.policies.throttle_rates import drf_rate, throttle_rates
+from ratelimits.rates import Rate
+from ratelimits.throttles import RateLimitThrottle
+
+from .support.redis_server import RedisServer, script_calls
+from .support.settings import merged
+
+pytestmark = pytest.mark.django_db
+
+
+class Uploads(APIView):
+    throttle_scope = "uploads"
+
+    def post(self, request: Request) -> Response:
+        return Response({"ok": True})
+
+
+class Reports(APIView):
+    throttle_scope = "reports"
+
+    def get(self, request: Request) -> Response:
+        return Response({"ok": True})
+
+
+@api_view(["GET"])
+@throttle_scope("search")
+def search(request: Request) -> Response:
+    return Response({"ok": True})
+
+
+class BurstThrottle(RateLimitThrottle):
+    """DRF's documented pattern: a burst rate and a sustained one, each a class."""
+
+    scope = "burst"
+
+
+class SustainedThrottle(RateLimitThrottle):
+    rate = "5/day"
+
+
+class Burst(APIView):
+    throttle_classes = [BurstThrottle, SustainedThrottle]
+
+    def get(self, request: Request) -> Response:
+        return Response({"ok": True})
+
+
+class NoRate(RateLimitThrottle):
+    scope = "nowhere"
+
+
+class Unlimited(APIView):
+    throttle_classes = [NoRate]
+
+    def get(self, request: Request) -> Response:
+        return Response({"ok": True})
+
+
+urlpatterns = [
+    path("uploads", Uploads.as_view(), name="uploads"),
+    path("reports", Reports.as_view(), name="reports"),
+    path("search", search, name="search"),
+    path("burst", Burst.as_view(), name="burst"),
+    path("unlimited", Unlimited.as_view(), name="unlimited"),
+]
+
+RATES = {"anon": "2/min", "user": "100/day", "uploads": "1/min", "search": "3/hour", "burst": "2/min"}
+
+
+@pytest.fixture(params=["memory", "redis"])
+def drf_project(request: pytest.FixtureRequest, settings: Any) -> RedisServer | None:
+    """This module's routes, DRF's rates, RateLimitThrottle in place of DRF's classes, no RATELIMITS
+    of note; on the memory backend, or the suite's Redis (which is returned)."""
+    settings.ROOT_URLCONF = __name__
+    drf_rates(settings, RATES)
+    server: RedisServer | None = None
+    if request.param == "redis":
+        server = request.getfixturevalue("use_redis")
+    else:
+        settings.RATELIMITS = {"BACKEND": "memory"}
+    engine.reset()
+    return server
+
+
+def drf_rates(settings: Any, rates: dict[str, Any]) -> None:
+    settings.REST_FRAMEWORK = {
+        **settings.REST_FRAMEWORK,
+        "DEFAULT_AUTHENTICATION_CLASSES": ["rest_framework.authentication.SessionAuthentication"],
+        "DEFAULT_THROTTLE_CLASSES": ["ratelimits.throttles.RateLimitThrottle"],
+        "DEFAULT_THROTTLE_RATES": rates,
+    }
+    engine.reset()
+
+
+def statuses(method: str, url: str, count: int, address: str = "198.51.100.7") -> list[int]:
+    client = APIClient(REMOTE_ADDR=address)
+    return [getattr(client, method)(url).status_code for _ in range(count)]
+
+
+def test_anon_is_the_anonymous_callers_rate_and_every_scope_its_endpoints(drf_project: Any) -> None:
+    # anon 2/min: two requests, then 429, per client address, on an endpoint with no rate of its own.
+    assert statuses("get", "/reports", 3) == [200, 200, 429]
+    assert statuses("get", "/reports", 1, address="198.51.100.8") == [200]
+    # uploads 1/min: the scope's own rate, stricter than anon's.
+    assert statuses("post", "/uploads", 2, address="198.51.100.9") == [200, 429]
+
+
+def test_a_function_views_throttle_scope_decorator_is_its_endpoint(drf_project: Any, settings: Any) -> None:
+    drf_rates(settings, {"anon": "100/min", "search": "3/hour"})
+    assert statuses("get", "/search", 4, address="198.51.100.10") == [200, 200, 200, 429]
+
+
+def test_the_429_names_the_drf_rate_it_came_from(drf_project: Any) -> None:
+    client = APIClient(REMOTE_ADDR="198.51.100.11")
+    client.post("/uploads")
+    response = client.post("/uploads")
+    assert response.status_code == 429
+    assert response.json()["violated-policies"] == ["endpoint:uploads"]
+    assert 1 <= int(response["Retry-After"]) <= 60
+
+
+def test_user_is_the_authenticated_callers_rate_and_the_anonymous_ones_without_anon(
+    drf_project: Any, settings: Any
+) -> None:
+    drf_rates(settings, {"user": "2/min"})
+    user = get_user_model().objects.create_user("ada")
+    client = APIClient(REMOTE_ADDR="198.51.100.12")
+    client.force_authenticate(user)
+    assert [client.get("/reports").status_code for _ in range(3)] == [200, 200, 429]
+    # DRF's UserRateThrottle holds anonymous callers to the user rate too, by address.
+    assert statuses("get", "/reports", 3, address="198.51.100.13") == [200, 200, 429]
+
+
+def test_every_throttle_class_of_a_view_is_decided_in_one_round_trip(drf_project: Any, settings: Any) -> None:
+    # burst: DRF's 2/min for the class's scope; sustained: the class's own 5/day; anon: 100/min.
+    drf_rates(settings, {"anon": "100/min", "burst": "2/min"})
+    before = script_calls(drf_project) if drf_project is not None else 0
+    assert statuses("get", "/burst", 3, address="198.51.100.14") == [200, 200, 429]
+    if drf_project is not None:
+        assert script_calls(drf_project) - before == 3  # one per request, whatever the classes
+
+
+def test_a_throttle_classs_own_rate_holds_across_requests(drf_project: Any, settings: Any) -> None:
+    drf_rates(settings, {"anon": "100/min", "burst": "100/min"})
+    assert statuses("get", "/burst", 6, address="198.51.100.15") == [200] * 5 + [429]
+
+
+def test_the_projects_own_endpoint_rate_wins_and_the_check_names_the_drf_rate(drf_project: Any, settings: Any) -> None:
+    drf_rates(settings, {"anon": "100/min", "uploads": "1/min"})
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"ENDPOINTS": {"uploads": {"rate": "3/min"}}})
+    engine.reset()
+    assert statuses("post", "/uploads", 4, address="198.51.100.16") == [200, 200, 200, 429]
+    assert [m.msg for m in check_throttle_settings() if m.id == "ratelimits.W010"] == [
+        "REST_FRAMEWORK['DEFAULT_THROTTLE_RATES']['uploads'] ('1/min') is replaced by "
+        "RATELIMITS['ENDPOINTS']['uploads'], per caller (3 / minute, burst 3)."
+    ]
+
+
+def test_the_projects_own_tiers_win_and_the_check_names_anon_and_user(drf_project: Any, settings: Any) -> None:
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"TIERS": {"anonymous": "5/s", "authenticated": "9/s"}})
+    engine.reset()
+    assert statuses("get", "/reports", 6, address="198.51.100.17") == [200] * 5 + [429]
+    assert [m.msg for m in check_throttle_settings() if m.id == "ratelimits.W010"] == [
+        "REST_FRAMEWORK['DEFAULT_THROTTLE_RATES']['anon'] ('2/min') is replaced by the tier 'anonymous', "
+        "anonymous callers' default (5 / second, burst 5).",
+        "REST_FRAMEWORK['DEFAULT_THROTTLE_RATES']['user'] ('100/day') is replaced by the tier 'authenticated', "
+        "authenticated callers' default (9 / second, burst 9).",
+    ]
+
+
+def test_a_scope_set_to_none_is_no_limit(drf_project: Any, settings: Any) -> None:
+    drf_rates(settings, {"anon": "100/min", "uploads": None})
+    assert statuses("post", "/uploads", 5, address="198.51.100.18") == [200] * 5
+
+
+def test_a_throttle_class_whose_scope_has_no_rate_refuses_as_drf_does(drf_project: Any) -> None:
+    with pytest.raises(ImproperlyConfigured, match=r"NoRate\.scope: 'nowhere' names no per-caller rate"):
+        APIClient().get("/unlimited")
+    messages = [m for m in check_endpoints() if m.id == "ratelimits.E007"]
+    assert len(messages) == 1 and "'nowhere' names no per-caller rate" in messages[0].msg
+
+
+@pytest.mark.parametrize(
+    ("written", "rate"),
+    [
+        ("2/min", Rate(2, 60_000_000)),
+        ("100/day", Rate(100, 86_400_000_000)),
+        ("5/s", Rate(5, 1_000_000)),
+        ("10/hours", Rate(10, 3_600_000_000)),
+        (" 7 / minute ", Rate(7, 60_000_000)),
+        (None, None),
+    ],
+)
+def test_a_rate_is_read_as_drf_reads_it(written: Any, rate: Rate | None) -> None:
+    assert drf_rate(written, "field") == rate
+
+
+def test_a_rate_drf_could_not_read_fails_the_checks_naming_it(settings: Any) -> None:
+    for bad in ("2/fortnight", "two/min", "0/min", 5, "5"):
+        drf_rates(settings, {"anon": bad})
+        messages = check_settings()
+        assert [m.id for m in messages] == ["ratelimits.E006"], bad
+        assert messages[0].msg.startswith(f"REST_FRAMEWORK['DEFAULT_THROTTLE_RATES']['anon']: {bad!r} is not a rate")
+    settings.REST_FRAMEWORK = {**settings.REST_FRAMEWORK, "DEFAULT_THROTTLE_RATES": ["anon"]}
+    with pytest.raises(ConfigurationError, match="expected a dict of scope to rate"):
+        throttle_rates()
+
+
+def test_drfs_own_rate_throttles_beside_ours_and_num_proxies_are_named(settings: Any) -> None:
+    settings.REST_FRAMEWORK = {
+        **settings.REST_FRAMEWORK,
+        "DEFAULT_THROTTLE_CLASSES": [
+            "ratelimits.throttles.RateLimitThrottle",
+            "rest_framework.throttling.UserRateThrottle",
+        ],
+        "NUM_PROXIES": 1,
+    }
+    messages = check_throttle_settings()
+    assert [m.id for m in messages] == ["ratelimits.W011", "ratelimits.W012"]
+    assert "'rest_framework.throttling.UserRateThrottle' beside RateLimitThrottle" in messages[0].msg
+    assert "REST_FRAMEWORK['NUM_PROXIES'] is set, but ratelimits does not read it" in messages[1].msg
+    settings.REST_FRAMEWORK = {
+        **settings.REST_FRAMEWORK,
+        "DEFAULT_THROTTLE_CLASSES": ["rest_framework.throttling.UserRateThrottle"],
+    }
+    assert check_throttle_settings() == []  # a project that does not use ratelimits' throttle
