@@ -124,7 +124,8 @@ def test_a_key_the_admin_cannot_find_is_said_so(demo: dict[str, tuple[str, ApiKe
     )
     assert response.status_code == 200
     assert response.context["notes"] == [
-        "No payments.ApiKey has the identity 'ApiKey:999999': TIER_FUNC and ORGANIZATION_FUNC saw no credential. "
+        "No payments.ApiKey has the identity 'ApiKey:999999': RATELIMITS['POLICIES']['TIER_FUNC'] and "
+        "RATELIMITS['IDENTITY']['ORGANIZATION_FUNC'] saw no credential. "
         "A request made with the key may be placed differently."
     ]
     assert "saw no credential" in response.content.decode()
