@@ -22,7 +22,7 @@ app.conf.beat_schedule = {
 
 @app.on_after_configure.connect  # type: ignore[untyped-decorator]
 def schedule_reconciliation(sender: Celery, **kwargs: Any) -> None:
-    """With ``RATELIMITS['REGIONS']``: a reconciliation round every ``RECONCILE['interval']`` (1 s).
+    """With ``RATELIMITS['REGIONS']``: a reconciliation round every ``REGIONS['RECONCILE_INTERVAL']`` (1 s).
 
     ``expires``: a round not started within its interval is dropped, not run late in a burst.
     """

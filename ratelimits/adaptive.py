@@ -1,7 +1,7 @@
 """Adaptive capacity: how many requests a worker serves at once, following its latency and errors.
 
 The worker shedder admits each priority class while the worker's in-flight count is below a
-share of its capacity. With ``ADAPTIVE_CAPACITY`` that capacity is no longer a fixed number but
+share of its capacity. With ``SHEDDING['ADAPTIVE']`` that capacity is no longer a fixed number but
 the output of this controller: additive increase while the worker is healthy and the capacity is
 what turns requests away, multiplicative decrease when it is sick. Sick means one of:
 

@@ -472,7 +472,8 @@ class EffectivePolicyForm(forms.Form):
         if api_key and caller.credential is None and conf.identity.api_key_model is not None:
             model = conf.identity.api_key_model._meta.label
             return [
-                f"No {model} has the identity {api_key!r}: TIER_FUNC and ORGANIZATION_FUNC saw no credential. "
+                f"No {model} has the identity {api_key!r}: RATELIMITS['POLICIES']['TIER_FUNC'] and "
+                "RATELIMITS['IDENTITY']['ORGANIZATION_FUNC'] saw no credential. "
                 "A request made with the key may be placed differently."
             ]
         return []

@@ -81,8 +81,8 @@ W001 = "ratelimits.W001"  # memory backend outside DEBUG
 W002 = "ratelimits.W002"  # throttle installed without the problem+json exception handler
 W003 = "ratelimits.W003"  # a setting is set that the configured policy source does not read
 W004 = "ratelimits.W004"  # the limiter's Redis may evict its keys (a maxmemory-policy other than noeviction)
-W005 = "ratelimits.W005"  # FAILED_AUTH is set but its middleware is not installed
-W006 = "ratelimits.W006"  # ADAPTIVE_CAPACITY is set but EarlyRejectionMiddleware (which sees 5xx) is not
+W005 = "ratelimits.W005"  # IDENTITY['FAILED_AUTH'] is set but its middleware is not installed
+W006 = "ratelimits.W006"  # SHEDDING['ADAPTIVE'] is set but EarlyRejectionMiddleware (which sees 5xx) is not
 W007 = "ratelimits.W007"  # METRICS is on outside DEBUG without prometheus-client's multiprocess mode
 W008 = "ratelimits.W008"  # a setting under the name 0.1 gave it (read until 0.3)
 W009 = "ratelimits.W009"  # REDIS says where a Redis is, but BACKEND is 'memory'
@@ -354,11 +354,11 @@ def check_store(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
 
 E006 = "ratelimits.E006"  # a DRF throttle rate neither DRF nor ratelimits can read
 E007 = "ratelimits.E007"  # a RateLimitThrottle subclass whose scope has no rate, or whose rate cannot be read
-E008 = "ratelimits.E008"  # an ENDPOINTS (or EXEMPT_ENDPOINTS) key that is a URL path, not an endpoint name
+E008 = "ratelimits.E008"  # an ENDPOINTS (or POLICIES['EXEMPT_ENDPOINTS']) key that is a URL path, not an endpoint name
 W010 = "ratelimits.W010"  # a DRF throttle rate that ratelimits' own policy replaces
 W011 = "ratelimits.W011"  # DRF's own rate throttles listed beside RateLimitThrottle
 W012 = "ratelimits.W012"  # REST_FRAMEWORK['NUM_PROXIES'] set: ratelimits does not read it
-W013 = "ratelimits.W013"  # an ENDPOINTS (or EXEMPT_ENDPOINTS) key that matches no endpoint of the project
+W013 = "ratelimits.W013"  # an ENDPOINTS (or POLICIES['EXEMPT_ENDPOINTS']) key that matches no endpoint of the project
 W014 = "ratelimits.W014"  # the ratelimits migrations are not all applied: policies and usage have no tables
 #: Settings of other packages whose errors the checks report under an id of their own.
 FOREIGN_IDS = {DRF_RATES: E006}

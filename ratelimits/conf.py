@@ -6,7 +6,7 @@
 ``REGIONS``, ``METRICS``). Each setting is one :class:`Setting` in its namespace's class below,
 which gives its key, default, parser (whose errors name it), check id and documentation line:
 the system checks take their ids from here, and docs/configuration.md's tables are generated
-from here (``python -m docs.settings_reference``; a test keeps them current).
+from here (``make settings-reference``; a test keeps them current).
 
 Reading a setting on :data:`conf` (``conf.redis.url``) parses the project's value once and keeps
 it as a plain attribute until a ``setting_changed`` signal for ``RATELIMITS``
@@ -651,7 +651,7 @@ def _flush_interval(value: object, field: str) -> float:
 class AdaptiveSettings(NamedTuple):
     """``SHEDDING['ADAPTIVE']``: how the worker shedder's capacity follows latency and errors (docs/adaptive.md)."""
 
-    #: The least capacity it is lowered to (``None``: a quarter of ``WORKER_CAPACITY``, at least 1).
+    #: The least capacity it is lowered to (``None``: a quarter of ``SHEDDING['WORKER_CAPACITY']``, at least 1).
     floor: int | None = None
     #: How much slower than its usual latency an endpoint may answer before the capacity is lowered.
     tolerance: float = 1.5

@@ -11,7 +11,7 @@ digests' labels are noted here (:class:`SubjectLabels`) and written to the datab
 decision path (:mod:`ratelimits.usage.subjects`), where the drain (:mod:`ratelimits.usage`) finds
 them when it moves closed minutes into ``UsageRecord`` rows.
 
-A minute counts at most ``USAGE_MAX_SUBJECTS`` rows: a new row beyond them is counted in the
+A minute counts at most ``USAGE['MAX_SUBJECTS']`` rows: a new row beyond them is counted in the
 overflow row of its caller kind and endpoint instead. :func:`count` is that rule as the memory
 backend runs it; the decide script (``lua/decide.lua``) and ``lua/add_usage.lua`` mirror it.
 """

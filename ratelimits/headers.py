@@ -24,9 +24,9 @@ def rate_limit_headers(decision: Decision) -> dict[str, str]:
 
     IETF syntax follows draft-ietf-httpapi-ratelimit-headers-10/11: ``RateLimit-Policy``
     gives each policy's quota ``q`` over a window of ``w`` seconds (every enforced policy of
-    the request, or with ``HEADER_POLICIES`` ``"closest"`` only the closest), ``RateLimit`` the
+    the request, or with ``HEADERS['POLICIES']`` ``"closest"`` only the closest), ``RateLimit`` the
     remaining quota ``r`` of the policy closest to its limit and the seconds ``t`` until it is
-    fully restored. With ``HEADER_PARTITION_KEY`` each item carries ``pk``, its subject's keyed
+    fully restored. With ``HEADERS['PARTITION_KEY']`` each item carries ``pk``, its subject's keyed
     hash. GitHub's headers describe the closest policy.
     """
     style = conf.headers.style

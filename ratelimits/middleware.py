@@ -109,7 +109,7 @@ class _EitherMode:
 class RateLimitMiddleware(_EitherMode):
     """Limit every plain Django view (DRF views are left to the throttle).
 
-    Views opt out with :func:`ratelimit_exempt` or ``RATELIMITS['EXEMPT_ENDPOINTS']``.
+    Views opt out with :func:`ratelimit_exempt` or ``RATELIMITS['POLICIES']['EXEMPT_ENDPOINTS']``.
     """
 
     def __init__(self, get_response: Callable[[HttpRequest], Any]) -> None:
@@ -149,13 +149,14 @@ def _limited_here(request: HttpRequest, view_func: Callable[..., Any]) -> bool:
 
 
 class FailedAuthenticationMiddleware(_EitherMode):
-    """Limit failed authentication per client IP and credential prefix (``RATELIMITS['FAILED_AUTH']``).
+    """Limit failed authentication per client IP and credential prefix (``IDENTITY['FAILED_AUTH']``).
 
     Put it first in ``MIDDLEWARE``, before the session and authentication middleware: a client
     over the limit is then answered 429 before anything reads a session or looks a key up. A
     401 counts as a failure when the request presented an ``Authorization`` header; it carries
     the limit's headers, and once the limit is spent it becomes the 429 itself, so at most the
-    burst of failures per subject ever reach a 401. Without ``FAILED_AUTH`` it does nothing.
+    burst of failures per subject ever reach a 401. Without ``IDENTITY['FAILED_AUTH']`` it does
+    nothing.
     """
 
     def __call__(self, request: HttpRequest) -> Any:
@@ -201,12 +202,12 @@ class EarlyRejectionMiddleware(_EitherMode):
     Put it first in ``MIDDLEWARE``. Two kinds of request are answered here, with the same 503 or
     429 the throttle (or :class:`RateLimitMiddleware`) would give:
 
-    - one the worker shedder would shed now (``WORKER_CAPACITY``), by the priority of the endpoint
-      its path was limited as;
+    - one the worker shedder would shed now (``SHEDDING['WORKER_CAPACITY']``), by the priority of
+      the endpoint its path was limited as;
     - one whose ``Authorization`` header was refused on that endpoint by a denial that has not
       ended (the exact denial cache, ``LOCAL_PATH``), looked up by its keyed hash: no database.
 
-    On the way out it tells the adaptive capacity (``ADAPTIVE_CAPACITY``) the view's status and
+    On the way out it tells the adaptive capacity (``SHEDDING['ADAPTIVE']``) the view's status and
     latency: a 5xx counts as an error there.
 
     Only paths the engine has limited are looked at, under the very endpoint it limited them as:
@@ -216,8 +217,8 @@ class EarlyRejectionMiddleware(_EitherMode):
     to be what authenticates the API key (a header shared by many keys, a gateway's, would let one
     key's denial refuse the others). Only denials every request with that credential on that
     endpoint meets count: the API key's, its user's, the endpoint's; not the client address's or
-    the organisation's. ``TIER_FUNC`` and ``ORGANIZATION_FUNC`` are assumed to depend on the
-    credential, not on other headers.
+    the organisation's. ``POLICIES['TIER_FUNC']`` and ``IDENTITY['ORGANIZATION_FUNC']`` are assumed
+    to depend on the credential, not on other headers.
     """
 
     def __call__(self, request: HttpRequest) -> Any:

@@ -1,7 +1,7 @@
 """The reconciler: a round moves each global subject's regional shares toward where its demand is.
 
 A Celery beat task (``ratelimits.reconcile_regions``) runs :func:`reconcile` every
-``RECONCILE['interval']`` (1 s). A round:
+``REGIONS['RECONCILE_INTERVAL']`` (1 s). A round:
 
 1. reads every region's demand of the last second that is over (``lua/decide.lua`` counts it),
    and the share records of every subject that had demand somewhere;
@@ -90,7 +90,7 @@ def store_timeout() -> float:
 
 
 def region_stores() -> dict[str, RegionStore]:
-    """A store client per region of ``REGIONS`` (one per process and URL, reused by every round)."""
+    """A store client per region of ``REGIONS['STORES']`` (one per process and URL, reused by every round)."""
     timeout = store_timeout()
     return {
         name: RegionStore.from_url(
@@ -101,7 +101,7 @@ def region_stores() -> dict[str, RegionStore]:
 
 
 def reconcile(*, stores: Mapping[str, RegionStore] | None = None, now: float | None = None, lock: bool = True) -> Round:
-    """Run one round (``stores``: by region name, every region of ``REGIONS`` by default)."""
+    """Run one round (``stores``: by region name, every region of ``REGIONS['STORES']`` by default)."""
     at = time.time() if now is None else now
     result = Round(at=at, second=int(at) - 1)
     stores = region_stores() if stores is None else stores

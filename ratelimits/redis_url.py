@@ -1,11 +1,11 @@
-"""What ``REDIS_URL`` and ``REDIS_OPTIONS`` may say: checked at start-up, never at request time.
+"""What ``REDIS['URL']`` and ``REDIS['OPTIONS']`` may say: checked at start-up, never at request time.
 
-``REDIS_URL`` takes ``redis://`` and ``rediss://`` (TLS), ``unix://``,
+``REDIS['URL']`` takes ``redis://`` and ``rediss://`` (TLS), ``unix://``,
 ``redis+sentinel://host:port[,host:port...]/service_name``: a Sentinel deployment, whose master
 is found through the sentinels and followed through failovers (decisions are never read from a
 replica), and ``redis+cluster://host:port[,host:port...]`` (``rediss+cluster://`` with TLS): a
 Redis Cluster, found through any of its startup nodes. Credentials may be in the URL
-(``redis://user:password@host``) or in ``REDIS_OPTIONS``, with the TLS files.
+(``redis://user:password@host``) or in ``REDIS['OPTIONS']``, with the TLS files.
 :mod:`ratelimits.backends.connection` makes the client.
 """
 
@@ -29,11 +29,11 @@ __all__ = [
     "target_of_cache",
 ]
 
-#: The URL schemes ``REDIS_URL`` takes.
+#: The URL schemes ``REDIS['URL']`` takes.
 SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster", "rediss+cluster")
 #: The schemes of a Redis Cluster (:attr:`RedisTarget.cluster`).
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
-#: ``REDIS_OPTIONS`` keys and the type each takes; all are redis-py's own connection arguments,
+#: ``REDIS['OPTIONS']`` keys and the type each takes; all are redis-py's own connection arguments,
 #: but for the sentinels' own credentials.
 OPTIONS: dict[str, type | tuple[type, ...]] = {
     "username": str,
@@ -52,7 +52,7 @@ CERT_REQS = ("required", "optional", "none")
 
 @dataclass(frozen=True)
 class RedisTarget:
-    """A parsed ``REDIS_URL``: one server, the sentinels of a master, or a cluster's startup nodes."""
+    """A parsed ``REDIS['URL']``: one server, the sentinels of a master, or a cluster's startup nodes."""
 
     url: str
     scheme: str
@@ -109,7 +109,7 @@ def _address(host: str, what: str) -> tuple[str, int]:
 
 
 def check_options(options: object, field: str) -> dict[str, Any]:
-    """``REDIS_OPTIONS`` validated: known keys with values of their type (a :class:`ValueError` otherwise)."""
+    """``REDIS['OPTIONS']`` validated: known keys with values of their type (a :class:`ValueError` otherwise)."""
     if not isinstance(options, Mapping):
         raise ValueError(f"{field} must be a dict, got {type(options).__name__}")
     for key, value in options.items():

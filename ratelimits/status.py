@@ -9,7 +9,8 @@ never by the caller's, which it reports.
 
 The admin page and the ``ratelimits_effective`` command have no request of the caller's: they
 build one (:func:`stand_in`) carrying the credential and user objects a real request would, so
-``TIER_FUNC`` and ``ORGANIZATION_FUNC`` place the caller as they would place its requests.
+``POLICIES['TIER_FUNC']`` and ``IDENTITY['ORGANIZATION_FUNC']`` place the caller as they would place
+its requests.
 """
 
 from __future__ import annotations
@@ -220,7 +221,7 @@ class Caller:
 
     request: HttpRequest
     identity: Identity
-    #: The API key object found for the caller's API key identifier (``API_KEY_MODEL``), if any.
+    #: The API key object found for the caller's API key identifier (``IDENTITY['API_KEY_MODEL']``), if any.
     credential: Model | None
 
 
@@ -235,10 +236,10 @@ def stand_in(
 ) -> Caller:
     """The request and identity of a caller given by its identities (as the admin page takes them).
 
-    The request carries ``auth`` (the API key's object, when ``API_KEY_MODEL`` finds one whose
-    ``API_KEY_FUNC`` identifier is ``api_key``), ``user`` and the client address, so functions
-    that place callers see what they would see in the caller's requests. An identity given here
-    (an organisation typed in) wins over what they derive.
+    The request carries ``auth`` (the API key's object, when ``IDENTITY['API_KEY_MODEL']`` finds one
+    whose ``IDENTITY['API_KEY_FUNC']`` identifier is ``api_key``), ``user`` and the client address,
+    so functions that place callers see what they would see in the caller's requests. An identity
+    given here (an organisation typed in) wins over what they derive.
     """
     request = HttpRequest()
     request.method = method.upper()
@@ -260,10 +261,10 @@ def stand_in(
 
 
 def find_credential(identifier: str) -> Model | None:
-    """The ``API_KEY_MODEL`` object whose ``API_KEY_FUNC`` identifier is ``identifier``, if there is one.
+    """The ``IDENTITY['API_KEY_MODEL']`` object ``identifier`` names, if there is one.
 
     The default identifier is ``"<model name>:<primary key>"``; any other must still come back
-    from ``API_KEY_FUNC`` for the object found, or nothing is found.
+    from ``IDENTITY['API_KEY_FUNC']`` for the object found, or nothing is found.
     """
     model = conf.identity.api_key_model
     name, _, pk = identifier.partition(":")

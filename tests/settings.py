@@ -63,7 +63,7 @@ REST_FRAMEWORK = {
     "UNAUTHENTICATED_USER": None,
 }
 
-# Tests point BACKEND and REDIS_URL at the private Redis started by conftest.py.
+# Tests point BACKEND and REDIS['URL'] at the private Redis started by conftest.py.
 RATELIMITS = {
     "BACKEND": "memory",
 }

@@ -699,7 +699,7 @@ def test_loops_of_asyncio_run_leave_no_client_behind(own_redis: RedisServer) -> 
 
 
 def querying_tier(request: Any, identity: Any) -> str | None:
-    """A TIER_FUNC that queries (and, in a thread, waits at the gate while the test says so)."""
+    """A ``POLICIES['TIER_FUNC']`` that queries (and, in a thread, waits at the gate while the test says so)."""
     from .support.gate import GATE
 
     if _hold_tier_func:

@@ -98,7 +98,7 @@ def test_the_hash_key_follows_hash_key_else_secret_key(settings: Any) -> None:
 
 
 def test_the_hash_key_is_derived_as_0_1_derived_it(settings: Any) -> None:
-    """Key names must survive the upgrade: an empty HASH_KEY is SECRET_KEY, bytes are hashed as str() says."""
+    """Key names must survive the upgrade: an empty IDENTITY['HASH_KEY'] is SECRET_KEY; bytes hash as str() says."""
     import hashlib
 
     settings.SECRET_KEY = "s3cret"

@@ -1,10 +1,11 @@
 """The admin's effective policy page, ``ratelimits_effective`` and ``GET /v1/rate_limit`` agree.
 
-With the demo's own configuration (the database source, ``TIER_FUNC`` and ``ORGANIZATION_FUNC``
-reading the API key, static backstops per IP and organisation) and its seeded keys, each of the
-three lists the same checks, for the same caller on the same endpoint, with the same figures.
-The admin page and the command know the caller only by its identities: they must still place it
-as its requests are placed (the free key's own tier, its organisation).
+With the demo's own configuration (the database source, ``POLICIES['TIER_FUNC']`` and
+``IDENTITY['ORGANIZATION_FUNC']`` reading the API key, static backstops per IP and organisation)
+and its seeded keys, each of the three lists the same checks, for the same caller on the same
+endpoint, with the same figures. The admin page and the command know the caller only by its
+identities: they must still place it as its requests are placed (the free key's own tier, its
+organisation).
 """
 
 from __future__ import annotations
@@ -124,7 +125,8 @@ def test_a_key_the_admin_cannot_find_is_said_so(demo: dict[str, tuple[str, ApiKe
     )
     assert response.status_code == 200
     assert response.context["notes"] == [
-        "No payments.ApiKey has the identity 'ApiKey:999999': TIER_FUNC and ORGANIZATION_FUNC saw no credential. "
+        "No payments.ApiKey has the identity 'ApiKey:999999': RATELIMITS['POLICIES']['TIER_FUNC'] and "
+        "RATELIMITS['IDENTITY']['ORGANIZATION_FUNC'] saw no credential. "
         "A request made with the key may be placed differently."
     ]
     assert "saw no credential" in response.content.decode()
@@ -150,7 +152,7 @@ def test_while_degraded_a_local_policy_is_reported_out_of_this_workers_share(
 
 
 def reads_the_user(request: Any, identity: Any) -> str | None:
-    """A TIER_FUNC as hosts write them: it asks the request's user first."""
+    """A ``POLICIES['TIER_FUNC']`` as hosts write them: it asks the request's user first."""
     return "auth" if request.user.is_authenticated else None
 
 

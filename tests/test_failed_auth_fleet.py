@@ -1,8 +1,9 @@
 """The failed-authentication limit across worker processes: the demo under ``gunicorn --workers 2 --threads 4``.
 
 Eight client threads send 1,000 guessed bearer tokens (the finding's flood) to the demo, whose
-``FAILED_AUTH`` allows a burst of 20 and 10 a minute. Whatever worker a guess lands on, at most
-the burst (plus what refilled while the flood ran) gets a 401; the rest get the 429 contract.
+``IDENTITY['FAILED_AUTH']`` allows a burst of 20 and 10 a minute. Whatever worker a guess lands
+on, at most the burst (plus what refilled while the flood ran) gets a 401; the rest get the 429
+contract.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from .support.http import Reply, fetch
 pytestmark = pytest.mark.slow
 
 GUESSES, CLIENTS = 1000, 8
-#: The demo's FAILED_AUTH (project/settings.py).
+#: The demo's IDENTITY['FAILED_AUTH'] (project/settings.py).
 BURST, PER_MINUTE = 20, 10
 ACME_KEY = "sk_free_demo_acme_0000000000"
 

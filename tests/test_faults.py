@@ -228,8 +228,8 @@ def test_paused_redis_breaker_keeps_latency_down(settings: Any, own_redis: Redis
     assert statuses(paused) == [200] * len(paused)
     assert all(h.degraded for h in paused)
     slow = [h for h in paused if h.seconds >= 0.8 * SOCKET_TIMEOUT]
-    # Only the calls that opened the breaker (BREAKER_MIN_CALLS = 5) and one probe per cooldown
-    # wait for the socket timeout; everything else is answered without touching Redis.
+    # Only the calls that opened the breaker (FAILURE['BREAKER_MIN_CALLS'] = 5) and one probe per
+    # cooldown wait for the socket timeout; everything else is answered without touching Redis.
     probes = int(paused_for / COOLDOWN) + 1
     assert 5 <= len(slow) <= 5 + probes, [round(h.seconds, 3) for h in slow]
     while_open = [h.seconds for h in paused if h.breaker_before == "open"]
@@ -300,7 +300,7 @@ def test_fail_local_policy_is_enforced_in_process(settings: Any, own_redis: Redi
 
     own_redis.kill()
     burst = first.burst(8)
-    # 4/m scaled by LOCAL_FALLBACK_SHARE 0.5: two admitted, then denied by the in-process limiter.
+    # 4/m scaled by FAILURE['LOCAL_SHARE'] 0.5: two admitted, then denied by the in-process limiter.
     assert statuses(burst) == [200, 200] + [429] * 6
     assert all(h.degraded for h in burst)
     denied = burst[-1].response

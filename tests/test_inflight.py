@@ -321,7 +321,7 @@ def test_slots_of_a_killed_worker_are_free_within_ttl(
 ) -> None:
     settings.RATELIMITS = merged(settings.RATELIMITS, {"SHEDDING": {"SLOT_TTL": f"{TTL_S}s"}})
     policy = concurrency_policy("inflight:killed", HELD, fail_mode="open")
-    assert policy.rate.period_us == TTL_S * SECOND  # SLOT_TTL is what a slot lives
+    assert policy.rate.period_us == TTL_S * SECOND  # SHEDDING['SLOT_TTL'] is what a slot lives
     check = Check(policy, Subject("api_key", "killed-worker"))
     key = check.key("rl")  # the digest travels with the pickled subject: the child needs no settings
     backend = RedisBackend(make_client(redis_server.url, 2.0, 2.0), clock=None)

@@ -123,8 +123,8 @@ def test_a_dead_store_shows_as_errors_degraded_decisions_and_an_open_breaker(
     def change(name: str, **labels: str) -> float:
         return total(after, name, **labels) - total(before, name, **labels)
 
-    # One success and two failures in the window reach BREAKER_MIN_CALLS at half failed: it opens,
-    # and no more calls reach the store.
+    # One success and two failures in the window reach FAILURE['BREAKER_MIN_CALLS'] at half failed:
+    # it opens, and no more calls reach the store.
     assert change("ratelimits_store_errors_total") == 2
     assert change("ratelimits_store_errors_total", kind="connection") == 2
     assert change("ratelimits_degraded_total", fail_mode="open") == 6

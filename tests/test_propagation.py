@@ -9,8 +9,8 @@ this module and dropped afterwards. The demo's ``migrate`` and ``seed_demo`` run
    ``RateLimit-Policy``, and only a worker's first request after the commit may show the old one.
 2. With Redis killed, changes committed to the database cannot bump the version stamp (one saved
    through the model, whose bump fails, then one by a plain UPDATE); both workers still pick each
-   up within ``POLICY_POLL_INTERVAL`` (1 s in ``tests/support/propagation_settings.py``), and not before
-   their snapshot is that old: they poll on a timer, they do not reload on every request.
+   up within ``POLICIES['POLL_INTERVAL']`` (1 s in ``tests/support/propagation_settings.py``), and
+   not before their snapshot is that old: they poll on a timer, they do not reload on every request.
 
 Every wait is a bounded poll of a condition; every process started here is stopped by its PID.
 """

@@ -274,7 +274,7 @@ def test_worker_shedder_sheds_low_priority_without_redis(killed_redis: RedisServ
 
 
 class TierLookupFailed(Exception):
-    """What the TIER_FUNC below raises: the host's own bug, after the shedder counted the request in."""
+    """What the ``POLICIES['TIER_FUNC']`` below raises: the host's own bug, after the shedder counted the request in."""
 
 
 def failing_tier_func(request: Any, identity: Any) -> str:

@@ -81,7 +81,7 @@ def explain(
 ) -> list[Explained]:
     """What the source says for a request from ``key``/``user``/``ip`` to ``endpoint``."""
     request = RequestFactory().generic(method, "/", REMOTE_ADDR=ip)
-    request.auth = key  # type: ignore[attr-defined]  # what DRF's authentication sets: TIER_FUNC reads it
+    request.auth = key  # type: ignore[attr-defined]  # what DRF's authentication sets: POLICIES['TIER_FUNC'] reads it
     identity = identify(request, endpoint=endpoint, auth=key, user=user)
     return source.explain(request, identity, now=now)
 
@@ -117,7 +117,8 @@ def test_fleet_default_tiers(source: DatabasePolicySource) -> None:
     assert checks(anonymous) == {("tier:anonymous", "ip")}
     assert anonymous[0].origin == "default tier for anonymous callers"
     assert limits(anonymous[0]) == ("10/s", 20, 1)
-    keyed = explain(source, key=ApiKeyFactory(tier="enterprise"))  # no TIER_FUNC: the key's own field is ignored
+    # No POLICIES['TIER_FUNC']: the key's own field is ignored.
+    keyed = explain(source, key=ApiKeyFactory(tier="enterprise"))
     assert checks(keyed) == {("tier:standard", "api_key")}
     assert keyed[0].origin == "default tier for authenticated callers"
     assert checks(explain(source, user=UserFactory())) == {("tier:standard", "user")}
@@ -506,7 +507,7 @@ def test_a_lagging_store_is_repaired_not_reloaded(source: DatabasePolicySource) 
 
 
 def test_the_database_is_rechecked_even_when_no_stamp_moves(configure: Configure) -> None:
-    """A change whose publication nobody saw fail is still found within POLICY_RECHECK_INTERVAL."""
+    """A change whose publication nobody saw fail is still found within POLICIES['RECHECK_INTERVAL']."""
     configure(POLICIES={"RECHECK_INTERVAL": "60s"})
     worker = DatabasePolicySource()
     snap = worker.snapshot()

@@ -45,12 +45,12 @@ class ApiKeyScheme(OpenApiAuthenticationExtension):
 
 
 def tier_of(request: Any, identity: Any) -> str | None:
-    """RATELIMITS['TIER_FUNC']: the tier stored on the API key, if any."""
+    """RATELIMITS['POLICIES']['TIER_FUNC']: the tier stored on the API key, if any."""
     key = getattr(request, "auth", None)
     return key.tier if isinstance(key, ApiKey) else None
 
 
 def organization_of(request: Any) -> str | None:
-    """RATELIMITS['ORGANIZATION_FUNC']: the API key's organisation."""
+    """RATELIMITS['IDENTITY']['ORGANIZATION_FUNC']: the API key's organisation."""
     key = getattr(request, "auth", None)
     return key.organization or None if isinstance(key, ApiKey) else None

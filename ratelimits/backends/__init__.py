@@ -1,7 +1,7 @@
 """Where limiter state lives: ``memory`` (one process) or ``redis`` (shared by every worker).
 
-``redis`` is one server (or a Sentinel master), or a Redis Cluster when ``REDIS_URL`` names one
-(``redis+cluster://``) or ``REDIS_CLIENT`` is a cluster's client.
+``redis`` is one server (or a Sentinel master), or a Redis Cluster when ``REDIS['URL']`` names one
+(``redis+cluster://``) or ``REDIS['CLIENT']`` is a cluster's client.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _on_a_cluster() -> bool:
             return isinstance(client, redis.RedisCluster)
         return parse_redis_url(conf.redis.address[0]).cluster
     except ConfigurationError:
-        return False  # a bad REDIS_URL or REDIS_CLIENT is reported as itself, once
+        return False  # a bad REDIS['URL'] or REDIS['CLIENT'] is reported as itself, once
 
 
 def load_backend(name: str) -> Backend:

@@ -148,7 +148,7 @@ class Backend(ABC):
     shared: bool = True
     #: Whether :meth:`lease` and :meth:`give_back` work (token leases of the local fast path).
     leases: bool = False
-    #: What every key this backend writes starts with (``KEY_PREFIX``).
+    #: What every key this backend writes starts with (``REDIS['KEY_PREFIX']``).
     prefix: str
 
     @classmethod

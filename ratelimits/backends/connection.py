@@ -1,4 +1,4 @@
-"""How the limiter reaches Redis: ``REDIS_URL``, its options and the timeouts made into a redis-py client.
+"""How the limiter reaches Redis: ``REDIS['URL']``, its options and the timeouts made into a redis-py client.
 
 Every client has the limiter's tight timeouts and no retries: a consume that may already have
 run must never be sent twice. A Sentinel URL gives the master's client, which asks the sentinels

@@ -3,7 +3,7 @@
 A check's state key is ``<prefix>:{<subject digest>}<policy suffix>`` (:meth:`Check.key
 <ratelimits.policies.values.Check.key>`): hash-tagged by subject, so one subject's keys share a
 Redis Cluster slot; its lifetime comes from the policy (:attr:`Policy.state_ttl_ms
-<ratelimits.policies.values.Policy.state_ttl_ms>`) or, for slots, from ``SLOT_TTL``.
+<ratelimits.policies.values.Policy.state_ttl_ms>`) or, for slots, from ``SHEDDING['SLOT_TTL']``.
 
 On a Redis Cluster a script may only touch keys of one slot, so the keys every request touches
 (the version stamp, the usage counters) have a copy per slot: the same name with the slot's

@@ -40,7 +40,7 @@ class MemoryBackend(Backend):
     ) -> None:
         self.clock = clock
         self.prefix = prefix
-        #: The most rows a minute of usage counts (``USAGE_MAX_SUBJECTS``).
+        #: The most rows a minute of usage counts (``USAGE['MAX_SUBJECTS']``).
         self.usage_cap = conf.usage.max_subjects if usage_cap is None else usage_cap
         self.version: str | None = None
         self._state: dict[str, tuple[State, int]] = {}

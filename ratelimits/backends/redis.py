@@ -150,7 +150,7 @@ class RedisBackend(Backend):
         self.prefix = prefix
         #: ``None`` lets the script read Redis ``TIME``; otherwise integer microseconds.
         self.clock = clock
-        #: The most rows a minute of usage counts (``USAGE_MAX_SUBJECTS``).
+        #: The most rows a minute of usage counts (``USAGE['MAX_SUBJECTS']``).
         self.usage_cap = conf.usage.max_subjects if usage_cap is None else usage_cap
         self.version_key = layout.version_key(prefix)
         self._local = threading.local()
@@ -250,7 +250,7 @@ class RedisBackend(Backend):
     def _async(self) -> AsyncClients | None:
         """The event loops' clients, or ``None`` where ``redis.asyncio`` cannot make this client's connections."""
         if type(self.client) is not redis.Redis:
-            return None  # a cluster's, or a client of the project's own kind (REDIS_CLIENT)
+            return None  # a cluster's, or a client of the project's own kind (REDIS['CLIENT'])
         factory = async_pool_factory(self.client.connection_pool, self.timeouts)
         return AsyncClients(factory) if factory is not None else None
 
@@ -602,10 +602,10 @@ class RedisBackend(Backend):
         return connection
 
     def _new_connection(self, pool: Any, **address: Any) -> Any:
-        # Replies are read as bytes whatever the client decodes (REDIS_CLIENT may decode them).
+        # Replies are read as bytes whatever the client decodes (REDIS['CLIENT'] may decode them).
         kwargs = {**pool.connection_kwargs, **address, "decode_responses": False}
         if self.timeouts is not None:
-            # A client the project built (REDIS_CLIENT) keeps its address, credentials and TLS;
+            # A client the project built (REDIS['CLIENT']) keeps its address, credentials and TLS;
             # a decision still gets the limiter's timeouts and is never retried.
             kwargs.update(tight(*self.timeouts))
         return pool.connection_class(**kwargs)

@@ -1,7 +1,8 @@
 """One region's store as the reconciler reaches it: its demand, its share records, and writing new ones.
 
-Any topology ``REDIS_URL`` takes (one server, Sentinel, a cluster). On a cluster the demand hashes
-are one per slot (:mod:`.layout`), and a share write runs once per slot of the subjects it names.
+Any topology ``REDIS['URL']`` takes (one server, Sentinel, a cluster). On a cluster the demand
+hashes are one per slot (:mod:`.layout`), and a share write runs once per slot of the subjects it
+names.
 """
 
 from __future__ import annotations

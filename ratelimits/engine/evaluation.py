@@ -172,8 +172,9 @@ class _AsyncState:
     #: A policy source of the project's own (no ``loaded``) whose snapshot was taken once, off the
     #: loop: from then on it is taken not to block. Kept by identity (a source need not hash).
     loaded_source: Any = None
-    #: Whether checks are made in a thread: a function of the project's (``TIER_FUNC``,
-    #: ``ORGANIZATION_FUNC``, ``API_KEY_FUNC``) queried the database on the loop.
+    #: Whether checks are made in a thread: a function of the project's (``POLICIES['TIER_FUNC']``,
+    #: ``IDENTITY['ORGANIZATION_FUNC']``, ``IDENTITY['API_KEY_FUNC']``) queried the database on the
+    #: loop.
     prepare_in_thread: bool = False
 
 
@@ -203,9 +204,9 @@ async def _aprepare(
             # _prepare undid what it had done (the shedder's count) before raising: made again below.
             state.prepare_in_thread = True
             logger.warning(
-                "ratelimits: TIER_FUNC, ORGANIZATION_FUNC or API_KEY_FUNC (RATELIMITS['POLICIES'], ['IDENTITY']) "
-                "queried the database during an async request; from now on this process resolves async "
-                "requests' checks in a thread, which costs a thread hop each "
+                "ratelimits: RATELIMITS['POLICIES']['TIER_FUNC'], RATELIMITS['IDENTITY']['ORGANIZATION_FUNC'] or "
+                "RATELIMITS['IDENTITY']['API_KEY_FUNC'] queried the database during an async request; from now on "
+                "this process resolves async requests' checks in a thread, which costs a thread hop each "
                 f"({documentation.page('async', 'how-it-works')})"
             )
     # Given up before the thread is done, the request counts itself out of the shedder.

@@ -1,4 +1,4 @@
-"""The limit on failed authentication, per client IP and per credential prefix (``RATELIMITS['FAILED_AUTH']``).
+"""The limit on failed authentication, per client IP and per credential prefix (``IDENTITY['FAILED_AUTH']``).
 
 Authentication runs before any throttle, and a guessed credential costs a database lookup, so
 the ordinary limits never see a key-guessing client. This limit counts failures only: a request
@@ -141,5 +141,5 @@ _failed_authentication: ProcessWide[FailedAuthentication | None] = ProcessWide(_
 
 
 def get_failed_authentication() -> FailedAuthentication | None:
-    """The process's failed-authentication limit, or ``None`` without ``FAILED_AUTH`` (or with ``ENABLED`` off)."""
+    """The process's failed-authentication limit: ``None`` without ``IDENTITY['FAILED_AUTH']``, or ``ENABLED`` off."""
     return _failed_authentication.get()

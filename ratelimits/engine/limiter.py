@@ -512,7 +512,7 @@ def build_limiter(
     """A limiter on ``backend`` with the local path ``settings`` ask for (``LOCAL_PATH``'s shape).
 
     None over a backend whose state is the process's (memory): it answers from memory already.
-    ``usage_cap`` is the fallback backend's (``USAGE_MAX_SUBJECTS`` if ``None``); ``clock`` the
+    ``usage_cap`` is the fallback backend's (``USAGE['MAX_SUBJECTS']`` if ``None``); ``clock`` the
     local path's (monotonic seconds).
     """
     wanted = settings.denials or (settings.leases and backend.leases)

@@ -2,7 +2,7 @@
 
 It needs no Redis, so it keeps a worker alive when the store itself is slow or down. In-flight
 requests are counted from admission to the response's close (after it left). With
-``ADAPTIVE_CAPACITY``, its capacity follows the latency and errors of the requests it admitted
+``SHEDDING['ADAPTIVE']``, its capacity follows the latency and errors of the requests it admitted
 (:mod:`ratelimits.adaptive`).
 """
 
@@ -170,7 +170,7 @@ _shedder: ProcessWide[WorkerShedder | None] = ProcessWide(_build)
 
 
 def get_worker_shedder() -> WorkerShedder | None:
-    """This process's utilisation shedder, or ``None`` when ``WORKER_CAPACITY`` is not set (or ``ENABLED`` is off)."""
+    """This process's utilisation shedder: ``None`` without ``SHEDDING['WORKER_CAPACITY']``, or ``ENABLED`` off."""
     return _shedder.get()
 
 

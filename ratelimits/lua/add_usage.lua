@@ -6,7 +6,7 @@
 --
 -- KEYS[1..k]       the usage hash of each minute the counts are of
 -- ARGV[1]          seconds an undrained usage hash lives (ratelimits/backends/layout.py)
--- ARGV[2]          the most rows a minute counts (USAGE_MAX_SUBJECTS)
+-- ARGV[2]          the most rows a minute counts (USAGE['MAX_SUBJECTS'])
 -- ARGV[3 + 5(i-1)] count i: the index k of its minute's key, its row, its metric (one letter),
 --                  the row's overflow row, the count
 --

@@ -36,7 +36,7 @@
 -- admin's reset; one round trip apart) is not always told apart from one the request still holds:
 -- a bucket given back less than when the request was made was reset, and is owed nothing, but a
 -- bucket never given back to, or a window, may have the request's spend taken off what was spent
--- since the reset; a reset gives every token back anyway. And with the app's clock (CLOCK "app")
+-- since the reset; a reset gives every token back anyway. And with the app's clock (REDIS['CLOCK'] "app")
 -- a refund measures what time has paid by its own worker's clock: the workers' clocks must agree.
 --
 -- Returns how many checks gave something back.

@@ -2,7 +2,7 @@
 
 Nothing imported here touches the database: policies and checks, the snapshot both sources
 load, the resolver, the ``PolicySource`` protocol and the settings source. (The process's source,
-``get_policy_source()``, is whichever class ``POLICY_SOURCE`` names, imported when first asked
+``get_policy_source()``, is whichever class ``POLICIES['SOURCE']`` names, imported when first asked
 for.) The admin-managed source, the policy version, the audit trail and import/export read the
 database: they are the modules ``database``, ``versioning``, ``audit`` and ``portability``.
 """

@@ -8,7 +8,8 @@ Resolution, for the endpoint's rule (an exempt endpoint has no checks):
 
 1. Each of the caller's subjects (API key, user, organisation, client IP) that is assigned to a
    tier gets that tier's policies. The caller (API key, else user, else IP) gets a tier even when
-   nothing assigns one: ``TIER_FUNC``'s, else the default tier of anonymous or authenticated callers.
+   nothing assigns one: ``POLICIES['TIER_FUNC']``'s, else the default tier of anonymous or
+   authenticated callers.
 2. An override of a subject replaces its tier's rate: one for this endpoint beats a general one.
    A quota is never overridden; an override's concurrency limit replaces the tier's.
 3. Then the per-dimension backstops, the endpoint's own limits (per caller, all callers), and the
@@ -42,7 +43,8 @@ Resolved = tuple[Check, Origin]
 
 logger = logging.getLogger("ratelimits")
 
-#: Distinct unknown tier names logged per snapshot: a TIER_FUNC echoing client input must not grow it for ever.
+#: Distinct unknown tier names logged per snapshot: a ``POLICIES['TIER_FUNC']`` echoing client input
+#: must not grow it for ever.
 REPORTED_NAMES = 100
 
 
@@ -129,10 +131,10 @@ def _placements(
 
 
 def default_assignment(snapshot: PolicySnapshot, request: HttpRequest, identity: Identity) -> Assignment | None:
-    """The tier of a caller nothing assigns: ``TIER_FUNC``'s if it names a tier here, else the default.
+    """The tier of a caller nothing assigns: ``POLICIES['TIER_FUNC']``'s if it names a tier here, else the default.
 
     A name that is not a tier here (a typo, a disabled tier) is logged once per snapshot and the
-    default tier applies: a bad ``TIER_FUNC`` result never takes requests down.
+    default tier applies: a bad ``POLICIES['TIER_FUNC']`` result never takes requests down.
     """
     kind = "anonymous" if identity.is_anonymous else "authenticated"
     default = snapshot.default_tiers.get(kind)
@@ -142,8 +144,8 @@ def default_assignment(snapshot: PolicySnapshot, request: HttpRequest, identity:
         if name is not None:
             if isinstance(name, str) and name in snapshot.tiers:
                 placed = snapshot.placed.get((name, kind))
-                if placed is None:  # built once per snapshot: TIER_FUNC names the same few tiers all day
-                    # Said as for the default tier, which TIER_FUNC stands in for.
+                if placed is None:  # built once per snapshot: POLICIES['TIER_FUNC'] names the same few tiers all day
+                    # Said as for the default tier, which POLICIES['TIER_FUNC'] stands in for.
                     origin = (
                         default.origin if default else Origin(OriginKind.SETTINGS, f"default tier for {kind} callers")
                     )

@@ -67,7 +67,7 @@ ALWAYS = Window()
 
 @dataclass(frozen=True, slots=True)
 class Assignment:
-    """A subject placed on a tier: by an assignment row, by ``TIER_FUNC`` or by default."""
+    """A subject placed on a tier: by an assignment row, by ``POLICIES['TIER_FUNC']`` or by default."""
 
     tier: str
     origin: Origin
@@ -162,9 +162,9 @@ class PolicySnapshot:
     checked_at: float = 0.0
     #: Policies derived from overrides, built on first use: a Policy validates itself when made.
     derived: dict[tuple[Any, ...], Policy | None] = field(default_factory=dict)
-    #: Where ``TIER_FUNC`` placed callers, by (tier, anonymous or authenticated), built on first use.
+    #: Where ``POLICIES['TIER_FUNC']`` placed callers, by (tier, anonymous or authenticated), built on first use.
     placed: dict[tuple[str, str], Assignment] = field(default_factory=dict)
-    #: Tier names ``TIER_FUNC`` returned that are not tiers here, each logged once (up to a bound).
+    #: Tier names ``POLICIES['TIER_FUNC']`` returned that are not tiers here, each logged once (up to a bound).
     reported: set[str] = field(default_factory=set)
     #: DRF throttle rates this snapshot's own policies replace: (DRF's setting, its rate, what
     #: replaces it, that policy), for the system checks to name.

@@ -93,7 +93,7 @@ class Role(StrEnum):
     ENDPOINT_WIDE = "endpoint_wide"
     #: The fleet's in-flight limit for one priority class (the load shedder).
     FLEET = "fleet"
-    #: Failed authentications per client IP or credential prefix (``RATELIMITS['FAILED_AUTH']``).
+    #: Failed authentications per client IP or credential prefix (``RATELIMITS['IDENTITY']['FAILED_AUTH']``).
     FAILED_AUTH = "failed_auth"
 
 

@@ -48,10 +48,11 @@ def assert_rate_limited(
     """Assert that ``response`` is the limiter's 429; return its problem body.
 
     Checked: the status; ``Retry-After``, an integer of seconds of at least 1, the body's
-    ``retry_after_ms`` rounded up (plus at most ``RETRY_AFTER_JITTER``); the
+    ``retry_after_ms`` rounded up (plus at most ``HEADERS['RETRY_AFTER_JITTER']``); the
     ``application/problem+json`` body, every member of it and that they agree; the rate-limit
-    headers ``HEADERS`` asks for, well formed, describing a violated policy. ``policy``: a policy
-    that must be among the violated ones; ``retry_after``: the ``Retry-After`` expected, in seconds.
+    headers ``HEADERS['STYLE']`` asks for, well formed, describing a violated policy. ``policy``: a
+    policy that must be among the violated ones; ``retry_after``: the ``Retry-After`` expected, in
+    seconds.
 
     ``openapi``: with ``None``, the response is also checked against the project's own OpenAPI
     schema (status, body, headers) when drf-spectacular generates it and it has the request's
@@ -85,9 +86,9 @@ def assert_rate_limited(
 def assert_not_rate_limited(response: HttpResponseBase, *, headers: bool = True, openapi: bool | None = None) -> None:
     """Assert that the limiter admitted ``response``'s request: no 429 or limiter's 503, and sane rate-limit headers.
 
-    ``headers``: the rate-limit headers ``HEADERS`` asks for must be there, well formed. With
-    ``False`` they may be absent (an exempt endpoint, ``ENABLED`` off); those present must still
-    be well formed. ``openapi`` as for :func:`assert_rate_limited`, for the headers only (the body is
+    ``headers``: the rate-limit headers ``HEADERS['STYLE']`` asks for must be there, well formed.
+    With ``False`` they may be absent (an exempt endpoint, ``ENABLED`` off); those present must
+    still be well formed. ``openapi`` as for :func:`assert_rate_limited`, for the headers only (the body is
     the view's own business).
     """
     where = _described(response)
@@ -195,14 +196,15 @@ def _wait_differences(retry_after_ms: int, seconds: int, problems: list[str]) ->
     least = max(math.ceil(retry_after_ms / 1000), 1)
     most = max(math.ceil((retry_after_ms * 1000 + conf.headers.retry_after_jitter_us) / US), 1)
     if not least <= seconds <= most:
-        expected = f"{least}" if least == most else f"from {least} to {most} (RETRY_AFTER_JITTER)"
+        jitter = "RATELIMITS['HEADERS']['RETRY_AFTER_JITTER']"
+        expected = f"{least}" if least == most else f"from {least} to {most} ({jitter})"
         problems.append(f"Retry-After: {seconds}, but retry_after_ms {retry_after_ms} makes it {expected}")
 
 
 def _header_differences(
     response: HttpResponseBase, problems: list[str], *, violated: list[str] | None, required: bool = True
 ) -> None:
-    """Add how the rate-limit headers differ from what ``HEADERS`` asks for to ``problems``.
+    """Add how the rate-limit headers differ from what ``HEADERS['STYLE']`` asks for to ``problems``.
 
     ``violated``: on a 429, the body's violated policies, one of which the headers describe.
     """

@@ -175,7 +175,7 @@ class Caveats:
     """Requests of the range the report cannot name a subject of.
 
     ``overflow``: counted in an overflow row (kind ``overflow``, the callers' kind as its subject),
-    because their minute already counted ``USAGE_MAX_SUBJECTS`` rows. ``unresolved``: recorded
+    because their minute already counted ``USAGE['MAX_SUBJECTS']`` rows. ``unresolved``: recorded
     under a subject's digest (``digest:...``), because its label was not in the database when the
     minute was drained.
     """
