@@ -8,7 +8,7 @@ holding one for 50 ms, a charge for 2 ms. From a moment set in the settings, exp
 5 x longer (250 ms). A charge that finds all 4 connections taken waits for one: the more exports a
 worker admits, the longer critical charges queue behind them, and 5 x so after the step.
 
-Each configuration (a fixed ``WORKER_CAPACITY`` of 8, 6 or 4, and the adaptive capacity with a
+Each configuration (a fixed ``SHEDDING['WORKER_CAPACITY']`` of 8, 6 or 4, and the adaptive capacity with a
 ceiling of 8) gets a fresh gunicorn and runs, in this process's load generator:
 
 1. ``unloaded``: critical charges only (``POST /v1/charges``, 40/s): the baseline;
@@ -59,7 +59,7 @@ CONNECTIONS = 4
 EXPORT_SECONDS = 0.05
 CHARGE_SECONDS = 0.002
 STEP_FACTOR = 5.0
-#: The configurations: a fixed capacity (None: adaptive, with WORKER_CAPACITY its ceiling).
+#: The configurations: a fixed capacity (None: adaptive, with SHEDDING['WORKER_CAPACITY'] its ceiling).
 FIXED = (8, 6, 4)
 CEILING = 8
 #: The flood: 32 kept-alive connections taking turns, each sending at most 5 exports a second
@@ -303,7 +303,7 @@ def run(quick: bool, json_path: Path | None) -> int:
             "flood": f"32 connections x {FLOOD_RATE:g} exports/s (low priority)",
             "charges_per_s": shedding.CHARGE_RATE,
             "thresholds_percent": shedding.SHED_THRESHOLDS,
-            "adaptive": "ADAPTIVE_CAPACITY defaults, WORKER_CAPACITY 8 as its ceiling",
+            "adaptive": "SHEDDING['ADAPTIVE'] defaults, SHEDDING['WORKER_CAPACITY'] 8 as its ceiling",
             "durations_s": durations.__dict__,
         },
         "runs": runs,

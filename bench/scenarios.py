@@ -250,7 +250,7 @@ def build(redis_url: str) -> list[Scenario]:
             "PING (limiter's redis-py client)",
             ping(client),
             commands=("ping",),
-            notes={"client": "ratelimits.backends.redis.make_client(REDIS_URL, 50ms, 50ms)"},
+            notes={"client": "ratelimits.backends.redis.make_client(REDIS['URL'], 50ms, 50ms)"},
         ),
         Scenario(
             "ratelimits_1dim",

@@ -17,7 +17,7 @@ DRF_RATE = "1000000/s"
 
 
 def tier_of(request: Any, identity: Any) -> str | None:
-    """RATELIMITS['TIER_FUNC']: the tier stored on the API key (like the demo's ``tier_of``)."""
+    """RATELIMITS['POLICIES']['TIER_FUNC']: the tier stored on the API key (like the demo's ``tier_of``)."""
     return getattr(getattr(request, "auth", None), "tier", None)
 
 

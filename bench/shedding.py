@@ -552,7 +552,7 @@ def fleet_slots(server: RedisServer, wait: float = 2.0) -> dict[str, Any]:
 
     A slot is released on ``request_finished``, just after the response has left the worker, so
     one can still be held when its client already has the response; one still there seconds
-    later was not released (it would only go when ``SLOT_TTL`` expires it).
+    later was not released (it would only go when ``SHEDDING['SLOT_TTL']`` expires it).
     """
     client = server.client()
 
@@ -597,7 +597,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--fleet-only",
         action="store_true",
-        help="add a flood phase with the fleet shedder alone (WORKER_CAPACITY None), about 20 s more",
+        help="add a flood phase with the fleet shedder alone (SHEDDING['WORKER_CAPACITY'] None), about 20 s more",
     )
     parser.add_argument(
         "--adaptive",

@@ -12,7 +12,7 @@ no admin rows. Everything that changes between runs comes from the environment, 
 - ``BENCH_SHEDDING_LOCAL``: ``0`` turns the local path's denials and ``EarlyRejectionMiddleware``
   off (the comparison phases).
 - ``BENCH_SHEDDING_ADAPTIVE``: ``1`` sets ``ADAPTIVE_CAPACITY`` (its defaults): the worker
-  shedder's capacity follows latency, up to ``WORKER_CAPACITY``.
+  shedder's capacity follows latency, up to ``SHEDDING['WORKER_CAPACITY']``.
 - ``BENCH_SHEDDING_DOWNSTREAM``: the demo's ``DEMO_DOWNSTREAM``, as JSON (project/payments/downstream.py).
 """
 

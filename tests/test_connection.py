@@ -32,8 +32,8 @@ def decides(url: str, options: dict[str, Any] | None = None) -> bool:
     return RedisBackend(make_client(url, 2.0, 2.0, options)).decide([CHECK]).allowed
 
 
-def store_errors(settings: Any, **ratelimits: Any) -> list[Any]:
-    settings.RATELIMITS = {"BACKEND": "redis", **ratelimits}
+def store_errors(settings: Any, url: str, options: dict[str, Any] | None = None) -> list[Any]:
+    settings.RATELIMITS = {"REDIS": {"URL": url, **({"OPTIONS": options} if options else {})}}
     return [message for message in checks.check_store() if message.id == checks.E004]
 
 
@@ -68,14 +68,14 @@ def test_the_limiter_decides_as_its_acl_user_given_in_the_url_or_the_options(acl
 def test_missing_or_wrong_credentials_fail_the_checks_naming_the_setting(settings: Any, acl_redis: RedisServer) -> None:
     port = acl_redis.port
     for url in (f"redis://127.0.0.1:{port}/0", f"redis://limiter:wrong@127.0.0.1:{port}/0"):
-        errors = store_errors(settings, REDIS_URL=url)
+        errors = store_errors(settings, url)
         assert len(errors) == 1 and "RATELIMITS['REDIS']" in errors[0].msg and "credentials" in errors[0].msg
-    assert store_errors(settings, REDIS_URL=f"redis://limiter:limiter-secret@127.0.0.1:{port}/0") == []
+    assert store_errors(settings, f"redis://limiter:limiter-secret@127.0.0.1:{port}/0") == []
 
 
 def test_an_unreachable_store_is_no_check_error(settings: Any) -> None:
     """The first request degrades and says so; a deploy must not fail because Redis is down right now."""
-    assert store_errors(settings, REDIS_URL=f"redis://127.0.0.1:{free_port()}/0") == []
+    assert store_errors(settings, f"redis://127.0.0.1:{free_port()}/0") == []
 
 
 # -- TLS ----------------------------------------------------------------------------------------
@@ -124,9 +124,9 @@ def test_a_certificate_that_cannot_be_verified_fails_the_checks(
 ) -> None:
     _, tls_port = tls_redis
     url = f"rediss://127.0.0.1:{tls_port}/0"
-    errors = store_errors(settings, REDIS_URL=url)  # no CA: the server's certificate is unknown
+    errors = store_errors(settings, url)  # no CA: the server's certificate is unknown
     assert len(errors) == 1 and "TLS" in errors[0].msg
-    assert store_errors(settings, REDIS_URL=url, REDIS_OPTIONS={"ssl_ca_certs": str(certificates / "ca.pem")}) == []
+    assert store_errors(settings, url, {"ssl_ca_certs": str(certificates / "ca.pem")}) == []
 
 
 # -- Sentinel -----------------------------------------------------------------------------------
@@ -253,9 +253,9 @@ def test_the_limiter_decides_on_a_cluster_as_its_acl_user_and_the_checks_fail_wi
     )  # type: ignore[arg-type]
     assert backend.decide(checks).results[0].remaining == 3
     for url in (acl_cluster.url, f"redis+cluster://limiter:wrong@{nodes}"):
-        errors = store_errors(settings, REDIS_URL=url)
+        errors = store_errors(settings, url)
         assert len(errors) == 1 and "RATELIMITS['REDIS']" in errors[0].msg and "credentials" in errors[0].msg, errors
-    assert store_errors(settings, REDIS_URL=f"redis+cluster://limiter:limiter-secret@{nodes}") == []
+    assert store_errors(settings, f"redis+cluster://limiter:limiter-secret@{nodes}") == []
 
 
 def test_rediss_cluster_decides_over_tls_with_the_ca_given_in_the_options(settings: Any, certificates: Path) -> None:
@@ -267,7 +267,7 @@ def test_rediss_cluster_decides_over_tls_with_the_ca_given_in_the_options(settin
         assert {node.port for node in backend.client.get_primaries()} <= set(cluster.tls_ports)
         with pytest.raises(BackendUnavailable):  # without the CA the certificate cannot be verified
             ClusterBackend(lambda: make_client(cluster.url, 2.0, 2.0)).decide(checks)  # type: ignore[arg-type, return-value]
-        errors = store_errors(settings, REDIS_URL=cluster.url)
+        errors = store_errors(settings, cluster.url)
         assert len(errors) == 1 and "over TLS" in errors[0].msg, errors
         ca = {"ssl_ca_certs": str(certificates / "ca.pem")}
-        assert store_errors(settings, REDIS_URL=cluster.url, REDIS_OPTIONS=ca) == []
+        assert store_errors(settings, cluster.url, ca) == []

@@ -72,10 +72,10 @@ def test_exempt_endpoint_has_no_checks(settings: Any, rf: RequestFactory) -> Non
 def test_tier_func_picks_tier_and_unknown_tier_gets_the_default_with_a_logged_error(
     settings: Any, rf: RequestFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
-    policies = source(settings, TIER_FUNC=lambda request, identity: "pro")
+    policies = source(settings, POLICIES={"TIER_FUNC": lambda request, identity: "pro"})
     request = rf.get("/", REMOTE_ADDR="192.0.2.1")
     assert policies.tier_for(request, identify(request, endpoint="x", auth="k")) == "pro"
-    policies = source(settings, TIER_FUNC=lambda request, identity: "platinum")
+    policies = source(settings, POLICIES={"TIER_FUNC": lambda request, identity: "platinum"})
     with caplog.at_level(logging.ERROR, logger="ratelimits"):
         for _ in range(3):
             assert policies.tier_for(request, identify(request, endpoint="x", auth="k")) == "free"
@@ -175,7 +175,7 @@ def test_bad_tier_name_names_the_field(settings: Any) -> None:
 def test_a_tier_func_returning_no_name_at_all_never_breaks_a_request(
     settings: Any, rf: RequestFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
-    policies = source(settings, TIER_FUNC=lambda request, identity: ["pro"])
+    policies = source(settings, POLICIES={"TIER_FUNC": lambda request, identity: ["pro"]})
     request = rf.get("/", REMOTE_ADDR="192.0.2.1")
     with caplog.at_level(logging.ERROR, logger="ratelimits"):
         assert policies.tier_for(request, identify(request, endpoint="x", auth="k")) == "free"

@@ -529,7 +529,7 @@ def test_a_decision_without_checks_says_nothing_about_the_version(source: Databa
 
 
 def test_degraded_worker_reloads_after_the_poll_interval(configure: Configure) -> None:
-    configure(POLICY_POLL_INTERVAL="30s")
+    configure(POLICIES={"POLL_INTERVAL": "30s"})
     worker = DatabasePolicySource()  # a worker of its own, driven directly
     snap = worker.snapshot()
     degraded = Decision(Verdict.ALLOW, (), degraded=True)
