@@ -27,7 +27,7 @@ from ratelimits.identity import identify
 from ratelimits.policies import Check
 from ratelimits.throttles import RateLimitThrottle
 
-from .settings import SCOPE, ratelimits_settings
+from .settings import DRF_RATES, SCOPE, ratelimits_settings
 
 #: How many distinct callers the requests rotate over (a power of two: ``i & mask`` picks one).
 SUBJECTS = 1024
@@ -138,7 +138,22 @@ def ratelimits_throttle(requests: list[Request], view: BenchView) -> Callable[[i
     return call
 
 
-DRF_STACK = (UserRateThrottle, AnonRateThrottle, ScopedRateThrottle)
+class BenchUserRateThrottle(UserRateThrottle):
+    """DRF's throttles with the bench's rates as their own: the settings hold no DRF rates, which
+    RateLimitThrottle would read (and then decide more than ``RATELIMITS`` says)."""
+
+    THROTTLE_RATES = DRF_RATES
+
+
+class BenchAnonRateThrottle(AnonRateThrottle):
+    THROTTLE_RATES = DRF_RATES
+
+
+class BenchScopedRateThrottle(ScopedRateThrottle):
+    THROTTLE_RATES = DRF_RATES
+
+
+DRF_STACK = (BenchUserRateThrottle, BenchAnonRateThrottle, BenchScopedRateThrottle)
 
 
 def drf_stack(requests: list[Request], view: BenchView) -> Callable[[int], None]:

@@ -14,6 +14,8 @@ SCOPE = "payments"
 UNREACHABLE = {"rate": "1000000/s", "burst": 1_000_000}
 #: DRF rates per second: histories stay short (favourable to DRF) and nothing is throttled.
 DRF_RATE = "1000000/s"
+#: The DRF throttles' rates (bench/scenarios.py gives them to its throttle classes, not to the settings).
+DRF_RATES = {"user": DRF_RATE, "anon": DRF_RATE, SCOPE: DRF_RATE}
 
 
 def tier_of(request: Any, identity: Any) -> str | None:
@@ -22,7 +24,7 @@ def tier_of(request: Any, identity: Any) -> str | None:
 
 
 def organization_of(request: Any) -> str | None:
-    """RATELIMITS['ORGANIZATION_FUNC']: the API key's organisation."""
+    """RATELIMITS['IDENTITY']['ORGANIZATION_FUNC']: the API key's organisation."""
     return getattr(getattr(request, "auth", None), "org", None)
 
 
@@ -49,8 +51,7 @@ def ratelimits_settings(redis_url: str, *, dimensions: int) -> dict[str, Any]:
 
 
 def configure(redis_url: str, cache_url: str) -> None:
-    """``settings.configure`` + ``django.setup``: must run before DRF's throttling module is imported
-    (``SimpleRateThrottle.THROTTLE_RATES`` is read at class definition)."""
+    """``settings.configure`` + ``django.setup``: must run before DRF's throttling module is imported."""
     import django
     from django.conf import settings
 
@@ -72,7 +73,7 @@ def configure(redis_url: str, cache_url: str) -> None:
             "DEFAULT_AUTHENTICATION_CLASSES": [],
             "DEFAULT_PERMISSION_CLASSES": [],
             "DEFAULT_THROTTLE_CLASSES": [],
-            "DEFAULT_THROTTLE_RATES": {"user": DRF_RATE, "anon": DRF_RATE, SCOPE: DRF_RATE},
+            "DEFAULT_THROTTLE_RATES": {},
             "UNAUTHENTICATED_USER": None,
         },
         RATELIMITS=ratelimits_settings(redis_url, dimensions=4),

@@ -43,7 +43,8 @@ class RateLimitThrottle(BaseThrottle):
       class (or scope, when it has one).
 
     Every ``RateLimitThrottle`` class of a view is decided together, in one round trip: the
-    first DRF asks decides for all of them, the others read its decision.
+    first of them in ``throttle_classes`` decides for all, the others read its decision (kept
+    on the request).
     """
 
     #: The endpoint whose per-caller rate this class adds (DRF's ``scope``).
@@ -56,10 +57,21 @@ class RateLimitThrottle(BaseThrottle):
         self.decision: Decision | None = None
 
     def allow_request(self, request: Request, view: Any) -> bool:
-        decision = getattr(request, _DECIDED, None)
+        decision = self._decided(request, view)
         if decision is None:
             decision = self.decide(request, view)
         return self._verdict(request, view, decision)
+
+    def _decided(self, request: Request, view: Any) -> Decision | None:
+        """The decision the view's first ``RateLimitThrottle`` class made for all of them, if this
+        is one of the others; ``None`` for the first (or a throttle the view does not list): it decides."""
+        classes = [
+            c for c in getattr(view, "throttle_classes", ()) if isinstance(c, type) and issubclass(c, RateLimitThrottle)
+        ]
+        if type(self) not in classes[1:]:
+            return None
+        decision: Decision | None = getattr(request, _DECIDED, None)
+        return decision
 
     def _verdict(self, request: Request, view: Any, decision: Decision) -> bool:
         self.decision = decision
@@ -93,7 +105,7 @@ class AsyncRateLimitThrottle(RateLimitThrottle):
     """
 
     async def allow_request(self, request: Request, view: Any) -> bool:  # type: ignore[override]
-        decision = getattr(request, _DECIDED, None)
+        decision = self._decided(request, view)
         if decision is None:
             endpoint = endpoint_name(request, view)
             extra = view_policies(view, request.method or "GET")
