@@ -11,14 +11,14 @@ import dis
 import functools
 import ssl
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import redis
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Info, Tags, Warning, register
 from django.core.exceptions import ImproperlyConfigured
-from django.db import DatabaseError, connections
+from django.db import DatabaseError, connections, router
 from django.db.migrations.executor import MigrationExecutor
 from django.urls import Resolver404, resolve
 from django.utils.module_loading import import_string
@@ -27,11 +27,12 @@ from . import documentation, drf
 from .backends import backend_class, get_backend
 from .backends.redis import RedisBackend
 from .conf import MULTIPROC_ENV, SETTINGS, Adaptive, Finding, Identity, Metrics, Policies, Redis, Settings, conf, id_of
-from .endpoints import route_endpoints, route_throttles
+from .endpoints import DrfRoute, drf_routes, route_endpoints
 from .exceptions import BackendUnavailable, ConfigurationError
 from .policies.settings import SettingsPolicySource, dimensions_from_settings
 from .policies.source import get_policy_source
 from .policies.throttle_rates import SETTING as DRF_RATES
+from .policies.throttle_rates import throttle_rates
 from .throttles import RateLimitThrottle, class_policies
 
 __all__ = [
@@ -39,11 +40,11 @@ __all__ = [
     "E002",
     "E003",
     "E004",
-    "E005",
     "E006",
     "E007",
     "E008",
     "I001",
+    "I002",
     "SETTING_IDS",
     "W001",
     "W002",
@@ -59,6 +60,10 @@ __all__ = [
     "W012",
     "W013",
     "W014",
+    "W015",
+    "W016",
+    "W017",
+    "W018",
     "W020",
     "check_database",
     "check_deployment",
@@ -76,7 +81,7 @@ E001 = "ratelimits.E001"  # a key of RATELIMITS that is no setting
 E002 = "ratelimits.E002"  # retired after 0.1.0: any invalid value (each setting has its own id now)
 E003 = "ratelimits.E003"  # RATELIMITS is not a dict
 E004 = "ratelimits.E004"  # the limiter's Redis refused its credentials, or its TLS handshake failed
-E005 = "ratelimits.E005"  # a setting given under both its name and the name 0.1 gave it
+E005 = "ratelimits.E005"  # retired before release: a setting under both names is W015
 W001 = "ratelimits.W001"  # memory backend outside DEBUG
 W002 = "ratelimits.W002"  # throttle installed without the problem+json exception handler
 W003 = "ratelimits.W003"  # a setting is set that the configured policy source does not read
@@ -87,6 +92,8 @@ W007 = "ratelimits.W007"  # METRICS is on outside DEBUG without prometheus-clien
 W008 = "ratelimits.W008"  # a setting under the name 0.1 gave it (read until 0.3)
 W009 = "ratelimits.W009"  # REDIS says where a Redis is, but BACKEND is 'memory'
 I001 = "ratelimits.I001"  # the limiter's Redis answers but will not say its maxmemory-policy
+I002 = "ratelimits.I002"  # the limiter's Redis did not answer the checks (requests follow their fail modes)
+W015 = "ratelimits.W015"  # a setting given under both its name and the name 0.1 gave it (the new one is read)
 W020 = "ratelimits.W020"  # a django-ratelimit setting (RATELIMIT_...), which nothing here reads
 #: The id of each setting's invalid value (declared with the setting, in ratelimits.conf).
 SETTING_IDS: dict[str, str] = {name: setting.id for name, setting in SETTINGS.items()}
@@ -127,6 +134,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         # backstops apply under any source (the database source loads them on first use). The
         # source built is the process's own: its first request finds it built.
         read(lambda: (dimensions_from_settings(conf.failure.default_mode), get_policy_source()), Policies.source.name)
+    read(throttle_rates, DRF_RATES)  # whatever the source: a rate DRF could not read either
     return messages
 
 
@@ -135,7 +143,7 @@ def _finding(finding: Finding) -> CheckMessage:
         return Error(finding.message, hint=finding.hint, id=E001)
     if finding.kind == "renamed":
         return Warning(finding.message, hint=finding.hint, id=W008)
-    return Error(finding.message, hint=finding.hint, id=E005)
+    return Warning(finding.message, hint=finding.hint, id=W015)
 
 
 @register(Tags.compatibility)
@@ -207,8 +215,10 @@ def check_deployment(app_configs: Any = None, **kwargs: Any) -> list[CheckMessag
     if ignored:
         messages.append(
             Warning(
-                f"{', '.join(ignored)} set, but the policy source {type(source).__name__} does not read them.",
-                hint="Configure them where the source reads them (the admin, for the database source), or remove them.",
+                f"{', '.join(ignored)} set, but the policy source {type(source).__name__} reads its own tables "
+                "instead: these decide only while the tables cannot be read (before migrate, a database outage).",
+                hint="Configure them where the source reads them (the admin, for the database source); keep them here "
+                "only as that fallback.",
                 id=W003,
             )
         )
@@ -229,8 +239,9 @@ def _exception_handler() -> list[CheckMessage]:
         return []
     return [
         Warning(
-            f"RateLimitThrottle is installed, but the exception handler {path!r} renders its 429 and 503 as DRF's "
-            "default JSON, not problem+json (no Retry-After body, no violated policies).",
+            f"RateLimitThrottle is installed, but the exception handler {path!r} does not seem to call "
+            "ratelimits.drf.exception_handler or problem_response: its 429 and 503 would be DRF's default JSON, "
+            "not problem+json (no retry_after_ms, no violated policies).",
             hint="Set REST_FRAMEWORK['EXCEPTION_HANDLER'] = 'ratelimits.drf.exception_handler', or call "
             "ratelimits.drf.problem_response(exc, context) first in your own handler "
             f"(see {documentation.page('contract', 'your-own-exception-handler')}).",
@@ -251,37 +262,51 @@ def _is_ours(path: object) -> bool:
 def composes_problems(handler: Any) -> bool:
     """Whether an exception handler is ours, or calls ours (``exception_handler`` or ``problem_response``).
 
-    Read from the handler's code, not by calling it: each global it loads, and the attributes it
-    reads from that (``ratelimits.drf.problem_response``), in its own code and in functions
-    nested in it; and the function it wraps (``functools.wraps``). A handler that reaches ours
-    some other way gets W002, which ``SILENCED_SYSTEM_CHECKS`` can silence.
+    Read from the handler's code, not by calling it: each global it loads and the attributes it
+    reads from that (``ratelimits.drf.problem_response``), in its own code, in functions nested in
+    it and in the functions it calls (a helper of its module), a few calls deep; through
+    ``functools.wraps``, and into a callable object's ``__call__``. A handler that reaches ours some
+    other way gets W002, which ``SILENCED_SYSTEM_CHECKS`` can silence.
     """
-    ours = (drf.exception_handler, drf.problem_response)
-    seen: set[int] = set()
-    while handler is not None and id(handler) not in seen:
-        seen.add(id(handler))
-        code = getattr(handler, "__code__", None)
-        if any(handler is own for own in ours) or (
-            code is not None and _loads_any(code, getattr(handler, "__globals__", {}), ours)
-        ):
-            return True
-        handler = getattr(handler, "__wrapped__", None)
-    return False
+    return _reaches(handler, (drf.exception_handler, drf.problem_response), depth=4, seen=set())
 
 
-def _loads_any(code: types.CodeType, names: dict[str, Any], wanted: tuple[Any, ...]) -> bool:
-    """Whether ``code`` (or code nested in it) loads one of ``wanted``: a global, or an attribute chain from one."""
+def _reaches(function: Any, wanted: tuple[Any, ...], *, depth: int, seen: set[int]) -> bool:
+    if function is None or id(function) in seen or depth < 0:
+        return False
+    seen.add(id(function))
+    if any(function is own for own in wanted):
+        return True
+    if not isinstance(function, (types.FunctionType, types.MethodType)) and callable(function):
+        call = type(function).__call__  # a callable object: what it runs
+        return _reaches(call, wanted, depth=depth, seen=seen)
+    function = getattr(function, "__func__", function)  # a bound method: its function
+    code = getattr(function, "__code__", None)
+    if code is not None:
+        names = getattr(function, "__globals__", {})
+        for loaded in _loaded(code, names):
+            if any(loaded is own for own in wanted):
+                return True
+            if isinstance(loaded, types.FunctionType) and _reaches(loaded, wanted, depth=depth - 1, seen=seen):
+                return True
+    return _reaches(getattr(function, "__wrapped__", None), wanted, depth=depth, seen=seen)
+
+
+def _loaded(code: types.CodeType, names: dict[str, Any]) -> Iterator[Any]:
+    """Every global ``code`` (or code nested in it) loads, and every attribute chain read from one."""
     value: Any = None
     for instruction in dis.get_instructions(code):
         if instruction.opname == "LOAD_GLOBAL":
             value = names.get(instruction.argval)
-        elif instruction.opname in ("LOAD_ATTR", "LOAD_METHOD") and value is not None:
-            value = getattr(value, instruction.argval, None)
+        elif instruction.opname in ("LOAD_ATTR", "LOAD_METHOD") and isinstance(value, types.ModuleType):
+            value = getattr(value, instruction.argval, None)  # attributes of modules only: no code runs
         else:
             value = None
-        if value is not None and any(value is own for own in wanted):
-            return True
-    return any(_loads_any(const, names, wanted) for const in code.co_consts if isinstance(const, types.CodeType))
+        if value is not None:
+            yield value
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _loaded(const, names)
 
 
 def _refused(exc: BaseException) -> str | None:
@@ -301,6 +326,12 @@ def _refused(exc: BaseException) -> str | None:
 _TLS_DOCS = f"see {documentation.page('scaling', 'credentials-and-tls')}"
 _NOEVICTION_DOCS = f"see {documentation.page('failure-modes', 'configure-the-limiters-redis-not-to-evict')}"
 _EVICTION_DOCS = f"see {documentation.page('failure-modes', 'eviction-a-redis-that-drops-the-limiters-keys')}"
+_FAILURE_DOCS = f"see {documentation.page('failure-modes', 'fail-modes-per-policy')}"
+
+
+def _where_redis_is() -> str:
+    """How messages name the limiter's Redis: the setting it comes from."""
+    return f"CACHES[{conf.redis.cache!r}], by {Redis.cache.field}" if conf.redis.cache else Redis.field()
 
 
 @register(Tags.compatibility)
@@ -319,16 +350,25 @@ def check_store(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
         return []  # check_settings reports it
     except BackendUnavailable as exc:
         refusal = _refused(exc)
+        where = _where_redis_is()
         if refusal is None:
-            return []
-        return [
-            Error(
-                f"The limiter's Redis ({Redis.field()}) {refusal}: {exc}",
-                hint=f"Give the limiter's ACL user and password in {Redis.url.field} (redis://user:password@host) or "
-                f"{Redis.options.field}, and the TLS files in {Redis.options.field}: {_TLS_DOCS}.",
-                id=E004,
-            )
-        ]
+            return [
+                Info(
+                    f"The limiter's Redis ({where}) did not answer the checks within its timeouts: {exc}. Until it "
+                    "does, every request follows its policy's fail mode (open by default).",
+                    hint=f"Check the address, and that the server runs ({_FAILURE_DOCS}).",
+                    id=I002,
+                )
+            ]
+        cache = conf.redis.cache
+        hint = (
+            f"Give the credentials and TLS files in CACHES[{cache!r}] (its LOCATION and OPTIONS), which "
+            f"{Redis.cache.field} takes the limiter's Redis from: {_TLS_DOCS}."
+            if cache is not None
+            else f"Give the limiter's ACL user and password in {Redis.url.field} (redis://user:password@host) or "
+            f"{Redis.options.field}, and the TLS files in {Redis.options.field}: {_TLS_DOCS}."
+        )
+        return [Error(f"The limiter's Redis ({where}) {refusal}: {exc}", hint=hint, id=E004)]
     if health is None or health.evicts is False:
         return []
     if health.evicts is None:
@@ -360,6 +400,9 @@ W011 = "ratelimits.W011"  # DRF's own rate throttles listed beside RateLimitThro
 W012 = "ratelimits.W012"  # REST_FRAMEWORK['NUM_PROXIES'] set: ratelimits does not read it
 W013 = "ratelimits.W013"  # an ENDPOINTS (or POLICIES['EXEMPT_ENDPOINTS']) key that matches no endpoint of the project
 W014 = "ratelimits.W014"  # the ratelimits migrations are not all applied: policies and usage have no tables
+W016 = "ratelimits.W016"  # a DRF rate throttle (not ours) on a view or in DEFAULT_THROTTLE_CLASSES: decided apart
+W017 = "ratelimits.W017"  # a view's throttle_scope with no DRF rate and no ENDPOINTS rule (DRF would refuse it)
+W018 = "ratelimits.W018"  # JWT authentication with the default API_KEY_FUNC: each token its own caller
 #: Settings of other packages whose errors the checks report under an id of their own.
 FOREIGN_IDS = {DRF_RATES: E006}
 #: DRF's throttles that count rates: beside RateLimitThrottle, the same rates are counted twice.
@@ -379,28 +422,28 @@ def check_throttle_settings(app_configs: Any = None, **kwargs: Any) -> list[Chec
         return []
     messages: list[CheckMessage] = []
     for path in throttles:
-        found = _imported(path)
-        drf_own = isinstance(found, type) and any(
-            issubclass(found, _imported(name)) for name in DRF_RATE_THROTTLES if isinstance(_imported(name), type)
-        )
-        if drf_own:
-            messages.append(
-                Warning(
-                    f"REST_FRAMEWORK['DEFAULT_THROTTLE_CLASSES'] lists {path!r} beside RateLimitThrottle, which "
-                    "reads REST_FRAMEWORK['DEFAULT_THROTTLE_RATES'] itself: each rate is counted twice, in two "
-                    "stores, with two round trips.",
-                    hint=f"Remove {path!r} ({documentation.page('migrating-from-drf')}).",
-                    id=W011,
-                )
-            )
+        messages.extend(_drf_throttle(_imported(path), "REST_FRAMEWORK['DEFAULT_THROTTLE_CLASSES']", default=True))
     if rest.get("NUM_PROXIES") is not None:
         messages.append(
             Warning(
                 "REST_FRAMEWORK['NUM_PROXIES'] is set, but ratelimits does not read it: it finds the client's address "
                 f"behind {Identity.trusted_proxies.field} and {Identity.client_ip_header.field}.",
                 hint=f"Name your proxies in {Identity.trusted_proxies.field} "
-                f"({documentation.page('security', 'the-client-address')}).",
+                f"(see {documentation.page('security', 'the-client-address')}).",
                 id=W012,
+            )
+        )
+    authentication = [str(path) for path in rest.get("DEFAULT_AUTHENTICATION_CLASSES", ())]
+    jwt = [path for path in authentication if path.startswith("rest_framework_simplejwt.")]
+    if jwt and not conf.is_set(Identity.api_key_func):
+        messages.append(
+            Warning(
+                f"{jwt[0]!r} authenticates with tokens that are not model instances: "
+                f"{Identity.api_key_func.field} takes each token for a caller of its own, so a user who "
+                "refreshes a token starts afresh, where DRF's user rate counted the user.",
+                hint=f"Set {Identity.api_key_func.field} = 'ratelimits.identity.no_api_key' to count by user "
+                f"(see {documentation.page('migrating-from-drf', 'who-the-caller-is')}).",
+                id=W018,
             )
         )
     try:
@@ -412,12 +455,39 @@ def check_throttle_settings(app_configs: Any = None, **kwargs: Any) -> list[Chec
     return messages
 
 
+def _drf_throttle(found: Any, where: str, *, default: bool) -> list[CheckMessage]:
+    """W011 or W016 for one of DRF's rate throttles listed at ``where``, else nothing."""
+    simple = _imported("rest_framework.throttling.SimpleRateThrottle")
+    if not (isinstance(found, type) and isinstance(simple, type) and issubclass(found, simple)):
+        return []
+    path = f"{found.__module__}.{found.__qualname__}"
+    if default and path in DRF_RATE_THROTTLES:
+        return [
+            Warning(
+                f"{where} lists {path!r} beside RateLimitThrottle, which reads REST_FRAMEWORK"
+                "['DEFAULT_THROTTLE_RATES'] itself: the same rates are counted twice, in two stores, with two "
+                "round trips.",
+                hint=f"Remove {path!r} (see {documentation.page('migrating-from-drf')}).",
+                id=W011,
+            )
+        ]
+    return [
+        Warning(
+            f"{where} names DRF's throttle {path!r}: DRF decides it apart from ratelimits, in its own cache, "
+            "with its own 429 body and no rate-limit headers.",
+            hint=f"Make it a subclass of ratelimits.throttles.RateLimitThrottle, keeping its scope or rate "
+            f"(see {documentation.page('migrating-from-drf', 'the-four-edits')}).",
+            id=W016,
+        )
+    ]
+
+
 def _replaced(replaced: list[tuple[str, str, str, str]]) -> list[CheckMessage]:
     return [
         Warning(
             f"{drf_field} ({drf_rate!r}) is replaced by {by} ({policy}).",
-            hint="Remove it from REST_FRAMEWORK['DEFAULT_THROTTLE_RATES'] (it does nothing), or remove the "
-            f"ratelimits policy to keep DRF's rate ({documentation.page('migrating-from-drf')}).",
+            hint="Where a ratelimits policy replaces a DRF rate, the DRF rate does not apply: keep one of them "
+            f"(see {documentation.page('migrating-from-drf', 'what-each-drf-setting-becomes')}).",
             id=W010,
         )
         for drf_field, drf_rate, by, policy in replaced
@@ -442,17 +512,25 @@ def check_endpoints(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage
         ]
         names += [(Policies.exempt_endpoints.field, name) for name in conf.policies.exempt_endpoints]
         known = set(route_endpoints())
-        routes = list(route_throttles())
+        routes = list(drf_routes())
     except ConfigurationError:
         return []  # check_settings reports it
     except Exception:  # a URLconf that cannot be imported: Django's own check says why
         return []
     messages: list[CheckMessage] = []
-    for _, classes in routes:
-        for cls in classes:
+    ours = any(
+        _is_ours(path) for path in (getattr(settings, "REST_FRAMEWORK", {}) or {}).get("DEFAULT_THROTTLE_CLASSES", ())
+    )
+    for route in routes:
+        for cls in route.throttle_classes:
             if isinstance(cls, type) and issubclass(cls, RateLimitThrottle) and (cls.rate or cls.scope):
                 known.update([cls.scope] if cls.scope else [])
                 messages.extend(_throttle_class(cls, source))
+            elif ours:
+                messages.extend(
+                    _drf_throttle(cls, f"The view {route.view.__qualname__}'s throttle_classes", default=False)
+                )
+    messages.extend(_scopes_without_rates(routes, source))
     for field, key in names:
         name = key.partition(" ")[2].strip() if " " in key.strip() else key
         if name.startswith("/") or "/" in name:
@@ -478,11 +556,38 @@ def check_endpoints(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage
     return list({(m.id, m.msg): m for m in messages}.values())
 
 
+def _scopes_without_rates(routes: list[DrfRoute], source: Any) -> list[CheckMessage]:
+    """W017: a view's ``throttle_scope`` that no DRF rate and no ``ENDPOINTS`` rule names, in a project
+    that has DRF rates: DRF refused such a view on every request; here only the tiers limit it."""
+    try:
+        scopes = throttle_rates().scopes
+    except ConfigurationError:
+        return []  # E006 says why
+    if not scopes or not isinstance(source, SettingsPolicySource):
+        return []
+    named = set(scopes) | {key.partition(" ")[2].strip() or key for key in conf.endpoints}
+    messages: list[CheckMessage] = []
+    for route in routes:
+        if route.scope and route.scope not in named:
+            close = difflib.get_close_matches(route.scope, sorted(named), n=1)
+            messages.append(
+                Warning(
+                    f"The view {route.view.__qualname__}'s throttle_scope {route.scope!r} has no rate in "
+                    f"REST_FRAMEWORK['DEFAULT_THROTTLE_RATES'] nor a rule in {Settings.endpoints.field}: DRF would "
+                    "refuse its requests; here only the project's tiers limit it.",
+                    hint=(f"Did you mean {close[0]!r}? " if close else "")
+                    + f"See {documentation.page('migrating-from-drf', 'what-each-drf-setting-becomes')}.",
+                    id=W017,
+                )
+            )
+    return messages
+
+
 def _throttle_class(cls: type[RateLimitThrottle], source: Any) -> list[CheckMessage]:
     if cls.scope and not cls.rate and not isinstance(source, SettingsPolicySource):
         return []  # the admin's tables may give the scope its rate: they are read per request
     try:
-        class_policies(cls)
+        class_policies(cls, source)
     except (ImproperlyConfigured, ConfigurationError) as exc:
         return [Error(str(exc), id=E007)]
     return []
@@ -511,6 +616,8 @@ def check_database(app_configs: Any = None, databases: Any = None, **kwargs: Any
         return []
     messages: list[CheckMessage] = []
     for alias in databases:
+        if not router.allow_migrate(alias, "ratelimits"):
+            continue  # a router keeps the app's tables elsewhere
         try:
             pending = unapplied_migrations(alias)
         except DatabaseError as exc:

@@ -25,6 +25,7 @@ the checks then build the configured policy source, which checks the contents of
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import ipaddress
 import os
@@ -178,13 +179,15 @@ class Setting(Generic[T]):
     def __get__(self, instance: Namespace | None, owner: type) -> Setting[T] | T:
         if instance is None:
             return self
+        generation = instance._conf.generation
         value = instance._conf.value(self)
         if self.after is not None:
             try:
                 value = self.after(instance, value)
             except ConfigurationError as exc:
                 raise ConfigurationError(str(exc), setting=exc.setting or self.name) from None
-        instance.__dict__[self.attr] = value  # a plain attribute from now on, until Settings.clear()
+        if instance._keeps(generation):
+            instance.__dict__[self.attr] = value  # a plain attribute from now on, until Settings.clear()
         return value
 
 
@@ -211,8 +214,10 @@ class Mount(Generic[N]):
     def __get__(self, instance: Namespace | None, owner: type) -> Mount[N] | N:
         if instance is None:
             return self
+        generation = instance._conf.generation
         namespace = self.namespace(instance._conf)
-        instance.__dict__[self.attr] = namespace
+        if instance._keeps(generation):
+            instance.__dict__[self.attr] = namespace
         return namespace
 
 
@@ -233,11 +238,21 @@ class Namespace:
     #: Where 0.1 turned the feature on (``ADAPTIVE_CAPACITY``): a value there switches it on.
     old: ClassVar[KeyPath | None] = None
     #: The setting 0.1 wrote where the namespace now is (``HEADERS = "both"`` for ``STYLE``): a value
-    #: of another shape (or a dict of none of its keys) is read as that setting.
+    #: of another shape is read as that setting.
     legacy: ClassVar[str | None] = None
+    #: Whether 0.1 wrote that setting as a dict too, so a dict with none of the namespace's keys is
+    #: read as it (``REGIONS = {"eu": {...}}``).
+    legacy_mapping: ClassVar[bool] = False
 
     def __init__(self, owner: Settings) -> None:
         self._conf = owner
+        #: The settings' generation this instance reads (see :meth:`Settings.clear`).
+        self._born = owner.generation if owner is not self else 0
+
+    def _keeps(self, generation: int) -> bool:
+        """Whether a value read at ``generation`` may be kept here: the settings have not changed
+        since, and this instance is still the one :data:`conf` reads."""
+        return self._conf.generation == generation == self._born
 
     @classmethod
     def declared(cls) -> Iterator[Setting[Any]]:
@@ -1311,6 +1326,7 @@ class Regions(Namespace):
     doc = "one limit across regions, each region enforcing its share ([regions](regions.md))"
     id = "ratelimits.E158"
     legacy = "stores"  # 0.1: REGIONS = {"eu": {"REDIS_URL": ...}, ...}
+    legacy_mapping = True
 
     stores = Setting(
         {},
@@ -1472,17 +1488,28 @@ class Settings(Namespace):
     metrics = Mount(Metrics)
 
     def __init__(self) -> None:
+        #: Moved on by every :meth:`clear`: a value read before it is never kept after it.
+        self.generation = 0
         super().__init__(self)
         self._values: dict[str, Any] = {}
+
+    def _keeps(self, generation: int) -> bool:
+        return self.generation == generation
 
     # -- reading the project's settings --------------------------------------------------------
 
     def clear(self) -> None:
-        """Forget every parsed value: the next read parses the settings afresh."""
+        """Forget every parsed value: the next read parses the settings afresh.
+
+        A thread that read a value before this and keeps it after would keep a value of the old
+        settings: the generation moves first, and a value read at another generation is not kept.
+        """
+        self.generation += 1
         self._values.clear()
         # The namespaces and the values read through them are plain attributes of the instances.
-        for name in [name for name in vars(self) if name != "_values" and name != "_conf"]:
-            del self.__dict__[name]
+        for name in list(self.__dict__):
+            if name not in ("_values", "_conf", "_born", "generation"):
+                self.__dict__.pop(name, None)
 
     @property
     def user_settings(self) -> Mapping[str, Any]:
@@ -1498,6 +1525,7 @@ class Settings(Namespace):
             return cast(T, self._values[setting.name])
         except KeyError:
             pass
+        generation = self.generation
         try:
             found = self.given(setting)
         except ConfigurationError as exc:  # a namespace on its way is not a dict
@@ -1508,7 +1536,9 @@ class Settings(Namespace):
             raw = setting.derive(self)
         else:
             raw = setting.default
-        parsed = self._values[setting.name] = setting.parse(raw)
+        parsed = setting.parse(raw)
+        if self.generation == generation:
+            self._values[setting.name] = parsed
         return parsed
 
     def read(self, setting: Setting[T]) -> T:
@@ -1555,7 +1585,7 @@ class Settings(Namespace):
         value = self._at(namespace.path)
         if value is _MISSING and namespace.old is not None:
             old = self._at(namespace.old)
-            value = _MISSING if old is _MISSING or old is None else True
+            value = _MISSING if old is _MISSING or old is None else old is not False
         if value is _MISSING:
             return namespace.switch
         if value is not None and not isinstance(value, (bool, Mapping)):
@@ -1589,8 +1619,8 @@ class Settings(Namespace):
     def _shorthand(self, path: KeyPath, value: Any) -> bool:
         """Whether ``value`` at a namespace's ``path`` stands for something other than its dict of settings."""
         namespace = _NAMESPACES.get(path)
-        if namespace is None:
-            return path in _OLD_CONTAINERS and value is None
+        if namespace is None:  # a 0.1 dict that switched a feature (ADAPTIVE_CAPACITY): None or a bool switches it
+            return path in _OLD_CONTAINERS and (value is None or isinstance(value, bool))
         if namespace.switch is not None and (value is None or isinstance(value, bool)):
             return True
         return namespace.legacy is not None and self._is_legacy(path, value)
@@ -1608,7 +1638,7 @@ class Settings(Namespace):
             return False
         if not isinstance(value, Mapping):
             return True
-        return bool(value) and not set(value) & namespace.keys()
+        return namespace.legacy_mapping and bool(value) and not set(value) & namespace.keys()
 
     # -- what the checks report about the way RATELIMITS is written ----------------------------
 
@@ -1676,10 +1706,10 @@ def _renamed(old: KeyPath, new: Setting[Any] | type[Namespace]) -> Finding:
 
 
 def _closest(key: str, known: set[str]) -> str | None:
-    import difflib
-
-    close = difflib.get_close_matches(key.upper(), sorted(known), n=1)
-    return close[0] if close else None
+    """The known key closest to ``key``, whatever their case (0.1's nested keys were lower case)."""
+    by_upper = {name.upper(): name for name in known}
+    close = difflib.get_close_matches(key.upper(), sorted(by_upper), n=1)
+    return by_upper[close[0]] if close else None
 
 
 def _every(namespace: type[Namespace]) -> Iterator[type[Namespace]]:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.urls import URLPattern, URLResolver, get_resolver, get_urlconf
 
 from .policies.source import get_policy_source
 
-__all__ = ["is_known_endpoint", "known_endpoints", "route_endpoints", "route_throttles"]
+__all__ = ["DrfRoute", "drf_routes", "is_known_endpoint", "known_endpoints", "route_endpoints"]
 
 
 def known_endpoints() -> frozenset[str]:
@@ -39,14 +39,28 @@ def route_endpoints() -> frozenset[str]:
     return _route_endpoints(get_resolver(get_urlconf()))
 
 
-def route_throttles() -> Iterator[tuple[str, tuple[Any, ...]]]:
-    """Every DRF route of the current URLconf: its view name and its throttle classes (a viewset
-    action's own, where it names them)."""
+class DrfRoute(NamedTuple):
+    """A DRF route of the URLconf, as its throttles see it."""
+
+    #: The view name Django's ResolverMatch gives it.
+    name: str
+    #: The view's class (its ``__qualname__`` names it in messages).
+    view: Any
+    #: Its throttle classes (a viewset action's own, where it names them).
+    throttle_classes: tuple[Any, ...]
+    #: Its ``throttle_scope`` (a viewset action's own, where it names one), or ``None``.
+    scope: str | None
+
+
+def drf_routes() -> Iterator[DrfRoute]:
+    """Every DRF route of the current URLconf."""
     for name, view, callback in _routes(get_resolver(get_urlconf()).url_patterns, ()):
+        if getattr(callback, "cls", None) is None:
+            continue
         initkwargs = getattr(callback, "initkwargs", None) or {}
-        classes = initkwargs.get("throttle_classes", getattr(view, "throttle_classes", None))
-        if classes is not None and getattr(callback, "cls", None) is not None:
-            yield name, tuple(classes)
+        classes = initkwargs.get("throttle_classes", getattr(view, "throttle_classes", ()))
+        scope = initkwargs.get("throttle_scope", getattr(view, "throttle_scope", None))
+        yield DrfRoute(name, view, tuple(classes or ()), str(scope) if scope else None)
 
 
 @functools.lru_cache(maxsize=8)

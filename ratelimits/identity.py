@@ -224,6 +224,15 @@ def default_api_key(auth: Any) -> str | None:
     return text or None
 
 
+def no_api_key(auth: Any) -> str | None:
+    """An ``IDENTITY['API_KEY_FUNC']`` that names no credential: callers are counted by user, else address.
+
+    For authentication whose credentials are not the caller (a JWT, renewed every few minutes):
+    the user it authenticates is, as DRF's ``UserRateThrottle`` counted.
+    """
+    return None
+
+
 def no_organization(request: HttpRequest) -> str | None:
     """The default organisation function: requests belong to no organisation."""
     return None

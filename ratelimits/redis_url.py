@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit, urlunsplit
 
 from redis.connection import parse_url
 
@@ -152,8 +152,9 @@ def target_of_cache(alias: str, cache: Mapping[str, Any]) -> tuple[str, dict[str
         raise ValueError(f"CACHES[{alias!r}]['OPTIONS'] must be a dict, got {options!r}")
     if backend == DJANGO_BUILTIN:
         given = {key: options[key] for key in ("username", "password", *_TLS) if key in options}
-        if "db" in options and not urlsplit(url).path.strip("/"):
-            url = f"{url.rstrip('/')}/{options['db']}"
+        parts = urlsplit(url)
+        if "db" in options and not parts.path.strip("/") and "db" not in parse_qs(parts.query):
+            url = urlunsplit(parts._replace(path=f"/{options['db']}"))
     else:
         client = str(options.get("CLIENT_CLASS", ""))
         if client.endswith("ShardClient"):
@@ -183,7 +184,7 @@ def _sentinel_url(alias: str, url: str, sentinels: Any, kwargs: Mapping[str, Any
     except (TypeError, ValueError):
         raise ValueError(f"CACHES[{alias!r}]['OPTIONS']['SENTINELS'] must be (host, port) pairs") from None
     userinfo = parts.netloc.rpartition("@")[0]
-    db = parts.path.strip("/") or "0"
+    db = parts.path.strip("/") or parse_qs(parts.query).get("db", ["0"])[-1]
     target = f"redis+sentinel://{userinfo + '@' if userinfo else ''}{hosts}/{parts.hostname}?db={db}"
     own = {f"sentinel_{key}": kwargs[key] for key in ("username", "password") if kwargs.get(key)}
     return target, own

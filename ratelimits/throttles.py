@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
@@ -15,12 +17,13 @@ from .engine import evaluate
 from .engine.evaluation import aevaluate
 from .exceptions import ConfigurationError
 from .headers import rate_limit_headers
-from .policies.source import get_policy_source
+from .policies.source import PolicySource
 from .policies.throttle_rates import drf_rate, rate_config
 from .policies.values import Policy, policy_from_config
-from .rates import parse_rate
 
-__all__ = ["AsyncRateLimitThrottle", "RateLimitThrottle", "class_policies", "view_policies"]
+__all__ = ["AsyncRateLimitThrottle", "RateLimitThrottle", "class_policies", "throttles_of"]
+
+logger = logging.getLogger("ratelimits")
 
 #: The attribute of a DRF request that holds its decision once one throttle class made it.
 _DECIDED = "_ratelimits_decided"
@@ -33,14 +36,15 @@ class RateLimitThrottle(BaseThrottle):
     The decision is attached to the request as ``request.ratelimit``. Pair with
     ``ratelimits.drf.exception_handler`` for ``application/problem+json`` bodies.
 
-    As with DRF's own throttles, a subclass may say more of the views it throttles:
+    As with DRF's own throttles, a subclass may name a limit of its own, and then limits that and
+    nothing else (the project's policies apply where ``RateLimitThrottle`` itself is listed too):
 
-    - ``scope = "uploads"``: they are also held to the per-caller rate of the endpoint ``uploads``
+    - ``scope = "uploads"``: the per-caller rate of the endpoint ``uploads``
       (``REST_FRAMEWORK['DEFAULT_THROTTLE_RATES']['uploads']``, or
       ``RATELIMITS['ENDPOINTS']['uploads']['rate']``), one bucket per caller for every view
       throttled by it;
-    - ``rate = "60/min"``: they are also held to that rate per caller, one bucket per caller and
-      class (or scope, when it has one).
+    - ``rate = "60/min"``: that rate per caller, one bucket per caller and class (or scope, when it
+      has one).
 
     Every ``RateLimitThrottle`` class of a view is decided together, in one round trip: the
     first of them in ``throttle_classes`` decides for all, the others read its decision (kept
@@ -63,12 +67,9 @@ class RateLimitThrottle(BaseThrottle):
         return self._verdict(request, view, decision)
 
     def _decided(self, request: Request, view: Any) -> Decision | None:
-        """The decision the view's first ``RateLimitThrottle`` class made for all of them, if this
-        is one of the others; ``None`` for the first (or a throttle the view does not list): it decides."""
-        classes = [
-            c for c in getattr(view, "throttle_classes", ()) if isinstance(c, type) and issubclass(c, RateLimitThrottle)
-        ]
-        if type(self) not in classes[1:]:
+        """The decision the view's first ``RateLimitThrottle`` made for all of them, if this is one
+        of the others; ``None`` for the first (or a throttle the view does not run): it decides."""
+        if type(self) not in throttles_of(view)[1:]:
             return None
         decision: Decision | None = getattr(request, _DECIDED, None)
         return decision
@@ -84,9 +85,15 @@ class RateLimitThrottle(BaseThrottle):
 
     def decide(self, request: Request, view: Any) -> Decision:
         """Every policy that applies to the request, decided (and consumed from) in one round trip."""
-        endpoint = endpoint_name(request, view)
-        extra = view_policies(view, request.method or "GET")
-        _, decision = evaluate(request, endpoint=endpoint, auth=request.auth, user=request.user, caller_policies=extra)
+        classes = _with(type(self), throttles_of(view))
+        _, decision = evaluate(
+            request,
+            endpoint=endpoint_name(request, view),
+            auth=request.auth,
+            user=request.user,
+            caller_policies=_ClassPolicies(classes),
+            policies=_brings_policies(classes),
+        )
         return decision
 
     def wait(self) -> float | None:
@@ -107,24 +114,60 @@ class AsyncRateLimitThrottle(RateLimitThrottle):
     async def allow_request(self, request: Request, view: Any) -> bool:  # type: ignore[override]
         decision = self._decided(request, view)
         if decision is None:
-            endpoint = endpoint_name(request, view)
-            extra = view_policies(view, request.method or "GET")
+            classes = _with(type(self), throttles_of(view))
             _, decision = await aevaluate(
-                request, endpoint=endpoint, auth=request.auth, user=request.user, caller_policies=extra
+                request,
+                endpoint=endpoint_name(request, view),
+                auth=request.auth,
+                user=request.user,
+                caller_policies=_ClassPolicies(classes),
+                policies=_brings_policies(classes),
             )
         return self._verdict(request, view, decision)
 
 
-def view_policies(view: Any, method: str) -> tuple[Policy, ...]:
-    """What the view's ``RateLimitThrottle`` subclasses add: each one's ``rate``, or its ``scope``'s."""
-    found: list[Policy] = []
-    for cls in getattr(view, "throttle_classes", ()):
-        if isinstance(cls, type) and issubclass(cls, RateLimitThrottle) and (cls.scope or cls.rate):
-            found.extend(class_policies(cls, method))
-    return tuple(found)
+def throttles_of(view: Any) -> tuple[type[RateLimitThrottle], ...]:
+    """The ``RateLimitThrottle`` classes DRF runs for ``view``, in its order (``get_throttles()``,
+    which a view may override, else ``throttle_classes``)."""
+    get_throttles = getattr(view, "get_throttles", None)
+    found = [type(t) for t in get_throttles()] if callable(get_throttles) else getattr(view, "throttle_classes", ())
+    return tuple(c for c in found if isinstance(c, type) and issubclass(c, RateLimitThrottle))
 
 
-def class_policies(cls: type[RateLimitThrottle], method: str = "GET") -> tuple[Policy, ...]:
+def _with(
+    cls: type[RateLimitThrottle], classes: tuple[type[RateLimitThrottle], ...]
+) -> tuple[type[RateLimitThrottle], ...]:
+    return classes if cls in classes else (cls, *classes)
+
+
+def _brings_policies(classes: tuple[type[RateLimitThrottle], ...]) -> bool:
+    """Whether the project's policies apply: a class that names no ``scope`` or ``rate`` of its own
+    (``RateLimitThrottle`` itself) is among them. One that does limits what it names and nothing
+    else, as DRF's ``UserRateThrottle`` subclass with a ``scope`` does on a view that lists it."""
+    return any(not (cls.scope or cls.rate) for cls in classes)
+
+
+class _ClassPolicies:
+    """What a view's throttle classes add, resolved by the engine against its policy source, once
+    the request is to be decided (after the switch, off the event loop if the source must load)."""
+
+    __slots__ = ("classes",)
+
+    def __init__(self, classes: tuple[type[RateLimitThrottle], ...]) -> None:
+        self.classes = classes
+
+    def __call__(self, source: PolicySource, method: str) -> list[Policy]:
+        found: list[Policy] = []
+        for cls in self.classes:
+            if cls.rate or cls.scope:
+                try:
+                    found.extend(class_policies(cls, source, method))
+                except ImproperlyConfigured as exc:
+                    _report(cls, exc)  # the checks refused it at start (E007); never a 500 here
+        return found
+
+
+def class_policies(cls: type[RateLimitThrottle], source: PolicySource, method: str = "GET") -> tuple[Policy, ...]:
     """The per-caller policy a ``RateLimitThrottle`` subclass adds (none without ``scope`` or ``rate``).
 
     An ``ImproperlyConfigured`` naming the class if its ``rate`` cannot be read or its ``scope``
@@ -137,34 +180,44 @@ def class_policies(cls: type[RateLimitThrottle], method: str = "GET") -> tuple[P
         return (policies[cls],)
     if not cls.scope:
         return ()
-    policy = get_policy_source().endpoint_rule(cls.scope, method).per_caller
+    policy = source.endpoint_rule(cls.scope, method).per_caller
     if policy is None:
         raise ImproperlyConfigured(
-            f"{cls.__module__}.{cls.__qualname__}.scope: {cls.scope!r} names no per-caller rate: give it one in "
+            f"{_name(cls)}.scope: {cls.scope!r} names no per-caller rate: give it one in "
             f"REST_FRAMEWORK['DEFAULT_THROTTLE_RATES'][{cls.scope!r}] or "
             f"RATELIMITS['ENDPOINTS'][{cls.scope!r}]['rate']"
         )
     return (policy,)
 
 
+def _name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+#: Throttle classes whose scope or rate was refused on a request, each logged once (until the settings change).
+_reported: ProcessWide[set[type]] = ProcessWide(set)
+
+
+def _report(cls: type, error: Exception) -> None:
+    reported = _reported.get()
+    if cls not in reported:
+        reported.add(cls)
+        logger.error("ratelimits: %s; the views it throttles are decided without it", error)
+
+
 def _own_rate(cls: type[RateLimitThrottle]) -> Policy:
     """A throttle class's ``rate`` as a policy: read as DRF reads it ("60/min"), else as ratelimits does ("5/10m")."""
-    field = f"{cls.__module__}.{cls.__qualname__}.rate"
+    field = f"{_name(cls)}.rate"
+    name = "throttle:" + (cls.scope or re.sub(r"[^A-Za-z0-9_.]+", ".", _name(cls)))[:180]
     try:
         found = drf_rate(cls.rate, field)
-        config = rate_config(found) if found is not None else {"rate": cls.rate}
-        return policy_from_config(
-            f"throttle:{cls.scope or cls.__name__}", config, field=field, default_fail_mode=conf.failure.default_mode
-        )
+        config: Any = rate_config(found) if found is not None else cls.rate
     except ConfigurationError:
-        pass
+        config = cls.rate  # not DRF's form: read as ratelimits reads a rate ("5/10m")
     try:
-        parse_rate(cls.rate, field=field)
+        return policy_from_config(name, config, field=field, default_fail_mode=conf.failure.default_mode)
     except ConfigurationError as exc:
         raise ImproperlyConfigured(str(exc)) from None
-    return policy_from_config(
-        f"throttle:{cls.scope or cls.__name__}", cls.rate, field=field, default_fail_mode=conf.failure.default_mode
-    )
 
 
 #: Each throttle class's own ``rate`` as a policy, made once until the settings change (its fail mode is theirs).

@@ -137,10 +137,10 @@ def test_the_0_1_adaptive_capacity_switches_the_feature_on(settings: Any) -> Non
     assert adaptive is not None and adaptive.floor == 3
 
 
-def test_a_setting_under_both_names_is_an_error_and_the_new_one_is_read(settings: Any) -> None:
+def test_a_setting_under_both_names_is_a_warning_and_the_new_one_is_read(settings: Any) -> None:
     settings.RATELIMITS = {"REDIS_URL": "redis://old:1/0", "REDIS": {"URL": "redis://new:1/0"}}
     messages = check_settings()
-    assert ids(messages) == ["ratelimits.E005"]
+    assert ids(messages) == ["ratelimits.W015"]
     assert messages[0].msg == (
         "RATELIMITS['REDIS_URL'] and RATELIMITS['REDIS']['URL'] are both set; RATELIMITS['REDIS']['URL'] is read"
     )
@@ -441,7 +441,8 @@ def test_settings_the_database_source_ignores_are_named(settings: Any) -> None:
     assert ids(messages) == ["ratelimits.W003"]
     assert (
         messages[0].msg == "RATELIMITS['TIERS'], RATELIMITS['SHEDDING']['FLEET_CAPACITY'] set, but the policy source "
-        "DatabasePolicySource does not read them."
+        "DatabasePolicySource reads its own tables instead: these decide only while the tables cannot be read "
+        "(before migrate, a database outage)."
     )
     settings.RATELIMITS = {"BACKEND": "redis", "POLICIES": {"SOURCE": "database"}}
     assert check_deployment() == []
@@ -599,6 +600,18 @@ def test_django_redis_and_djangos_own_cache_are_read_as_the_limiters_redis() -> 
             },
         },
     ) == ("redis+sentinel://user:pw@10.0.0.1:26379,10.0.0.2:26380/primary?db=1", {"sentinel_password": "sentinel-pw"})
+    sentinel = {"CLIENT_CLASS": "django_redis.client.SentinelClient", "SENTINELS": [("10.0.0.1", 26379)]}
+    assert target_of_cache(
+        "x", {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": "redis://primary?db=7", "OPTIONS": sentinel}
+    ) == ("redis+sentinel://10.0.0.1:26379/primary?db=7", {})
+    assert target_of_cache(
+        "x",
+        {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": "redis://127.0.0.1:6379?socket_timeout=1",
+            "OPTIONS": {"db": 4},
+        },
+    ) == ("redis://127.0.0.1:6379/4?socket_timeout=1", {})
 
 
 @pytest.mark.parametrize(
@@ -641,3 +654,27 @@ def test_the_limiter_decides_on_the_redis_of_a_django_redis_cache(settings: Any,
     assert [client.get("/t/ping").status_code for _ in range(2)] == [200, 429]
     assert script_calls(redis_server) - before == 2  # decided in that Redis, one call a request
     assert check_settings() == []
+
+
+def _render(exc: Exception, context: dict[str, Any]) -> Any:
+    return drf.problem_response(exc, context)
+
+
+def helper_handler(exc: Exception, context: dict[str, Any]) -> Any:
+    """Calls ours through a helper of its module."""
+    return _render(exc, context) or rest_framework.views.exception_handler(exc, context)
+
+
+class HandlerObject:
+    def __call__(self, exc: Exception, context: dict[str, Any]) -> Any:
+        return drf.exception_handler(exc, context)
+
+
+handler_object = HandlerObject()
+
+
+@pytest.mark.parametrize("handler", ["tests.test_checks.helper_handler", "tests.test_checks.handler_object"])
+def test_a_handler_that_reaches_ours_through_a_helper_or_an_object_is_recognised(settings: Any, handler: str) -> None:
+    settings.RATELIMITS = {"BACKEND": "redis"}
+    settings.REST_FRAMEWORK = {**settings.REST_FRAMEWORK, "EXCEPTION_HANDLER": handler}
+    assert check_deployment() == []

@@ -142,3 +142,39 @@ def test_the_namespaces_build_the_engines_values(settings: Any) -> None:
     assert conf.metrics.settings == MetricsSettings(multiprocess=False, flush_interval=1.0, declared=False)
     settings.RATELIMITS = {"METRICS": False, "SHEDDING": {"ADAPTIVE": False}}
     assert conf.metrics.settings is None and conf.shedding.adaptive.settings is None
+
+
+def test_a_value_read_while_the_settings_change_is_not_kept(settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread reading a setting as another thread's override_settings clears them must not keep the old value."""
+    settings.RATELIMITS = {"ENABLED": True}
+    read = Settings.value
+
+    def read_then_change(self: Settings, setting: Any) -> Any:
+        value = read(self, setting)
+        settings.RATELIMITS = {"ENABLED": False}  # the change lands between the parse and the keeping
+        return value
+
+    monkeypatch.setattr(Settings, "value", read_then_change)
+    assert conf.enabled is True  # what was read, returned to its reader...
+    monkeypatch.undo()
+    assert "enabled" not in vars(conf)  # ...but not kept
+    assert conf.enabled is False
+
+
+def test_a_headers_dict_is_never_read_as_the_0_1_string(settings: Any) -> None:
+    settings.RATELIMITS = {"HEADERS": {"POLCIES": "closest"}}
+    assert conf.headers.style == "both"
+    assert [(f.kind, f.message, f.hint) for f in conf.findings()] == [
+        ("unknown", "RATELIMITS['HEADERS']['POLCIES'] is not a ratelimits setting", "Did you mean 'POLICIES'?")
+    ]
+
+
+def test_the_0_1_adaptive_capacity_may_be_a_switch_and_old_keys_get_hints(settings: Any) -> None:
+    settings.RATELIMITS = {"WORKER_CAPACITY": 8, "ADAPTIVE_CAPACITY": True, "RECONCILE": {"flor": 0.1}}
+    assert conf.shedding.adaptive.enabled and conf.shedding.adaptive.settings is not None
+    unknown = [f for f in conf.findings() if f.kind == "unknown"]
+    assert [(f.message, f.hint) for f in unknown] == [
+        ("RATELIMITS['RECONCILE']['flor'] is not a ratelimits setting", "Did you mean 'floor'?")
+    ]
+    settings.RATELIMITS = {"WORKER_CAPACITY": 8, "ADAPTIVE_CAPACITY": False}
+    assert not conf.shedding.adaptive.enabled

@@ -73,6 +73,28 @@ def test_missing_or_wrong_credentials_fail_the_checks_naming_the_setting(setting
     assert store_errors(settings, f"redis://limiter:limiter-secret@127.0.0.1:{port}/0") == []
 
 
+def test_credentials_a_shared_cache_lacks_are_named_where_they_are_given(settings: Any, acl_redis: RedisServer) -> None:
+    location = f"redis://127.0.0.1:{acl_redis.port}/0"
+    settings.CACHES = {
+        **settings.CACHES,
+        "shared": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": location, "OPTIONS": {"PASSWORD": "no"}},
+    }
+    settings.RATELIMITS = {"REDIS": {"CACHE": "shared"}}
+    errors = [message for message in checks.check_store() if message.id == checks.E004]
+    assert len(errors) == 1 and errors[0].msg.startswith(
+        "The limiter's Redis (CACHES['shared'], by RATELIMITS['REDIS']['CACHE']) refused the limiter's credentials"
+    )
+    assert (errors[0].hint or "").startswith("Give the credentials and TLS files in CACHES['shared']")
+    settings.CACHES = {
+        **settings.CACHES,
+        "shared": {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": f"redis://limiter:limiter-secret@127.0.0.1:{acl_redis.port}/0",
+        },
+    }
+    assert [message for message in checks.check_store() if message.id == checks.E004] == []
+
+
 def test_an_unreachable_store_is_no_check_error(settings: Any) -> None:
     """The first request degrades and says so; a deploy must not fail because Redis is down right now."""
     assert store_errors(settings, f"redis://127.0.0.1:{free_port()}/0") == []

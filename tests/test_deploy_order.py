@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,7 +22,8 @@ from rest_framework.test import APIClient
 
 from ratelimits import engine
 from ratelimits.checks import check_database, unapplied_migrations
-from ratelimits.models import Tier
+from ratelimits.models import EndpointPolicy, FleetSettings, Override, SubjectAssignment, Tier
+from ratelimits.policies.audit import audit_context
 from ratelimits.policies.database import DatabasePolicySource, bounded_waits
 from ratelimits.usage import subjects
 
@@ -126,3 +128,53 @@ def test_with_the_database_source_the_check_names_drf_rates_the_tables_replace(s
     messages = check_database(databases=["default"])
     assert [m.id for m in messages] == ["ratelimits.W010"]
     assert messages[0].msg.startswith("REST_FRAMEWORK['DEFAULT_THROTTLE_RATES']['anon'] ('2/min') is replaced by")
+
+
+def test_requests_that_wait_for_the_first_load_share_its_fallback(
+    database_source: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Eight threads asking at once while the tables are missing: one load fails, one line is logged."""
+    source = engine.get_policy_source()
+    assert isinstance(source, DatabasePolicySource)
+    start = threading.Barrier(8)
+    found: list[object] = []
+
+    def ask() -> None:
+        start.wait(timeout=10)
+        found.append(source.snapshot())
+        connection.close()
+
+    with caplog.at_level(logging.ERROR, logger="ratelimits"), without("ratelimits_policyversion", "ratelimits_tier"):
+        threads = [threading.Thread(target=ask) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+    assert len(found) == 8 and len({id(snapshot) for snapshot in found}) == 1
+    said = [r for r in caplog.records if "policy tables cannot be read" in r.getMessage()]
+    assert len(said) == 1
+
+
+@pytest.mark.skipif(connection.vendor != "sqlite", reason="SQLite's busy timeout is the connection's")
+def test_a_failed_statement_leaves_the_connections_busy_timeout_as_it_was() -> None:
+    def busy_timeout() -> int:
+        with connection.cursor() as cursor:
+            cursor.execute("PRAGMA busy_timeout")
+            return int(cursor.fetchone()[0])
+
+    before = busy_timeout()
+    with pytest.raises(DatabaseError), bounded_waits(0.05), connection.cursor() as cursor:
+        cursor.execute("SELECT * FROM ratelimits_no_such_table")
+    assert busy_timeout() == before != 50
+
+
+def test_the_tables_placing_no_anonymous_caller_leave_drfs_anon_rate_in_force(settings: Any) -> None:
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"POLICIES": {"SOURCE": "database"}})
+    settings.REST_FRAMEWORK = {**settings.REST_FRAMEWORK, "DEFAULT_THROTTLE_RATES": {"anon": "2/min"}}
+    with audit_context(reason="no tiers"):
+        for model in (Override, SubjectAssignment, EndpointPolicy, FleetSettings, Tier):
+            for row in model.objects.all():
+                row.delete()
+    engine.reset()
+    client = APIClient(REMOTE_ADDR="198.51.100.42")
+    assert [client.get("/t/ping").status_code for _ in range(3)] == [200, 200, 429]

@@ -8,16 +8,17 @@ round trip however many throttle classes a view has.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
 from django.contrib.auth import get_user_model
-from django.core.exceptions import ImproperlyConfigured
 from django.urls import path
 from rest_framework.decorators import api_view, throttle_scope
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.test import APIClient
+from rest_framework.throttling import UserRateThrottle
 from rest_framework.views import APIView
 
 from ratelimits import engine
@@ -165,6 +166,16 @@ def test_every_throttle_class_of_a_view_is_decided_in_one_round_trip(drf_project
         assert script_calls(drf_project) - before == 3  # one per request, whatever the classes
 
 
+def test_a_view_listing_only_classes_of_its_own_is_not_charged_the_tier_as_under_drf(
+    drf_project: Any, settings: Any
+) -> None:
+    # DRF: a view's throttle_classes replace the default ones, so anon's 2/min does not apply there.
+    drf_rates(settings, {"anon": "2/min", "burst": "4/min"})
+    client = APIClient(REMOTE_ADDR="198.51.100.23")
+    assert [client.get("/burst").status_code for _ in range(5)] == [200, 200, 200, 200, 429]
+    assert [client.get("/reports").status_code for _ in range(3)] == [200, 200, 429]  # anon, untouched
+
+
 def test_a_throttle_classs_own_rate_holds_across_requests(drf_project: Any, settings: Any) -> None:
     drf_rates(settings, {"anon": "100/min", "burst": "100/min"})
     assert statuses("get", "/burst", 6, address="198.51.100.15") == [200] * 5 + [429]
@@ -198,11 +209,61 @@ def test_a_scope_set_to_none_is_no_limit(drf_project: Any, settings: Any) -> Non
     assert statuses("post", "/uploads", 5, address="198.51.100.18") == [200] * 5
 
 
-def test_a_throttle_class_whose_scope_has_no_rate_refuses_as_drf_does(drf_project: Any) -> None:
-    with pytest.raises(ImproperlyConfigured, match=r"NoRate\.scope: 'nowhere' names no per-caller rate"):
-        APIClient().get("/unlimited")
+def test_a_throttle_class_whose_scope_has_no_rate_fails_the_checks_and_never_a_request(
+    drf_project: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     messages = [m for m in check_endpoints() if m.id == "ratelimits.E007"]
-    assert len(messages) == 1 and "'nowhere' names no per-caller rate" in messages[0].msg
+    assert len(messages) == 1 and "NoRate.scope: 'nowhere' names no per-caller rate" in messages[0].msg
+    with caplog.at_level(logging.ERROR, logger="ratelimits"):
+        # DRF refuses such a class on every request; here the checks refuse it at start, and a
+        # server started regardless decides without it (nothing else is listed), saying so once.
+        assert statuses("get", "/unlimited", 3, address="198.51.100.19") == [200, 200, 200]
+    assert [r.getMessage() for r in caplog.records if "NoRate" in r.getMessage()] == [
+        f"ratelimits: {messages[0].msg}; the views it throttles are decided without it"
+    ]
+
+
+class Picky(APIView):
+    """A view that picks its throttles per request, as DRF's docs show (``get_throttles``)."""
+
+    throttle_classes = [RateLimitThrottle]
+
+    def get_throttles(self) -> list[Any]:
+        return [RateLimitThrottle(), SustainedThrottle()]
+
+    def get(self, request: Request) -> Response:
+        return Response({"ok": True})
+
+
+class Health(APIView):
+    throttle_classes = [SustainedThrottle]
+
+    def get(self, request: Request) -> Response:
+        return Response({"ok": True})
+
+
+urlpatterns += [path("picky", Picky.as_view(), name="picky"), path("health", Health.as_view(), name="health")]
+
+
+def test_the_throttles_a_view_picks_are_decided_once_with_every_rate(drf_project: Any, settings: Any) -> None:
+    drf_rates(settings, {"anon": "100/min"})
+    before = script_calls(drf_project) if drf_project is not None else 0
+    # SustainedThrottle's 5/day, which throttle_classes does not name, applies: and one decision a request.
+    assert statuses("get", "/picky", 6, address="198.51.100.20") == [200] * 5 + [429]
+    if drf_project is not None:
+        assert script_calls(drf_project) - before == 6
+
+
+def test_an_exempt_endpoint_is_never_limited_whatever_its_throttle_classes(drf_project: Any, settings: Any) -> None:
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"POLICIES": {"EXEMPT_ENDPOINTS": ["health"]}})
+    engine.reset()
+    assert statuses("get", "/health", 8, address="198.51.100.21") == [200] * 8
+
+
+def test_with_the_switch_off_a_broken_throttle_class_costs_nothing(drf_project: Any, settings: Any) -> None:
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"ENABLED": False})
+    engine.reset()
+    assert statuses("get", "/unlimited", 5, address="198.51.100.22") == [200] * 5
 
 
 @pytest.mark.parametrize(
@@ -221,11 +282,15 @@ def test_a_rate_is_read_as_drf_reads_it(written: Any, rate: Rate | None) -> None
 
 
 def test_a_rate_drf_could_not_read_fails_the_checks_naming_it(settings: Any) -> None:
-    for bad in ("2/fortnight", "two/min", "0/min", 5, "5"):
+    for bad in ("2/fortnight", "two/min", 5, "5"):
         drf_rates(settings, {"anon": bad})
         messages = check_settings()
         assert [m.id for m in messages] == ["ratelimits.E006"], bad
         assert messages[0].msg.startswith(f"REST_FRAMEWORK['DEFAULT_THROTTLE_RATES']['anon']: {bad!r} is not a rate")
+    drf_rates(settings, {"anon": "0/min"})  # DRF reads it, as "refuse everything"
+    messages = check_settings()
+    assert [m.id for m in messages] == ["ratelimits.E006"]
+    assert "'0/min' admits nothing: DRF refuses every request under it" in messages[0].msg
     settings.REST_FRAMEWORK = {**settings.REST_FRAMEWORK, "DEFAULT_THROTTLE_RATES": ["anon"]}
     with pytest.raises(ConfigurationError, match="expected a dict of scope to rate"):
         throttle_rates()
@@ -249,3 +314,50 @@ def test_drfs_own_rate_throttles_beside_ours_and_num_proxies_are_named(settings:
         "DEFAULT_THROTTLE_CLASSES": ["rest_framework.throttling.UserRateThrottle"],
     }
     assert check_throttle_settings() == []  # a project that does not use ratelimits' throttle
+
+
+def test_a_rate_drf_cannot_read_is_refused_at_start_and_left_out_on_a_request(
+    drf_project: Any, settings: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With the admin's tables as the source, policies load on the first request: never a 500 there."""
+    drf_rates(settings, {"anon": "2/min", "legacy": "100/fortnight"})
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"POLICIES": {"SOURCE": "database"}})
+    engine.reset()
+    assert [m.id for m in check_settings()] == ["ratelimits.E006"]
+    with caplog.at_level(logging.ERROR, logger="ratelimits"):
+        assert statuses("post", "/uploads", 2, address="198.51.100.24") == [200, 200]
+    assert any("'100/fortnight' is not a rate" in r.getMessage() for r in caplog.records)
+
+
+class LegacyBurst(UserRateThrottle):
+    scope = "burst"
+
+
+class StillDrf(APIView):
+    throttle_classes = [LegacyBurst]
+    throttle_scope = "serach"
+
+    def get(self, request: Request) -> Response:
+        return Response({"ok": True})
+
+
+def test_drfs_throttles_left_on_a_view_and_a_scope_nothing_rates_are_named(drf_project: Any, settings: Any) -> None:
+    settings.ROOT_URLCONF = "tests.drf_legacy_urls"
+    messages = check_endpoints()
+    assert [m.id for m in messages] == ["ratelimits.W016", "ratelimits.W017"]
+    assert "The view StillDrf's throttle_classes names DRF's throttle 'tests.test_drf_compat.LegacyBurst'" in (
+        messages[0].msg
+    )
+    assert messages[1].msg.startswith("The view StillDrf's throttle_scope 'serach' has no rate")
+    assert (messages[1].hint or "").startswith("Did you mean 'search'?")
+
+
+def test_jwt_authentication_counted_per_token_is_named(settings: Any) -> None:
+    settings.REST_FRAMEWORK = {
+        **settings.REST_FRAMEWORK,
+        "DEFAULT_THROTTLE_CLASSES": ["ratelimits.throttles.RateLimitThrottle"],
+        "DEFAULT_AUTHENTICATION_CLASSES": ["rest_framework_simplejwt.authentication.JWTAuthentication"],
+    }
+    assert [m.id for m in check_throttle_settings()] == ["ratelimits.W018"]
+    settings.RATELIMITS = {"IDENTITY": {"API_KEY_FUNC": "ratelimits.identity.no_api_key"}}
+    assert check_throttle_settings() == []

@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +72,9 @@ class _Held:
     answered_at: float | None = None
 
 
+#: ``(source, method) -> policies`` a caller adds on the request's caller (:func:`evaluate`).
+CallerPolicies = Callable[[PolicySource, str], Sequence[Policy]]
+
 #: The request attribute that keeps the list of what it holds.
 HELD_ATTRIBUTE = "_ratelimit_held"
 
@@ -84,21 +87,24 @@ def evaluate(
     user: Any = None,
     consume: bool = True,
     checks: Sequence[Check] = (),
-    caller_policies: Sequence[Policy] = (),
+    caller_policies: CallerPolicies | None = None,
+    policies: bool = True,
 ) -> tuple[Identity, Decision]:
     """Identify ``request``, collect its checks and decide them in one backend call.
 
     ``checks`` are decided with the request's own, in the same call and before them: a view's
     limits of its own (``ratelimits.decorators.ratelimit`` with ``policies=True``).
-    ``caller_policies`` are added to the request's own on its caller, each spending the
-    endpoint's cost (a ``RateLimitThrottle`` subclass's ``scope`` or ``rate``).
+    ``caller_policies(source, method)`` gives policies added to the request's own on its caller,
+    each spending the endpoint's cost (a ``RateLimitThrottle`` subclass's ``scope`` or ``rate``);
+    asked once the request is to be decided, and not for an exempt endpoint. ``policies=False``
+    decides those alone: none of the request's own (tier, dimensions, endpoint rule, fleet).
 
     A consuming decision that admits the request holds its slots (and this worker's in-flight
     count) until its response is closed; see :func:`_hold`. With ``RATELIMITS['ENABLED']`` off,
     every request is :data:`~ratelimits.decisions.UNLIMITED`: no policy is loaded, nothing is
     counted, the store is not asked.
     """
-    identity, pending = _prepare(request, endpoint, auth, user, consume, checks, caller_policies)
+    identity, pending = _prepare(request, endpoint, auth, user, consume, checks, caller_policies, policies)
     if isinstance(pending, Decision):
         return identity, pending
     return identity, _conclude(request, pending, _decided(pending, consume))
@@ -112,7 +118,8 @@ async def aevaluate(
     user: Any = None,
     consume: bool = True,
     checks: Sequence[Check] = (),
-    caller_policies: Sequence[Policy] = (),
+    caller_policies: CallerPolicies | None = None,
+    policies: bool = True,
 ) -> tuple[Identity, Decision]:
     """:func:`evaluate` for async views: the same decision, with the store asked on the event loop
     (``redis.asyncio``) and the policies, if they must be loaded, loaded in a thread."""
@@ -122,7 +129,9 @@ async def aevaluate(
         if not _snapshot_in_hand(source, state):
             await sync_to_async(source.snapshot)()  # a database query, as the sync path makes it
             state.loaded_source = source
-    identity, pending = await _aprepare(request, endpoint, auth, user, consume, checks, caller_policies, state)
+    identity, pending = await _aprepare(
+        request, endpoint, auth, user, consume, checks, caller_policies, policies, state
+    )
     if isinstance(pending, Decision):
         return identity, pending
     return identity, _conclude(request, pending, await _adecided(pending, consume))
@@ -193,13 +202,14 @@ async def _aprepare(
     user: Any,
     consume: bool,
     extra: Sequence[Check],
-    caller_policies: Sequence[Policy],
+    caller_policies: CallerPolicies | None,
+    policies: bool,
     state: _AsyncState,
 ) -> tuple[Identity, _Pending | Decision]:
     """:func:`_prepare` on the loop, or in a thread once the project's functions showed they query."""
     if not state.prepare_in_thread:
         try:
-            return _prepare(request, endpoint, auth, user, consume, extra, caller_policies)
+            return _prepare(request, endpoint, auth, user, consume, extra, caller_policies, policies)
         except SynchronousOnlyOperation:
             # _prepare undid what it had done (the shedder's count) before raising: made again below.
             state.prepare_in_thread = True
@@ -251,7 +261,8 @@ def _prepare(
     user: Any,
     consume: bool,
     extra: Sequence[Check] = (),
-    caller_policies: Sequence[Policy] = (),
+    caller_policies: CallerPolicies | None = None,
+    policies: bool = True,
 ) -> tuple[Identity, _Pending | Decision]:
     """The request's identity, and its checks (after ``extra``) ready to decide; or the worker
     shedder's refusal, or (the limiter off) its admission."""
@@ -276,10 +287,12 @@ def _prepare(
         local = limiter.local_path
         generation = local.generation if local is not None else 0
         snapshot = source.snapshot() if local is not None else None
-        checks = source.checks_for(request, identity)
-        if caller_policies:
-            cost = source.endpoint_rule(endpoint, request.method or "GET").cost
-            checks = _with_caller_policies(checks, caller_policies, identity, cost)
+        checks = source.checks_for(request, identity) if policies else []
+        if caller_policies is not None:
+            method = request.method or "GET"
+            rule = source.endpoint_rule(endpoint, method)
+            if not rule.exempt:
+                checks = _with_caller_policies(checks, caller_policies(source, method), identity, rule.cost)
         # The request's usage is its own checks' (their cost), whatever else is decided with them.
         usage = usage_of(identity, checks) if consume and conf.usage.enabled else None
         if extra:

@@ -40,7 +40,7 @@ from .snapshot import (
     tier_policies,
 )
 from .source import SnapshotPolicySource, in_event_loop
-from .throttle_rates import add_scope_rates, replaced_tiers, throttle_rates
+from .throttle_rates import add_scope_rates, drf_default_tiers, replaced_tiers, throttle_rates
 from .values import EndpointRule, Origin, OriginKind, Policy, Scope, fleet_checks
 from .versioning import committed_version, publish_version, stamp_version
 
@@ -166,6 +166,22 @@ def bounded_waits(seconds: float, using: str = DEFAULT_DB_ALIAS) -> Iterator[Non
     """
     connection = connections[using]
     milliseconds = max(int(seconds * 1000), 1)
+    if connection.vendor == "sqlite":
+        # A connection's busy timeout, not a transaction's: set before the transaction and put back
+        # after it ends, so that a statement failing inside leaves nothing behind, and its own
+        # error (never a TransactionManagementError of a statement after it) is what is raised.
+        with connection.cursor() as cursor:
+            cursor.execute("PRAGMA busy_timeout")
+            (busy_timeout,) = cursor.fetchone()
+            cursor.execute(f"PRAGMA busy_timeout = {milliseconds}")
+        try:
+            with transaction.atomic(using=using):
+                yield
+        finally:
+            # Inside an outer transaction a failure above may have broken: it keeps the timeout.
+            with contextlib.suppress(DatabaseError), connection.cursor() as cursor:
+                cursor.execute(f"PRAGMA busy_timeout = {int(busy_timeout)}")
+        return
     outer = connection.in_atomic_block
     with transaction.atomic(using=using):
         if connection.vendor == "postgresql":
@@ -183,18 +199,6 @@ def bounded_waits(seconds: float, using: str = DEFAULT_DB_ALIAS) -> Iterator[Non
                         "SELECT set_config('lock_timeout', %s, true), set_config('statement_timeout', %s, true)",
                         [lock_timeout, statement_timeout],
                     )
-        elif connection.vendor == "sqlite":
-            with connection.cursor() as cursor:
-                cursor.execute("PRAGMA busy_timeout")
-                (busy_timeout,) = cursor.fetchone()
-                cursor.execute(f"PRAGMA busy_timeout = {milliseconds}")
-            try:
-                yield
-            finally:
-                # After a failed statement the transaction takes no more until it ends: that
-                # failure, not a TransactionManagementError here, is what the caller must see.
-                with contextlib.suppress(DatabaseError), connection.cursor() as cursor:
-                    cursor.execute(f"PRAGMA busy_timeout = {int(busy_timeout)}")
         else:
             yield
 
@@ -235,8 +239,9 @@ def load_snapshot() -> PolicySnapshot:
             snapshot.endpoints[endpoint_key(str(row))] = _endpoint(row, mode, shadow)
         except ConfigurationError as exc:
             logger.error("ratelimits: endpoint policy %s left out: %s", row, exc)
-    drf = throttle_rates()
-    replaced_tiers(snapshot, drf)  # the tables' tiers, not DRF's anon and user rates
+    drf = throttle_rates(strict=False)
+    replaced_tiers(snapshot, drf)  # the tables' tiers, not DRF's anon and user rates...
+    drf_default_tiers(snapshot, drf, mode, conf.policies.default_tiers)  # ...where the tables place no caller
     add_scope_rates(snapshot, drf, mode)
     snapshot.endpoints.update(exempt_rules_from_settings())
     _overrides(snapshot, now, shadow)

@@ -37,7 +37,7 @@ class SettingsPolicySource(SnapshotPolicySource):
     def load(self) -> PolicySnapshot:
         mode = conf.failure.default_mode
         snapshot = PolicySnapshot(default_fail_mode=mode)
-        drf = throttle_rates()
+        drf = throttle_rates(strict=False)
         # DRF's anon and user rates stand in for the default tiers' until TIERS is the project's own.
         from_drf = {} if conf.is_set(Settings.tiers) else _drf_tiers(drf)
         with about_setting("TIERS"):

@@ -126,6 +126,10 @@ class SnapshotPolicySource(ABC):
             snapshot = self._snapshot
             if snapshot is not None:
                 return snapshot
+            if last is None and self._last_good is not None:
+                # Waited for the first load, which failed and fell back meanwhile: decide on that too,
+                # as the background retry goes on (one fallback and one log line, not one a thread).
+                return self._last_good
             try:
                 snapshot = self.load()
             except Exception as exc:

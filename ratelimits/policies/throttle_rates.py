@@ -17,6 +17,7 @@ defines that limit itself, it wins, and the system checks say which DRF rate it 
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from dataclasses import replace
@@ -27,19 +28,22 @@ from django.conf import settings
 from ..choices import FailMode
 from ..exceptions import ConfigurationError
 from ..rates import Rate
-from .snapshot import PolicySnapshot, endpoint_key, endpoint_rule
+from .snapshot import Assignment, PolicySnapshot, endpoint_key, endpoint_rule, tier_policies
 from .values import Origin, OriginKind
 
 __all__ = [
     "FIELD",
     "DrfRates",
     "add_scope_rates",
+    "drf_default_tiers",
     "drf_rate",
     "field_of_scope",
     "rate_config",
     "replaced_tiers",
     "throttle_rates",
 ]
+
+logger = logging.getLogger("ratelimits")
 
 #: Where DRF keeps the rates, as messages name it.
 FIELD = "REST_FRAMEWORK['DEFAULT_THROTTLE_RATES']"
@@ -75,7 +79,13 @@ def drf_rate(value: object, field: str) -> Rate | None:
     if value is None:
         return None
     match = _RATE.fullmatch(value) if isinstance(value, str) else None
-    if match is None or match["period"][0].lower() not in _PERIODS or int(match["count"]) < 1:
+    if match is not None and match["period"][0].lower() in _PERIODS and int(match["count"]) == 0:
+        raise ConfigurationError(
+            f"{field}: {value!r} admits nothing: DRF refuses every request under it, and ratelimits takes no rate "
+            "of 0. Give a positive rate, or remove it",
+            setting=SETTING,
+        )
+    if match is None or match["period"][0].lower() not in _PERIODS:
         raise ConfigurationError(
             f"{field}: {value!r} is not a rate DRF or ratelimits can read: write it as 'N/period', N a positive "
             "integer and the period one of second, minute, hour or day ('100/day')",
@@ -85,16 +95,31 @@ def drf_rate(value: object, field: str) -> Rate | None:
     return Rate(int(match["count"]), seconds * 1_000_000)
 
 
-def throttle_rates() -> DrfRates:
-    """``REST_FRAMEWORK['DEFAULT_THROTTLE_RATES']``, read as DRF reads it; a :class:`ConfigurationError` naming
-    the rate DRF could not read either."""
+def throttle_rates(*, strict: bool = True) -> DrfRates:
+    """``REST_FRAMEWORK['DEFAULT_THROTTLE_RATES']``, read as DRF reads it.
+
+    ``strict`` (the system checks): a :class:`ConfigurationError` names a rate DRF could not read
+    either. Otherwise (loading policies, on the request path) such a rate is left out with an
+    error in the log: the checks refused it at start, and it is never a 500.
+    """
     rest: Any = getattr(settings, "REST_FRAMEWORK", None) or {}
     rates = rest.get("DEFAULT_THROTTLE_RATES") if isinstance(rest, Mapping) else None
     if rates is None:
         return DrfRates(None, None, {})
     if not isinstance(rates, Mapping):
-        raise ConfigurationError(f"{FIELD}: expected a dict of scope to rate, got {rates!r}", setting=SETTING)
-    parsed = {str(scope): drf_rate(value, f"{FIELD}[{scope!r}]") for scope, value in rates.items()}
+        error = ConfigurationError(f"{FIELD}: expected a dict of scope to rate, got {rates!r}", setting=SETTING)
+        if strict:
+            raise error
+        logger.error("ratelimits: %s; DRF's rates are left out", error)
+        return DrfRates(None, None, {})
+    parsed: dict[str, Rate | None] = {}
+    for scope, value in rates.items():
+        try:
+            parsed[str(scope)] = drf_rate(value, field_of_scope(str(scope)))
+        except ConfigurationError as error:
+            if strict:
+                raise
+            logger.error("ratelimits: %s; that rate is left out", error)
     anon, user = parsed.pop("anon", None), parsed.pop("user", None)
     return DrfRates(anon, user, parsed)
 
@@ -154,3 +179,23 @@ def replaced_tiers(snapshot: PolicySnapshot, rates: DrfRates) -> None:
         policy = snapshot.tiers[assignment.tier][0]
         replacing = f"the tier {assignment.tier!r}, {kind} callers' default"
         snapshot.replaced.append((field_of_scope(scope), describe(rate), replacing, policy.describe()))
+
+
+def drf_default_tiers(snapshot: PolicySnapshot, rates: DrfRates, fail_mode: FailMode, names: Mapping[str, str]) -> None:
+    """Give the callers no tier of the snapshot places DRF's ``anon`` or ``user`` rate as their tier.
+
+    For a source whose own tiers may leave a kind of caller without a default (the admin's tables
+    with no tier the fleet settings or ``POLICIES['DEFAULT_TIERS']`` name): DRF limited them, so
+    they stay limited, under the tier name ``names`` gives (``POLICIES['DEFAULT_TIERS']``).
+    """
+    for kind, found in (("anonymous", rates.anonymous), ("authenticated", rates.authenticated)):
+        assignment = snapshot.default_tiers.get(kind)
+        name = names.get(kind)
+        if found is None or name is None or (assignment is not None and assignment.tier in snapshot.tiers):
+            continue
+        scope, rate = found
+        field = field_of_scope(scope)
+        if name not in snapshot.tiers:
+            snapshot.tiers[name] = tier_policies(name, rate_config(rate), field=field, fail_mode=fail_mode)
+        origin = Origin(OriginKind.SETTINGS, f"default tier for {kind} callers ({field})")
+        snapshot.default_tiers[kind] = Assignment(name, origin)
