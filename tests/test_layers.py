@@ -38,6 +38,7 @@ LAYERS: dict[str, int] = {
     "ratelimits.choices": 0,
     "ratelimits.rates": 0,
     "ratelimits.conf": 0,
+    "ratelimits.conf.": 0,
     "ratelimits.documentation": 0,
     "ratelimits.redis_url": 0,
     "ratelimits.client": 0,
