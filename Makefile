@@ -89,6 +89,6 @@ bench: $(CI_STAMP)
 clean:
 	rm -rf $(VENV) .venv-django-* demo.sqlite3 site
 
-# docs/configuration.md's tables of every setting, written again from ratelimits/conf.py's declarations.
+# docs/configuration.md's tables of every setting, written again from ratelimits.conf's declarations.
 settings-reference: $(DEMO_STAMP)
 	$(BIN)/python -m tests.support.reference
