@@ -22,6 +22,7 @@ from django.db import DatabaseError, connections, router
 from django.db.migrations.executor import MigrationExecutor
 from django.urls import Resolver404, resolve
 from django.utils.module_loading import import_string
+from rest_framework.views import APIView
 
 from . import documentation, drf
 from .backends import backend_class, get_backend
@@ -277,6 +278,8 @@ def _reaches(function: Any, wanted: tuple[Any, ...], *, depth: int, seen: set[in
     seen.add(id(function))
     if any(function is own for own in wanted):
         return True
+    if isinstance(function, functools.partial):  # a handler given its options
+        return _reaches(function.func, wanted, depth=depth, seen=seen)
     if not isinstance(function, (types.FunctionType, types.MethodType)) and callable(function):
         call = type(function).__call__  # a callable object: what it runs
         return _reaches(call, wanted, depth=depth, seen=seen)
@@ -433,7 +436,7 @@ def check_throttle_settings(app_configs: Any = None, **kwargs: Any) -> list[Chec
                 id=W012,
             )
         )
-    authentication = [str(path) for path in rest.get("DEFAULT_AUTHENTICATION_CLASSES", ())]
+    authentication = [_dotted(path) for path in rest.get("DEFAULT_AUTHENTICATION_CLASSES", ())]
     jwt = [path for path in authentication if path.startswith("rest_framework_simplejwt.")]
     if jwt and not conf.is_set(Identity.api_key_func):
         messages.append(
@@ -460,7 +463,7 @@ def _drf_throttle(found: Any, where: str, *, default: bool) -> list[CheckMessage
     simple = _imported("rest_framework.throttling.SimpleRateThrottle")
     if not (isinstance(found, type) and isinstance(simple, type) and issubclass(found, simple)):
         return []
-    path = f"{found.__module__}.{found.__qualname__}"
+    path = _dotted(found)
     if default and path in DRF_RATE_THROTTLES:
         return [
             Warning(
@@ -494,6 +497,13 @@ def _replaced(replaced: list[tuple[str, str, str, str]]) -> list[CheckMessage]:
     ]
 
 
+def _dotted(found: object) -> str:
+    """A setting's class as its dotted path, whether the setting names it or holds it."""
+    if isinstance(found, type):
+        return f"{found.__module__}.{found.__qualname__}"
+    return str(found)
+
+
 def _imported(path: object) -> Any:
     try:
         return import_string(path) if isinstance(path, str) else path
@@ -518,15 +528,18 @@ def check_endpoints(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage
     except Exception:  # a URLconf that cannot be imported: Django's own check says why
         return []
     messages: list[CheckMessage] = []
+    # A project that uses RateLimitThrottle anywhere is moving off DRF's throttles: name those left.
     ours = any(
         _is_ours(path) for path in (getattr(settings, "REST_FRAMEWORK", {}) or {}).get("DEFAULT_THROTTLE_CLASSES", ())
-    )
+    ) or any(_is_ratelimit_throttle(cls) for route in routes for cls in route.throttle_classes)
+    inherited = tuple(APIView.throttle_classes)
     for route in routes:
         for cls in route.throttle_classes:
-            if isinstance(cls, type) and issubclass(cls, RateLimitThrottle) and (cls.rate or cls.scope):
+            if _is_ratelimit_throttle(cls) and (cls.rate or cls.scope):
                 known.update([cls.scope] if cls.scope else [])
                 messages.extend(_throttle_class(cls, source))
-            elif ours:
+            elif ours and route.throttle_classes != inherited:
+                # A view's own list: the default classes are named once, by check_settings.
                 messages.extend(
                     _drf_throttle(cls, f"The view {route.view.__qualname__}'s throttle_classes", default=False)
                 )
@@ -556,9 +569,13 @@ def check_endpoints(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage
     return list({(m.id, m.msg): m for m in messages}.values())
 
 
+def _is_ratelimit_throttle(cls: Any) -> bool:
+    return isinstance(cls, type) and issubclass(cls, RateLimitThrottle)
+
+
 def _scopes_without_rates(routes: list[DrfRoute], source: Any) -> list[CheckMessage]:
     """W017: a view's ``throttle_scope`` that no DRF rate and no ``ENDPOINTS`` rule names, in a project
-    that has DRF rates: DRF refused such a view on every request; here only the tiers limit it."""
+    that has DRF rates: DRF's ScopedRateThrottle failed such a view's every request; here only the tiers limit it."""
     try:
         scopes = throttle_rates().scopes
     except ConfigurationError:
@@ -574,7 +591,7 @@ def _scopes_without_rates(routes: list[DrfRoute], source: Any) -> list[CheckMess
                 Warning(
                     f"The view {route.view.__qualname__}'s throttle_scope {route.scope!r} has no rate in "
                     f"REST_FRAMEWORK['DEFAULT_THROTTLE_RATES'] nor a rule in {Settings.endpoints.field}: DRF would "
-                    "refuse its requests; here only the project's tiers limit it.",
+                    "answer its requests with a 500 under ScopedRateThrottle; here only the project's tiers limit it.",
                     hint=(f"Did you mean {close[0]!r}? " if close else "")
                     + f"See {documentation.page('migrating-from-drf', 'what-each-drf-setting-becomes')}.",
                     id=W017,

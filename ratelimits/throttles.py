@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.core.exceptions import ImproperlyConfigured
 from rest_framework.request import Request
@@ -27,6 +27,15 @@ logger = logging.getLogger("ratelimits")
 
 #: The attribute of a DRF request that holds its decision once one throttle class made it.
 _DECIDED = "_ratelimits_decided"
+#: The attribute of a DRF request that holds its view's ``RateLimitThrottle`` classes once asked.
+_CLASSES = "_ratelimits_classes"
+
+
+class _Decided(NamedTuple):
+    """A decision one throttle made for every ``RateLimitThrottle`` class of a view (kept on the request)."""
+
+    by: RateLimitThrottle
+    decision: Decision
 
 
 class RateLimitThrottle(BaseThrottle):
@@ -36,8 +45,9 @@ class RateLimitThrottle(BaseThrottle):
     The decision is attached to the request as ``request.ratelimit``. Pair with
     ``ratelimits.drf.exception_handler`` for ``application/problem+json`` bodies.
 
-    As with DRF's own throttles, a subclass may name a limit of its own, and then limits that and
-    nothing else (the project's policies apply where ``RateLimitThrottle`` itself is listed too):
+    As with DRF's own throttles, a subclass may name a limit of its own, and then limits that, not
+    the caller's tier (which applies where ``RateLimitThrottle`` itself is listed too; the
+    project's dimensions, endpoint rules and fleet limit apply to every request):
 
     - ``scope = "uploads"``: the per-caller rate of the endpoint ``uploads``
       (``REST_FRAMEWORK['DEFAULT_THROTTLE_RATES']['uploads']``, or
@@ -61,22 +71,22 @@ class RateLimitThrottle(BaseThrottle):
         self.decision: Decision | None = None
 
     def allow_request(self, request: Request, view: Any) -> bool:
-        decision = self._decided(request, view)
+        decision = self._decided(request)
         if decision is None:
             decision = self.decide(request, view)
+            setattr(request, _DECIDED, _Decided(self, decision))
         return self._verdict(request, view, decision)
 
-    def _decided(self, request: Request, view: Any) -> Decision | None:
-        """The decision the view's first ``RateLimitThrottle`` made for all of them, if this is one
-        of the others; ``None`` for the first (or a throttle the view does not run): it decides."""
-        if type(self) not in throttles_of(view)[1:]:
+    def _decided(self, request: Request) -> Decision | None:
+        """The decision another throttle of the view made for all its ``RateLimitThrottle``
+        classes, this one's among them; ``None`` if none did: this one decides."""
+        decided: _Decided | None = getattr(request, _DECIDED, None)
+        if decided is None or decided.by is self or type(self) not in getattr(request, _CLASSES, ()):
             return None
-        decision: Decision | None = getattr(request, _DECIDED, None)
-        return decision
+        return decided.decision
 
     def _verdict(self, request: Request, view: Any, decision: Decision) -> bool:
         self.decision = decision
-        setattr(request, _DECIDED, decision)
         request._request.ratelimit = decision  # type: ignore[attr-defined]
         view.headers.update(rate_limit_headers(decision))
         if decision.verdict in (Verdict.UNAVAILABLE, Verdict.SHED):
@@ -85,14 +95,14 @@ class RateLimitThrottle(BaseThrottle):
 
     def decide(self, request: Request, view: Any) -> Decision:
         """Every policy that applies to the request, decided (and consumed from) in one round trip."""
-        classes = _with(type(self), throttles_of(view))
+        classes = _with(type(self), _classes(request, view))
         _, decision = evaluate(
             request,
             endpoint=endpoint_name(request, view),
             auth=request.auth,
             user=request.user,
             caller_policies=_ClassPolicies(classes),
-            policies=_brings_policies(classes),
+            tiers=_charges_tier(classes),
         )
         return decision
 
@@ -112,17 +122,18 @@ class AsyncRateLimitThrottle(RateLimitThrottle):
     """
 
     async def allow_request(self, request: Request, view: Any) -> bool:  # type: ignore[override]
-        decision = self._decided(request, view)
+        decision = self._decided(request)
         if decision is None:
-            classes = _with(type(self), throttles_of(view))
+            classes = _with(type(self), _classes(request, view))
             _, decision = await aevaluate(
                 request,
                 endpoint=endpoint_name(request, view),
                 auth=request.auth,
                 user=request.user,
                 caller_policies=_ClassPolicies(classes),
-                policies=_brings_policies(classes),
+                tiers=_charges_tier(classes),
             )
+            setattr(request, _DECIDED, _Decided(self, decision))
         return self._verdict(request, view, decision)
 
 
@@ -134,16 +145,25 @@ def throttles_of(view: Any) -> tuple[type[RateLimitThrottle], ...]:
     return tuple(c for c in found if isinstance(c, type) and issubclass(c, RateLimitThrottle))
 
 
+def _classes(request: Request, view: Any) -> tuple[type[RateLimitThrottle], ...]:
+    """:func:`throttles_of` the request's view, asked once per request: a ``get_throttles()`` may be costly."""
+    found: tuple[type[RateLimitThrottle], ...] | None = getattr(request, _CLASSES, None)
+    if found is None:
+        found = throttles_of(view)
+        setattr(request, _CLASSES, found)
+    return found
+
+
 def _with(
     cls: type[RateLimitThrottle], classes: tuple[type[RateLimitThrottle], ...]
 ) -> tuple[type[RateLimitThrottle], ...]:
     return classes if cls in classes else (cls, *classes)
 
 
-def _brings_policies(classes: tuple[type[RateLimitThrottle], ...]) -> bool:
-    """Whether the project's policies apply: a class that names no ``scope`` or ``rate`` of its own
-    (``RateLimitThrottle`` itself) is among them. One that does limits what it names and nothing
-    else, as DRF's ``UserRateThrottle`` subclass with a ``scope`` does on a view that lists it."""
+def _charges_tier(classes: tuple[type[RateLimitThrottle], ...]) -> bool:
+    """Whether the caller's tier applies: a class that names no ``scope`` or ``rate`` of its own
+    (``RateLimitThrottle`` itself) is among them. One that does limits what it names, not the
+    tier, as DRF's ``UserRateThrottle`` subclass with a ``scope`` limits its scope alone."""
     return any(not (cls.scope or cls.rate) for cls in classes)
 
 
@@ -168,7 +188,8 @@ class _ClassPolicies:
 
 
 def class_policies(cls: type[RateLimitThrottle], source: PolicySource, method: str = "GET") -> tuple[Policy, ...]:
-    """The per-caller policy a ``RateLimitThrottle`` subclass adds (none without ``scope`` or ``rate``).
+    """The per-caller policy a ``RateLimitThrottle`` subclass adds (none without ``scope`` or
+    ``rate``, or for an exempt ``scope``).
 
     An ``ImproperlyConfigured`` naming the class if its ``rate`` cannot be read or its ``scope``
     has no per-caller rate: as DRF refuses a scope without a rate.
@@ -180,7 +201,10 @@ def class_policies(cls: type[RateLimitThrottle], source: PolicySource, method: s
         return (policies[cls],)
     if not cls.scope:
         return ()
-    policy = source.endpoint_rule(cls.scope, method).per_caller
+    rule = source.endpoint_rule(cls.scope, method)
+    if rule.exempt:
+        return ()  # POLICIES['EXEMPT_ENDPOINTS'] names the scope: nothing limits it
+    policy = rule.per_caller
     if policy is None:
         raise ImproperlyConfigured(
             f"{_name(cls)}.scope: {cls.scope!r} names no per-caller rate: give it one in "

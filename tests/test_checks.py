@@ -406,6 +406,14 @@ def wrapped_handler(exc: Exception, context: dict[str, Any]) -> Any:
     return drf.exception_handler(exc, context)
 
 
+def labelled_handler(exc: Exception, context: dict[str, Any], *, label: str) -> Any:
+    return drf.exception_handler(exc, context)
+
+
+#: A handler given its options, as a project's settings module may build one.
+partial_handler = functools.partial(labelled_handler, label="api")
+
+
 def own_handler(exc: Exception, context: dict[str, Any]) -> Any:
     return rest_framework.views.exception_handler(exc, context)
 
@@ -417,6 +425,7 @@ def own_handler(exc: Exception, context: dict[str, Any]) -> Any:
         ("tests.test_checks.wrapping_handler", []),
         ("tests.test_checks.delegating_handler", []),
         ("tests.test_checks.wrapped_handler", []),
+        ("tests.test_checks.partial_handler", []),
         ("tests.test_checks.own_handler", ["ratelimits.W002"]),
         ("rest_framework.views.exception_handler", ["ratelimits.W002"]),
     ],

@@ -99,6 +99,13 @@ def test_a_failed_statement_inside_bounded_waits_is_reported_as_itself() -> None
     assert "ratelimits_no_such_table" in str(caught.value)
 
 
+class TablesElsewhere:
+    """A database router that keeps ratelimits' tables off every database."""
+
+    def allow_migrate(self, db: str, app_label: str, **hints: Any) -> bool | None:
+        return False if app_label == "ratelimits" else None
+
+
 def test_unapplied_migrations_are_a_database_check(settings: Any) -> None:
     recorded = MigrationRecorder(connection).migration_qs
     assert unapplied_migrations() == [] and check_database(databases=["default"]) == []
@@ -114,6 +121,9 @@ def test_unapplied_migrations_are_a_database_check(settings: Any) -> None:
         )
         assert messages[0].hint == "Run manage.py migrate --database default."
         assert check_database() == []  # manage.py check without --database asks no database
+        settings.DATABASE_ROUTERS = [f"{__name__}.{TablesElsewhere.__qualname__}"]
+        assert check_database(databases=["default"]) == []  # the app's tables are not kept there
+        settings.DATABASE_ROUTERS = []
     finally:
         for row in rows:
             recorded.create(app=row.app, name=row.name, applied=row.applied)
@@ -178,3 +188,18 @@ def test_the_tables_placing_no_anonymous_caller_leave_drfs_anon_rate_in_force(se
     engine.reset()
     client = APIClient(REMOTE_ADDR="198.51.100.42")
     assert [client.get("/t/ping").status_code for _ in range(3)] == [200, 200, 429]
+
+
+def test_a_disabled_default_tier_stays_no_limits_and_the_check_says_it_replaces_anon(settings: Any) -> None:
+    """The admin's "no limits for anonymous callers" is a choice DRF's ``anon`` rate must not undo."""
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"POLICIES": {"SOURCE": "database"}})
+    settings.REST_FRAMEWORK = {**settings.REST_FRAMEWORK, "DEFAULT_THROTTLE_RATES": {"anon": "2/min"}}
+    off = Tier.objects.create(name="off", rate="1/min", enabled=False)
+    FleetSettings.objects.update_or_create(pk=1, defaults={"anonymous_tier": off})
+    engine.reset()
+    client = APIClient(REMOTE_ADDR="198.51.100.43")
+    assert [client.get("/t/ping").status_code for _ in range(4)] == [200] * 4
+    messages = [m for m in check_database(databases=["default"]) if m.id == "ratelimits.W010"]
+    assert len(messages) == 1
+    assert "'off', anonymous callers' default" in messages[0].msg
+    assert "no limits (the tier is disabled)" in messages[0].msg

@@ -9,6 +9,7 @@ round trip however many throttle classes a view has.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ from rest_framework.decorators import api_view, throttle_scope
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.test import APIClient
-from rest_framework.throttling import UserRateThrottle
+from rest_framework.throttling import AnonRateThrottle, UserRateThrottle
 from rest_framework.views import APIView
 
 from ratelimits import engine
@@ -26,7 +27,7 @@ from ratelimits.checks import check_endpoints, check_settings, check_throttle_se
 from ratelimits.exceptions import ConfigurationError
 from ratelimits.policies.throttle_rates import drf_rate, throttle_rates
 from ratelimits.rates import Rate
-from ratelimits.throttles import RateLimitThrottle
+from ratelimits.throttles import RateLimitThrottle, class_policies
 
 from .support.redis_server import RedisServer, script_calls
 from .support.settings import merged
@@ -326,7 +327,10 @@ def test_a_rate_drf_cannot_read_is_refused_at_start_and_left_out_on_a_request(
     assert [m.id for m in check_settings()] == ["ratelimits.E006"]
     with caplog.at_level(logging.ERROR, logger="ratelimits"):
         assert statuses("post", "/uploads", 2, address="198.51.100.24") == [200, 200]
-    assert any("'100/fortnight' is not a rate" in r.getMessage() for r in caplog.records)
+        engine.get_policy_source().invalidate()  # as a policy change in the admin does
+        assert statuses("post", "/uploads", 1, address="198.51.100.24") == [200]
+    said = [r for r in caplog.records if "'100/fortnight' is not a rate" in r.getMessage()]
+    assert len(said) == 1  # once, not at every reload
 
 
 class LegacyBurst(UserRateThrottle):
@@ -359,5 +363,109 @@ def test_jwt_authentication_counted_per_token_is_named(settings: Any) -> None:
         "DEFAULT_AUTHENTICATION_CLASSES": ["rest_framework_simplejwt.authentication.JWTAuthentication"],
     }
     assert [m.id for m in check_throttle_settings()] == ["ratelimits.W018"]
+    # DRF takes the classes themselves as well as their dotted paths.
+    jwt = type("JWTAuthentication", (), {"__module__": "rest_framework_simplejwt.authentication"})
+    settings.REST_FRAMEWORK = {**settings.REST_FRAMEWORK, "DEFAULT_AUTHENTICATION_CLASSES": [jwt]}
+    assert [m.id for m in check_throttle_settings()] == ["ratelimits.W018"]
     settings.RATELIMITS = {"IDENTITY": {"API_KEY_FUNC": "ratelimits.identity.no_api_key"}}
     assert check_throttle_settings() == []
+
+
+class BurstAgain(RateLimitThrottle):
+    scope = "burst"
+
+
+class Twins(APIView):
+    throttle_classes = [BurstThrottle, BurstAgain]
+
+    def get(self, request: Request) -> Response:
+        return Response({"ok": True})
+
+
+class CountedPicks(Picky):
+    picked = 0
+
+    def get_throttles(self) -> list[Any]:
+        CountedPicks.picked += 1
+        return super().get_throttles()
+
+
+urlpatterns += [path("twins", Twins.as_view(), name="twins"), path("counted", CountedPicks.as_view(), name="counted")]
+
+
+def test_two_classes_of_one_scope_spend_its_one_bucket_once(drf_project: Any, settings: Any) -> None:
+    drf_rates(settings, {"anon": "100/min", "burst": "2/min"})
+    assert statuses("get", "/twins", 3, address="198.51.100.25") == [200, 200, 429]
+
+
+@pytest.mark.parametrize(
+    ("ratelimits", "admitted"),
+    [
+        ({"ENDPOINTS": {"health": {"rate": "3/min"}}}, 3),
+        ({"DIMENSIONS": {"ip": {"rate": "4/min"}}}, 4),
+    ],
+)
+def test_a_view_of_classes_of_its_own_keeps_the_projects_endpoint_rules_and_dimensions(
+    drf_project: Any, settings: Any, ratelimits: dict[str, Any], admitted: int
+) -> None:
+    # Health lists SustainedThrottle (5/day) only: DRF's anon (2/min) is not its limit, but what
+    # RATELIMITS adds for every request is.
+    drf_rates(settings, {"anon": "2/min"})
+    settings.RATELIMITS = merged(settings.RATELIMITS, ratelimits)
+    engine.reset()
+    assert statuses("get", "/health", admitted + 1, address="198.51.100.26") == [200] * admitted + [429]
+
+
+def test_a_views_throttles_are_picked_once_a_request_whatever_their_number(drf_project: Any, settings: Any) -> None:
+    drf_rates(settings, {"anon": "100/min"})
+    CountedPicks.picked = 0
+    assert statuses("get", "/counted", 3, address="198.51.100.27") == [200] * 3
+    assert CountedPicks.picked == 3 * 2  # DRF's own call, and the first RateLimitThrottle's
+
+
+def test_a_class_whose_scope_is_exempt_limits_nothing_and_is_no_error(
+    drf_project: Any, settings: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"POLICIES": {"EXEMPT_ENDPOINTS": ["nowhere"]}})
+    engine.reset()
+    assert [m.id for m in check_endpoints() if m.id == "ratelimits.E007"] == []
+    with caplog.at_level(logging.ERROR, logger="ratelimits"):
+        assert statuses("get", "/unlimited", 4, address="198.51.100.28") == [200] * 4
+    assert not [r for r in caplog.records if "NoRate" in r.getMessage()]
+
+
+def test_drfs_throttles_a_view_inherits_are_named_once_not_per_view(
+    drf_project: Any, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A project whose DEFAULT_THROTTLE_CLASSES kept DRF's AnonRateThrottle beside ours: every view
+    # that names no classes of its own inherits the list DRF read at import.
+    monkeypatch.setattr(APIView, "throttle_classes", [RateLimitThrottle, AnonRateThrottle])
+    settings.REST_FRAMEWORK = {
+        **settings.REST_FRAMEWORK,
+        "DEFAULT_THROTTLE_CLASSES": [
+            "ratelimits.throttles.RateLimitThrottle",
+            "rest_framework.throttling.AnonRateThrottle",
+        ],
+    }
+    assert [m.id for m in check_throttle_settings() if m.id in ("ratelimits.W011", "ratelimits.W016")] == [
+        "ratelimits.W011"
+    ]
+    assert [m for m in check_endpoints() if m.id == "ratelimits.W016"] == []
+
+
+def test_drfs_throttles_left_on_a_view_are_named_where_only_views_list_ours(drf_project: Any, settings: Any) -> None:
+    settings.ROOT_URLCONF = "tests.drf_legacy_urls"
+    settings.REST_FRAMEWORK = {**settings.REST_FRAMEWORK, "DEFAULT_THROTTLE_CLASSES": []}
+    assert "ratelimits.W016" in [m.id for m in check_endpoints()]
+
+
+def test_classes_with_a_rate_and_no_scope_are_named_apart_by_their_path(drf_project: Any) -> None:
+    class SustainedThrottle(RateLimitThrottle):  # the module's class's name, on purpose
+        rate = "7/day"
+
+    source = engine.get_policy_source()
+    (here,) = class_policies(SustainedThrottle, source)
+    (module,) = class_policies(globals()["SustainedThrottle"], source)
+    assert module.name == "throttle:tests.test_drf_compat.SustainedThrottle"
+    assert here.name != module.name and re.fullmatch(r"throttle:[A-Za-z0-9_.]+", here.name)
+    assert (here.rate, module.rate) == (Rate(7, 86_400_000_000), Rate(5, 86_400_000_000))

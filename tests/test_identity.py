@@ -106,6 +106,21 @@ def test_api_key_identity() -> None:
     assert default_api_key("") is None
 
 
+def test_with_no_api_key_a_token_holder_is_counted_as_its_user(rf: RequestFactory, settings: Any) -> None:
+    """A JWT renewed every few minutes is not a caller of its own: its user is, as under DRF."""
+
+    class User:
+        pk = 7
+        is_authenticated = True
+
+    request = rf.get("/", REMOTE_ADDR="192.0.2.1")
+    token = "eyJhbGciOiJIUzI1NiJ9.first"
+    assert identify(request, endpoint="charges", auth=token, user=User()).caller == Subject("api_key", token)
+    settings.RATELIMITS = {"IDENTITY": {"API_KEY_FUNC": "ratelimits.identity.no_api_key"}}
+    identity = identify(request, endpoint="charges", auth=token, user=User())
+    assert identity.caller == identity.user == Subject("user", "7") and identity.api_key is None
+
+
 def test_identify_collects_subjects(rf: RequestFactory, settings: Any) -> None:
     settings.RATELIMITS = {"IDENTITY": {"ORGANIZATION_FUNC": lambda request: "acme"}}
 

@@ -88,7 +88,7 @@ def evaluate(
     consume: bool = True,
     checks: Sequence[Check] = (),
     caller_policies: CallerPolicies | None = None,
-    policies: bool = True,
+    tiers: bool = True,
 ) -> tuple[Identity, Decision]:
     """Identify ``request``, collect its checks and decide them in one backend call.
 
@@ -96,15 +96,17 @@ def evaluate(
     limits of its own (``ratelimits.decorators.ratelimit`` with ``policies=True``).
     ``caller_policies(source, method)`` gives policies added to the request's own on its caller,
     each spending the endpoint's cost (a ``RateLimitThrottle`` subclass's ``scope`` or ``rate``);
-    asked once the request is to be decided, and not for an exempt endpoint. ``policies=False``
-    decides those alone: none of the request's own (tier, dimensions, endpoint rule, fleet).
+    asked once the request is to be decided, and not for an exempt endpoint. ``tiers=False``
+    leaves the caller's tier out (its rate, quota and overrides): a view whose throttle classes
+    each name a limit of their own is limited by those, as under DRF, and by the project's
+    dimensions, endpoint rule and fleet limit, which apply to every request.
 
     A consuming decision that admits the request holds its slots (and this worker's in-flight
     count) until its response is closed; see :func:`_hold`. With ``RATELIMITS['ENABLED']`` off,
     every request is :data:`~ratelimits.decisions.UNLIMITED`: no policy is loaded, nothing is
     counted, the store is not asked.
     """
-    identity, pending = _prepare(request, endpoint, auth, user, consume, checks, caller_policies, policies)
+    identity, pending = _prepare(request, endpoint, auth, user, consume, checks, caller_policies, tiers)
     if isinstance(pending, Decision):
         return identity, pending
     return identity, _conclude(request, pending, _decided(pending, consume))
@@ -119,7 +121,7 @@ async def aevaluate(
     consume: bool = True,
     checks: Sequence[Check] = (),
     caller_policies: CallerPolicies | None = None,
-    policies: bool = True,
+    tiers: bool = True,
 ) -> tuple[Identity, Decision]:
     """:func:`evaluate` for async views: the same decision, with the store asked on the event loop
     (``redis.asyncio``) and the policies, if they must be loaded, loaded in a thread."""
@@ -129,9 +131,7 @@ async def aevaluate(
         if not _snapshot_in_hand(source, state):
             await sync_to_async(source.snapshot)()  # a database query, as the sync path makes it
             state.loaded_source = source
-    identity, pending = await _aprepare(
-        request, endpoint, auth, user, consume, checks, caller_policies, policies, state
-    )
+    identity, pending = await _aprepare(request, endpoint, auth, user, consume, checks, caller_policies, tiers, state)
     if isinstance(pending, Decision):
         return identity, pending
     return identity, _conclude(request, pending, await _adecided(pending, consume))
@@ -203,13 +203,13 @@ async def _aprepare(
     consume: bool,
     extra: Sequence[Check],
     caller_policies: CallerPolicies | None,
-    policies: bool,
+    tiers: bool,
     state: _AsyncState,
 ) -> tuple[Identity, _Pending | Decision]:
     """:func:`_prepare` on the loop, or in a thread once the project's functions showed they query."""
     if not state.prepare_in_thread:
         try:
-            return _prepare(request, endpoint, auth, user, consume, extra, caller_policies, policies)
+            return _prepare(request, endpoint, auth, user, consume, extra, caller_policies, tiers)
         except SynchronousOnlyOperation:
             # _prepare undid what it had done (the shedder's count) before raising: made again below.
             state.prepare_in_thread = True
@@ -220,7 +220,9 @@ async def _aprepare(
                 f"({documentation.page('async', 'how-it-works')})"
             )
     # Given up before the thread is done, the request counts itself out of the shedder.
-    return await in_thread(lambda: _prepare(request, endpoint, auth, user, consume, extra, caller_policies), _abandon)
+    return await in_thread(
+        lambda: _prepare(request, endpoint, auth, user, consume, extra, caller_policies, tiers), _abandon
+    )
 
 
 def _abandon(prepared: tuple[Identity, _Pending | Decision]) -> None:
@@ -262,7 +264,7 @@ def _prepare(
     consume: bool,
     extra: Sequence[Check] = (),
     caller_policies: CallerPolicies | None = None,
-    policies: bool = True,
+    tiers: bool = True,
 ) -> tuple[Identity, _Pending | Decision]:
     """The request's identity, and its checks (after ``extra``) ready to decide; or the worker
     shedder's refusal, or (the limiter off) its admission."""
@@ -287,7 +289,9 @@ def _prepare(
         local = limiter.local_path
         generation = local.generation if local is not None else 0
         snapshot = source.snapshot() if local is not None else None
-        checks = source.checks_for(request, identity) if policies else []
+        checks = source.checks_for(request, identity)
+        if not tiers:
+            checks = [check for check in checks if check.policy.tier is None]
         if caller_policies is not None:
             method = request.method or "GET"
             rule = source.endpoint_rule(endpoint, method)
@@ -323,8 +327,12 @@ def _with_caller_policies(
     """``checks`` and a check of each of ``policies`` on the caller, but those already among them:
     one policy on one subject is one bucket, spent once."""
     have = {(check.policy.name, check.subject) for check in checks}
-    added = [check_for(policy, identity.caller, cost) for policy in policies]
-    return [*checks, *(check for check in added if (check.policy.name, check.subject) not in have)]
+    found = list(checks)
+    for policy in policies:
+        if (policy.name, identity.caller) not in have:  # two classes of one scope: its one bucket
+            have.add((policy.name, identity.caller))
+            found.append(check_for(policy, identity.caller, cost))
+    return found
 
 
 def _prepare_checks(checks: Sequence[Check], endpoint: str, consume: bool) -> _Pending:

@@ -12,6 +12,7 @@ import contextlib
 import ipaddress
 import logging
 import math
+import sqlite3
 import threading
 import time
 from collections import defaultdict
@@ -178,9 +179,12 @@ def bounded_waits(seconds: float, using: str = DEFAULT_DB_ALIAS) -> Iterator[Non
             with transaction.atomic(using=using):
                 yield
         finally:
-            # Inside an outer transaction a failure above may have broken: it keeps the timeout.
-            with contextlib.suppress(DatabaseError), connection.cursor() as cursor:
-                cursor.execute(f"PRAGMA busy_timeout = {int(busy_timeout)}")
+            # On the driver's connection: Django refuses every statement in an outer transaction a
+            # failure above broke, and this one is the connection's, no part of any transaction.
+            raw = connection.connection
+            if raw is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    raw.execute(f"PRAGMA busy_timeout = {int(busy_timeout)}")
         return
     outer = connection.in_atomic_block
     with transaction.atomic(using=using):

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 from django.conf import settings
 
 from ..choices import FailMode
+from ..conf import ProcessWide
 from ..exceptions import ConfigurationError
 from ..rates import Rate
 from .snapshot import Assignment, PolicySnapshot, endpoint_key, endpoint_rule, tier_policies
@@ -110,7 +111,7 @@ def throttle_rates(*, strict: bool = True) -> DrfRates:
         error = ConfigurationError(f"{FIELD}: expected a dict of scope to rate, got {rates!r}", setting=SETTING)
         if strict:
             raise error
-        logger.error("ratelimits: %s; DRF's rates are left out", error)
+        _log_once(f"{error}; DRF's rates are left out")
         return DrfRates(None, None, {})
     parsed: dict[str, Rate | None] = {}
     for scope, value in rates.items():
@@ -119,9 +120,21 @@ def throttle_rates(*, strict: bool = True) -> DrfRates:
         except ConfigurationError as error:
             if strict:
                 raise
-            logger.error("ratelimits: %s; that rate is left out", error)
+            _log_once(f"{error}; that rate is left out")
     anon, user = parsed.pop("anon", None), parsed.pop("user", None)
     return DrfRates(anon, user, parsed)
+
+
+#: What :func:`throttle_rates` said: each said once (until the settings change), not at every
+#: policy reload. A few lines at most: one per rate the project wrote wrong.
+_said: ProcessWide[set[str]] = ProcessWide(set)
+
+
+def _log_once(message: str) -> None:
+    said = _said.get()
+    if message not in said:
+        said.add(message)
+        logger.error("ratelimits: %s", message)
 
 
 def rate_config(rate: Rate) -> dict[str, Any]:
@@ -173,12 +186,14 @@ def replaced_tiers(snapshot: PolicySnapshot, rates: DrfRates) -> None:
     """Note the DRF ``anon`` and ``user`` rates the snapshot's own default tiers replace."""
     for kind, found in (("anonymous", rates.anonymous), ("authenticated", rates.authenticated)):
         assignment = snapshot.default_tiers.get(kind)
-        if found is None or assignment is None or assignment.tier not in snapshot.tiers:
+        if found is None or assignment is None:
             continue
         scope, rate = found
-        policy = snapshot.tiers[assignment.tier][0]
         replacing = f"the tier {assignment.tier!r}, {kind} callers' default"
-        snapshot.replaced.append((field_of_scope(scope), describe(rate), replacing, policy.describe()))
+        # A default tier the snapshot does not hold is a disabled one: the admin chose no limits.
+        policies = snapshot.tiers.get(assignment.tier)
+        now = policies[0].describe() if policies else "no limits (the tier is disabled)"
+        snapshot.replaced.append((field_of_scope(scope), describe(rate), replacing, now))
 
 
 def drf_default_tiers(snapshot: PolicySnapshot, rates: DrfRates, fail_mode: FailMode, names: Mapping[str, str]) -> None:
@@ -186,12 +201,13 @@ def drf_default_tiers(snapshot: PolicySnapshot, rates: DrfRates, fail_mode: Fail
 
     For a source whose own tiers may leave a kind of caller without a default (the admin's tables
     with no tier the fleet settings or ``POLICIES['DEFAULT_TIERS']`` name): DRF limited them, so
-    they stay limited, under the tier name ``names`` gives (``POLICIES['DEFAULT_TIERS']``).
+    they stay limited, under the tier name ``names`` gives (``POLICIES['DEFAULT_TIERS']``). A kind
+    the snapshot places at all is left alone, on a disabled tier too: that is the admin choosing
+    no limits, which :func:`replaced_tiers` reports.
     """
     for kind, found in (("anonymous", rates.anonymous), ("authenticated", rates.authenticated)):
-        assignment = snapshot.default_tiers.get(kind)
         name = names.get(kind)
-        if found is None or name is None or (assignment is not None and assignment.tier in snapshot.tiers):
+        if found is None or name is None or kind in snapshot.default_tiers:
             continue
         scope, rate = found
         field = field_of_scope(scope)
