@@ -4,6 +4,16 @@ Every function takes the stored state (or ``None``), the current time and the li
 returns an :class:`Outcome` without side effects; backends decide whether to store
 ``new_state``. All times are integer microseconds. Arithmetic is done in the same order as in
 ``lua/decide.lua`` so both produce bit-identical results on IEEE doubles.
+
+A state records the terms it was written in (a bucket's capacity, a window's limit and period).
+When a policy changes, its state is read in the new terms by the share already used: a bucket
+half spent is half spent under the new rate and burst, a window a third used is a third used of
+the new limit. Raising a limit so never lengthens a wait (the arrival time a strict policy left,
+read under a looser one's emission interval, would), and lowering one never admits more than the
+new burst. A state written in the same terms reads exactly as before: the conversion runs only
+when the terms differ. A converted state is stored by the first call that consumes, admitted or
+not (:attr:`Outcome.converted`): from then on it drains at the new rate, so the wait a denial
+names is the wait there is (read again under the old terms, it would drain at the old rate).
 """
 
 from __future__ import annotations
@@ -49,7 +59,10 @@ _CODES = {
     Algorithm.FLEET: 5,  # the same slots; a denial sheds (503) rather than limits (429)
 }
 
-#: Stored state: GCRA keeps (theoretical arrival time,); windows keep (window index, counts...).
+#: Stored state: GCRA keeps (theoretical arrival time, capacity in us); a sliding window (window
+#: index, current count, previous count, limit, period in us); a fixed window (window index,
+#: count, limit, period in us). A state without its terms (the layouts before them: ``(tat,)``,
+#: ``(window, current, previous)``, ``(window, count)``) is read in the current policy's terms.
 State = tuple[float, ...]
 
 
@@ -66,6 +79,9 @@ class Outcome:
     retry_us: int
     #: State to store if the request is admitted.
     new_state: State
+    #: The stored state in the policy's current terms, when it was written in others: stored by a
+    #: call that consumes even when the request is denied (it spends nothing; it fixes the change).
+    converted: State | None = None
 
 
 def token_bucket(state: State | None, now: int, limit: int, period_us: int, burst: int, cost: int) -> Outcome:
@@ -77,7 +93,14 @@ def token_bucket(state: State | None, now: int, limit: int, period_us: int, burs
     """
     interval = period_us / limit
     capacity = burst * interval
-    tat = state[0] if state is not None and state[0] > now else float(now)
+    tat = float(now)
+    converted = None
+    if state is not None and state[0] > now:
+        tat = state[0]
+        if len(state) > 1 and state[1] != capacity:
+            # Written under another rate or burst: the same share of the burst is spent in the new terms.
+            tat = now + (tat - now) * capacity / state[1]
+            converted = (tat, capacity)
     new_tat = tat + cost * interval
     allow_at = new_tat - capacity
     if now < allow_at:
@@ -87,14 +110,16 @@ def token_bucket(state: State | None, now: int, limit: int, period_us: int, burs
             remaining=max(remaining, 0),
             reset_us=math.ceil(tat - now),
             retry_us=math.ceil(allow_at - now),
-            new_state=(tat,),
+            new_state=(tat, capacity),
+            converted=converted,
         )
     return Outcome(
         allowed=True,
         remaining=max(math.floor((now + capacity - new_tat) / interval), 0),
         reset_us=math.ceil(new_tat - now),
         retry_us=0,
-        new_state=(new_tat,),
+        new_state=(new_tat, capacity),
+        converted=converted,
     )
 
 
@@ -102,7 +127,8 @@ def sliding_window(state: State | None, now: int, limit: int, period_us: int, bu
     """Sliding window counter: ``previous * overlap + current + cost <= limit``."""
     window = now // period_us
     elapsed = now - window * period_us
-    current, previous = _roll(state, window)
+    current, previous = _roll(state, now, window, limit, period_us)
+    converted = (window, current, previous, limit, period_us) if _other_terms(state, 3, limit, period_us) else None
     estimate = _estimate(previous, current, elapsed, period_us)
     until_next = period_us - elapsed
     reset = until_next + period_us if current > 0 else (until_next if previous > 0 else 0)
@@ -112,14 +138,16 @@ def sliding_window(state: State | None, now: int, limit: int, period_us: int, bu
             remaining=max(math.floor(limit - estimate - cost), 0),
             reset_us=until_next + period_us,
             retry_us=0,
-            new_state=(window, current + cost, previous),
+            new_state=(window, current + cost, previous, limit, period_us),
+            converted=converted,
         )
     return Outcome(
         allowed=False,
         remaining=max(math.floor(limit - estimate), 0),
         reset_us=reset,
         retry_us=_sliding_retry(previous, current, elapsed, period_us, limit, cost),
-        new_state=(window, current, previous),
+        new_state=(window, current, previous, limit, period_us),
+        converted=converted,
     )
 
 
@@ -127,22 +155,50 @@ def fixed_window(state: State | None, now: int, limit: int, period_us: int, burs
     """Fixed window counter aligned to the epoch."""
     window = now // period_us
     until_next = period_us - (now - window * period_us)
-    count = int(state[1]) if state is not None and state[0] == window else 0
+    count, converted = 0, None
+    if state is not None:
+        if _other_terms(state, 2, limit, period_us):
+            # Written under another limit or window: the same share of the new limit, while its
+            # window (in its own terms) is still the current one.
+            count = _share(state[1], limit, state[2]) if state[0] == now // state[3] else 0
+            converted = (window, count, limit, period_us)
+        elif state[0] == window:
+            count = int(state[1])
+    terms = (limit, period_us)
     if count + cost <= limit:
-        return Outcome(True, limit - count - cost, until_next, 0, (window, count + cost))
-    return Outcome(False, max(limit - count, 0), until_next, until_next, (window, count))
+        return Outcome(True, limit - count - cost, until_next, 0, (window, count + cost, *terms), converted)
+    return Outcome(False, max(limit - count, 0), until_next, until_next, (window, count, *terms), converted)
 
 
-def _roll(state: State | None, window: int) -> tuple[int, int]:
-    """(current, previous) counts as seen from ``window``."""
+def _other_terms(state: State | None, at: int, limit: int, period_us: int) -> bool:
+    """Whether a window's state records terms (a limit and period from index ``at``) other than these."""
+    return state is not None and len(state) > at and (state[at] != limit or state[at + 1] != period_us)
+
+
+def _roll(state: State | None, now: int, window: int, limit: int, period_us: int) -> tuple[int, int]:
+    """(current, previous) counts as seen from ``window``, in the terms of ``limit`` per ``period_us``."""
     if state is None:
         return 0, 0
-    stored_window, current, previous = state
+    stored_window, current, previous = state[0], state[1], state[2]
+    if _other_terms(state, 3, limit, period_us):
+        # Written under another limit or window: its windows seen from now in their own terms,
+        # each count as the same share of the new limit.
+        old_limit, old_window = state[3], now // state[4]
+        if stored_window == old_window:
+            return _share(current, limit, old_limit), _share(previous, limit, old_limit)
+        if stored_window == old_window - 1:
+            return 0, _share(current, limit, old_limit)
+        return 0, 0
     if stored_window == window:
         return int(current), int(previous)
     if stored_window == window - 1:
         return 0, int(current)
     return 0, 0
+
+
+def _share(count: float, limit: int, old_limit: float) -> int:
+    """``count`` of ``old_limit``, as the same share of ``limit``: rounded up, never to admit more."""
+    return math.ceil(count * limit / old_limit)
 
 
 def _estimate(previous: int, current: int, elapsed: int, period_us: int) -> float:
@@ -212,6 +268,7 @@ def global_bucket(
 
     The state is ``(tokens, time, share spent at, rate per us, burst)``: tokens, so that a share
     change keeps what the region holds. Refilled at the lesser of the two shares since it was spent.
+    A bucket written under another burst holds the same share of the new one.
     """
     if share <= 0:  # every other region out of reach holds what there is
         return Outcome(False, 0, 0, RESHARE_RETRY_US, state or ())
@@ -221,6 +278,8 @@ def global_bucket(
     held = capacity
     if state is not None:
         held, at, spent_share = state[0], state[1], state[2]
+        if state[4] != burst:
+            held = held * burst / state[4]
         if now > at:
             held += (now - at) * full * min(share, spent_share)
         held = min(held, capacity)

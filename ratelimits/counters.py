@@ -40,6 +40,7 @@ __all__ = [
     "Row",
     "SubjectLabels",
     "Usage",
+    "caller_rows",
     "count",
     "overflow_of",
     "parse_field",
@@ -101,6 +102,12 @@ def usage_for(caller: Subject, organization: Subject | None, tier: str, endpoint
 def _row(kind: str, subject: str, organization: str, tier: str, endpoint: str) -> str:
     # JSON, because tiers and endpoints are the host's strings: no separator is safe.
     return json.dumps([kind, subject, organization, tier, endpoint], separators=(",", ":"))
+
+
+def caller_rows(caller: Subject) -> str:
+    """What every counter field of ``caller``'s rows starts with (their kind and digest)."""
+    # The row's JSON list (:func:`_row`) up to its third element: open, so every row of theirs matches.
+    return json.dumps([caller.kind, caller.digest], separators=(",", ":"))[:-1] + ","
 
 
 @lru_cache(maxsize=4096)

@@ -26,7 +26,9 @@ def rate_limit_headers(decision: Decision) -> dict[str, str]:
     gives each policy's quota ``q`` over a window of ``w`` seconds (every enforced policy of
     the request, or with ``HEADERS['POLICIES']`` ``"closest"`` only the closest), ``RateLimit`` the
     remaining quota ``r`` of the policy closest to its limit and the seconds ``t`` until it is
-    fully restored. With ``HEADERS['PARTITION_KEY']`` each item carries ``pk``, its subject's keyed
+    fully restored; on a refused request, the violated policy with the longest wait, and ``t`` is
+    that wait: when this request could pass (a drained bucket admits again long before it is
+    full). With ``HEADERS['PARTITION_KEY']`` each item carries ``pk``, its subject's keyed
     hash. GitHub's headers describe the closest policy.
     """
     style = conf.headers.style
@@ -45,8 +47,9 @@ def rate_limit_headers(decision: Decision) -> dict[str, str]:
     policy = closest.check.policy
     static = _static_parts(policy)
     remaining = closest.remaining
+    # Refused: when this request could pass, what a client waits for (Retry-After's exact wait).
     # Slots have no window: they come back when requests finish, not at a time we could name.
-    reset_us = 0 if policy.holds_slots else closest.reset_us
+    reset_us = closest.retry_us if not closest.allowed else 0 if policy.holds_slots else closest.reset_us
     if style != "github":  # "ietf" or "both"
         with_keys = conf.headers.partition_key
         key = _partition_key(closest.check) if with_keys else ""

@@ -167,7 +167,7 @@ def current_limits(request: Request, *, endpoint: str, method: str | None = None
         "method": method,
         "degraded": limits.degraded,
         "resources": resources,
-        "today": today_usage(identity),
+        "today": today_usage(identity.caller),
     }
 
 

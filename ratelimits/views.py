@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -16,23 +17,35 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from .choices import HTTP_METHODS
-from .counters import METRICS
 from .decisions import Decision
 from .drf import endpoint_name
 from .endpoints import is_known_endpoint
 from .identity import identify
-from .models import MAX_ENDPOINT_LENGTH, UsageRecord, validate_endpoint
+from .models import MAX_ENDPOINT_LENGTH, validate_endpoint
 from .status import current_limits, limit_status_call
 from .throttles import RateLimitThrottle
+from .usage.live import read_live
+from .usage.readers import caller_filters, endpoint_series
 from .usage.records import MAX_RANGE
 
 __all__ = ["RateLimitStatusThrottle", "RateLimitStatusView", "UsageView"]
 
 
-class UsageSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
-    class Meta:
-        model = UsageRecord
-        fields = ["period_start", "granularity", "endpoint", "tier", *METRICS.values()]
+class UsageSerializer(serializers.Serializer):  # type: ignore[type-arg]
+    """One period's usage of one endpoint, under one tier."""
+
+    period_start = serializers.DateTimeField()
+    granularity = serializers.ChoiceField(choices=list(MAX_RANGE))
+    endpoint = serializers.CharField()
+    tier = serializers.CharField()
+    allowed = serializers.IntegerField(min_value=0)
+    throttled = serializers.IntegerField(min_value=0, help_text="Requests answered 429.")
+    shed = serializers.IntegerField(min_value=0, help_text="Requests answered 503 (the platform was overloaded).")
+    degraded = serializers.IntegerField(min_value=0, help_text="Requests decided without the limiter's store.")
+    tokens = serializers.IntegerField(min_value=0, help_text="Tokens the allowed requests spent (their cost).")
+    live = serializers.BooleanField(
+        help_text="Some of these counts are the limiter's live counters, not stored yet: they may still grow."
+    )
 
 
 class UsagePagination(LimitOffsetPagination):
@@ -46,6 +59,11 @@ class UsageView(ListAPIView):  # type: ignore[type-arg]
     ``from`` and ``to`` are ISO 8601 datetimes with an offset (default: the last 24 hours);
     the caller is whoever authenticated the request (API key, else user, else client IP), so
     no parameter can name another subject. Paginated with ``limit`` and ``offset``.
+
+    One row per period, endpoint and tier that counted anything, read as the admin's usage report
+    reads it (:func:`ratelimits.usage.queries.endpoint_series`): the periods rolled up, those
+    still summed from finer rows, and the minutes not drained yet (``live``), so a request made
+    now is in every granularity at once.
     """
 
     serializer_class = UsageSerializer
@@ -67,13 +85,13 @@ class UsageView(ListAPIView):  # type: ignore[type-arg]
             raise ValidationError(
                 {"from": f"ranges of {granularity} rows may cover at most {MAX_RANGE[granularity].days} days."}
             )
-        return UsageRecord.objects.filter(
-            subject_kind=caller.kind,
-            subject_id=caller.value,
-            granularity=granularity,
-            period_start__gte=start,
-            period_start__lt=end,
-        ).order_by("period_start", "endpoint")
+        filters = caller_filters(caller, start, end, granularity)
+        live = read_live(start, end, caller=caller)
+        rows = []
+        for row in endpoint_series(filters, live.rows):
+            fields = asdict(row)
+            rows.append({"period_start": fields.pop("start"), "granularity": granularity, **fields})
+        return rows
 
 
 def _caller(request: Request, view: Any) -> Any:

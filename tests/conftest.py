@@ -79,8 +79,14 @@ def backend(request: pytest.FixtureRequest, clock: FakeClock) -> Any:
 
 @pytest.fixture
 def use_redis(settings: Any, redis_server: RedisServer, redis_client: redis.Redis) -> Iterator[RedisServer]:
-    """Point RATELIMITS at the private Redis (server clock) for the duration of a test."""
-    settings.RATELIMITS = merged(settings.RATELIMITS, {"BACKEND": "redis", "REDIS": {"URL": redis_server.url}})
+    """Point RATELIMITS at the private Redis (server clock) for the duration of a test.
+
+    With timeouts of seconds, not the default 50 ms: these tests are about decisions, and on this
+    loaded 2-core machine a connection can take longer than 50 ms to open (the store is then
+    "unavailable" and the request degrades). Tests of timeouts use a server of their own.
+    """
+    redis = {"URL": redis_server.url, "SOCKET_TIMEOUT": "2s", "CONNECT_TIMEOUT": "2s"}
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"BACKEND": "redis", "REDIS": redis})
     yield redis_server
     engine.reset()
 

@@ -104,6 +104,18 @@ def test_a_denied_request_names_the_violated_policy_with_the_longest_wait() -> N
     assert retry_after_seconds(decision) == 7200
 
 
+def test_a_refused_requests_t_is_its_wait_not_the_time_until_the_bucket_is_full() -> None:
+    """A drained 10/s bucket of 20 refills in 2 s but admits again in 0.1 s: ``t`` says when this
+    request could pass, as ``Retry-After`` does (a client reading only ``RateLimit`` waits that)."""
+    decision = decide(result(SECOND, allowed=False, remaining=0, reset_us=2_000_000, retry_us=100_000))
+    headers = rate_limit_headers(decision)
+    assert named(headers) == ("per-second", {"r": 0, "t": 1})
+    assert headers["X-RateLimit-Reset"] == str(-(-(NOW_US + 100_000) // 1_000_000))
+    assert retry_after_seconds(decision) == 1
+    slow = decide(result(SECOND, allowed=False, remaining=0, reset_us=2_000_000, retry_us=1_300_000))
+    assert named(rate_limit_headers(slow)) == ("per-second", {"r": 0, "t": 2})
+
+
 def test_slots_are_listed_named_only_when_they_deny_and_the_fleet_never() -> None:
     full = rate_limit_headers(
         decide(result(SECOND, remaining=19, reset_us=100_000), result(SLOTS, remaining=0), result(FLEET, remaining=0))

@@ -13,7 +13,7 @@ The layers, from the bottom (a module may import its own layer and those below):
 1. values: algorithms, identity, decisions, counters, the adaptive capacity, the metrics' recorder;
    policies and the settings source
 2. stores: the backends
-3. the policy store: models, the database source, versioning, audit, usage records
+3. the policy store: models, the database source, versioning, audit, usage records and their readers
 4. the engine
 5. HTTP: throttles, DRF, middleware, headers, problems, views, status, the OpenAPI schema; the test
    kit for a project's own suite (``testing``)
@@ -71,6 +71,8 @@ LAYERS: dict[str, int] = {
     "ratelimits.usage": 3,
     "ratelimits.reconciler": 3,
     "ratelimits.usage.records": 3,
+    "ratelimits.usage.readers": 3,
+    "ratelimits.usage.live": 3,
     "ratelimits.usage.subjects": 3,
     "ratelimits.engine.": 4,
     "ratelimits.engine": 4,
@@ -89,7 +91,6 @@ LAYERS: dict[str, int] = {
     "ratelimits.usage.queries": 6,
     "ratelimits.usage.text": 6,
     "ratelimits.usage.chart": 6,
-    "ratelimits.usage.live": 6,
     "ratelimits.usage.report": 6,
     "ratelimits.usage.digest": 6,
     "ratelimits.admin": 6,

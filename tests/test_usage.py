@@ -82,9 +82,9 @@ def test_a_batch_is_applied_once_even_if_the_drain_dies_before_forgetting_it(bac
         client.get("/t/ping")
     backend = engine.get_limiter().backend
     batches = backend.claim_usage(int(later() // 60))  # claimed by a drain that then "dies"
-    assert len(batches) == 1
-    # The next drain finds the claimed batch again and applies it...
-    assert drain(now=later()) == 1
+    assert 1 <= len(batches) <= 2  # two when the requests straddled a minute's end
+    # The next drain finds the claimed batches again and applies them...
+    assert drain(now=later()) == len(batches)
     # ...and a duplicate delivery of the same batch (it was never forgotten) applies nothing.
     assert all(UsageBatch.objects.filter(batch=batch).exists() for batch, _ in batches)
     assert drain(now=later()) == 0

@@ -17,7 +17,7 @@ from rest_framework.test import APIClient
 
 from ratelimits import engine
 from ratelimits.backends.redis import RedisBackend, make_client
-from ratelimits.counters import ALLOWED, LIMITED, parse_field, usage_for
+from ratelimits.counters import ALLOWED, LIMITED, caller_rows, parse_field, usage_for
 from ratelimits.identity import Subject, SubjectKind
 from ratelimits.usage import drain
 from ratelimits.usage.live import LIVE_MINUTES, live_minutes, read_live
@@ -84,6 +84,18 @@ def test_a_peek_reads_at_most_max_fields_the_first_minute_first(backend: Any) ->
         MINUTE: {field: n for (_, field), n in busy.items()},
         MINUTE - 1: {field: n for (_, field), n in earlier.items()},
     }
+
+
+def test_a_peek_for_one_caller_reads_their_rows_alone(backend: Any) -> None:
+    """The customer API's read: one caller's rows (every endpoint of theirs), whatever the store holds beside them."""
+    mine = [row_of("198.51.100.9", endpoint) for endpoint in ("ping", "charges")]
+    others = [row_of("198.51.100.90"), row_of("198.51.100.91", "ping*[x]?")]
+    # The prefix is JSON, '["ip","<digest>",': Redis's MATCH must read its "[" literally.
+    backend.add_usage({(MINUTE, row + ALLOWED): n + 1 for n, row in enumerate([*mine, *others])})
+    prefix = caller_rows(Subject(SubjectKind.IP, "198.51.100.9"))
+    peek = backend.peek_usage([MINUTE], 1000, row_prefix=prefix)
+    assert metrics(peek.counts) == {MINUTE: {mine[0] + ALLOWED: 1, mine[1] + ALLOWED: 2}}
+    assert all(field.startswith(prefix) for field in peek.counts[MINUTE])
 
 
 def test_the_live_minutes_are_the_recent_ones_of_the_range_newest_first() -> None:

@@ -227,8 +227,11 @@ class Backend(ABC):
     def finish_usage(self, batch: str) -> None:
         """Forget a claimed batch, and its lease, once its counts are safely in the database."""
 
-    def peek_usage(self, minutes: Sequence[int], max_fields: int) -> UsagePeek:
+    def peek_usage(self, minutes: Sequence[int], max_fields: int, *, row_prefix: str = "") -> UsagePeek:
         """The counters of ``minutes`` still in the live set, read without claiming or changing them.
+
+        ``row_prefix``: only the fields that start with it (one caller's rows,
+        :func:`ratelimits.counters.caller_rows`), filtered by the store where it can.
 
         For the usage report's minutes not drained yet, off the decision path. Minutes are read in
         the order given, and at most ``max_fields`` fields in all: a busy store costs the reader a

@@ -305,7 +305,7 @@ class ClusterBackend(RedisBackend):
                 spent = call.reply[-1][
                     _REFUNDABLE.size * n : _REFUNDABLE.size * (n + 1)
                 ]  # as the decide call reported it
-                record = (policy.algorithm.code, rate.limit, rate.period_us, check.cost, now_us)
+                record = (policy.algorithm.code, rate.limit, rate.period_us, check.cost, now_us, policy.burst)
                 records.append(_REFUND_CHECK.pack(*record) + spent)
                 keys.append(check.key(self.prefix))
             refunds[call.slot] = _Call(call.slot, keys, [b"".join(records), slot or "", "", "", "", 1, ""])
@@ -532,7 +532,7 @@ class ClusterBackend(RedisBackend):
                     batches.append((name, int(found[1])))
         return sorted(batches, key=lambda batch: batch[1])
 
-    def peek_usage(self, minutes: Sequence[int], max_fields: int) -> UsagePeek:
+    def peek_usage(self, minutes: Sequence[int], max_fields: int, *, row_prefix: str = "") -> UsagePeek:
         """Every slot's hash of ``minutes``, found as :meth:`claim_usage` finds them, read in the minutes' order."""
         wanted = {minute: n for n, minute in enumerate(minutes)}
         keys: list[tuple[int, int, str]] = []  # (the minute's place in ``minutes``, minute, key)
@@ -544,7 +544,7 @@ class ClusterBackend(RedisBackend):
                 if found and int(found[2]) in wanted:
                     keys.append((wanted[int(found[2])], int(found[2]), _text(key)))
             for _, minute, key in sorted(keys):
-                fields, complete = self._scan_hash(key, left)
+                fields, complete = self._scan_hash(key, left, row_prefix)
                 merged = counts.setdefault(minute, {})
                 for name, count in fields.items():
                     # The slot's own row count and markers are summed too: the report reads only the metrics.

@@ -66,6 +66,8 @@ class MemoryBackend(Backend):
             now = self.clock()
             pending: dict[str, State] = {}
             writes: list[tuple[str, State, int]] = []
+            # States read in other terms (their policy changed), as the new terms read them.
+            conversions: list[tuple[str, State, int]] = []
             results = []
             keys = []
             for check in checks:
@@ -94,13 +96,24 @@ class MemoryBackend(Backend):
                         outcome = ALGORITHMS[policy.algorithm](
                             state, now, policy.rate.limit, policy.rate.period_us, policy.burst, check.cost
                         )
+                    expires = now + policy.state_ttl_ms * 1000
                     if outcome.allowed:
                         pending[key] = outcome.new_state
-                        writes.append((key, outcome.new_state, now + policy.state_ttl_ms * 1000))
+                        writes.append((key, outcome.new_state, expires))
+                    elif outcome.converted is not None:
+                        pending[key] = outcome.converted
+                    if outcome.converted is not None:
+                        conversions.append((key, outcome.converted, expires))
                 results.append(Result(check, outcome.allowed, outcome.remaining, outcome.reset_us, outcome.retry_us))
             slot = new_slot(checks) if consume else None
             held = slot_keys(checks, keys) if slot else ()
-            if consume and all(r.allowed or r.check.policy.shadow for r in results):
+            admitted = consume and all(r.allowed or r.check.policy.shadow for r in results)
+            if consume:
+                # A converted state is kept admitted or not (it spends nothing), so that it drains
+                # at the new rate from now on; an admission's write of the same key supersedes it.
+                for key, state, expires in conversions:
+                    self._state[key] = (state, expires)
+            if admitted:
                 for key, state, expires in writes:
                     self._state[key] = (state, expires)
                 for result, key in zip(results, keys, strict=True):
@@ -151,12 +164,14 @@ class MemoryBackend(Backend):
                     minute_counts = self.usage_counts.setdefault(minute, Counter())
                     count(minute_counts, field[:-1], overflow, field[-1], n, self.usage_cap)
 
-    def peek_usage(self, minutes: Sequence[int], max_fields: int) -> UsagePeek:
+    def peek_usage(self, minutes: Sequence[int], max_fields: int, *, row_prefix: str = "") -> UsagePeek:
         counts: dict[int, dict[str, int]] = {}
         left = max_fields
         with self._lock:  # copied under the decisions' lock: at most max_fields fields, a millisecond or so
             for minute in minutes:
-                held = self.usage_counts.get(minute)
+                held: Mapping[str, int] | None = self.usage_counts.get(minute)
+                if held and row_prefix:
+                    held = {name: n for name, n in held.items() if name.startswith(row_prefix)}
                 if not held:
                     continue
                 if len(held) > left:

@@ -9,6 +9,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import struct
 import threading
 import time
@@ -86,42 +87,58 @@ _USAGE_TTL = str(layout.USAGE_TTL_S)
 _REQUEST = struct.Struct("<dBdddd")
 #: ``lua/refund.lua``'s packed header (now) and each check's record before what the decide call reported.
 _REFUND_NOW = struct.Struct("<d")
-_REFUND_CHECK = struct.Struct("<Bdddd")
+_REFUND_CHECK = struct.Struct("<Bddddd")
 #: A refundable decide call's report per check (``REFUNDABLE`` in ``lua/decide.lua``: what a refund
 #: needs, passed on as it came), and a leasing one's (``LEASE``: the tokens taken).
 _REFUNDABLE = struct.Struct("<dd")
 _LEASE = struct.Struct("<d")
 
 
-#: How ``lua/decide.lua`` packs each rate algorithm's state (``GCRA_STATE`` and the others there).
+#: How ``lua/decide.lua`` packs each rate algorithm's state (``GCRA_STATE`` and the others there),
+#: with the terms it was written in, and how the previous layouts did, without them.
 STATE_FORMATS = {
+    Algorithm.TOKEN_BUCKET: struct.Struct("<dd"),
+    Algorithm.SLIDING_WINDOW: struct.Struct("<ddddd"),
+    Algorithm.FIXED_WINDOW: struct.Struct("<dddd"),
+}
+_OLD_STATE_FORMATS = {
     Algorithm.TOKEN_BUCKET: struct.Struct("<d"),
     Algorithm.SLIDING_WINDOW: struct.Struct("<ddd"),
     Algorithm.FIXED_WINDOW: struct.Struct("<dd"),
 }
 
 
-#: A token bucket a cluster refund gave back to: its arrival time, the us given back so far, and
-#: a last byte that is never a digit (``REFUNDED_STATE`` in ``lua/decide.lua``).
-_REFUNDED = struct.Struct("<ddB")
+#: A token bucket a cluster refund gave back to: its arrival time, capacity, the us given back so
+#: far, and a last byte that is never a digit (``REFUNDED_STATE`` in ``lua/decide.lua``); before
+#: the capacity was recorded, without it.
+_REFUNDED = struct.Struct("<dddB")
+_OLD_REFUNDED = struct.Struct("<ddB")
 _REFUNDED_MARK = 255
 
 
 def read_state(algorithm: Algorithm, value: bytes) -> State:
     """A state value as the decide script stored it, read back (for tests and for looking into Redis).
 
-    A token bucket's is ``(theoretical arrival time,)``, a sliding window's ``(window index,
-    current count, previous count)``, a fixed window's ``(window index, count)``: the same tuples
-    :mod:`ratelimits.algorithms` takes. A token bucket's is stored in decimal when it is a whole
-    number of microseconds (as the previous layout stored every one), else packed.
+    The same tuples :mod:`ratelimits.algorithms` takes: a token bucket's ``(theoretical arrival
+    time, capacity)``, a sliding window's ``(window index, current count, previous count, limit,
+    period)``, a fixed window's ``(window index, count, limit, period)``. A value the previous
+    layouts wrote reads without its terms (``(tat,)``, ``(window, current, previous)``,
+    ``(window, count)``), as the script reads it.
     """
-    layout = STATE_FORMATS[algorithm]
+    layout, old = STATE_FORMATS[algorithm], _OLD_STATE_FORMATS[algorithm]
     if algorithm is Algorithm.TOKEN_BUCKET:
-        if len(value) == _REFUNDED.size and value[-1] == _REFUNDED_MARK:  # a cluster refund gave back to it
-            return (_REFUNDED.unpack(value)[0],)
-        if not (len(value) == layout.size and value[-1] > ord("9")):
+        if value[-1] == _REFUNDED_MARK and len(value) == _REFUNDED.size:  # a cluster refund gave back to it
+            return _REFUNDED.unpack(value)[:2]
+        if value[-1] == _REFUNDED_MARK and len(value) == _OLD_REFUNDED.size:
+            return _OLD_REFUNDED.unpack(value)[:1]
+        if value[-1] <= ord("9"):  # a decimal arrival time: no packed double ends in a digit
             return (float(value),)
-    return layout.unpack(value)
+    return (layout if len(value) == layout.size else old).unpack(value)
+
+
+def _glob_escaped(text: str) -> str:
+    """``text`` matched literally in a Redis glob pattern (``MATCH``): its special characters escaped."""
+    return re.sub(r"([\\*?\[\]])", r"\\\1", text)
 
 
 class RedisBackend(Backend):
@@ -308,8 +325,9 @@ class RedisBackend(Backend):
         records = [_REFUND_NOW.pack(-1.0 if self.clock is None else self.clock())]
         keys = []
         for grant, unused in grants:
-            rate = grant.check.policy.rate
-            record = (grant.check.policy.algorithm.code, rate.limit, rate.period_us, unused, grant.taken_us)
+            policy = grant.check.policy
+            rate = policy.rate
+            record = (policy.algorithm.code, rate.limit, rate.period_us, unused, grant.taken_us, policy.burst)
             records.append(_REFUND_CHECK.pack(*record) + _REFUNDABLE.pack(grant.spent_tat, grant.given_back))
             keys.append(grant.check.key(self.prefix))
         return int(self._run(REFUND, keys, [b"".join(records), "", ""]))
@@ -346,12 +364,12 @@ class RedisBackend(Backend):
                 return None
         return counts
 
-    def peek_usage(self, minutes: Sequence[int], max_fields: int) -> UsagePeek:
+    def peek_usage(self, minutes: Sequence[int], max_fields: int, *, row_prefix: str = "") -> UsagePeek:
         counts: dict[int, dict[str, int]] = {}
         left = max_fields
         with self._store():
             for minute in minutes:
-                fields, complete = self._scan_hash(layout.usage_key(self.prefix, minute), left)
+                fields, complete = self._scan_hash(layout.usage_key(self.prefix, minute), left, row_prefix)
                 if fields:
                     counts[minute] = fields
                     left -= len(fields)
@@ -359,16 +377,18 @@ class RedisBackend(Backend):
                     return UsagePeek(counts, truncated=True)
         return UsagePeek(counts)
 
-    def _scan_hash(self, key: str, limit: int) -> tuple[dict[str, int], bool]:
-        """At most ``limit`` of the hash's ``{field: count}``, and whether that is all of them.
+    def _scan_hash(self, key: str, limit: int, prefix: str = "") -> tuple[dict[str, int], bool]:
+        """At most ``limit`` of the hash's ``{field: count}`` (those starting with ``prefix``), and whether that is all.
 
         ``HSCAN``, as :meth:`lease_usage` reads, and for the same reason; a field the scan returns
-        twice (the hash grew meanwhile) is kept once, at its later count.
+        twice (the hash grew meanwhile) is kept once, at its later count. Redis still walks the
+        whole hash for a ``prefix`` (``MATCH``), but sends only the fields that match.
         """
         fields: dict[str, int] = {}
         cursor = 0
+        match = _glob_escaped(prefix) + "*" if prefix else None
         while True:
-            reply = self.client.hscan(key, cursor, count=min(max(limit, 1), 1000))
+            reply = self.client.hscan(key, cursor, match=match, count=min(max(limit, 1), 1000))
             cursor, found = cast("tuple[int, dict[bytes | str, bytes | str]]", reply)  # with no_values=False
             for field, value in found.items():
                 fields[_text(field)] = int(value)

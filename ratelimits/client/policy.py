@@ -76,8 +76,8 @@ class RetryOptions:
     #: Randomise waits. ``False`` waits exactly the advice (or the backoff ceiling): herds stay herds.
     jitter: bool = True
     #: Jitter on top of advice, as a share of the advised wait (at least backoff_base, at most backoff_cap):
-    #: with 1.0, a retry told to wait F seconds comes back between F and 2F.
-    advice_spread: float = 1.0
+    #: with 0.5, a retry told to wait F seconds comes back between F and 1.5F.
+    advice_spread: float = 0.5
     #: Advice longer than this (seconds) is not slept through: the error is raised at once, carrying it.
     max_wait: float = 60.0
     #: Statuses that are retried (and that count as refusals for the adaptive throttle).
@@ -183,7 +183,7 @@ class RetryError(ClientError):
 
     ``response`` is the final ``requests.Response`` or ``httpx.Response``, its body read (and its
     connection released); ``problem`` its parsed JSON body when it had one; ``retry_after`` the
-    advised wait in seconds (the largest of the advice, see :class:`Advice`) or None.
+    advised wait in seconds (:attr:`Advice.wait`) or None.
     """
 
     def __init__(
@@ -230,9 +230,20 @@ class Advice:
 
     @property
     def wait(self) -> float | None:
-        """The largest of the advice: a caller must wait for every limit the server named."""
-        given = [value for value in (self.retry_after, self.ratelimit_reset, self.problem) if value is not None]
-        return max(given) if given else None
+        """The wait the server named: ``Retry-After`` (or ``retry_after_ms``), else ``RateLimit``'s ``t``.
+
+        ``Retry-After`` wins over ``RateLimit`` as the IETF draft says: ``t`` may be the time until
+        a limit is whole again, far beyond when the next request passes. ``retry_after_ms`` is the
+        same wait to the millisecond when ``Retry-After`` is it rounded up to whole seconds (within
+        a second above it): then it is waited, not the rounding. Advice that disagrees beyond
+        that (a server's jitter, another hop's header) is waited in full: the longer of the two.
+        """
+        after, exact = self.retry_after, self.problem
+        if after is not None and exact is not None:
+            return exact if exact <= after < exact + 1 else max(after, exact)
+        if after is not None:
+            return after
+        return exact if exact is not None else self.ratelimit_reset
 
 
 # Delay-seconds is digits (RFC 9110); a decimal fraction is accepted too, since some servers send one.

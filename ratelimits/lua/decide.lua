@@ -28,16 +28,20 @@
 --                  fixed windows only: a fixed window's are the current window's, spent in it)
 --
 -- State values (every key written with a PX TTL) round-trip exactly, at the least cost: packing
--- a double costs a tenth of formatting it in %.17g decimal, as the previous layout did.
---   GCRA           the theoretical arrival time, us: in decimal when it is a whole number of us
---                  (the usual case; Redis then keeps it as an integer, in no memory beyond its
---                  key's), else its 8 packed bytes, whose last (sign and exponent) is never a
---                  digit. The previous layout's decimals read the same: buckets carry over.
---                  A bucket a cluster refund has given back to (lua/refund.lua) holds 17 packed
---                  bytes: the arrival time, the us given back to it so far, and 255, kept from
---                  then on.
---   sliding window window index, current count, previous count, packed (24 bytes)
---   fixed window   window index, count, packed (16 bytes)
+-- a double costs a tenth of formatting it in %.17g decimal. Each records the terms it was written
+-- in, so that a changed policy reads it by the share already used (ratelimits/algorithms.py):
+-- a raised limit never waits longer, a lowered one never admits more than its new burst.
+--   GCRA           the theoretical arrival time and the capacity (burst x emission interval), us,
+--                  packed (16 bytes; the last, the capacity's sign and exponent, never a digit).
+--                  A bucket a cluster refund has given back to (lua/refund.lua) holds 25: those
+--                  two, the us given back to it so far, and 255, kept from then on.
+--                  The previous layouts carry over, read in the current policy's terms: the
+--                  arrival time alone, in decimal or as 8 packed bytes, or with what was given
+--                  back (17 bytes, ending in 255).
+--   sliding window window index, current count, previous count, limit, period (us), packed
+--                  (40 bytes; the previous layout's 24, without the last two, carry over)
+--   fixed window   window index, count, limit, period (us), packed (32 bytes; the previous
+--                  layout's 16, without the last two, carry over)
 --   global bucket  a global policy's token bucket (layout letter g): tokens, time (us), the
 --                  region's share it was last spent at, the limit's rate (tokens per us) and
 --                  burst, packed (40 bytes). Tokens, not an arrival time: a share change must
@@ -70,10 +74,12 @@ local SLOT_RETRY_US = 1000000
 -- (requests per period; slots), period (us; a slot's TTL), burst (GCRA capacity in requests), cost
 -- (tokens it spends); a global policy's adds FALLBACK: its share while it has no record.
 local REQUEST, CHECK, FALLBACK = '<dBdddd', '<BBdddd', '<d'
-local GCRA_STATE, SLIDING_STATE, FIXED_STATE = '<d', '<ddd', '<dd'
--- A bucket given back to: arrival time, us given back so far, and a last byte no decimal has
--- (a 17-byte decimal arrival time is 300 years away). Also each check's REFUNDABLE part.
-local REFUNDED_STATE, REFUNDED_MARK, REFUNDABLE = '<ddB', 255, '<dd'
+local GCRA_STATE, SLIDING_STATE, FIXED_STATE = '<dd', '<ddddd', '<dddd'
+-- A bucket given back to: arrival time, capacity, us given back so far, and a last byte no
+-- decimal has. Also each check's REFUNDABLE part.
+local REFUNDED_STATE, REFUNDED_MARK, REFUNDABLE = '<dddB', 255, '<dd'
+-- The previous layouts, without their terms (a 17-byte decimal arrival time is 300 years away).
+local OLD_GCRA, OLD_REFUNDED, OLD_SLIDING, OLD_FIXED = '<d', '<ddB', '<ddd', '<dd'
 local LEASE = '<d'
 -- SHARE_SIZE: a record's header (ratelimits/shares.py), before its vector of every region's share.
 local GLOBAL_STATE, SHARE, SHARE_SIZE = '<ddddd', '<ddddd', 48
@@ -90,7 +96,7 @@ local EPSILON = 1e-9
 -- How many ARGV come before the checks' TTLs.
 local HEADER = 4
 
-local unpack_args, pack, byte, format = struct.unpack, struct.pack, string.byte, string.format
+local unpack_args, pack, byte = struct.unpack, struct.pack, string.byte
 local DIGIT_9 = 57
 local now, consume, tokens, usage_ttl, usage_cap, globals, pos = unpack_args(REQUEST, ARGV[1])
 if now < 0 then
@@ -159,20 +165,39 @@ end
 -- how many in `granted`.
 local spent_tat, given_back = 0, 0
 local want, granted = 0, 0
+-- A state read in other terms than its check's (the policy changed), as the new terms read it:
+-- stored by a call that consumes, admitted or not (it spends nothing), so that from then on it
+-- drains at the new rate and a denial's wait is the wait there is. Set per check.
+local converted = nil
 local function token_bucket(value, limit, period, burst, cost)
   local interval = period / limit
   local capacity = burst * interval
   local tat, refunded = now, 0
   if value then
+    local written = capacity  -- the capacity it was written under (a previous layout's: this one)
     local size = #value
-    if size == 17 and byte(value, 17) == REFUNDED_MARK then
-      tat, refunded = unpack_args(REFUNDED_STATE, value)
+    if size == 16 and byte(value, 16) > DIGIT_9 then
+      tat, written = unpack_args(GCRA_STATE, value)
+    elseif size == 25 and byte(value, 25) == REFUNDED_MARK then
+      tat, written, refunded = unpack_args(REFUNDED_STATE, value)
+    elseif size == 17 and byte(value, 17) == REFUNDED_MARK then
+      tat, refunded = unpack_args(OLD_REFUNDED, value)
     elseif size == 8 and byte(value, 8) > DIGIT_9 then
-      tat = unpack_args(GCRA_STATE, value)
+      tat = unpack_args(OLD_GCRA, value)
     else
       tat = tonumber(value)
     end
-    if tat <= now then tat = now end
+    if tat <= now then
+      tat = now
+    elseif written ~= capacity then
+      -- Written under another rate or burst: the same share of the burst is spent in the new terms.
+      tat = now + (tat - now) * capacity / written
+      if refunded > 0 then
+        converted = pack(REFUNDED_STATE, tat, capacity, refunded, REFUNDED_MARK)
+      else
+        converted = pack(GCRA_STATE, tat, capacity)
+      end
+    end
   end
   local new_tat = tat + cost * interval
   local allow_at = new_tat - capacity
@@ -190,22 +215,40 @@ local function token_bucket(value, limit, period, burst, cost)
   local remaining = max(floor((now + capacity - new_tat) / interval), 0)
   local state
   if refunded > 0 then
-    state = pack(REFUNDED_STATE, new_tat, refunded, REFUNDED_MARK)
-  elseif new_tat == floor(new_tat) then
-    state = format('%d', new_tat)
+    state = pack(REFUNDED_STATE, new_tat, capacity, refunded, REFUNDED_MARK)
   else
-    state = pack(GCRA_STATE, new_tat)
+    state = pack(GCRA_STATE, new_tat, capacity)
   end
   if refundable then spent_tat, given_back = new_tat, refunded end
   return true, remaining, ceil(new_tat - now), 0, state
+end
+
+-- A window's count under old_limit, as the same share of limit: rounded up, never to admit more.
+local function share(count, old_limit, limit)
+  return ceil(count * limit / old_limit)
 end
 
 local function sliding_window(value, limit, period, burst, cost)
   local window, elapsed = split(period)
   local current, previous = 0, 0
   if value then
-    local w, c, p = unpack_args(SLIDING_STATE, value)
-    if w == window then
+    local w, c, p, old_limit, old_period
+    if #value == 24 then
+      w, c, p = unpack_args(OLD_SLIDING, value)
+      old_limit, old_period = limit, period
+    else
+      w, c, p, old_limit, old_period = unpack_args(SLIDING_STATE, value)
+    end
+    if old_limit ~= limit or old_period ~= period then
+      -- Written under another limit or window: its windows seen from now in their own terms.
+      local old_window = split(old_period)
+      if w == old_window then
+        current, previous = share(c, old_limit, limit), share(p, old_limit, limit)
+      elseif w == old_window - 1 then
+        previous = share(c, old_limit, limit)
+      end
+      converted = pack(SLIDING_STATE, window, current, previous, limit, period)
+    elseif w == window then
       current, previous = c, p
     elseif w == window - 1 then
       previous = c
@@ -215,7 +258,7 @@ local function sliding_window(value, limit, period, burst, cost)
   local until_next = period - elapsed
   if est + cost <= limit then
     return true, max(floor(limit - est - cost), 0), until_next + period, 0,
-      pack(SLIDING_STATE, window, current + cost, previous)
+      pack(SLIDING_STATE, window, current + cost, previous, limit, period)
   end
   local reset = 0
   if current > 0 then
@@ -232,14 +275,26 @@ local function fixed_window(value, limit, period, burst, cost)
   local until_next = period - elapsed
   local count = 0
   if value then
-    local w, c = unpack_args(FIXED_STATE, value)
-    if w == window then count = c end
+    local w, c, old_limit, old_period
+    if #value == 16 then
+      w, c = unpack_args(OLD_FIXED, value)
+      old_limit, old_period = limit, period
+    else
+      w, c, old_limit, old_period = unpack_args(FIXED_STATE, value)
+    end
+    if old_limit ~= limit or old_period ~= period then
+      -- Written under another limit or window: the same share, while its window is current.
+      if w == split(old_period) then count = share(c, old_limit, limit) end
+      converted = pack(FIXED_STATE, window, count, limit, period)
+    elseif w == window then
+      count = c
+    end
   end
   if count + cost <= limit then
     if want > 0 and count + cost < limit then
       granted = math.min(want, limit - count - cost)
     end
-    return true, limit - count - cost - granted, until_next, 0, pack(FIXED_STATE, window, count + cost + granted)
+    return true, limit - count - cost - granted, until_next, 0, pack(FIXED_STATE, window, count + cost + granted, limit, period)
   end
   return false, max(limit - count, 0), until_next, until_next, nil
 end
@@ -257,8 +312,10 @@ local function global_bucket(value, limit, period, burst, cost)
   local speed = full * share
   local held = capacity
   if value then
-    local at, spent_share
-    held, at, spent_share = unpack_args(GLOBAL_STATE, value)
+    local at, spent_share, _, written_burst
+    held, at, spent_share, _, written_burst = unpack_args(GLOBAL_STATE, value)
+    -- Written under another burst: the same share of the new one.
+    if written_burst ~= burst then held = held * burst / written_burst end
     if now > at then held = held + (now - at) * full * math.min(share, spent_share) end
     if held > capacity then held = capacity end
   end
@@ -324,6 +381,7 @@ local demand = globals > 0 and KEYS[n + globals + 2]
 local reply = {now, stored[1]}
 local pending = {}
 local writes = {}  -- per admitted check: its index i (a slot's is negative) and new value
+local conversions = {}  -- per check whose state was converted: its index i, converted value, and whether it allowed
 local all_allowed, limited, failed = true, false, false
 local out = 2
 local refunds = refundable and {}  -- per check, REFUNDABLE: for a refundable call
@@ -354,7 +412,7 @@ for i = 1, n do
     value = pending[key]
     if value == nil then value = stored[i + 1] end
   end
-  granted = 0
+  granted, converted = 0, nil
   if leasing and (algorithm == TOKEN_BUCKET or algorithm == FIXED_WINDOW) then
     want = unpack_args(LEASE, wants, 8 * i - 7)
   else
@@ -378,7 +436,14 @@ for i = 1, n do
       writes[#writes + 1] = i
       writes[#writes + 1] = new_value
     end
-  else
+  elseif converted then
+    pending[key] = converted
+  end
+  if ok and converted then
+    local at = #conversions
+    conversions[at + 1], conversions[at + 2], conversions[at + 3] = i, converted, allowed
+  end
+  if ok and not allowed then
     -- A shadow check reports what it would do; only enforced checks can deny the request.
     if shadow == 0 then
       all_allowed = false
@@ -407,7 +472,15 @@ if leasing then
   reply[out + 2] = table.concat(grants)
 end
 
--- Phase 2: all or nothing.
+-- Phase 2: all or nothing. A converted state is kept either way, unless an admission rewrites it.
+if consume then
+  for c = 1, #conversions, 3 do
+    if not (all_allowed and conversions[c + 2]) then
+      local i = conversions[c]
+      redis.call('SET', KEYS[i + 1], conversions[c + 1], 'PX', ARGV[HEADER + i])
+    end
+  end
+end
 if all_allowed and consume then
   for w = 1, #writes, 2 do
     local i = writes[w]

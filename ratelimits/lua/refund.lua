@@ -18,9 +18,12 @@
 -- ARGV[6]          the tokens it was counted as spending
 -- ARGV[7]          the overflow row (where the row was counted if the minute was full)
 --
--- CHECK: algorithm code, limit, period (us), cost, consumed_at (the decide script's now, us), then
--- what the decide call reported for it (REFUNDABLE in decide.lua): a token bucket's arrival time
--- after the request, and what the bucket had been given back until then.
+-- CHECK: algorithm code, limit, period (us), cost, consumed_at (the decide script's now, us), burst,
+-- then what the decide call reported for it (REFUNDABLE in decide.lua): a token bucket's arrival
+-- time after the request, and what the bucket had been given back until then.
+--
+-- A state written in other terms than the check's (its policy changed since the request; the
+-- decide script converted it) is given nothing back: the request's spend was in the old terms.
 --
 -- Why a token bucket's refund is safe: the bucket's debt is a queue of spent intervals, each
 -- request's stacked on the one before. Time pays the queue off from its front. A refund takes out
@@ -44,9 +47,11 @@
 local TOKEN_BUCKET, SLIDING_WINDOW, FIXED_WINDOW = 1, 2, 3
 -- A global policy's bucket state (GLOBAL_STATE in lua/decide.lua): tokens, time, share, rate, burst.
 local GLOBAL_STATE, GLOBAL_SIZE = '<ddddd', 40
-local NOW, CHECK = '<d', '<Bdddddd'
-local GCRA_STATE, SLIDING_STATE, FIXED_STATE = '<d', '<ddd', '<dd'
-local REFUNDED_STATE, REFUNDED_MARK = '<ddB', 255  -- as decide.lua's
+local NOW, CHECK = '<d', '<Bddddddd'
+-- As decide.lua's: the layouts with their terms, and the previous ones, read in the check's terms.
+local GCRA_STATE, SLIDING_STATE, FIXED_STATE = '<dd', '<ddddd', '<dddd'
+local REFUNDED_STATE, REFUNDED_MARK = '<dddB', 255
+local OLD_GCRA, OLD_REFUNDED, OLD_SLIDING, OLD_FIXED = '<d', '<ddB', '<ddd', '<dd'
 local DIGIT_9 = 57
 local unpack_args, pack, byte = struct.unpack, struct.pack, string.byte
 local floor, max, min = math.floor, math.max, math.min
@@ -70,8 +75,8 @@ local n = #KEYS
 if ARGV[3] ~= '' then n = n - 1 end
 for i = 1, n do
   local key = KEYS[i]
-  local algorithm, limit, period, cost, consumed_at, spent_tat, given_back
-  algorithm, limit, period, cost, consumed_at, spent_tat, given_back, pos = unpack_args(CHECK, ARGV[1], pos)
+  local algorithm, limit, period, cost, consumed_at, burst, spent_tat, given_back
+  algorithm, limit, period, cost, consumed_at, burst, spent_tat, given_back, pos = unpack_args(CHECK, ARGV[1], pos)
   if algorithm > FIXED_WINDOW then
     given = given + redis.call('ZREM', key, ARGV[2])
   else
@@ -88,37 +93,55 @@ for i = 1, n do
           given = given + 1
         end
       elseif algorithm == TOKEN_BUCKET then
-        local tat, refunded = nil, 0
+        local capacity = burst * (period / limit)  -- as decide.lua computes it
+        local tat, written, refunded = nil, capacity, 0
         local size = #value
-        if size == 17 and byte(value, 17) == REFUNDED_MARK then
-          tat, refunded = unpack_args(REFUNDED_STATE, value)
+        if size == 16 and byte(value, 16) > DIGIT_9 then
+          tat, written = unpack_args(GCRA_STATE, value)
+        elseif size == 25 and byte(value, 25) == REFUNDED_MARK then
+          tat, written, refunded = unpack_args(REFUNDED_STATE, value)
+        elseif size == 17 and byte(value, 17) == REFUNDED_MARK then
+          tat, refunded = unpack_args(OLD_REFUNDED, value)
         elseif size == 8 and byte(value, 8) > DIGIT_9 then
-          tat = unpack_args(GCRA_STATE, value)
+          tat = unpack_args(OLD_GCRA, value)
         else
           tat = tonumber(value)
         end
         local outstanding = min(cost * period / limit, spent_tat - (refunded - given_back) - now)
-        if outstanding > 0 and tat > now and refunded >= given_back then
+        if written == capacity and outstanding > 0 and tat > now and refunded >= given_back then
           local new_tat = max(tat - outstanding, now)
-          redis.call('SET', key, pack(REFUNDED_STATE, new_tat, refunded + (tat - new_tat), REFUNDED_MARK), 'KEEPTTL')
+          local state = pack(REFUNDED_STATE, new_tat, capacity, refunded + (tat - new_tat), REFUNDED_MARK)
+          redis.call('SET', key, state, 'KEEPTTL')
           given = given + 1
         end
       else
         local consumed = window_of(consumed_at, period)
         if algorithm == SLIDING_WINDOW then
-          local w, current, previous = unpack_args(SLIDING_STATE, value)
+          local w, current, previous, written_limit, written_period
+          if #value == 24 then
+            w, current, previous = unpack_args(OLD_SLIDING, value)
+          else
+            w, current, previous, written_limit, written_period = unpack_args(SLIDING_STATE, value)
+          end
+          local terms = written_limit == nil or (written_limit == limit and written_period == period)
           -- The request's count is in the window it was made in, now current or previous.
-          if w == consumed then
-            redis.call('SET', key, pack(SLIDING_STATE, w, max(current - cost, 0), previous), 'KEEPTTL')
+          if terms and w == consumed then
+            redis.call('SET', key, pack(SLIDING_STATE, w, max(current - cost, 0), previous, limit, period), 'KEEPTTL')
             given = given + 1
-          elseif w == consumed + 1 then
-            redis.call('SET', key, pack(SLIDING_STATE, w, current, max(previous - cost, 0)), 'KEEPTTL')
+          elseif terms and w == consumed + 1 then
+            redis.call('SET', key, pack(SLIDING_STATE, w, current, max(previous - cost, 0), limit, period), 'KEEPTTL')
             given = given + 1
           end
         else
-          local w, count = unpack_args(FIXED_STATE, value)
-          if w == consumed then
-            redis.call('SET', key, pack(FIXED_STATE, w, max(count - cost, 0)), 'KEEPTTL')
+          local w, count, written_limit, written_period
+          if #value == 16 then
+            w, count = unpack_args(OLD_FIXED, value)
+          else
+            w, count, written_limit, written_period = unpack_args(FIXED_STATE, value)
+          end
+          local terms = written_limit == nil or (written_limit == limit and written_period == period)
+          if terms and w == consumed then
+            redis.call('SET', key, pack(FIXED_STATE, w, max(count - cost, 0), limit, period), 'KEEPTTL')
             given = given + 1
           end
         end

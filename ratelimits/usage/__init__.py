@@ -9,7 +9,8 @@ What a decision counts, and how the counters' fields are named, is :mod:`ratelim
 the store's side, which needs no database.
 """
 
-from .records import drain, purge, rollup, today_usage
+from .readers import today_usage
+from .records import drain, purge, rollup
 from .subjects import purge as purge_labels
 
 __all__ = ["drain", "purge", "purge_labels", "rollup", "today_usage"]

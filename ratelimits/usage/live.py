@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from ..backends import Backend, get_backend
+from ..counters import caller_rows
 from ..exceptions import BackendUnavailable
+from ..identity import Subject
 from .records import usage_rows
 
 __all__ = ["LIVE_MINUTES", "MAX_FIELDS", "Live", "LiveRow", "live_minutes", "read_live"]
@@ -76,18 +78,27 @@ def live_minutes(start: datetime, end: datetime, now: float) -> list[int]:
     return list(range(last, first - 1, -1))
 
 
-def read_live(start: datetime, end: datetime, *, backend: Backend | None = None, now: float | None = None) -> Live:
+def read_live(
+    start: datetime,
+    end: datetime,
+    *,
+    caller: Subject | None = None,
+    backend: Backend | None = None,
+    now: float | None = None,
+) -> Live:
     """The counters of the minutes starting in ``[start, end)`` that the store still holds, as rows.
 
     Subjects are named by the labels the workers wrote, as the drain names them (a subject counted
-    in the last second or so may still be under its digest).
+    in the last second or so may still be under its digest). ``caller``: that caller's rows only,
+    picked out by the store (the customer API's read: the bound is then on their rows alone).
     """
     minutes = live_minutes(start, end, time.time() if now is None else now)
     if not minutes:
         return Live()
     starts = tuple(datetime.fromtimestamp(minute * 60, tz=UTC) for minute in reversed(minutes))
     try:
-        peek = (backend or get_backend()).peek_usage(minutes, MAX_FIELDS)
+        prefix = caller_rows(caller) if caller is not None else ""
+        peek = (backend or get_backend()).peek_usage(minutes, MAX_FIELDS, row_prefix=prefix)
     except BackendUnavailable as exc:
         return Live(minutes=starts, error=f"the limiter's store could not be read ({exc})")
     except NotImplementedError as exc:

@@ -1,30 +1,41 @@
 """The usage report's queries: totals per period, top consumers, the most throttled, as bounded tables.
 
-Everything here reads ``UsageRecord`` rows, drained, then rolled up into hours and days by
-:mod:`ratelimits.usage.records`: a period is read from its own rows once the roll-up wrote them,
-and summed from the finer rows until then (:func:`coverage`), so the hour under way is there
-too. The minutes not drained yet come from the store (:mod:`.live`): every query takes them as
-``live`` rows and counts them in. Every query is a plain function of :class:`ReportFilters`;
-every table is bounded (:data:`TABLE_LIMIT` rows). Times are UTC throughout.
+Every query reads the rows :mod:`.readers` says stand for each moment (the rolled-up periods,
+those still summed from finer rows) and the live minutes, as every other reader of usage does.
+Every query is a plain function of :class:`~.readers.ReportFilters`; every table is bounded
+(:data:`TABLE_LIMIT` rows). Times are UTC throughout.
 """
 
 from __future__ import annotations
 
-import functools
-import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import urlencode
 
-from django.db.models import F, FloatField, Max, Q, QuerySet, Sum
-from django.db.models.functions import Cast, NullIf, Trunc
+from django.db.models import F, FloatField, Q, Sum
+from django.db.models.functions import Cast, NullIf
 from django.urls import reverse
 
 from ..identity import SubjectKind
 from ..models import UsageRecord
 from .live import LiveRow
+from .readers import (
+    OUTCOMES,
+    STEPS,
+    SUMS,
+    TOTALS,
+    Period,
+    ReportFilters,
+    coverage,
+    floor_period,
+    grouped_usage,
+    live_rows,
+    period_bounds,
+    time_series,
+    usage_records,
+)
 from .records import MAX_RANGE, OVERFLOW, UNRESOLVED
 from .subjects import chunks, max_params
 from .text import csv_text, display_text
@@ -40,6 +51,7 @@ __all__ = [
     "caveats",
     "coverage",
     "effective_policy_url",
+    "floor_period",
     "grouped_usage",
     "near_limit",
     "period_bounds",
@@ -52,117 +64,13 @@ __all__ = [
     "young",
 ]
 
-#: The request outcomes, in the order the chart stacks them (bottom first).
-OUTCOMES = ("allowed", "throttled", "shed", "degraded")
-TOTALS = (*OUTCOMES, "tokens")
 #: Rows per table.
 TABLE_LIMIT = 20
 #: The kinds of subject usage is counted for: the caller (API key, else user, else client IP).
 CALLER_KINDS = (SubjectKind.API_KEY, SubjectKind.USER, SubjectKind.IP)
-STEPS = {"minute": timedelta(minutes=1), "hour": timedelta(hours=1), "day": timedelta(days=1)}
 DEFAULT_RANGE = timedelta(hours=24)
 #: An install none of whose usage rows started longer ago than this is young (:func:`young`).
 YOUNG = timedelta(hours=1)
-#: The rows each granularity's periods are read from, coarsest first: its own, once the roll-up
-#: wrote them, and until then the finer ones they are summed from.
-SOURCES = {"minute": ("minute",), "hour": ("hour", "minute"), "day": ("day", "hour", "minute")}
-
-
-@dataclass(frozen=True, slots=True)
-class ReportFilters:
-    """Which rows a report covers: ``granularity`` rows whose period starts in ``[start, end)``."""
-
-    start: datetime
-    end: datetime
-    granularity: str = "hour"
-    subject_kind: str = ""
-    subject_id: str = ""
-    tier: str = ""
-    endpoint: str = ""
-    organization: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Period:
-    """The totals of one period (zeros when nothing was recorded in it).
-
-    ``live``: some of them were read from the store's counters, not drained yet (:mod:`.live`).
-    """
-
-    start: datetime
-    allowed: int = 0
-    throttled: int = 0
-    shed: int = 0
-    degraded: int = 0
-    tokens: int = 0
-    live: bool = False
-
-    @property
-    def requests(self) -> int:
-        return self.allowed + self.throttled + self.shed + self.degraded
-
-
-def usage_records(filters: ReportFilters) -> QuerySet[UsageRecord]:
-    """The rows of the range's periods that ``filters`` select (:func:`coverage`), unordered (ready to be grouped)."""
-    first, until = period_bounds(filters)
-    rows = UsageRecord.objects.filter(coverage(filters.granularity), period_start__gte=first, period_start__lt=until)
-    if filters.subject_kind:
-        rows = rows.filter(subject_kind=filters.subject_kind, subject_id=filters.subject_id)
-    if filters.tier:
-        rows = rows.filter(tier=filters.tier)
-    if filters.endpoint:
-        rows = rows.filter(endpoint=filters.endpoint)
-    if filters.organization:
-        rows = rows.filter(organization=filters.organization)
-    return rows.order_by()
-
-
-def live_rows(live: Iterable[LiveRow], filters: ReportFilters) -> list[LiveRow]:
-    """The live rows of the range's periods that ``filters`` select, as :func:`usage_records` selects rows."""
-    first, until = period_bounds(filters)
-    return [
-        row
-        for row in live
-        if first <= row.period_start < until
-        and (
-            not filters.subject_kind or (row.subject_kind, row.subject_id) == (filters.subject_kind, filters.subject_id)
-        )
-        and (not filters.tier or row.tier == filters.tier)
-        and (not filters.endpoint or row.endpoint == filters.endpoint)
-        and (not filters.organization or row.organization == filters.organization)
-    ]
-
-
-def rolled_up_until(granularity: str) -> datetime | None:
-    """Where the last period of ``granularity`` the roll-up wrote ends (``None``: it wrote none)."""
-    latest = UsageRecord.objects.filter(granularity=granularity).aggregate(latest=Max("period_start"))["latest"]
-    return None if latest is None else latest + STEPS[granularity]
-
-
-def coverage(granularity: str) -> Q:
-    """Which rows stand for which moments in a report of ``granularity``: each moment is read from one granularity.
-
-    The roll-up writes closed periods oldest first, and every one of them that counted anything
-    (:func:`~.records.rollup`): up to where the last one it wrote ends, a period's own rows are
-    all it had. After that, the periods are summed from the next finer rows, up to where the
-    roll-up got with those, and so on down to the minutes. A minute is therefore never counted
-    twice, in its rolled-up hour and again on its own. Decided for every subject at once, so a
-    filtered report adds up to the unfiltered one.
-    """
-    parts: list[Q] = []
-    since: datetime | None = None  # where the coarser rows read so far end
-    *coarser, finest = SOURCES[granularity]
-    for level in coarser:
-        until = rolled_up_until(level)
-        if until is not None and (since is None or until > since):
-            parts.append(Q(granularity=level, period_start__lt=until) & _from(since))
-            since = until
-    parts.append(Q(granularity=finest) & _from(since))
-    return functools.reduce(operator.or_, parts)
-
-
-def _from(since: datetime | None) -> Q:
-    return Q() if since is None else Q(period_start__gte=since)
 
 
 def young(now: datetime) -> bool:
@@ -203,22 +111,6 @@ def caveats(filters: ReportFilters, live: Sequence[LiveRow] = ()) -> Caveats:
     return Caveats(int(sums["overflow"] or 0) + overflow, int(sums["unresolved"] or 0) + digests)
 
 
-def grouped_usage(rows: QuerySet[UsageRecord], *fields: str) -> QuerySet[UsageRecord, dict[str, Any]]:
-    """``rows`` grouped by ``fields``, with the sums ``n_<metric>`` of every metric and ``n_requests``."""
-    summed: QuerySet[UsageRecord, dict[str, Any]] = rows.values(*fields).annotate(
-        n_allowed=Sum("allowed"),
-        n_throttled=Sum("throttled"),
-        n_shed=Sum("shed"),
-        n_degraded=Sum("degraded"),
-        n_tokens=Sum("tokens"),
-    )
-    return summed.annotate(n_requests=F("n_allowed") + F("n_throttled") + F("n_shed") + F("n_degraded"))
-
-
-#: The sums of a grouped row (:func:`grouped_usage`), ``n_requests`` aside.
-SUMS = tuple(f"n_{metric}" for metric in TOTALS)
-
-
 def _live_sums(rows: Iterable[LiveRow], fields: Sequence[str]) -> dict[tuple[Any, ...], dict[str, int]]:
     """``rows`` summed by ``fields``, as :func:`grouped_usage` names the sums."""
     groups: dict[tuple[Any, ...], dict[str, int]] = {}
@@ -244,61 +136,6 @@ def _merged(
         group["n_requests"] = sum(group[f"n_{metric}"] for metric in OUTCOMES)
         group["share"] = group["n_throttled"] / group["n_requests"] if group["n_requests"] else None
     return list(groups.values())
-
-
-def floor_period(moment: datetime, granularity: str) -> datetime:
-    """The start of the (UTC) period of ``granularity`` containing ``moment``."""
-    moment = moment.astimezone(UTC).replace(second=0, microsecond=0)
-    if granularity in ("hour", "day"):
-        moment = moment.replace(minute=0)
-    if granularity == "day":
-        moment = moment.replace(hour=0)
-    return moment
-
-
-def _ceil_period(moment: datetime, granularity: str) -> datetime:
-    """The start of the first period of ``granularity`` starting at or after ``moment``."""
-    floor = floor_period(moment, granularity)
-    return floor if floor == moment else floor + STEPS[granularity]
-
-
-def period_bounds(filters: ReportFilters) -> tuple[datetime, datetime]:
-    """Where the range's first period starts and where its last one ends.
-
-    A period is in the range when it starts at or after ``start`` and before ``end``; all of it
-    is, the minutes it is summed from included.
-    """
-    return _ceil_period(filters.start, filters.granularity), _ceil_period(filters.end, filters.granularity)
-
-
-def period_starts(filters: ReportFilters) -> list[datetime]:
-    """Every period of the range: starting at or after ``start``, before ``end``."""
-    step = STEPS[filters.granularity]
-    moment, until = period_bounds(filters)
-    starts = []
-    while moment < until:
-        starts.append(moment)
-        moment += step
-    return starts
-
-
-def time_series(filters: ReportFilters, live: Sequence[LiveRow] = ()) -> list[Period]:
-    """The totals of every period of the range, oldest first, empty periods included."""
-    totals: dict[datetime, dict[str, int]] = {}
-    # Truncated in the database: the periods not rolled up yet are summed from many finer rows.
-    periods = usage_records(filters).annotate(period=Trunc("period_start", filters.granularity, tzinfo=UTC))
-    for row in grouped_usage(periods, "period"):
-        period = totals.setdefault(row["period"], dict.fromkeys(TOTALS, 0))
-        for metric in TOTALS:
-            period[metric] += int(row[f"n_{metric}"] or 0)
-    counted_live: set[datetime] = set()
-    for live_row in live_rows(live, filters):
-        start = floor_period(live_row.period_start, filters.granularity)
-        period = totals.setdefault(start, dict.fromkeys(TOTALS, 0))
-        for metric in TOTALS:
-            period[metric] += getattr(live_row, metric)
-        counted_live.add(start)
-    return [Period(start, **totals.get(start, {}), live=start in counted_live) for start in period_starts(filters)]
 
 
 @dataclass(frozen=True, slots=True)

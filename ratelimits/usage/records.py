@@ -21,7 +21,6 @@ from django.db.models.functions import Trunc
 
 from ..backends import Backend, get_backend
 from ..counters import METRICS, OVERFLOW, parse_row
-from ..identity import Identity
 from ..metrics import get_recorder
 from ..models import UsageBatch, UsageRecord
 from . import subjects
@@ -36,7 +35,6 @@ __all__ = [
     "drain",
     "purge",
     "rollup",
-    "today_usage",
     "usage_rows",
 ]
 
@@ -247,13 +245,3 @@ def purge(*, now: datetime | None = None, keep_minutes_for: timedelta = timedelt
     cutoff = (now or datetime.now(tz=UTC)) - keep_minutes_for
     deleted, _ = UsageRecord.objects.filter(granularity="minute", period_start__lt=cutoff).delete()
     return deleted
-
-
-def today_usage(identity: Identity) -> dict[str, int]:
-    """The caller's usage since midnight UTC, as drained so far (the current minute is not in yet)."""
-    midnight = datetime.now(tz=UTC).replace(hour=0, minute=0, second=0, microsecond=0)
-    caller = identity.caller
-    sums = UsageRecord.objects.filter(
-        subject_kind=caller.kind, subject_id=caller.value, granularity="minute", period_start__gte=midnight
-    ).aggregate(**{m: Sum(m) for m in METRICS.values()})
-    return {m: int(v or 0) for m, v in sums.items()}

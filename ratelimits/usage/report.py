@@ -29,21 +29,15 @@ from .queries import (
     CALLER_KINDS,
     DEFAULT_RANGE,
     MAX_RANGE,
-    STEPS,
     TABLE_LIMIT,
     TABLES,
-    TOTALS,
     YOUNG,
-    Period,
-    ReportFilters,
     Table,
     caveats,
-    floor_period,
-    period_bounds,
     series_table,
-    time_series,
     young,
 )
+from .readers import STEPS, TOTALS, Period, ReportFilters, floor_period, period_bounds, time_series
 from .text import display_text, format_moment
 
 if TYPE_CHECKING:
