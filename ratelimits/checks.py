@@ -10,6 +10,7 @@ import difflib
 import dis
 import functools
 import ssl
+import sys
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,7 +25,7 @@ from django.urls import Resolver404, resolve
 from django.utils.module_loading import import_string
 from rest_framework.views import APIView
 
-from . import documentation, drf
+from . import documentation, drf, periodic
 from .backends import backend_class, get_backend
 from .backends.redis import RedisBackend
 from .conf import MULTIPROC_ENV, SETTINGS, Adaptive, Finding, Identity, Metrics, Policies, Redis, Settings, conf, id_of
@@ -35,6 +36,7 @@ from .policies.source import get_policy_source
 from .policies.throttle_rates import SETTING as DRF_RATES
 from .policies.throttle_rates import throttle_rates
 from .throttles import RateLimitThrottle, class_policies
+from .usage.live import stale_since
 
 __all__ = [
     "E001",
@@ -66,9 +68,11 @@ __all__ = [
     "W017",
     "W018",
     "W020",
+    "W021",
     "check_database",
     "check_deployment",
     "check_django_ratelimit_settings",
+    "check_drain",
     "check_endpoints",
     "check_settings",
     "check_store",
@@ -96,6 +100,7 @@ I001 = "ratelimits.I001"  # the limiter's Redis answers but will not say its max
 I002 = "ratelimits.I002"  # the limiter's Redis did not answer the checks (requests follow their fail modes)
 W015 = "ratelimits.W015"  # a setting given under both its name and the name 0.1 gave it (the new one is read)
 W020 = "ratelimits.W020"  # a django-ratelimit setting (RATELIMIT_...), which nothing here reads
+W021 = "ratelimits.W021"  # in DEBUG: usage counted minutes ago is still undrained, and no beat schedule drains it
 #: The id of each setting's invalid value (declared with the setting, in ratelimits.conf).
 SETTING_IDS: dict[str, str] = {name: setting.id for name, setting in SETTINGS.items()}
 
@@ -335,6 +340,54 @@ _FAILURE_DOCS = f"see {documentation.page('failure-modes', 'fail-modes-per-polic
 def _where_redis_is() -> str:
     """How messages name the limiter's Redis: the setting it comes from."""
     return f"CACHES[{conf.redis.cache!r}], by {Redis.cache.field}" if conf.redis.cache else Redis.field()
+
+
+@register(Tags.compatibility)
+def check_drain(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """In DEBUG: usage the store has held for minutes, undrained, and no Celery beat schedule that drains it.
+
+    What a project that followed the steps but scheduled nothing sees: its usage report and
+    ``GET /v1/usage`` show the last hour, live, and nothing older. Said only on evidence (a minute
+    still in the store :data:`~ratelimits.usage.live.STALE_S` after it closed), so a project whose
+    drain runs from cron or a sidecar, which no check can see, is not told to silence anything.
+    """
+    try:
+        if not settings.DEBUG or not conf.usage.enabled or _drain_scheduled():
+            return []
+        since = stale_since()
+    except (ConfigurationError, BackendUnavailable, NotImplementedError):
+        return []  # check_settings and check_store report those
+    if since is None:
+        return []
+    return [
+        Warning(
+            f"Usage counted since {since:%Y-%m-%d %H:%M} UTC is still in the limiter's store: nothing drains it "
+            "into the database, so the usage report and GET /v1/usage show the last hour only, and the counters "
+            "expire after two days.",
+            hint="Add install_beat_schedule(app) (from ratelimits.periodic) to your Celery app and run beat, or "
+            "run 'manage.py ratelimits_drain' beside the web workers "
+            f"({documentation.page('usage', 'scheduling-the-drain')}).",
+            id=W021,
+        )
+    ]
+
+
+def _drain_scheduled() -> bool:
+    """Whether a Celery beat schedule sends the drain: ``CELERY_BEAT_SCHEDULE``, or the project's Celery app's.
+
+    The app is read only if the project has loaded Celery (as its package does with Celery's
+    Django set-up): a project that has not, has no beat to schedule anything. Reading the app's
+    ``conf`` configures it, which adds what :func:`~ratelimits.periodic.install_beat_schedule` holds.
+    A drain run otherwise (the command, cron) is not seen: the warning says to silence it then.
+    """
+    if periodic.drains(getattr(settings, "CELERY_BEAT_SCHEDULE", None)):
+        return True
+    celery = sys.modules.get("celery")
+    app = getattr(celery, "current_app", None)
+    try:
+        return app is not None and periodic.drains(app.conf.beat_schedule)
+    except Exception:  # a Celery app that cannot be configured is no schedule, and not this check's to report
+        return False
 
 
 @register(Tags.compatibility)

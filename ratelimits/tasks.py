@@ -1,7 +1,8 @@
-"""Celery tasks: thin wrappers around the plain functions in ``ratelimits.usage`` and ``ratelimits.policies``.
+"""Celery tasks: thin wrappers around the periodic work of :mod:`ratelimits.periodic`.
 
 The only module that imports Celery. ``acks_late``: a task is acknowledged after it ran, so a
 worker killed mid-drain has its task delivered again; the drain is exactly-once by design.
+Schedule them with :func:`ratelimits.periodic.install_beat_schedule`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def drain_usage() -> int:
 @shared_task(name="ratelimits.maintain_usage", acks_late=True, reject_on_worker_lost=True)
 def maintain_usage() -> dict[str, Any]:
     """Roll minutes up into hours and days, then purge old minute rows and the labels no counter names any more."""
-    return {"rolled_up": usage.rollup(), "purged": usage.purge(), "labels_purged": usage.purge_labels()}
+    return usage.maintain()
 
 
 @shared_task(name="ratelimits.expire_policies", acks_late=True, reject_on_worker_lost=True)
@@ -46,8 +47,8 @@ def near_limit_digest() -> str:
 def reconcile_regions() -> dict[str, Any]:
     """Move global policies' regional shares toward demand (one round); return what it did.
 
-    Not ``acks_late``: a round lost with its worker is simply the next one. Schedule it with an
-    ``expires`` of its interval (``project/celery.py`` does), so rounds a stalled worker missed
-    are dropped, not run in a burst.
+    Not ``acks_late``: a round lost with its worker is simply the next one. Scheduled with an
+    ``expires`` of its interval (:func:`ratelimits.periodic.beat_schedule`), so rounds a stalled
+    worker missed are dropped, not run in a burst.
     """
     return reconcile().summary()

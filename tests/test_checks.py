@@ -253,6 +253,8 @@ BAD_VALUES = [
     (("SHEDDING", "ADAPTIVE", "PROBE_INTERVAL"), 0, "ratelimits.E166", "must be a positive number"),
     (("USAGE", "MAX_SUBJECTS"), 0, "ratelimits.E139", "must be a positive integer"),
     (("USAGE", "MAX_SUBJECTS"), "50000", "ratelimits.E139", "must be a positive integer"),
+    (("USAGE", "DRAIN_EVERY"), "often", "ratelimits.E178", "is not a duration"),
+    (("USAGE", "DRAIN_EVERY"), 0, "ratelimits.E178", "must be a positive number of seconds"),
     (("LOCAL_PATH", "DENIALS"), "yes", "ratelimits.E167", "must be True or False"),
     (("LOCAL_PATH", "LEASES"), 1, "ratelimits.E168", "must be True or False"),
     (("LOCAL_PATH", "LEASE_TTL"), "2s", "ratelimits.E169", "longer than the 1 s a lease may last"),

@@ -98,6 +98,7 @@ LAYERS: dict[str, int] = {
     "ratelimits.checks": 6,
     "ratelimits.apps": 6,
     "ratelimits.tasks": 6,
+    "ratelimits.periodic": 6,
     "ratelimits.management.": 6,
     "ratelimits.management": 6,
 }

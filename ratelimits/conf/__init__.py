@@ -596,6 +596,13 @@ class Usage(Switchable):
         doc="the most rows (a caller on an endpoint) one minute of usage counts; a new row beyond them is counted in "
         "the overflow row of its caller kind and endpoint",
     )
+    drain_every = Setting(
+        "30s",
+        parse.seconds,
+        id="ratelimits.E178",
+        doc="how often the periodic work drains the counters into the database: the Celery beat entry "
+        "`ratelimits.periodic.beat_schedule()` gives, and `manage.py ratelimits_drain`'s default `--every`",
+    )
 
 
 _LOCAL = LocalPathSettings()

@@ -23,11 +23,14 @@ from ..exceptions import BackendUnavailable
 from ..identity import Subject
 from .records import usage_rows
 
-__all__ = ["LIVE_MINUTES", "MAX_FIELDS", "Live", "LiveRow", "live_minutes", "read_live"]
+__all__ = ["LIVE_MINUTES", "MAX_FIELDS", "STALE_S", "Live", "LiveRow", "live_minutes", "read_live", "stale_since"]
 
 #: How many of the latest minutes a report reads from the store: the drain (every 30 s in the
 #: demo's schedule) normally leaves only the current minute and the one before it.
 LIVE_MINUTES = 60
+#: A minute still in the live set this long after it closed is one nothing drains: a drain takes
+#: each minute :data:`~.records.GRACE_S` after it closed (30 s apart, with the schedule's default).
+STALE_S = 300
 #: The most counter fields one report reads: 10,000 is some 2,500 to 5,000 rows (a row has a
 #: marker field and one per metric it counted), a few milliseconds of Redis.
 MAX_FIELDS = 10_000
@@ -114,3 +117,19 @@ def read_live(
                 for (kind, subject, endpoint), values in sorted(records.items())
             ]
     return Live(tuple(rows), starts, truncated=peek.truncated)
+
+
+def stale_since(*, backend: Backend | None = None, now: float | None = None) -> datetime | None:
+    """Where the oldest minute the store still holds, of those that closed :data:`STALE_S` ago or more, starts.
+
+    ``None`` when there is none among the last :data:`LIVE_MINUTES`: the drain keeps up (or there
+    was no traffic). One bounded read of the store: it stops at the first field found, oldest first.
+    """
+    now = time.time() if now is None else now
+    current = int(now // 60)
+    newest = int((now - STALE_S) // 60) - 1  # minute m closed at (m + 1) * 60
+    minutes = list(range(current - LIVE_MINUTES + 1, newest + 1))
+    if not minutes:
+        return None
+    found = [minute for minute, fields in (backend or get_backend()).peek_usage(minutes, 1).counts.items() if fields]
+    return datetime.fromtimestamp(min(found) * 60, tz=UTC) if found else None

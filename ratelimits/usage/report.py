@@ -16,15 +16,17 @@ from urllib.parse import urlencode
 
 from django import forms
 from django.core.exceptions import PermissionDenied
+from django.db.models import Max
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils.dateparse import parse_datetime
 
 from ..conf import conf
-from ..models import validate_endpoint
+from ..exceptions import BackendUnavailable
+from ..models import UsageBatch, validate_endpoint
 from .chart import MAX_BARS, chart_periods, render_chart
-from .live import MAX_FIELDS, Live, read_live
+from .live import MAX_FIELDS, Live, read_live, stale_since
 from .queries import (
     CALLER_KINDS,
     DEFAULT_RANGE,
@@ -262,6 +264,7 @@ def usage_report_view(model_admin: ModelAdmin[Any]) -> Callable[[HttpRequest], H
                     "caveats": {name: display_text(n) for name, n in asdict(caveats(filters, live.rows)).items() if n},
                     "max_subjects": display_text(conf.usage.max_subjects),
                     "live": _live_notes(live, series),
+                    "drain": _drain_notes(),
                 }
             )
         return TemplateResponse(request, "admin/ratelimits/usage_report.html", context)
@@ -281,6 +284,16 @@ def _live_notes(live: Live, series: list[Period]) -> dict[str, str]:
     if live.truncated:
         notes["truncated"] = display_text(MAX_FIELDS)
     return notes
+
+
+def _drain_notes() -> dict[str, str]:
+    """What the page says of the drain: when it last applied a batch, and since when nothing drains (if so)."""
+    last = UsageBatch.objects.aggregate(last=Max("applied_at"))["last"]
+    try:
+        stale = stale_since()
+    except (BackendUnavailable, NotImplementedError):
+        stale = None  # the live part's own note says the store could not be read
+    return {"last": format_moment(last) if last else "", "stale": format_moment(stale) if stale else ""}
 
 
 def _csv_view(request: HttpRequest, form: UsageReportForm, valid: bool) -> HttpResponse:
