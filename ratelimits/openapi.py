@@ -25,7 +25,7 @@ from .conf import conf
 from .counters import METRICS
 from .identity import SubjectKind
 from .models import MAX_ENDPOINT_LENGTH
-from .policies.values import Scope
+from .policies.values import OriginKind, Scope
 from .problems import CONTENT_TYPE, QUOTA_EXCEEDED, REDUCED_CAPACITY
 from .throttles import RateLimitThrottle
 from .usage.records import MAX_RANGE
@@ -270,6 +270,11 @@ class RateLimitResourceSerializer(serializers.Serializer):  # type: ignore[type-
     window_seconds = serializers.IntegerField(min_value=1)
     cost = serializers.IntegerField(min_value=1)
     scope = serializers.ChoiceField(choices=[scope.value for scope in Scope])
+    origin = serializers.ChoiceField(
+        choices=[kind.value for kind in OriginKind],
+        help_text="Where it is set: a tier, an assignment or an override of the caller, an endpoint policy, the fleet, "
+        "or the settings.",
+    )
     # Global policies only (``scope`` ``global``): this region's share.
     region = serializers.CharField(required=False, allow_null=True)
     region_share = serializers.FloatField(required=False, min_value=0, max_value=1)

@@ -159,6 +159,10 @@ def current_limits(request: Request, *, endpoint: str, method: str | None = None
                 "window_seconds": policy.window_seconds,
                 "cost": entry.check.cost,
                 "scope": policy.scope.value,
+                # Where it is set: a tier, an assignment or an override (the admin's tables), an
+                # endpoint policy, the fleet, or the settings. The detail (an override's reason, a
+                # setting's name) is the operator's: the admin's page and the command show it.
+                "origin": str(entry.kind),
                 **(_region_fields(entry.region_share) if entry.region_share else {}),
             }
         )

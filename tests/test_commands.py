@@ -121,7 +121,10 @@ def test_effective_shows_every_check_with_origin_and_live_remaining(db_source: N
     assert override["origin_detail"].endswith("launch week")
     assert (override["remaining"], override["limit"]) == (10, 10)
     quota = checks["tier:gold:quota"]  # the tier's quota is kept under a rate override
-    assert quota["origin"] == "tier" and quota["origin_detail"] == "default tier for authenticated callers"
+    assert (
+        quota["origin"] == "tier"
+        and quota["origin_detail"] == "default tier for authenticated callers (fleet settings)"
+    )
     assert (quota["remaining"], quota["limit"]) == (1000, 1000)
     team = checks["tier:team"]
     assert team["origin"] == "assignment" and team["subject"] == "org" and team["shadow"] is True
@@ -146,7 +149,10 @@ def test_effective_shows_every_check_with_origin_and_live_remaining(db_source: N
     assert set(lines) == {override["policy"], "tier:gold:quota", "tier:team", "endpoint:POST/charges"}
     # REMAINING, then LIMIT, then RESET; the origin's detail last.
     assert re.search(r" override +no +8 +10 +in [0-9.]+s +override #[0-9]+: launch week$", lines[override["policy"]])
-    assert re.search(r" tier +no +998 +1000 +in .* default tier for authenticated callers$", lines["tier:gold:quota"])
+    assert re.search(
+        r" tier +no +998 +1000 +in .* default tier for authenticated callers \(fleet settings\)$",
+        lines["tier:gold:quota"],
+    )
     assert re.search(r" endpoint +no +18 +20 +in .* endpoint policy, per caller$", lines["endpoint:POST/charges"])
     assert re.search(r" assignment +yes +198 +200 +in .* assignment #[0-9]+ \(team\)$", lines["tier:team"])
     assert "ORIGIN" in text and "REMAINING" in text

@@ -115,12 +115,12 @@ def tier(name: str) -> Tier:
 def test_fleet_default_tiers(source: DatabasePolicySource) -> None:
     anonymous = explain(source)
     assert checks(anonymous) == {("tier:anonymous", "ip")}
-    assert anonymous[0].origin == "default tier for anonymous callers"
+    assert anonymous[0].origin == "default tier for anonymous callers (fleet settings)"
     assert limits(anonymous[0]) == ("10/s", 20, 1)
     # No POLICIES['TIER_FUNC']: the key's own field is ignored.
     keyed = explain(source, key=ApiKeyFactory(tier="enterprise"))
     assert checks(keyed) == {("tier:standard", "api_key")}
-    assert keyed[0].origin == "default tier for authenticated callers"
+    assert keyed[0].origin == "default tier for authenticated callers (fleet settings)"
     assert checks(explain(source, user=UserFactory())) == {("tier:standard", "user")}
 
 
@@ -147,7 +147,9 @@ def test_tier_func_places_callers_without_an_assignment(configure: Configure) ->
     TierFactory(name="retired", rate="1/s", enabled=False)
     explained = explain(source, key=ApiKeyFactory(tier="enterprise"))
     assert checks(explained) == {("tier:enterprise", "api_key")}
-    assert explained[0].origin == "default tier for authenticated callers"
+    # Named for what placed it, not the default it stands in for (the finding: "default tier" said of free).
+    assert explained[0].origin == "RATELIMITS['POLICIES']['TIER_FUNC'] returned 'enterprise'"
+    assert explained[0].kind == "tier"  # edited in the tiers table
     assert limits(explained[0]) == ("1000/s", 2000, 1)
     # A name the tables do not know, or a disabled tier: the fleet default instead.
     assert checks(explain(source, key=ApiKeyFactory(tier="no-such-tier"))) == {("tier:standard", "api_key")}

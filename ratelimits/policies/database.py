@@ -25,7 +25,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from ..choices import FailMode
-from ..conf import conf
+from ..conf import Policies, conf
 from ..exceptions import ConfigurationError
 from ..identity import SubjectKind
 from ..models import EndpointPolicy, FleetSettings, Override, SubjectAssignment, Tier
@@ -228,7 +228,9 @@ def load_snapshot() -> PolicySnapshot:
     shadow = bool(fleet and fleet.shadow)
     # A policy made from an override alone (a concurrency limit where the tier has none) takes the
     # settings' fail mode, not the fleet settings': what 0.1 did, kept by the redesign.
-    snapshot = PolicySnapshot(default_fail_mode=conf.failure.default_mode, version=version, fleet_origin=FLEET)
+    snapshot = PolicySnapshot(
+        default_fail_mode=conf.failure.default_mode, version=version, fleet_origin=FLEET, tiers_kind=OriginKind.TIER
+    )
     for tier in Tier.objects.filter(enabled=True):
         try:
             snapshot.tiers[tier.name] = _tier(tier, mode, shadow)
@@ -288,11 +290,12 @@ def _default_tiers(snapshot: PolicySnapshot, fleet: FleetSettings | None) -> Non
     for kind, row in chosen.items():
         detail = f"default tier for {kind} callers"
         if row is not None:  # a disabled tier applies no limits, as assigning one does
-            snapshot.default_tiers[kind] = Assignment(row.name, Origin(OriginKind.TIER, detail))
+            snapshot.default_tiers[kind] = Assignment(row.name, Origin(OriginKind.TIER, f"{detail} (fleet settings)"))
             continue
         name = conf.policies.default_tiers.get(kind)
         if name in snapshot.tiers:
-            snapshot.default_tiers[kind] = Assignment(str(name), Origin(OriginKind.SETTINGS, detail))
+            where = f"{detail} ({Policies.default_tiers.field})"
+            snapshot.default_tiers[kind] = Assignment(str(name), Origin(OriginKind.SETTINGS, where))
 
 
 def _assignments(snapshot: PolicySnapshot, now: datetime) -> None:

@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING
 
 from django.utils import timezone
 
-from ..conf import conf
+from ..conf import Policies, conf
 from ..exceptions import ConfigurationError
 from ..identity import Identity, Subject, SubjectKind
 from .snapshot import Assignment, PolicySnapshot
-from .values import Check, Explained, Origin, OriginKind, Policy, Role, check_for, concurrency_policy
+from .values import Check, Explained, Origin, Policy, Role, check_for, concurrency_policy
 
 if TYPE_CHECKING:
     from django.http import HttpRequest
@@ -145,10 +145,8 @@ def default_assignment(snapshot: PolicySnapshot, request: HttpRequest, identity:
             if isinstance(name, str) and name in snapshot.tiers:
                 placed = snapshot.placed.get((name, kind))
                 if placed is None:  # built once per snapshot: POLICIES['TIER_FUNC'] names the same few tiers all day
-                    # Said as for the default tier, which POLICIES['TIER_FUNC'] stands in for.
-                    origin = (
-                        default.origin if default else Origin(OriginKind.SETTINGS, f"default tier for {kind} callers")
-                    )
+                    # Named for what placed the caller (not the default it stands in for), and edited where tiers are.
+                    origin = Origin(snapshot.tiers_kind, f"{Policies.tier_func.field} returned {name!r}")
                     placed = snapshot.placed[(name, kind)] = Assignment(name, origin)
                 return placed
             if repr(name) not in snapshot.reported and len(snapshot.reported) < REPORTED_NAMES:

@@ -153,6 +153,8 @@ class PolicySnapshot:
     #: The fleet's in-flight check per priority class (empty: no fleet shedding), and its origin.
     fleet: dict[Priority, Check] = field(default_factory=dict)
     fleet_origin: Origin = FLEET_ORIGIN
+    #: Where the tiers' limits are edited: the settings (``TIERS``), or the admin's tier table.
+    tiers_kind: OriginKind = OriginKind.SETTINGS
     #: The fail mode of policies made with no other to inherit (a concurrency-only override).
     default_fail_mode: FailMode = FailMode.OPEN
     #: The policy version the snapshot was read at (0 where there is none, as with settings).
