@@ -38,6 +38,7 @@ from .models import (
     validate_endpoint,
 )
 from .policies.audit import audit_context, record_reset
+from .policies.database import DatabasePolicySource
 from .policies.source import get_policy_source
 from .policies.values import every_shard
 from .status import Caller, RegionShare, effective_limits, stand_in
@@ -329,10 +330,65 @@ class FleetSettingsAdmin(AuditedAdmin):
         view = self.admin_site.admin_view
         return [
             path("effective/", view(self.effective_policy_view), name="ratelimits_effective_policy"),
+            path("limits/", view(self.limits_in_force_view), name="ratelimits_limits_in_force"),
             path("subjects/", view(subject_suggestions_view), name="ratelimits_subject_suggestions"),
             path("usage/", view(usage_report_view(self)), name="ratelimits_usage_report"),
             *super().get_urls(),
         ]
+
+    def limits_in_force_view(self, request: HttpRequest) -> HttpResponse:
+        """Every limit the policy source enforces, wherever it is set: read-only, with where to change it.
+
+        With the settings source, the only place the admin shows what is enforced; with the
+        database source, also the limits that stay in the settings (the backstops), and the
+        tables' rows as they were loaded.
+        """
+        if not request.user.has_perm("ratelimits.view_tier"):
+            raise PermissionDenied
+        source = get_policy_source()
+        snapshot = source.snapshot()
+        tiers = [
+            {
+                "tier": name,
+                "policy": policy.name,
+                "description": policy.describe(),
+                "algorithm": policy.algorithm.value,
+                "fail_mode": policy.fail_mode.value,
+                "shadow": policy.shadow,
+                "origin": snapshot.tier_origins[name].detail if name in snapshot.tier_origins else "",
+                "default_for": ", ".join(kind for kind, a in snapshot.default_tiers.items() if a.tier == name),
+            }
+            for name, policies in sorted(snapshot.tiers.items())
+            for policy in policies
+        ]
+        endpoints = [
+            {
+                "endpoint": key,
+                "cost": rule.cost,
+                "priority": rule.priority.value,
+                "per_caller": rule.per_caller.describe() if rule.per_caller else "",
+                "endpoint_wide": rule.endpoint_wide.describe() if rule.endpoint_wide else "",
+                "exempt": rule.exempt,
+                "origin": (rule.per_caller_from or rule.origin).detail,
+            }
+            for key, rule in sorted(snapshot.endpoints.items())
+        ]
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Limits in force",
+            "source": conf.policies.source,
+            "database": isinstance(source, DatabasePolicySource),
+            "tiers": tiers,
+            "defaults": [(kind, a.tier, a.origin.detail) for kind, a in snapshot.default_tiers.items()],
+            "endpoints": endpoints,
+            "dimensions": [
+                (kind.value, policy.describe(), origin.detail) for kind, (policy, origin) in snapshot.dimensions.items()
+            ],
+            "fleet": [(priority.value, check.policy.rate.limit) for priority, check in snapshot.fleet.items()],
+            "fleet_origin": snapshot.fleet_origin.detail,
+            "opts": self.model._meta,
+        }
+        return TemplateResponse(request, "admin/ratelimits/limits_in_force.html", context)
 
     def effective_policy_view(self, request: HttpRequest) -> HttpResponse:
         """Which checks apply to a subject on an endpoint, where each value comes from, what is left."""

@@ -153,3 +153,60 @@ def test_subject_field_suggests_api_keys_in_chromium(
         )
     assert problems == []
     assert options == [[f"ApiKey:{key.pk}", str(key)]]
+
+
+def test_the_banner_and_the_origins_an_operator_reads_in_chromium(
+    chromium: str, live_server: Any, django_user_model: Any, settings: Any
+) -> None:
+    """The settings source: the tier table says it is not enforced and links to the limits in force;
+    the effective policy of a key ``POLICIES['TIER_FUNC']`` places names the function, not a default."""
+    from .factories import ApiKeyFactory
+
+    settings.RATELIMITS = merged(
+        settings.RATELIMITS,
+        {
+            "TIERS": {"walk-in": {"rate": "5/m"}, "member": {"rate": "20/s"}, "gold": {"rate": "50/s"}},
+            "POLICIES": {
+                "DEFAULT_TIERS": {"anonymous": "walk-in", "authenticated": "member"},
+                "TIER_FUNC": "project.payments.auth.tier_of",
+            },
+            "IDENTITY": {"API_KEY_MODEL": "payments.ApiKey"},
+        },
+    )
+    Tier.objects.create(name="browser-seeded", rate="1/s", burst=5)  # a row the settings source never reads
+    key = ApiKeyFactory(tier="gold")
+    django_user_model.objects.create_superuser("ops", "ops@example.com", PASSWORD)
+    tiers_url = live_server.url + reverse("admin:ratelimits_tier_changelist")
+    effective_url = live_server.url + reverse("admin:ratelimits_effective_policy")
+    screenshot = screenshot_path("limits-in-force.png")
+
+    with launch(chromium) as browser:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        problems = watch(page)
+        log_in(page, tiers_url, "ops")
+        assert page.is_visible("#ratelimits-source-banner")
+        banner = page.text_content("#ratelimits-source-banner") or ""
+        assert page.is_visible("text=browser-seeded")  # the row is listed, and said to be ignored
+        page.click("#ratelimits-source-banner a")
+        page.wait_for_selector("#limits-tiers")
+        title = page.title()
+        tiers = page.eval_on_selector_all(
+            "#limits-tiers tbody tr", "rows => rows.map(r => Array.from(r.cells, c => c.textContent.trim()))"
+        )
+        page.screenshot(path=str(screenshot), full_page=True)
+
+        page.goto(f"{effective_url}?api_key=ApiKey:{key.pk}&endpoint=customers&method=GET")
+        page.wait_for_selector("#effective-checks")
+        checks = page.eval_on_selector_all(
+            "#effective-checks tbody tr", "rows => rows.map(r => Array.from(r.cells, c => c.textContent.trim()))"
+        )
+
+    assert problems == []
+    assert "Not enforced:" in banner and "the limits in force are written in the settings" in banner
+    assert title.startswith("Limits in force")
+    by_tier = {row[0]: row for row in tiers}
+    assert set(by_tier) == {"gold", "member", "walk-in"}  # the enforced ones: not the seeded row
+    assert by_tier["walk-in"][2] == "5 / minute, burst 5" and by_tier["walk-in"][5] == "anonymous"
+    assert by_tier["gold"][6] == "RATELIMITS['TIERS']['gold']"
+    [gold] = [row for row in checks if row[0] == "tier:gold"]
+    assert gold[4] == "RATELIMITS['POLICIES']['TIER_FUNC'] returned 'gold'"

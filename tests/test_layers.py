@@ -94,6 +94,8 @@ LAYERS: dict[str, int] = {
     "ratelimits.usage.report": 6,
     "ratelimits.usage.digest": 6,
     "ratelimits.admin": 6,
+    "ratelimits.templatetags": 6,
+    "ratelimits.templatetags.": 6,
     "ratelimits.autocomplete": 6,
     "ratelimits.checks": 6,
     "ratelimits.apps": 6,

@@ -234,6 +234,7 @@ def load_snapshot() -> PolicySnapshot:
     for tier in Tier.objects.filter(enabled=True):
         try:
             snapshot.tiers[tier.name] = _tier(tier, mode, shadow)
+            snapshot.tier_origins[tier.name] = Origin(OriginKind.TIER, f"tier #{tier.pk}")
         except ConfigurationError as exc:
             logger.error("ratelimits: tier %s left out: %s", tier.name, exc)
     _default_tiers(snapshot, fleet)

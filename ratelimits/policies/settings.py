@@ -47,6 +47,7 @@ class SettingsPolicySource(SnapshotPolicySource):
                     scope, rate = from_drf[name]
                     config, field = rate_config(rate), field_of_scope(scope)
                 snapshot.tiers[name] = tier_policies(name, config, field=field, fail_mode=mode)
+                snapshot.tier_origins[name] = Origin(OriginKind.SETTINGS, field)
         with about_setting(Policies.default_tiers.name):
             for kind in ("anonymous", "authenticated"):
                 default = conf.policies.default_tiers.get(kind)

@@ -155,6 +155,8 @@ class PolicySnapshot:
     fleet_origin: Origin = FLEET_ORIGIN
     #: Where the tiers' limits are edited: the settings (``TIERS``), or the admin's tier table.
     tiers_kind: OriginKind = OriginKind.SETTINGS
+    #: Where each tier is set: its row, its setting, or the DRF throttle rate it stands for.
+    tier_origins: dict[str, Origin] = field(default_factory=dict)
     #: The fail mode of policies made with no other to inherit (a concurrency-only override).
     default_fail_mode: FailMode = FailMode.OPEN
     #: The policy version the snapshot was read at (0 where there is none, as with settings).

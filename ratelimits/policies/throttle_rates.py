@@ -213,5 +213,6 @@ def drf_default_tiers(snapshot: PolicySnapshot, rates: DrfRates, fail_mode: Fail
         field = field_of_scope(scope)
         if name not in snapshot.tiers:
             snapshot.tiers[name] = tier_policies(name, rate_config(rate), field=field, fail_mode=fail_mode)
+            snapshot.tier_origins[name] = Origin(OriginKind.SETTINGS, field)
         origin = Origin(OriginKind.SETTINGS, f"default tier for {kind} callers ({field})")
         snapshot.default_tiers[kind] = Assignment(name, origin)
