@@ -71,9 +71,14 @@ def token_bucket_bound(p: Policy, elapsed_us: int) -> int:
 
 
 def stored(client: redis.Redis, key: str, algorithm: Algorithm = Algorithm.TOKEN_BUCKET) -> State:
+    """The state at ``key``, without the terms it records (a bucket's capacity, a window's limit and period)."""
     raw = client.get(key)
     assert isinstance(raw, bytes), f"{key} is missing"
-    return read_state(algorithm, raw)
+    return counts_of(algorithm, read_state(algorithm, raw))
+
+
+def counts_of(algorithm: Algorithm, state: State) -> State:
+    return state[:1] if algorithm is Algorithm.TOKEN_BUCKET else state[:-2]
 
 
 def windows_spanned(p: Policy, start_us: int, end_us: int) -> int:
@@ -279,12 +284,14 @@ def test_boundary_with_exact_clock(redis_server: RedisServer, redis_client: redi
 
     assert before == 100  # a fresh limit admits its whole capacity
     if algorithm is Algorithm.TOKEN_BUCKET:
-        assert state is not None and read_state(algorithm, state) == (BEFORE + 100 * limit.rate.interval_us,)
+        assert state is not None and counts_of(algorithm, read_state(algorithm, state)) == (
+            BEFORE + 100 * limit.rate.interval_us,
+        )
         bound = token_bucket_bound(limit, AFTER - BEFORE)
         assert bound == 100
         assert total == bound
     elif algorithm is Algorithm.SLIDING_WINDOW:
-        assert state is not None and read_state(algorithm, state) == (K - 1, 100, 0)
+        assert state is not None and counts_of(algorithm, read_state(algorithm, state)) == (K - 1, 100, 0)
         elapsed_in_window = AFTER - K * SECOND
         # room after = floor(limit - previous * (period - elapsed) / period), exact in integers
         room = (rate_limit * period - before * (period - elapsed_in_window)) // period

@@ -10,20 +10,31 @@ and the Redis URL is the test's own server. Then, over HTTP on ``runserver``:
 - a django-ratelimit-style ``@ratelimit(key="ip", rate=...)`` enforced on a plain view;
 - the 429 contract: status, ``Retry-After``, the problem body, the headers;
 - a bad setting failing ``manage.py check`` under its own id;
-- a database whose migrations were never run: no 5xx over 100 requests, the settings' limits held.
+- a database whose migrations were never run: no 5xx over 100 requests, the settings' limits held;
+- usage: a request made now is in every reader (``GET /v1/usage`` at every granularity,
+  ``/v1/rate_limit``'s ``today``, the admin's usage report) within 5 s, and once its minute has
+  closed the drain the README's fourth step schedules moves it into the database: with
+  ``manage.py ratelimits_drain`` beside the server, and with a Celery worker and beat on RabbitMQ
+  (the project's Celery module as Celery's Django guide writes it, plus ``install_beat_schedule``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import csv
+import http.cookiejar
+import io
 import json
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import sys
 import textwrap
+import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from base64 import b64encode
 from collections.abc import Iterator
@@ -31,12 +42,30 @@ from pathlib import Path
 
 import pytest
 
+from .support.celery_app import BROKER_URL, broker_reachable
 from .support.processes import REPO, Service
 from .support.redis_server import RedisServer, free_port
 
 pytestmark = pytest.mark.slow
 
 README_URL = "redis://127.0.0.1:6379/0"
+ROOT_PASSWORD = "fresh-" + secrets.token_hex(8)
+#: The README's fourth step with Celery: the project's Celery module as Celery's Django guide
+#: writes it, and the one line the step adds.
+CELERY_MODULE = """
+import os
+
+from celery import Celery
+
+from ratelimits.periodic import install_beat_schedule
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "mysite.settings")
+
+app = Celery("mysite")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+app.autodiscover_tasks()
+install_beat_schedule(app)
+"""
 #: What the wheel may bring into a virtualenv: its runtime requirements and theirs, nothing of CI's.
 RUNTIME = {"django-ratelimits", "django", "djangorestframework", "redis", "asgiref", "sqlparse", "async-timeout"}
 RUNTIME |= {"typing-extensions", "typing_extensions", "tzdata"}
@@ -48,7 +77,10 @@ from rest_framework.decorators import api_view, throttle_scope
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from django.contrib import admin
+
 from ratelimits.decorators import ratelimit
+from ratelimits.views import RateLimitStatusView, UsageView
 
 
 class Plain(APIView):
@@ -79,6 +111,10 @@ urlpatterns = [
     path("api/uploads", Uploads.as_view()),
     path("api/search", search),
     path("login", login),
+    # The app's customer API, routed as its docs say, and the admin startproject had.
+    path("v1/usage", UsageView.as_view()),
+    path("v1/rate_limit", RateLimitStatusView.as_view()),
+    path("admin/", admin.site.urls),
 ]
 """
 #: The project's throttle rates, as it had them under DRF's throttles; and what the test varies.
@@ -89,6 +125,12 @@ REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"] = {"anon": "4/min", "user": "3/min", "u
 ROOT_URLCONF = "mysite.api"
 # Each check below is its own client: the test speaks for them through this one trusted proxy.
 RATELIMITS["IDENTITY"] = {"TRUSTED_PROXIES": ["127.0.0.1"]}
+# Reading usage is not use: the readers' calls are not limited, nor counted.
+RATELIMITS["POLICIES"] = {"EXEMPT_ENDPOINTS": ["usage"]}
+if os.environ.get("FRESH_CELERY_QUEUE"):  # the Celery variant: Celery's Django guide, and a queue of the run's own
+    CELERY_BROKER_URL = os.environ["FRESH_CELERY_BROKER"]
+    CELERY_TASK_DEFAULT_QUEUE = os.environ["FRESH_CELERY_QUEUE"]
+    RATELIMITS["USAGE"] = {"DRAIN_EVERY": "2s"}  # the documented cadence setting, short for the test
 if os.environ.get("FRESH_BAD_RATE"):
     RATELIMITS["TIERS"] = {"anonymous": {"rate": "0/s"}, "authenticated": {"rate": "5/s"}}
 if os.environ.get("FRESH_DATABASE"):
@@ -159,7 +201,8 @@ def project(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[t
                 "manage.py",
                 "shell",
                 "-c",
-                "from django.contrib.auth.models import User; User.objects.create_user('ada', password='lovelace')",
+                "from django.contrib.auth.models import User; User.objects.create_user('ada', password='lovelace'); "
+                f"User.objects.create_superuser('root', 'root@example.com', {ROOT_PASSWORD!r})",
             ],
             cwd=site,
         )
@@ -270,3 +313,111 @@ def test_a_database_never_migrated_gives_no_5xx_and_the_settings_limits_hold(
     assert statuses[:4] == [200] * 4 and set(statuses[4:]) == {429}  # DRF's anon rate, from the settings
     assert log.count("the policy tables cannot be read") == 1, log[-4000:]
     assert "run manage.py migrate" in log
+
+
+# -- usage, in every reader, and drained ---------------------------------------------------------------
+
+
+def admin_opener(base: str) -> urllib.request.OpenerDirector:
+    """A browser's session in the admin, logged in as the superuser (its login form, its CSRF token)."""
+    opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(http.cookiejar.CookieJar()))
+    login = base + "/admin/login/"
+    form = opener.open(login, timeout=10).read().decode()
+    match = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', form)
+    assert match, form[:2000]
+    fields = {"csrfmiddlewaretoken": match[1], "username": "root", "password": ROOT_PASSWORD, "next": "/admin/"}
+    with opener.open(urllib.request.Request(login, data=urllib.parse.urlencode(fields).encode()), timeout=10) as page:
+        assert page.url.endswith("/admin/"), page.url
+    return opener
+
+
+def readers(base: str, admin: urllib.request.OpenerDirector, client: str) -> dict[str, int | bool]:
+    """What each reader says ``client`` was allowed today, and whether the customer API's rows are live."""
+    today = time.strftime("%Y-%m-%dT00:00:00Z", time.gmtime())
+    tomorrow = time.strftime("%Y-%m-%dT00:00:00Z", time.gmtime(time.time() + 86_400))
+    found: dict[str, int | bool] = {}
+    live = False
+    for granularity in ("minute", "hour", "day"):
+        query = urllib.parse.urlencode({"granularity": granularity, "from": today, "to": tomorrow})
+        status, _, body = call(base, f"/v1/usage?{query}", client=client)
+        assert status == 200, body
+        rows = json.loads(body)["results"]
+        found[f"usage by {granularity}"] = sum(row["allowed"] for row in rows)
+        live = live or any(row["live"] for row in rows)
+    status, _, body = call(base, "/v1/rate_limit?endpoint=search", client=client)
+    assert status == 200, body
+    found["today"] = json.loads(body)["today"]["allowed"]
+    query = urllib.parse.urlencode(
+        {"subject": f"ip:{client}", "granularity": "minute", "from": today, "to": tomorrow, "format": "csv"}
+    )
+    with admin.open(f"{base}/admin/ratelimits/fleetsettings/usage/?{query}", timeout=10) as response:
+        header, *rows = csv.reader(io.StringIO(response.read().decode()))
+    found["admin report"] = sum(int(row[header.index("Allowed")]) for row in rows)
+    found["live"] = live
+    return found
+
+
+def drained(base: str, admin: urllib.request.OpenerDirector) -> bool:
+    with admin.open(f"{base}/admin/ratelimits/fleetsettings/usage/", timeout=10) as response:
+        return "The last drain moved counters into the database at" in response.read().decode()
+
+
+def usage_reaches_every_reader_and_the_database(base: str, client: str, drain: Service) -> None:
+    admin = admin_opener(base)
+    sent = time.monotonic()
+    assert codes(base, "/api/plain", 3, client=client) == [200, 200, 200]
+    expected = {"usage by minute": 3, "usage by hour": 3, "usage by day": 3, "today": 3, "admin report": 3}
+    seen = readers(base, admin, client)
+    while any(seen[name] != count for name, count in expected.items()):
+        assert time.monotonic() - sent < 5.0, seen  # within 5 s of the request
+        time.sleep(0.1)
+        seen = readers(base, admin, client)
+    assert seen["live"] is True  # not drained yet: read from the store, and said so
+    # Once the minute has closed, the drain moves it into the database: the same counts, from rows.
+    deadline = time.monotonic() + 150
+    while not (drained(base, admin) and readers(base, admin, client) == {**expected, "live": False}):
+        assert time.monotonic() < deadline, (readers(base, admin, client), drain.tail())
+        assert drain.running, drain.tail()
+        time.sleep(1.0)
+
+
+def test_usage_reaches_every_reader_and_the_sidecar_drains_it(
+    project: tuple[Path, Path, RedisServer], tmp_path: Path
+) -> None:
+    site, python, _ = project
+    sidecar = Service("drain", [str(python), "manage.py", "ratelimits_drain", "--every", "1s"], tmp_path, cwd=site)
+    sidecar.start(env=newcomers_env())
+    try:
+        with serving(project, tmp_path) as (base, _):
+            usage_reaches_every_reader_and_the_database(base, "203.0.113.7", sidecar)
+    finally:
+        sidecar.stop()
+
+
+def test_usage_reaches_every_reader_and_celery_beat_drains_it(
+    project: tuple[Path, Path, RedisServer], tmp_path: Path
+) -> None:
+    """Last in the module: it makes the project a Celery project, undone afterwards."""
+    if not broker_reachable():
+        pytest.skip(f"no AMQP broker at {BROKER_URL} (set RATELIMITS_TEST_BROKER_URL)")
+    site, python, _ = project
+    run([str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q", "celery>=5.4"])
+    package = site / "mysite"
+    init = (package / "__init__.py").read_text(encoding="utf-8")
+    (package / "celery.py").write_text(CELERY_MODULE.lstrip(), encoding="utf-8")
+    (package / "__init__.py").write_text(init + "\nfrom .celery import app as celery_app\n", encoding="utf-8")
+    queue = f"fresh-{secrets.token_hex(4)}"
+    env = newcomers_env(FRESH_CELERY_QUEUE=queue, FRESH_CELERY_BROKER=BROKER_URL)
+    celery = str(python.parent / "celery")
+    worker = Service(
+        "celery", [celery, "-A", "mysite", "worker", "-B", "-l", "info", "-Q", queue, "-c", "1"], tmp_path, cwd=site
+    )
+    worker.start(env=env)
+    try:
+        worker.wait_for_log(r"Task ratelimits\.drain_usage\[[^]]+\] succeeded", 90, "a drain sent by beat")
+        with serving(project, tmp_path, FRESH_CELERY_QUEUE=queue, FRESH_CELERY_BROKER=BROKER_URL) as (base, _):
+            usage_reaches_every_reader_and_the_database(base, "203.0.113.8", worker)
+    finally:
+        worker.stop()
+        (package / "__init__.py").write_text(init, encoding="utf-8")
+        (package / "celery.py").unlink()

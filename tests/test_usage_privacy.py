@@ -111,7 +111,11 @@ def test_no_raw_identity_is_stored_in_redis_and_the_drained_rows_carry_the_label
     caller = APIClient()
     caller.credentials(HTTP_AUTHORIZATION="Bearer sk_privacy_0")
     listed = caller.get("/v1/usage?granularity=minute").json()
-    assert [(r["endpoint"], r["allowed"]) for r in listed["results"]] == [("customers", 1)]
+    # The drained row, and this very call, counted live (reading usage is itself a request counted).
+    assert [(r["endpoint"], r["allowed"], r["live"]) for r in listed["results"]] == [
+        ("customers", 1, False),
+        ("usage", 1, True),
+    ]
 
 
 def test_labels_are_written_at_once_at_first_then_about_once_a_second() -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from ..backends import Backend, get_backend
+from ..conf import conf
 from ..counters import caller_rows
 from ..exceptions import BackendUnavailable
 from ..identity import Subject
@@ -98,6 +99,8 @@ def read_live(
     minutes = live_minutes(start, end, time.time() if now is None else now)
     if not minutes:
         return Live()
+    if not conf.enabled:  # switched off, nothing is counted, and the store is not asked
+        return Live(minutes=tuple(datetime.fromtimestamp(m * 60, tz=UTC) for m in reversed(minutes)))
     starts = tuple(datetime.fromtimestamp(minute * 60, tz=UTC) for minute in reversed(minutes))
     try:
         prefix = caller_rows(caller) if caller is not None else ""
