@@ -8,12 +8,14 @@ returns an :class:`Outcome` without side effects; backends decide whether to sto
 A state records the terms it was written in (a bucket's capacity, a window's limit and period).
 When a policy changes, its state is read in the new terms by the share already used: a bucket
 half spent is half spent under the new rate and burst, a window a third used is a third used of
-the new limit. Raising a limit so never lengthens a wait (the arrival time a strict policy left,
-read under a looser one's emission interval, would), and lowering one never admits more than the
-new burst. A state written in the same terms reads exactly as before: the conversion runs only
-when the terms differ. A converted state is stored by the first call that consumes, admitted or
-not (:attr:`Outcome.converted`): from then on it drains at the new rate, so the wait a denial
-names is the wait there is (read again under the old terms, it would drain at the old rate).
+the new limit (with another period, no more than the count itself). Raising a limit so never
+lengthens a bucket's wait (the arrival time a strict policy left, read under a looser one's
+emission interval, would), nor, within the same window, a window's; lowering one never admits
+more than the new burst. A state written in the same terms reads exactly as before: the
+conversion runs only when the terms differ. A converted state is stored by the first call that
+consumes, admitted or not (:attr:`Outcome.converted`): from then on it drains at the new rate,
+so the wait a denial names is the wait there is (read again under the old terms, it would drain
+at the old rate).
 """
 
 from __future__ import annotations
@@ -160,7 +162,8 @@ def fixed_window(state: State | None, now: int, limit: int, period_us: int, burs
         if _other_terms(state, 2, limit, period_us):
             # Written under another limit or window: the same share of the new limit, while its
             # window (in its own terms) is still the current one.
-            count = _share(state[1], limit, state[2]) if state[0] == now // state[3] else 0
+            same = state[3] == period_us
+            count = _share(state[1], limit, state[2], same) if state[0] == now // state[3] else 0
             converted = (window, count, limit, period_us)
         elif state[0] == window:
             count = int(state[1])
@@ -183,11 +186,11 @@ def _roll(state: State | None, now: int, window: int, limit: int, period_us: int
     if _other_terms(state, 3, limit, period_us):
         # Written under another limit or window: its windows seen from now in their own terms,
         # each count as the same share of the new limit.
-        old_limit, old_window = state[3], now // state[4]
+        old_limit, old_window, same = state[3], now // state[4], state[4] == period_us
         if stored_window == old_window:
-            return _share(current, limit, old_limit), _share(previous, limit, old_limit)
+            return _share(current, limit, old_limit, same), _share(previous, limit, old_limit, same)
         if stored_window == old_window - 1:
-            return 0, _share(current, limit, old_limit)
+            return 0, _share(current, limit, old_limit, same)
         return 0, 0
     if stored_window == window:
         return int(current), int(previous)
@@ -196,9 +199,14 @@ def _roll(state: State | None, now: int, window: int, limit: int, period_us: int
     return 0, 0
 
 
-def _share(count: float, limit: int, old_limit: float) -> int:
-    """``count`` of ``old_limit``, as the same share of ``limit``: rounded up, never to admit more."""
-    return math.ceil(count * limit / old_limit)
+def _share(count: float, limit: int, old_limit: float, same_period: bool) -> int:
+    """``count`` of ``old_limit``, as the same share of ``limit``: rounded up, never to admit more.
+
+    With another period, no more than ``count`` itself: 10 of 10 a minute are 10 requests of a new
+    1000 an hour, not the whole hour's (which would lock the caller out for the rest of it).
+    """
+    shared = math.ceil(count * limit / old_limit)
+    return shared if same_period else min(shared, int(count))
 
 
 def _estimate(previous: int, current: int, elapsed: int, period_us: int) -> float:

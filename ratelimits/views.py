@@ -61,7 +61,7 @@ class UsageView(ListAPIView):  # type: ignore[type-arg]
     no parameter can name another subject. Paginated with ``limit`` and ``offset``.
 
     One row per period, endpoint and tier that counted anything, read as the admin's usage report
-    reads it (:func:`ratelimits.usage.queries.endpoint_series`): the periods rolled up, those
+    reads it (:func:`ratelimits.usage.readers.endpoint_series`): the periods rolled up, those
     still summed from finer rows, and the minutes not drained yet (``live``), so a request made
     now is in every granularity at once.
     """

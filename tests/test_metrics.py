@@ -279,4 +279,7 @@ def test_a_throttled_burst_shows_in_metrics_summed_over_two_gunicorn_workers(fle
     assert seen == expected, f"metrics {seen}, responses {expected}"
     # Both workers decided some of the burst, and both report: one scrape sums the two.
     assert len(pids) == 2, pids
-    assert total(samples, "ratelimits_over_limit_total", endpoint=endpoint) == statuses[429]
+    # Each 429 is over one policy at least: the override, and with four threads at once sometimes
+    # the tier's concurrency limit too (a 429 over two policies counts twice, as docs/metrics.md says).
+    over = total(samples, "ratelimits_over_limit_total", endpoint=endpoint)
+    assert statuses[429] <= over <= 2 * statuses[429], (over, statuses)

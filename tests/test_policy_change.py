@@ -132,6 +132,20 @@ def test_a_window_keeps_the_share_used_through_a_change(backend: Any, clock: Fak
     assert [backend.decide([five]).allowed for _ in range(4)] == [True, True, True, False]
 
 
+@pytest.mark.parametrize("algorithm", [Algorithm.FIXED_WINDOW, Algorithm.SLIDING_WINDOW])
+def test_a_longer_window_takes_the_count_not_the_share(backend: Any, clock: FakeClock, algorithm: Algorithm) -> None:
+    """10 of 10 a minute used, 5m10s into the hour; raised to 1000 an hour: 10 of those used, not the
+    whole hour's (which would lock the caller out for 54 minutes, where the old terms said 50 s)."""
+    who = subject()
+    clock.advance(-clock.now % (3600 * SECOND) + 310 * SECOND)
+    minute = Check(Policy("p", Rate(10, 60 * SECOND), 10, algorithm), who)
+    assert all(backend.decide([minute]).allowed for _ in range(10))
+    assert 0 < wait_for(backend, minute) <= 60 * SECOND
+    hour = Check(Policy("p", Rate(1000, 3600 * SECOND), 1000, algorithm), who)
+    assert backend.decide([hour]).allowed
+    assert backend.decide([hour], consume=False).results[0].remaining == 1000 - 10 - 1 - 1
+
+
 # -- the properties -------------------------------------------------------------------------------
 
 
@@ -179,6 +193,24 @@ def test_a_changed_bucket_admits_no_more_than_the_new_burst_and_rate(
         clock.advance(wait)
         admitted += sum(backend.decide([check]).allowed for _ in range(requests))
         assert admitted <= new.burst + (clock.now - changed_at) * rate_per_us(new) + 1e-9
+
+
+@EXAMPLES
+@given(
+    algorithm=st.sampled_from([Algorithm.FIXED_WINDOW, Algorithm.SLIDING_WINDOW]),
+    data=st.data(),
+    before=traffic,
+)
+def test_raising_a_window_limit_never_refuses_what_the_old_terms_admitted(
+    backend: Any, clock: FakeClock, algorithm: Algorithm, data: st.DataObject, before: list[tuple[int, int]]
+) -> None:
+    """The same window, a higher limit: a request the old terms would admit, the new ones admit."""
+    old = data.draw(policies(algorithm))
+    new = Policy("p", Rate(data.draw(st.integers(old.rate.limit, 80)), old.rate.period_us), 1, algorithm)
+    who = subject()
+    drive(backend, clock, Check(old, who), before)
+    if wait_for(backend, Check(old, who)) == 0:
+        assert wait_for(backend, Check(new, who)) == 0
 
 
 @EXAMPLES

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import re
 import struct
 from importlib import resources
@@ -84,37 +83,33 @@ def test_the_codes_are_ordered_as_the_script_indexes_them() -> None:
     assert all(a.holds_slots == (a.code >= lua_constants(DECIDE)["CONCURRENCY"]) for a in Algorithm)
 
 
-@pytest.mark.parametrize("spent", [5, 2.5])
-def test_a_token_bucket_the_previous_layout_stored_carries_over(
-    redis_server: RedisServer, redis_client: redis.Redis, spent: float
+def test_a_token_bucket_of_a_previous_release_is_never_read(
+    redis_server: RedisServer, redis_client: redis.Redis
 ) -> None:
-    """Token buckets kept their keys: the decimal an earlier release wrote is read, not reset."""
+    """Buckets record their capacity under keys of a new name: a previous release's worker, mid-deploy,
+    never meets a value it cannot read, and this one never reads theirs (a bucket starts afresh once)."""
     clock = FakeClock()
     backend = RedisBackend(make_client(redis_server.url, 2.0, 2.0), clock=clock)
     check = Check(Policy("p", parse_rate("10/s"), 10), Subject(SubjectKind.IP, "198.51.100.2"))
-    tat = clock.now + spent * check.policy.rate.interval_us
-    redis_client.set(check.key(backend.prefix), repr(float(tat)), px=5000)  # as "%.17g" wrote it
-    decision = backend.decide([check])
-    assert decision.allowed and decision.results[0].remaining == 10 - math.ceil(spent) - 1
-    stored = redis_client.get(check.key(backend.prefix))
-    capacity = 10 * check.policy.rate.interval_us
-    assert stored is not None
-    assert read_state(Algorithm.TOKEN_BUCKET, stored) == (tat + check.policy.rate.interval_us, capacity)
+    key = check.key(backend.prefix)
+    assert key.endswith(":p:1c")
+    spent = repr(float(clock.now + 10 * check.policy.rate.interval_us))  # a full bucket, as 0.1 wrote it
+    redis_client.set(key.removesuffix("c"), spent, px=5000)
+    assert backend.decide([check]).results[0].remaining == 9  # the old key is not read
+    assert redis_client.get(key.removesuffix("c")) == spent.encode()  # nor written
 
 
 @pytest.mark.parametrize(
     ("algorithm", "old_value", "remaining"),
     [
-        (Algorithm.TOKEN_BUCKET, struct.pack("<d", 1_700_000_000_250_000.5), 6),  # the packed arrival time
-        (Algorithm.TOKEN_BUCKET, struct.pack("<ddB", 1_700_000_000_250_000.5, 100_000, 255), 6),  # given back to
         (Algorithm.SLIDING_WINDOW, struct.pack("<ddd", 1_700_000_000, 3, 0), 6),
         (Algorithm.FIXED_WINDOW, struct.pack("<dd", 1_700_000_000, 3), 6),
     ],
 )
-def test_every_state_the_previous_layouts_stored_carries_over(
+def test_every_window_the_previous_layouts_stored_carries_over(
     redis_server: RedisServer, redis_client: redis.Redis, algorithm: Algorithm, old_value: bytes, remaining: int
 ) -> None:
-    """A state written before states recorded their terms is read in the current policy's terms."""
+    """A window written before states recorded their terms is read in the current policy's terms."""
     clock = FakeClock()
     backend = RedisBackend(make_client(redis_server.url, 2.0, 2.0), clock=clock)
     check = Check(Policy("p", parse_rate("10/s"), 10, algorithm), Subject(SubjectKind.IP, "198.51.100.9"))
@@ -123,19 +118,18 @@ def test_every_state_the_previous_layouts_stored_carries_over(
     decision = backend.decide([check])
     assert decision.allowed and decision.results[0].remaining == remaining
     stored = redis_client.get(check.key(backend.prefix))
-    # Written anew with its terms: a bucket's capacity (10 intervals of 0.1 s), a window's limit and period.
-    terms = (1e6,) if algorithm is Algorithm.TOKEN_BUCKET else (10.0, 1e6)
-    assert stored is not None and read_state(algorithm, stored)[-len(terms) :] == terms
+    # Written anew with its terms: the window's limit and period.
+    assert stored is not None and read_state(algorithm, stored)[-2:] == (10.0, 1e6)
 
 
-def test_window_state_lives_under_new_keys_so_no_old_value_is_misread() -> None:
-    """Windows changed their layout: their keys changed name with it; a token bucket's did not."""
+def test_state_lives_under_keys_named_for_its_layout_so_no_old_value_is_misread() -> None:
+    """Windows' values went packed (b) after 0.1; token buckets' took their capacity (c)."""
     subject = Subject(SubjectKind.IP, "198.51.100.3")
     names = {
         algorithm: Check(Policy("p", parse_rate("10/s"), 10, algorithm), subject).key("rl")
         for algorithm in RATE_ALGORITHMS
     }
-    assert names[Algorithm.TOKEN_BUCKET].endswith(":p:1")
+    assert names[Algorithm.TOKEN_BUCKET].endswith(":p:1c")
     assert names[Algorithm.SLIDING_WINDOW].endswith(":p:2b") and names[Algorithm.FIXED_WINDOW].endswith(":p:3b")
 
 

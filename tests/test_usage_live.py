@@ -16,6 +16,7 @@ from django.test import Client
 from rest_framework.test import APIClient
 
 from ratelimits import engine
+from ratelimits.backends.cluster import ClusterBackend
 from ratelimits.backends.redis import RedisBackend, make_client
 from ratelimits.counters import ALLOWED, LIMITED, caller_rows, parse_field, usage_for
 from ratelimits.identity import Subject, SubjectKind
@@ -93,6 +94,10 @@ def test_a_peek_for_one_caller_reads_their_rows_alone(backend: Any) -> None:
     # The prefix is JSON, '["ip","<digest>",': Redis's MATCH must read its "[" literally.
     backend.add_usage({(MINUTE, row + ALLOWED): n + 1 for n, row in enumerate([*mine, *others])})
     prefix = caller_rows(Subject(SubjectKind.IP, "198.51.100.9"))
+    if isinstance(backend, ClusterBackend):  # any slot's hash may hold them: not read per caller
+        with pytest.raises(NotImplementedError, match="drained so far only"):
+            backend.peek_usage([MINUTE], 1000, row_prefix=prefix)
+        return
     peek = backend.peek_usage([MINUTE], 1000, row_prefix=prefix)
     assert metrics(peek.counts) == {MINUTE: {mine[0] + ALLOWED: 1, mine[1] + ALLOWED: 2}}
     assert all(field.startswith(prefix) for field in peek.counts[MINUTE])

@@ -533,7 +533,16 @@ class ClusterBackend(RedisBackend):
         return sorted(batches, key=lambda batch: batch[1])
 
     def peek_usage(self, minutes: Sequence[int], max_fields: int, *, row_prefix: str = "") -> UsagePeek:
-        """Every slot's hash of ``minutes``, found as :meth:`claim_usage` finds them, read in the minutes' order."""
+        """Every slot's hash of ``minutes``, found as :meth:`claim_usage` finds them, read in the minutes' order.
+
+        Not for one caller's rows (``row_prefix``): a caller's counters may be in any slot's hash, and
+        finding them would scan every master's keyspace on each customer read.
+        """
+        if row_prefix:
+            raise NotImplementedError(
+                "a Redis Cluster does not read one caller's live counters (it would scan every node): "
+                "the minutes drained so far only"
+            )
         wanted = {minute: n for n, minute in enumerate(minutes)}
         keys: list[tuple[int, int, str]] = []  # (the minute's place in ``minutes``, minute, key)
         counts: dict[int, dict[str, int]] = {}

@@ -95,25 +95,21 @@ _LEASE = struct.Struct("<d")
 
 
 #: How ``lua/decide.lua`` packs each rate algorithm's state (``GCRA_STATE`` and the others there),
-#: with the terms it was written in, and how the previous layouts did, without them.
+#: with the terms it was written in, and how the windows' previous layouts did, without them.
 STATE_FORMATS = {
     Algorithm.TOKEN_BUCKET: struct.Struct("<dd"),
     Algorithm.SLIDING_WINDOW: struct.Struct("<ddddd"),
     Algorithm.FIXED_WINDOW: struct.Struct("<dddd"),
 }
-_OLD_STATE_FORMATS = {
-    Algorithm.TOKEN_BUCKET: struct.Struct("<d"),
+_OLD_WINDOW_FORMATS = {
     Algorithm.SLIDING_WINDOW: struct.Struct("<ddd"),
     Algorithm.FIXED_WINDOW: struct.Struct("<dd"),
 }
 
 
 #: A token bucket a cluster refund gave back to: its arrival time, capacity, the us given back so
-#: far, and a last byte that is never a digit (``REFUNDED_STATE`` in ``lua/decide.lua``); before
-#: the capacity was recorded, without it.
+#: far, and a last byte of 255 (``REFUNDED_STATE`` in ``lua/decide.lua``).
 _REFUNDED = struct.Struct("<dddB")
-_OLD_REFUNDED = struct.Struct("<ddB")
-_REFUNDED_MARK = 255
 
 
 def read_state(algorithm: Algorithm, value: bytes) -> State:
@@ -121,19 +117,14 @@ def read_state(algorithm: Algorithm, value: bytes) -> State:
 
     The same tuples :mod:`ratelimits.algorithms` takes: a token bucket's ``(theoretical arrival
     time, capacity)``, a sliding window's ``(window index, current count, previous count, limit,
-    period)``, a fixed window's ``(window index, count, limit, period)``. A value the previous
-    layouts wrote reads without its terms (``(tat,)``, ``(window, current, previous)``,
-    ``(window, count)``), as the script reads it.
+    period)``, a fixed window's ``(window index, count, limit, period)``. A window value of the
+    previous layout reads without its terms (``(window, current, previous)``, ``(window, count)``),
+    as the script reads it.
     """
-    layout, old = STATE_FORMATS[algorithm], _OLD_STATE_FORMATS[algorithm]
-    if algorithm is Algorithm.TOKEN_BUCKET:
-        if value[-1] == _REFUNDED_MARK and len(value) == _REFUNDED.size:  # a cluster refund gave back to it
-            return _REFUNDED.unpack(value)[:2]
-        if value[-1] == _REFUNDED_MARK and len(value) == _OLD_REFUNDED.size:
-            return _OLD_REFUNDED.unpack(value)[:1]
-        if value[-1] <= ord("9"):  # a decimal arrival time: no packed double ends in a digit
-            return (float(value),)
-    return (layout if len(value) == layout.size else old).unpack(value)
+    if algorithm is Algorithm.TOKEN_BUCKET and len(value) == _REFUNDED.size:  # a cluster refund gave back to it
+        return _REFUNDED.unpack(value)[:2]
+    layout = STATE_FORMATS[algorithm]
+    return (layout if len(value) == layout.size else _OLD_WINDOW_FORMATS[algorithm]).unpack(value)
 
 
 def _glob_escaped(text: str) -> str:
@@ -367,9 +358,18 @@ class RedisBackend(Backend):
     def peek_usage(self, minutes: Sequence[int], max_fields: int, *, row_prefix: str = "") -> UsagePeek:
         counts: dict[int, dict[str, int]] = {}
         left = max_fields
+        keys = [layout.usage_key(self.prefix, minute) for minute in minutes]
         with self._store():
-            for minute in minutes:
-                fields, complete = self._scan_hash(layout.usage_key(self.prefix, minute), left, row_prefix)
+            # Which minutes have counters, in one round trip: a reader asks for up to an hour of them,
+            # of which a drain that keeps up leaves one or two.
+            with self.client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.exists(key)
+                present = pipe.execute()
+            for minute, key, exists in zip(minutes, keys, present, strict=True):
+                if not exists:
+                    continue
+                fields, complete = self._scan_hash(key, left, row_prefix)
                 if fields:
                     counts[minute] = fields
                     left -= len(fields)

@@ -32,16 +32,15 @@
 -- in, so that a changed policy reads it by the share already used (ratelimits/algorithms.py):
 -- a raised limit never waits longer, a lowered one never admits more than its new burst.
 --   GCRA           the theoretical arrival time and the capacity (burst x emission interval), us,
---                  packed (16 bytes; the last, the capacity's sign and exponent, never a digit).
---                  A bucket a cluster refund has given back to (lua/refund.lua) holds 25: those
---                  two, the us given back to it so far, and 255, kept from then on.
---                  The previous layouts carry over, read in the current policy's terms: the
---                  arrival time alone, in decimal or as 8 packed bytes, or with what was given
---                  back (17 bytes, ending in 255).
+--                  packed (16 bytes), under keys of layout letter c (a previous release's
+--                  script, mid-deploy, never meets one). A bucket a cluster refund has given
+--                  back to (lua/refund.lua) holds 25: those two, the us given back to it so far,
+--                  and 255, kept from then on.
 --   sliding window window index, current count, previous count, limit, period (us), packed
---                  (40 bytes; the previous layout's 24, without the last two, carry over)
+--                  (40 bytes; the previous layout's 24, without the last two, carry over, read in
+--                  the current policy's terms; the previous release reads a new one's prefix)
 --   fixed window   window index, count, limit, period (us), packed (32 bytes; the previous
---                  layout's 16, without the last two, carry over)
+--                  layout's 16 likewise)
 --   global bucket  a global policy's token bucket (layout letter g): tokens, time (us), the
 --                  region's share it was last spent at, the limit's rate (tokens per us) and
 --                  burst, packed (40 bytes). Tokens, not an arrival time: a share change must
@@ -78,8 +77,8 @@ local GCRA_STATE, SLIDING_STATE, FIXED_STATE = '<dd', '<ddddd', '<dddd'
 -- A bucket given back to: arrival time, capacity, us given back so far, and a last byte no
 -- decimal has. Also each check's REFUNDABLE part.
 local REFUNDED_STATE, REFUNDED_MARK, REFUNDABLE = '<dddB', 255, '<dd'
--- The previous layouts, without their terms (a 17-byte decimal arrival time is 300 years away).
-local OLD_GCRA, OLD_REFUNDED, OLD_SLIDING, OLD_FIXED = '<d', '<ddB', '<ddd', '<dd'
+-- The windows' previous layouts, without their terms.
+local OLD_SLIDING, OLD_FIXED = '<ddd', '<dd'
 local LEASE = '<d'
 -- SHARE_SIZE: a record's header (ratelimits/shares.py), before its vector of every region's share.
 local GLOBAL_STATE, SHARE, SHARE_SIZE = '<ddddd', '<ddddd', 48
@@ -96,8 +95,7 @@ local EPSILON = 1e-9
 -- How many ARGV come before the checks' TTLs.
 local HEADER = 4
 
-local unpack_args, pack, byte = struct.unpack, struct.pack, string.byte
-local DIGIT_9 = 57
+local unpack_args, pack = struct.unpack, struct.pack
 local now, consume, tokens, usage_ttl, usage_cap, globals, pos = unpack_args(REQUEST, ARGV[1])
 if now < 0 then
   local t = redis.call('TIME')
@@ -174,18 +172,11 @@ local function token_bucket(value, limit, period, burst, cost)
   local capacity = burst * interval
   local tat, refunded = now, 0
   if value then
-    local written = capacity  -- the capacity it was written under (a previous layout's: this one)
-    local size = #value
-    if size == 16 and byte(value, 16) > DIGIT_9 then
-      tat, written = unpack_args(GCRA_STATE, value)
-    elseif size == 25 and byte(value, 25) == REFUNDED_MARK then
+    local written  -- the capacity it was written under
+    if #value == 25 then
       tat, written, refunded = unpack_args(REFUNDED_STATE, value)
-    elseif size == 17 and byte(value, 17) == REFUNDED_MARK then
-      tat, refunded = unpack_args(OLD_REFUNDED, value)
-    elseif size == 8 and byte(value, 8) > DIGIT_9 then
-      tat = unpack_args(OLD_GCRA, value)
     else
-      tat = tonumber(value)
+      tat, written = unpack_args(GCRA_STATE, value)
     end
     if tat <= now then
       tat = now
@@ -223,9 +214,12 @@ local function token_bucket(value, limit, period, burst, cost)
   return true, remaining, ceil(new_tat - now), 0, state
 end
 
--- A window's count under old_limit, as the same share of limit: rounded up, never to admit more.
-local function share(count, old_limit, limit)
-  return ceil(count * limit / old_limit)
+-- A window's count under old_limit, as the same share of limit: rounded up, never to admit more;
+-- with another period, no more than the count itself (algorithms.py, _share).
+local function share(count, old_limit, limit, same_period)
+  local shared = ceil(count * limit / old_limit)
+  if same_period or shared < count then return shared end
+  return count
 end
 
 local function sliding_window(value, limit, period, burst, cost)
@@ -241,11 +235,11 @@ local function sliding_window(value, limit, period, burst, cost)
     end
     if old_limit ~= limit or old_period ~= period then
       -- Written under another limit or window: its windows seen from now in their own terms.
-      local old_window = split(old_period)
+      local old_window, same = split(old_period), old_period == period
       if w == old_window then
-        current, previous = share(c, old_limit, limit), share(p, old_limit, limit)
+        current, previous = share(c, old_limit, limit, same), share(p, old_limit, limit, same)
       elseif w == old_window - 1 then
-        previous = share(c, old_limit, limit)
+        previous = share(c, old_limit, limit, same)
       end
       converted = pack(SLIDING_STATE, window, current, previous, limit, period)
     elseif w == window then
@@ -284,7 +278,7 @@ local function fixed_window(value, limit, period, burst, cost)
     end
     if old_limit ~= limit or old_period ~= period then
       -- Written under another limit or window: the same share, while its window is current.
-      if w == split(old_period) then count = share(c, old_limit, limit) end
+      if w == split(old_period) then count = share(c, old_limit, limit, old_period == period) end
       converted = pack(FIXED_STATE, window, count, limit, period)
     elseif w == window then
       count = c

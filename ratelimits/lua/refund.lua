@@ -48,12 +48,11 @@ local TOKEN_BUCKET, SLIDING_WINDOW, FIXED_WINDOW = 1, 2, 3
 -- A global policy's bucket state (GLOBAL_STATE in lua/decide.lua): tokens, time, share, rate, burst.
 local GLOBAL_STATE, GLOBAL_SIZE = '<ddddd', 40
 local NOW, CHECK = '<d', '<Bddddddd'
--- As decide.lua's: the layouts with their terms, and the previous ones, read in the check's terms.
+-- As decide.lua's: the layouts with their terms, and the windows' previous ones, read in the check's terms.
 local GCRA_STATE, SLIDING_STATE, FIXED_STATE = '<dd', '<ddddd', '<dddd'
 local REFUNDED_STATE, REFUNDED_MARK = '<dddB', 255
-local OLD_GCRA, OLD_REFUNDED, OLD_SLIDING, OLD_FIXED = '<d', '<ddB', '<ddd', '<dd'
-local DIGIT_9 = 57
-local unpack_args, pack, byte = struct.unpack, struct.pack, string.byte
+local OLD_SLIDING, OLD_FIXED = '<ddd', '<dd'
+local unpack_args, pack = struct.unpack, struct.pack
 local floor, max, min = math.floor, math.max, math.min
 
 local now, pos = unpack_args(NOW, ARGV[1])
@@ -94,18 +93,12 @@ for i = 1, n do
         end
       elseif algorithm == TOKEN_BUCKET then
         local capacity = burst * (period / limit)  -- as decide.lua computes it
-        local tat, written, refunded = nil, capacity, 0
-        local size = #value
-        if size == 16 and byte(value, 16) > DIGIT_9 then
-          tat, written = unpack_args(GCRA_STATE, value)
-        elseif size == 25 and byte(value, 25) == REFUNDED_MARK then
+        local tat, written, refunded
+        if #value == 25 then
           tat, written, refunded = unpack_args(REFUNDED_STATE, value)
-        elseif size == 17 and byte(value, 17) == REFUNDED_MARK then
-          tat, refunded = unpack_args(OLD_REFUNDED, value)
-        elseif size == 8 and byte(value, 8) > DIGIT_9 then
-          tat = unpack_args(OLD_GCRA, value)
         else
-          tat = tonumber(value)
+          tat, written = unpack_args(GCRA_STATE, value)
+          refunded = 0
         end
         local outstanding = min(cost * period / limit, spent_tat - (refunded - given_back) - now)
         if written == capacity and outstanding > 0 and tat > now and refunded >= given_back then

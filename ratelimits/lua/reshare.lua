@@ -61,6 +61,8 @@ for i = 1, n do
     if state and #state == GLOBAL_SIZE then
       local held, spent_at, spent_share, spent_rate, spent_burst = unpack_args(GLOBAL_STATE, state)
       if rate <= 0 then rate, burst = spent_rate, spent_burst end
+      -- Written under another burst: the same share of the new one, as decide.lua reads it.
+      if spent_burst ~= burst then held = held * burst / spent_burst end
       if now > spent_at then held = held + (now - spent_at) * rate * math.min(old_share, spent_share) end
       held = math.min(held, burst * old_share, burst * new_share)
       redis.call('SET', state_key, pack(GLOBAL_STATE, held, now, new_share, rate, burst), 'KEEPTTL')

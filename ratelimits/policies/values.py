@@ -41,9 +41,11 @@ _POLICY_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,200}", re.ASCII)
 #: the state key's name. A new layout is a new letter, so the script never reads a value of
 #: another layout: the old keys expire unread (their subjects start afresh once, as after a
 #: Redis restart). ``b``: packed doubles, where the keys without a letter held decimal strings.
-#: A token bucket's keys kept their names: the script reads the decimal it stored before.
+#: ``c``: a token bucket's arrival time with the capacity it was written under. A new layout a
+#: worker of the previous release could misread (during a rolling deploy) is a new letter too;
+#: a longer window value, which that release reads by its prefix, kept its letter.
 STATE_LAYOUTS = {
-    Algorithm.TOKEN_BUCKET: "",
+    Algorithm.TOKEN_BUCKET: "c",
     Algorithm.SLIDING_WINDOW: "b",
     Algorithm.FIXED_WINDOW: "b",
     Algorithm.CONCURRENCY: "",

@@ -11,6 +11,7 @@ from types import FrameType
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import close_old_connections
 
 from ...conf import conf
 from ...exceptions import ConfigurationError
@@ -79,6 +80,9 @@ class Command(BaseCommand):
 
     def _run(self, job: Job, *, shown: bool) -> None:
         """One run of ``job``, its result written if ``shown``; a failure logged, and the next run tried as usual."""
+        # As a request or a Celery task does: a connection the database closed (a restart, a
+        # failover, CONN_MAX_AGE) is dropped before the job, not used and failed on every run after.
+        close_old_connections()
         try:
             result = RUNS[job.task]()
         except Exception as exc:
