@@ -6,14 +6,15 @@
 -- decision does. What decide.lua costs beyond this is its own Lua.
 --
 -- KEYS[1]          policy version stamp; KEYS[1 + i] check i's state; KEYS[n + 2] the usage hash
--- ARGV[1]          the packed request (its first 8 bytes are written as every state)
+-- ARGV[1]          the packed request (its first 8 bytes, twice, are written as every state: 16
+--                  bytes, as a token bucket's, read back as a past arrival time)
 -- ARGV[2]          the usage row; ARGV[4 + i] check i's state TTL in milliseconds
 --
 -- Returns {now, version}.
 local t = redis.call('TIME')
 local n = #KEYS - 2
 local stored = redis.call('MGET', unpack(KEYS, 1, n + 1))
-local value = string.sub(ARGV[1], 1, 8)
+local value = string.rep(string.sub(ARGV[1], 1, 8), 2)
 for i = 1, n do
   redis.call('SET', KEYS[i + 1], value, 'PX', ARGV[4 + i])
 end

@@ -11,7 +11,7 @@ from types import FrameType
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.db import close_old_connections
+from django.db import connections
 
 from ...conf import conf
 from ...exceptions import ConfigurationError
@@ -80,9 +80,7 @@ class Command(BaseCommand):
 
     def _run(self, job: Job, *, shown: bool) -> None:
         """One run of ``job``, its result written if ``shown``; a failure logged, and the next run tried as usual."""
-        # As a request or a Celery task does: a connection the database closed (a restart, a
-        # failover, CONN_MAX_AGE) is dropped before the job, not used and failed on every run after.
-        close_old_connections()
+        _drop_broken_connections()
         try:
             result = RUNS[job.task]()
         except Exception as exc:
@@ -103,3 +101,15 @@ class Command(BaseCommand):
 
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, stopping)
+
+
+def _drop_broken_connections() -> None:
+    """Drop a connection the database closed (a restart, a failover) or that is past ``CONN_MAX_AGE``.
+
+    What Django does before each request and Celery before each task (``close_old_connections``),
+    so that a sidecar running for weeks does not fail every run after one outage; never inside a
+    transaction, which a caller (``call_command`` from code, a test) may hold open around the run.
+    """
+    for connection in connections.all(initialized_only=True):
+        if not connection.in_atomic_block:
+            connection.close_if_unusable_or_obsolete()
