@@ -100,8 +100,10 @@ def token_bucket(state: State | None, now: int, limit: int, period_us: int, burs
     if state is not None and state[0] > now:
         tat = state[0]
         if len(state) > 1 and state[1] != capacity:
-            # Written under another rate or burst: the same share of the burst is spent in the new terms.
-            tat = now + (tat - now) * capacity / state[1]
+            # Written under another rate or burst: the same share of the burst is spent in the new
+            # terms. At most all of it: an arrival time near 2026 is a double of 0.25 us resolution,
+            # and a debt rounded past the capacity would grow by the ratio of the capacities.
+            tat = now + min(tat - now, state[1]) * capacity / state[1]
             converted = (tat, capacity)
     new_tat = tat + cost * interval
     allow_at = new_tat - capacity
@@ -178,25 +180,34 @@ def _other_terms(state: State | None, at: int, limit: int, period_us: int) -> bo
     return state is not None and len(state) > at and (state[at] != limit or state[at + 1] != period_us)
 
 
-def _roll(state: State | None, now: int, window: int, limit: int, period_us: int) -> tuple[int, int]:
+def _roll(state: State | None, now: int, window: int, limit: int, period_us: int) -> tuple[float, float]:
     """(current, previous) counts as seen from ``window``, in the terms of ``limit`` per ``period_us``."""
     if state is None:
         return 0, 0
     stored_window, current, previous = state[0], state[1], state[2]
     if _other_terms(state, 3, limit, period_us):
         # Written under another limit or window: its windows seen from now in their own terms,
-        # each count as the same share of the new limit.
+        # each count as the same share of the new limit, exactly (the estimate weighs the previous
+        # window by a fraction anyway: rounding each count up would refuse, after a raise, a
+        # request the old terms admitted).
         old_limit, old_window, same = state[3], now // state[4], state[4] == period_us
         if stored_window == old_window:
-            return _share(current, limit, old_limit, same), _share(previous, limit, old_limit, same)
+            return _exact_share(current, limit, old_limit, same), _exact_share(previous, limit, old_limit, same)
         if stored_window == old_window - 1:
-            return 0, _share(current, limit, old_limit, same)
+            return 0, _exact_share(current, limit, old_limit, same)
         return 0, 0
+    # As stored: a count converted from other terms may be a fraction of a request.
     if stored_window == window:
-        return int(current), int(previous)
+        return current, previous
     if stored_window == window - 1:
-        return 0, int(current)
+        return 0, current
     return 0, 0
+
+
+def _exact_share(count: float, limit: int, old_limit: float, same_period: bool) -> float:
+    """A sliding window's count as the same share of ``limit`` (at most the count, with another period)."""
+    shared = count * limit / old_limit
+    return shared if same_period else min(shared, count)
 
 
 def _share(count: float, limit: int, old_limit: float, same_period: bool) -> int:
@@ -209,12 +220,12 @@ def _share(count: float, limit: int, old_limit: float, same_period: bool) -> int
     return shared if same_period else min(shared, int(count))
 
 
-def _estimate(previous: int, current: int, elapsed: int, period_us: int) -> float:
+def _estimate(previous: float, current: float, elapsed: int, period_us: int) -> float:
     # float() first: Lua multiplies in doubles, and Python's exact integers would round differently.
     return previous * float(period_us - elapsed) / period_us + current
 
 
-def _sliding_retry(previous: int, current: int, elapsed: int, period_us: int, limit: int, cost: int) -> int:
+def _sliding_retry(previous: float, current: float, elapsed: int, period_us: int, limit: int, cost: int) -> int:
     """Smallest wait after which the request fits, assuming nothing else is admitted meanwhile."""
     if cost > limit:
         raise ValueError(f"cost {cost} can never fit a limit of {limit}")
@@ -234,7 +245,9 @@ def _sliding_retry(previous: int, current: int, elapsed: int, period_us: int, li
     return wait_us
 
 
-def _fits_after(previous: int, current: int, elapsed: int, period_us: int, limit: int, cost: int, wait: int) -> bool:
+def _fits_after(
+    previous: float, current: float, elapsed: int, period_us: int, limit: int, cost: int, wait: int
+) -> bool:
     at = elapsed + wait
     if at < period_us:
         return _estimate(previous, current, at, period_us) + cost <= limit

@@ -181,8 +181,9 @@ local function token_bucket(value, limit, period, burst, cost)
     if tat <= now then
       tat = now
     elseif written ~= capacity then
-      -- Written under another rate or burst: the same share of the burst is spent in the new terms.
-      tat = now + (tat - now) * capacity / written
+      -- Written under another rate or burst: the same share of the burst is spent in the new
+      -- terms, at most all of it (a debt rounded past the capacity, algorithms.py).
+      tat = now + math.min(tat - now, written) * capacity / written
       if refunded > 0 then
         converted = pack(REFUNDED_STATE, tat, capacity, refunded, REFUNDED_MARK)
       else
@@ -214,10 +215,12 @@ local function token_bucket(value, limit, period, burst, cost)
   return true, remaining, ceil(new_tat - now), 0, state
 end
 
--- A window's count under old_limit, as the same share of limit: rounded up, never to admit more;
--- with another period, no more than the count itself (algorithms.py, _share).
-local function share(count, old_limit, limit, same_period)
-  local shared = ceil(count * limit / old_limit)
+-- A window's count under old_limit, as the same share of limit, with another period no more than
+-- the count itself: a fixed window's rounded up, never to admit more (algorithms.py, _share), a
+-- sliding window's exact (_exact_share).
+local function share(count, old_limit, limit, same_period, exact)
+  local shared = count * limit / old_limit
+  if not exact then shared = ceil(shared) end
   if same_period or shared < count then return shared end
   return count
 end
@@ -237,9 +240,9 @@ local function sliding_window(value, limit, period, burst, cost)
       -- Written under another limit or window: its windows seen from now in their own terms.
       local old_window, same = split(old_period), old_period == period
       if w == old_window then
-        current, previous = share(c, old_limit, limit, same), share(p, old_limit, limit, same)
+        current, previous = share(c, old_limit, limit, same, true), share(p, old_limit, limit, same, true)
       elseif w == old_window - 1 then
-        previous = share(c, old_limit, limit, same)
+        previous = share(c, old_limit, limit, same, true)
       end
       converted = pack(SLIDING_STATE, window, current, previous, limit, period)
     elseif w == window then
