@@ -7,7 +7,8 @@
 
 The demo runs under gunicorn on a private Redis and PostgreSQL database (``tests.support.demo``).
 Acme's key on ``GET /v1/customers`` (an override of 2/s, burst 5) is spent, then a client made by
-``ratelimits.client.session()`` with its default options sends the next request: the server
+``ratelimits.client.session()`` with its default options (but a retry budget it cannot
+exhaust) sends the next request: the server
 refuses it with its exact wait (``retry_after_ms``; ``Retry-After`` is that rounded up to whole
 seconds), the client sleeps and retries. Each retry's DEBUG line gives the advice it read and the
 delay it chose. Printed: the ratio delay / exact wait (median, p90, max), and how many retries were
@@ -22,9 +23,11 @@ import statistics
 import sys
 import time
 
-from project.payments.management.commands.seed_demo import DEMO_KEYS
 from ratelimits.client import session
 from tests.support.demo import demo_server
+
+#: The demo's seeded free key (project/payments/management/commands/seed_demo.py, the README).
+ACME = "sk_free_demo_acme_0000000000"
 
 
 class _Retries(logging.Handler):
@@ -44,14 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.client_wait", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=40, help="refusals to retry through (default 40)")
     options = parser.parse_args(argv)
-    acme = next(raw for _, tier, _, raw in DEMO_KEYS if tier == "free")
+    acme = ACME
     retries = _Retries()
     logger = logging.getLogger("ratelimits.client")
     logger.addHandler(retries)
     logger.setLevel(logging.DEBUG)
     refused_again = 0
     started = time.monotonic()
-    with demo_server("client-wait", workers=1, threads=2) as demo, session() as client:
+    # Default options but the retry budget, which would (rightly) stop a client retrying this often.
+    with demo_server("client-wait", workers=1, threads=2) as demo, session(budget_reserve=1e6) as client:
         url = f"http://127.0.0.1:{demo.port}/v1/customers"
         headers = {"Authorization": f"Bearer {acme}"}
         for n in range(options.rounds):
