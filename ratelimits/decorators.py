@@ -29,12 +29,13 @@ from django.utils.module_loading import import_string
 from .choices import FailMode
 from .conf import conf
 from .decisions import Decision, Result, Verdict, peek
+from .engine.bodies import BodyNotReceived
 from .engine.evaluation import adecide_checks, aevaluate, decide_checks, evaluate
 from .exceptions import ConfigurationError
 from .identity import Subject, SubjectKind, client_ip, remember, subject_of
 from .middleware import _auser, _is_drf_view, _set_headers, throttling
 from .policies.values import Check, Policy, check_for
-from .problems import problem_response
+from .problems import body_timeout_response, problem_response
 from .rates import Rate, check_burst, parse_rate
 
 __all__ = [
@@ -606,7 +607,10 @@ def _wrapped(view: View, stack: _Stack, group: str) -> View:
             user = getattr(request, "user", None) if reads_user else None
             asked = _ask(request, limits, user)
             endpoint = _endpoint(request, group)
-            decision = _decided(request, asked, consume=True, policies=policies, endpoint=endpoint, user=user)
+            try:
+                decision = _decided(request, asked, consume=True, policies=policies, endpoint=endpoint, user=user)
+            except BodyNotReceived as exc:
+                return body_timeout_response(exc.received, exc.expected, exc.timeout)
             outcome = _outcome(asked, decision)
         refused = _before(request, outcome)
         if refused is not None:

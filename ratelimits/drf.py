@@ -9,9 +9,22 @@ from rest_framework import exceptions
 from rest_framework.request import Request
 
 from .decisions import Decision
+from .problems import body_timeout_response
 from .problems import problem_response as decision_response
 
 __all__ = ["RateLimitUnavailable", "endpoint_name", "exception_handler", "problem_response"]
+
+
+class RequestBodyTimeout(exceptions.APIException):
+    """408: the request's body did not arrive within ``SHEDDING['BODY_TIMEOUT']``; nothing was taken for it."""
+
+    status_code = 408
+    default_detail = "Request body not received in time."
+    default_code = "request_body_timeout"
+
+    def __init__(self, received: int, expected: int, timeout: float) -> None:
+        super().__init__()
+        self.received, self.expected, self.timeout = received, expected, timeout
 
 
 class RateLimitUnavailable(exceptions.APIException):
@@ -43,6 +56,8 @@ def problem_response(exc: Exception, context: dict[str, Any]) -> HttpResponse | 
     """
     if isinstance(exc, RateLimitUnavailable):
         return decision_response(exc.decision)
+    if isinstance(exc, RequestBodyTimeout):
+        return body_timeout_response(exc.received, exc.expected, exc.timeout)
     if isinstance(exc, exceptions.Throttled):
         request = context.get("request")
         decision = getattr(request, "ratelimit", None) if request is not None else None

@@ -19,10 +19,11 @@ from django.http import HttpRequest, HttpResponse
 from .conf import require_app
 from .decisions import Decision
 from .engine import evaluate
+from .engine.bodies import BodyNotReceived
 from .engine.evaluation import aevaluate, early_refusals, endpoint_of, note_response, refuse_early
 from .engine.failed_auth import get_failed_authentication
 from .headers import rate_limit_headers
-from .problems import problem_response
+from .problems import body_timeout_response, problem_response
 
 __all__ = [
     "EarlyRejectionMiddleware",
@@ -37,8 +38,11 @@ View = TypeVar("View", bound=Callable[..., Any])
 
 
 def _limit(request: HttpRequest, endpoint: str) -> HttpResponse | None:
-    """Decide ``request``; return the 429/503 response if denied, else ``None``."""
-    _, decision = evaluate(request, endpoint=endpoint, user=getattr(request, "user", None))
+    """Decide ``request``; return the 429/503 response if denied (408 if its body never came), else ``None``."""
+    try:
+        _, decision = evaluate(request, endpoint=endpoint, user=getattr(request, "user", None))
+    except BodyNotReceived as exc:
+        return body_timeout_response(exc.received, exc.expected, exc.timeout)
     return _decided(request, decision)
 
 

@@ -10,7 +10,7 @@ from django.http import HttpResponse
 from .decisions import Decision, Verdict
 from .headers import rate_limit_headers, retry_after_seconds
 
-__all__ = ["CONTENT_TYPE", "problem_body", "problem_response"]
+__all__ = ["CONTENT_TYPE", "body_timeout_body", "body_timeout_response", "problem_body", "problem_response"]
 
 CONTENT_TYPE = "application/problem+json"
 # Problem types registered by the IETF RateLimit headers draft.
@@ -79,3 +79,19 @@ def problem_response(decision: Decision) -> HttpResponse:
         response[name] = value
     response["Retry-After"] = str(retry_after_seconds(decision))
     return response
+
+
+def body_timeout_body(received: int, expected: int, timeout: float) -> dict[str, Any]:
+    """The problem document for a request whose body did not arrive in time (408)."""
+    return {
+        "title": "Request body not received in time",
+        "status": 408,
+        "detail": f"{received} of {expected} bytes of the request body arrived in {timeout:g} s; send it again.",
+    }
+
+
+def body_timeout_response(received: int, expected: int, timeout: float) -> HttpResponse:
+    """A complete 408. (No ``Connection: close``, a hop-by-hop header WSGI servers refuse from an
+    application: the read side of the connection is shut already, so the server closes it.)"""
+    body = body_timeout_body(received, expected, timeout)
+    return HttpResponse(json.dumps(body), status=408, content_type=CONTENT_TYPE)

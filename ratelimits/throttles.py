@@ -12,8 +12,9 @@ from rest_framework.throttling import BaseThrottle
 
 from .conf import ProcessWide, conf, require_app
 from .decisions import Decision, Verdict
-from .drf import RateLimitUnavailable, endpoint_name
+from .drf import RateLimitUnavailable, RequestBodyTimeout, endpoint_name
 from .engine import evaluate
+from .engine.bodies import BodyNotReceived
 from .engine.evaluation import aevaluate
 from .exceptions import ConfigurationError
 from .headers import rate_limit_headers
@@ -96,14 +97,17 @@ class RateLimitThrottle(BaseThrottle):
     def decide(self, request: Request, view: Any) -> Decision:
         """Every policy that applies to the request, decided (and consumed from) in one round trip."""
         classes = _with(type(self), _classes(request, view))
-        _, decision = evaluate(
-            request,
-            endpoint=endpoint_name(request, view),
-            auth=request.auth,
-            user=request.user,
-            caller_policies=_ClassPolicies(classes),
-            tiers=_charges_tier(classes),
-        )
+        try:
+            _, decision = evaluate(
+                request,
+                endpoint=endpoint_name(request, view),
+                auth=request.auth,
+                user=request.user,
+                caller_policies=_ClassPolicies(classes),
+                tiers=_charges_tier(classes),
+            )
+        except BodyNotReceived as exc:
+            raise RequestBodyTimeout(exc.received, exc.expected, exc.timeout) from None
         return decision
 
     def wait(self) -> float | None:

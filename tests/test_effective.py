@@ -94,6 +94,7 @@ def test_acme_on_customers_is_placed_as_its_requests_are(
         ("ip", "ip", 1, 300),
         ("org", "org", 1, 500),
         ("fleet", "fleet", 1, 4),
+        ("fleet-share", "org", 1, 3),  # its organisation's half of the fleet's capacity of 6
     ]
     status = from_status(raw, "customers", "GET")
     assert [row[:4] for row in status] == expected
@@ -109,7 +110,7 @@ def test_acme_on_customers_is_placed_as_its_requests_are(
     for _ in range(2):
         assert client.get("/v1/customers", HTTP_AUTHORIZATION=f"Bearer {raw}").status_code == 200
     status = from_status(raw, "customers", "GET")
-    assert [row[4] for row in status] == [3, 100_000 - 2, 2, 298, 498, 4]
+    assert [row[4] for row in status] == [3, 100_000 - 2, 2, 298, 498, 4, 3]
     assert from_admin(admin_client, key, "customers", "GET") == status
     assert from_command(key, "customers", "GET") == status
 

@@ -116,7 +116,8 @@ CASES = [
     ),
     Case(
         "the fleet's in-flight limit for the endpoint's priority",
-        [("tier:pro", "api_key", 1, 100), ("fleet", "fleet", 1, 6)],
+        # With the tenant's cap on the fleet: half its capacity (SHEDDING['TENANT_SHARE']'s default).
+        [("tier:pro", "api_key", 1, 100), ("fleet", "fleet", 1, 6), ("fleet-share", "api_key", 1, 5)],
         tier_func="pro",
         endpoint="reports.export",
         endpoints={"reports.export": {"priority": "low"}},
@@ -124,7 +125,7 @@ CASES = [
     ),
     Case(
         "critical requests are never shed, but take a fleet slot",
-        [("tier:pro", "api_key", 1, 100), ("fleet", "fleet", 1, MAX_LIMIT)],
+        [("tier:pro", "api_key", 1, 100), ("fleet", "fleet", 1, MAX_LIMIT), ("fleet-share", "api_key", 1, 5)],
         tier_func="pro",
         endpoint="charges",
         endpoints={"charges": {"priority": "critical"}},

@@ -212,6 +212,50 @@ def test_critical_requests_are_never_shed_but_take_fleet_capacity(small_fleet: G
     assert client_for(ip="198.51.100.89").get("/t/gated").status_code == 200  # its token was kept
 
 
+@pytest.fixture
+def shared_fleet(settings: Any, use_redis: RedisServer, gate: Gate) -> Gate:
+    """A fleet of 4 that sheds nothing before it is full; one tenant may hold half of it."""
+    settings.RATELIMITS = merged(
+        settings.RATELIMITS,
+        {
+            "TIERS": {"anon": {"rate": "1000/s", "burst": 1000}},
+            "POLICIES": {"DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "anon"}},
+            "SHEDDING": {
+                "FLEET_CAPACITY": 4,
+                "TENANT_SHARE": 50,
+                "THRESHOLDS": {"low": 100, "normal": 100, "high": 100},
+            },
+            "ENDPOINTS": {"POST gated": {"priority": "normal"}},
+        },
+    )
+    engine.reset()
+    return gate
+
+
+def test_one_tenant_holds_at_most_its_share_of_the_fleet_and_is_limited_not_shed(shared_fleet: Gate) -> None:
+    gate = shared_fleet
+    hog, other = "198.51.100.61", "198.51.100.62"
+    burst = Burst()
+    for n in range(2):
+        burst.start(f"hog{n}", lambda: client_for(ip=hog).post("/t/gated"))
+    assert gate.wait_inside(2, 10), burst.errors
+    # Its share is full: its next request is its own 429 (concurrency), with the slots' retry.
+    over = client_for(ip=hog).post("/t/gated")
+    assert over.status_code == 429, over.content
+    body = json.loads(over.content)
+    assert [v["policy"] for v in body["violations"]] == ["fleet-share"]
+    assert over["Retry-After"] == "1"
+    # Another tenant still has the rest of the fleet: admitted, not shed.
+    burst.start("other", lambda: client_for(ip=other).post("/t/gated"))
+    assert gate.wait_inside(3, 10), burst.errors
+    assert fleet_in_flight("normal") == 3
+    gate.open()
+    burst.join()
+    assert burst.statuses() == [200] * 3
+    assert fleet_in_flight("normal") == 0
+    assert client_for(ip=hog).post("/t/gated").status_code == 200  # its slots came back with its responses
+
+
 # -- f. the worker shedder, with Redis gone ------------------------------------------------------
 
 WORKER_CAPACITY = 4  # low shed from 2 in flight (60 %), normal and high from 3 (75 %, 90 %)

@@ -559,6 +559,14 @@ class Shedding(Namespace):
         doc="the percent of capacity at which each class is shed (the fleet's, with the settings source, and each "
         "worker's)",
     )
+    tenant_share = Setting(
+        50,
+        parse.percent,
+        id="ratelimits.E179",
+        doc="both sources: the percent of the fleet's capacity one tenant (its organisation, else the caller) may "
+        "hold in flight; beyond it the tenant's own requests are limited (429), never everyone's shed (503). "
+        "100: no tenant cap",
+    )
     worker_capacity = Setting(
         None,
         parse.optional_positive_int,
@@ -573,7 +581,22 @@ class Shedding(Namespace):
         key="SLOT_TTL",
         id="ratelimits.E114",
         old="SLOT_TTL",
-        doc="how long a slot (a request in flight) is kept if its worker dies; well above the slowest request",
+        doc="the longest a request holds its slots (a request in flight): its worker stops renewing them then; "
+        "well above the slowest request",
+    )
+    slot_lease = Setting(
+        "3s",
+        parse.seconds,
+        id="ratelimits.E181",
+        doc="how long a slot outlives the last renewal of its worker's heartbeat (every third of it): a killed "
+        "worker's slots come back within it",
+    )
+    body_timeout = Setting(
+        "10s",
+        parse.seconds,
+        id="ratelimits.E180",
+        doc="how long a request's body (up to `DATA_UPLOAD_MAX_MEMORY_SIZE`) may take to arrive before the request "
+        "is decided, under gunicorn; a body late is a 408 that holds nothing",
     )
     adaptive = Mount(Adaptive)
 

@@ -154,6 +154,12 @@ def optional_positive_int(value: object, field: str) -> int | None:
     return value
 
 
+def percent(value: object, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 100:
+        raise ConfigurationError(f"{field}: {value!r} must be a percentage from 1 to 100")
+    return value
+
+
 def share(value: object, field: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
         raise ConfigurationError(f"{field}: {value!r} must be a number in (0, 1]")

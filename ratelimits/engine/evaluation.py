@@ -32,6 +32,7 @@ from ..metrics import Recorder, get_recorder
 from ..policies.snapshot import PolicySnapshot
 from ..policies.source import PolicySource, get_policy_source
 from ..policies.values import Check, Policy, check_for
+from .bodies import receive_body
 from .failed_auth import presented_authorization
 from .limiter import Limiter, current_limiter, get_limiter
 from .shedding import WorkerShedder, get_worker_shedder
@@ -271,6 +272,8 @@ def _prepare(
     identity = identify(request, endpoint=endpoint, auth=auth, user=user)
     if not conf.enabled:
         return identity, UNLIMITED
+    if consume:
+        receive_body(request)  # counted in flight only once it can run
     source = get_policy_source()
     if consume:
         # What refuse_early looks the path up as: exactly what this view is limited as.

@@ -42,7 +42,7 @@ from .snapshot import (
 )
 from .source import SnapshotPolicySource, in_event_loop
 from .throttle_rates import add_scope_rates, drf_default_tiers, replaced_tiers, throttle_rates
-from .values import EndpointRule, Origin, OriginKind, Policy, Scope, fleet_checks
+from .values import EndpointRule, Origin, OriginKind, Policy, Scope, fleet_checks, fleet_share_policy
 from .versioning import committed_version, publish_version, stamp_version
 
 if TYPE_CHECKING:
@@ -240,6 +240,7 @@ def load_snapshot() -> PolicySnapshot:
     _default_tiers(snapshot, fleet)
     if fleet is not None:
         snapshot.fleet = fleet_checks(fleet.capacity or None, fleet.shed_thresholds(), conf.shedding.fleet_shards)
+        snapshot.fleet_share = fleet_share_policy(fleet.capacity or None, conf.shedding.tenant_share)
     _assignments(snapshot, now)
     for row in EndpointPolicy.objects.filter(enabled=True):
         try:

@@ -30,7 +30,7 @@ from ..conf import Policies, conf
 from ..exceptions import ConfigurationError
 from ..identity import Identity, Subject, SubjectKind
 from .snapshot import Assignment, PolicySnapshot
-from .values import Check, Explained, Origin, Policy, Role, check_for, concurrency_policy
+from .values import Check, Explained, Origin, OriginKind, Policy, Role, check_for, concurrency_policy
 
 if TYPE_CHECKING:
     from django.http import HttpRequest
@@ -46,6 +46,9 @@ logger = logging.getLogger("ratelimits")
 #: Distinct unknown tier names logged per snapshot: a ``POLICIES['TIER_FUNC']`` echoing client input
 #: must not grow it for ever.
 REPORTED_NAMES = 100
+
+#: Where a tenant's cap on the fleet comes from: the one setting, whichever source the fleet's capacity has.
+_FLEET_SHARE_ORIGIN = Origin(OriginKind.SETTINGS, "SHEDDING['TENANT_SHARE']: one tenant's share of the fleet")
 
 
 def explain(
@@ -106,6 +109,9 @@ def resolve(
         check, origin = fleet
         # A sharded in-flight set: this request's shard, picked per request.
         found.append(fleet if check.policy.shard is None else (check_for(check.policy, check.subject, 1), origin))
+        if snapshot.fleet_share is not None:
+            # The tenant's own cap on the fleet: its organisation's requests together, else the caller's.
+            _add(found, snapshot.fleet_share, _FLEET_SHARE_ORIGIN, identity.organization or caller, 1)
     return found
 
 

@@ -19,7 +19,7 @@ from ..rates import Rate
 from .snapshot import Assignment, PolicySnapshot, check_costs, endpoint_key, endpoint_rule, exempt_rule, tier_policies
 from .source import SnapshotPolicySource
 from .throttle_rates import DrfRates, add_scope_rates, field_of_scope, rate_config, replaced_tiers, throttle_rates
-from .values import EndpointRule, Origin, OriginKind, Policy, Role, fleet_checks, policy_from_config
+from .values import EndpointRule, Origin, OriginKind, Policy, Role, fleet_checks, fleet_share_policy, policy_from_config
 
 __all__ = ["SettingsPolicySource", "dimensions_from_settings", "exempt_rules_from_settings"]
 
@@ -71,6 +71,7 @@ class SettingsPolicySource(SnapshotPolicySource):
             conf.shedding.fleet_capacity, conf.shedding.thresholds, conf.shedding.fleet_shards
         )
         snapshot.fleet_origin = Origin(OriginKind.SETTINGS, Shedding.fleet_capacity.field)
+        snapshot.fleet_share = fleet_share_policy(conf.shedding.fleet_capacity, conf.shedding.tenant_share)
         return snapshot
 
 

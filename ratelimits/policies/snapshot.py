@@ -153,6 +153,8 @@ class PolicySnapshot:
     #: The fleet's in-flight check per priority class (empty: no fleet shedding), and its origin.
     fleet: dict[Priority, Check] = field(default_factory=dict)
     fleet_origin: Origin = FLEET_ORIGIN
+    #: The most of the fleet one tenant may hold in flight (``None``: no cap), checked with the fleet.
+    fleet_share: Policy | None = None
     #: Where the tiers' limits are edited: the settings (``TIERS``), or the admin's tier table.
     tiers_kind: OriginKind = OriginKind.SETTINGS
     #: Where each tier is set: its row, its setting, or the DRF throttle rate it stands for.

@@ -30,6 +30,7 @@ __all__ = [
     "concurrency_policy",
     "every_shard",
     "fleet_checks",
+    "fleet_share_policy",
     "policy_from_config",
     "positive_int",
 ]
@@ -459,6 +460,17 @@ def fleet_checks(capacity: int | None, thresholds: Mapping[Priority, int], shard
             ) from None
         checks[priority] = Check(policy, FLEET_SUBJECT, 1)
     return checks
+
+
+def fleet_share_policy(capacity: int | None, percent: int) -> Policy | None:
+    """The most of the fleet's in-flight slots one tenant may hold (``SHEDDING['TENANT_SHARE']``), or ``None``.
+
+    A concurrency limit (429) on the tenant, decided with the fleet's check: the fleet sheds by
+    priority, but no one customer can fill it and have everyone else's requests shed.
+    """
+    if capacity is None or percent >= 100:
+        return None
+    return concurrency_policy("fleet-share", max(capacity * percent // 100, 1), fail_mode=FailMode.OPEN)
 
 
 def policy_from_config(
