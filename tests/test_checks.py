@@ -253,7 +253,7 @@ BAD_VALUES = [
     (("SHEDDING", "ADAPTIVE", "PROBE_INTERVAL"), 0, "ratelimits.E166", "must be a positive number"),
     (("SHEDDING", "TENANT_SHARE"), 0, "ratelimits.E179", "must be a percentage from 1 to 100"),
     (("SHEDDING", "BODY_TIMEOUT"), "soon", "ratelimits.E180", "is not a duration"),
-    (("SHEDDING", "SLOT_LEASE"), 0, "ratelimits.E181", "must be a positive number of seconds"),
+    (("SHEDDING", "SLOT_LEASE"), "0s", "ratelimits.E181", "has a zero-length period"),
     (("SHEDDING", "TENANT_SHARE"), 0.5, "ratelimits.E179", "must be a percentage from 1 to 100"),
     (("USAGE", "MAX_SUBJECTS"), 0, "ratelimits.E139", "must be a positive integer"),
     (("USAGE", "MAX_SUBJECTS"), "50000", "ratelimits.E139", "must be a positive integer"),

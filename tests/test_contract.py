@@ -16,7 +16,9 @@ from ratelimits.backends.redis import RedisBackend, make_client
 from ratelimits.decisions import Decision, Verdict
 from ratelimits.exceptions import ConfigurationError
 from ratelimits.identity import Subject
+from ratelimits.choices import FailMode
 from ratelimits.policies import Check, Policy
+from ratelimits.policies.values import concurrency_policy
 from ratelimits.rates import parse_rate
 
 from .support.aio import AsyncDriven, event_loop_thread
@@ -301,3 +303,22 @@ def test_shadow_checks_report_but_never_deny(backend: Any) -> None:
     assert second.violated == () and second.closest is not None and second.closest.policy_name == "enforced"
     # The enforced policy was charged for both requests, the shadow one only while it allowed.
     assert backend.decide([enforced], consume=False).results[0].remaining == 7
+
+
+def test_a_renewed_slot_outlives_its_lease_and_a_lapsed_one_stays_gone(backend: Any, clock: FakeClock) -> None:
+    """The heartbeat's renewal (ratelimits/engine/heartbeat.py), in every store alike."""
+    check = Check(concurrency_policy("c", 1, fail_mode=FailMode.OPEN), ALICE)
+    lease = check.policy.rate.period_us  # SHEDDING['SLOT_LEASE']
+    held = backend.decide([check])
+    assert held.allowed and held.slot is not None
+    clock.advance(lease - 1_000)
+    assert backend.renew({held.slot: held.slot_keys}, lease) == 1
+    clock.advance(lease - 1_000)  # past the lease it was taken for, inside the renewed one
+    assert not backend.decide([check]).allowed
+    clock.advance(2_000)  # the renewed lease is over: its worker beat no more
+    assert backend.renew({held.slot: held.slot_keys}, lease) == 0  # lapsed: not brought back
+    again = backend.decide([check])
+    assert again.allowed
+    assert backend.renew({again.slot: again.slot_keys}, lease) == 1
+    assert backend.release(again.slot, again.slot_keys) == 1
+    assert backend.renew({again.slot: again.slot_keys}, lease) == 0  # released: not brought back

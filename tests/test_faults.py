@@ -348,3 +348,68 @@ def test_noscript_after_restart_is_transparent(settings: Any, own_redis: RedisSe
     assert hit.response["X-RateLimit-Remaining"] == "4"
     assert own_redis.client().script_exists(DECIDE_SHA) == [True]
     assert statuses(caller.burst(5)) == [200] * 4 + [429]
+
+
+# -- a call that arrives late changes nothing -----------------------------------------------------
+
+#: How long past the client's timeout Redis stays stopped (the finding's stall).
+STALL_S = 3.0
+#: Requests in all, before, during and after the stall: each counted exactly once.
+TOTAL = 400
+#: The fleet: 4 in flight, nothing shed below that; these requests come one at a time.
+FLEET = {"FLEET_CAPACITY": 4, "TENANT_SHARE": 100, "THRESHOLDS": {"low": 100, "normal": 100, "high": 100}}
+
+
+def counted(server: RedisServer) -> int:
+    """Every request the store's usage counters hold (allowed, limited, shed, degraded), all minutes."""
+    total = 0
+    client = server.client()
+    for key in client.scan_iter(match="rl:usage:*"):
+        fields = {k.decode(): int(v) for k, v in client.hgetall(key).items()}
+        rows = {f for f in fields if f != "#" and any(f + m in fields for m in "alsd")}
+        total += sum(fields.get(row + metric, 0) for row in rows for metric in "alsd")
+    return total
+
+
+def test_calls_that_run_after_a_stall_take_no_slots_and_count_nothing_twice(
+    settings: Any, own_redis: RedisServer
+) -> None:
+    # A breaker that opens on 5 failures of the last 10 calls, as it does under a busy worker's traffic.
+    configure(settings, own_redis, SHEDDING=FLEET, FAILURE={"BREAKER_WINDOW": 10})
+    caller = Caller(path="/t/ping")  # anonymous: far below its limit
+    before = caller.burst(100)
+    assert statuses(before) == [200] * 100 and not any(h.degraded for h in before)
+
+    own_redis.pause()  # SIGSTOP: the calls sent now time out, and run when it resumes
+    try:
+        paused_at = time.monotonic()
+        during = []
+        while time.monotonic() - paused_at < SOCKET_TIMEOUT + STALL_S and len(during) < 200:
+            during.append(caller.get())
+            time.sleep(0.01)  # pacing the traffic through the stall
+    finally:
+        own_redis.resume()
+    assert statuses(during) == [200] * len(during)
+    late_calls = sum(1 for h in during if h.seconds >= 0.8 * SOCKET_TIMEOUT)
+    assert late_calls >= 5  # the calls that opened the breaker, and its probes: all ran on resume
+
+    import sys
+    from .support.redis_server import script_calls
+
+    print(
+        "DEBUG calls",
+        script_calls(own_redis),
+        len(before),
+        len(during),
+        [(round(h.seconds, 3), h.breaker_before) for h in during],
+        file=sys.stderr,
+    )
+    after = caller.burst(TOTAL - len(before) - len(during))
+    # The late calls took no fleet slot: nothing is shed while their slots would have lasted.
+    assert 503 not in statuses(after), statuses(after)
+    assert statuses(after) == [200] * len(after)
+    assert not after[-1].degraded
+
+    engine.get_limiter().flush_usage(now=True)  # what was decided without the store, added once
+    assert counted(own_redis) == TOTAL
+    print(f"\nstall: {len(during)} requests in it, {late_calls} of them sent to the stopped store; counted {TOTAL}")

@@ -245,6 +245,13 @@ class Backend(ABC):
         """Give back a request's slot under ``keys``; idempotent. Returns how many were held."""
 
     @abstractmethod
+    def renew(self, held: Mapping[str, Sequence[str]], lease_us: int) -> int:
+        """Extend the slots ``held`` (slot id -> its keys) to ``lease_us`` from now: their worker lives.
+
+        A slot that expired or was released stays gone. Returns how many were renewed.
+        """
+
+    @abstractmethod
     def clear(self, checks: Sequence[Check]) -> None:
         """Forget the state of these checks' keys (an admin's reset)."""
 

@@ -51,6 +51,7 @@ from .redis import (
     PUBLISH_VERSION,
     REFUND,
     RELEASE,
+    RENEW,
     STORE_ERRORS,
     RedisBackend,
     Script,
@@ -58,6 +59,7 @@ from .redis import (
     decide_results,
     make_client,
     policy_failed,
+    renew_call,
     script_error,
     unavailable,
 )
@@ -183,8 +185,12 @@ class ClusterBackend(RedisBackend):
 
     def decide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
         slot = new_slot(checks) if consume else None
+        sent = self.store_clock.now_us()
         calls = self.decide_calls(checks, consume=consume, usage=usage, slot=slot)
         self._run_calls(DECIDE, calls)
+        for call in calls:
+            if call.error is None:
+                self._observe(sent, call.reply)  # the masters' clocks differ: the least bound is kept
         held = _held(checks, calls) if slot else ()
         results: list[Result | None] = [None] * len(checks)
         failed: list[Check] = []
@@ -268,6 +274,9 @@ class ClusterBackend(RedisBackend):
         calls = []
         if refundable is None:
             refundable = len(groups) > 1  # what a group consumed may have to be given back
+        # One deadline for every group: a group that runs late does nothing, and is refunded as a
+        # group that failed (what the others consumed goes back).
+        deadline = self.deadline(self.store_clock.now_us()) if consume else 0
         for n, (hash_slot, indices) in enumerate(groups.items()):
             keys, args = self.decide_call(
                 [checks[i] for i in indices],
@@ -276,6 +285,7 @@ class ClusterBackend(RedisBackend):
                 slot=slot,
                 tag=layout.slot_tag(hash_slot),
                 refundable=refundable,
+                deadline=deadline,
             )
             calls.append(_Call(hash_slot, keys, args, indices))
         return calls
@@ -464,6 +474,19 @@ class ClusterBackend(RedisBackend):
     def release(self, slot: str, keys: Sequence[str]) -> int:
         calls = [_Call(hash_slot, list(group), [slot]) for hash_slot, group in _by_slot(keys).items()]
         self._run_calls(RELEASE, calls)
+        for call in calls:
+            if call.error is not None:
+                raise call.error
+        return sum(int(call.reply) for call in calls)
+
+    def renew(self, held: Mapping[str, Sequence[str]], lease_us: int) -> int:
+        """As a single Redis's, one script per hash slot the keys are in."""
+        owners = {key: slot for slot, keys in held.items() for key in keys}
+        calls = []
+        for hash_slot, group in _by_slot(list(owners)).items():
+            keys, args = renew_call({owners[key]: [key] for key in group}, lease_us, self.clock)
+            calls.append(_Call(hash_slot, keys, args))
+        self._run_calls(RENEW, calls)
         for call in calls:
             if call.error is not None:
                 raise call.error

@@ -185,6 +185,18 @@ class MemoryBackend(Backend):
         with self._lock:
             return sum(1 for key in keys if self._slots.get(key, {}).pop(slot, None) is not None)
 
+    def renew(self, held: Mapping[str, Sequence[str]], lease_us: int) -> int:
+        with self._lock:
+            now = self.clock()
+            renewed = 0
+            for slot, keys in held.items():
+                for key in keys:
+                    live = self._slots.get(key, {})
+                    if live.get(slot, now) > now:  # still held: an expired slot stays gone, as in Redis
+                        live[slot] = now + lease_us
+                        renewed += 1
+            return renewed
+
     def clear(self, checks: Sequence[Check]) -> None:
         with self._lock:
             for check in checks:

@@ -40,6 +40,7 @@ from .aio import AsyncClients, async_pool_factory
 from .base import Backend, Grant, StoreHealth, UsagePeek, new_slot, slot_keys, store_threads
 from .connection import make_client as new_client
 from .connection import tight
+from .deadline import StoreClock
 from .invalidation import RESET, Subscription, channel, held, version_message
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "DECIDE",
     "PUBLISH_VERSION",
     "RELEASE",
+    "RENEW",
     "STATE_FORMATS",
     "RedisBackend",
     "Script",
@@ -75,6 +77,7 @@ DECIDE = Script.load("decide.lua")
 ADD_USAGE = Script.load("add_usage.lua")
 PUBLISH_VERSION = Script.load("publish_version.lua")
 RELEASE = Script.load("release.lua")
+RENEW = Script.load("renew.lua")
 REFUND = Script.load("refund.lua")
 #: What a script cache holds the decide script under (tests look for it there).
 DECIDE_SHA = DECIDE.sha
@@ -84,7 +87,7 @@ _FAILED = -1
 _USAGE_TTL = str(layout.USAGE_TTL_S)
 #: The decide script's packed request header (``REQUEST`` in ``lua/decide.lua``; a check packs
 #: its own record, :attr:`Check.script_record <ratelimits.policies.values.Check.script_record>`).
-_REQUEST = struct.Struct("<dBdddd")
+_REQUEST = struct.Struct("<dBddddd")
 #: ``lua/refund.lua``'s packed header (now) and each check's record before what the decide call reported.
 _REFUND_NOW = struct.Struct("<d")
 _REFUND_CHECK = struct.Struct("<Bddddd")
@@ -158,6 +161,8 @@ class RedisBackend(Backend):
         self.prefix = prefix
         #: ``None`` lets the script read Redis ``TIME``; otherwise integer microseconds.
         self.clock = clock
+        #: The store's clock, as far as the scripts' deadlines need it (:mod:`.deadline`).
+        self.store_clock = StoreClock(in_step=clock is not None)
         #: The most rows a minute of usage counts (``USAGE['MAX_SUBJECTS']``).
         self.usage_cap = conf.usage.max_subjects if usage_cap is None else usage_cap
         self.version_key = layout.version_key(prefix)
@@ -220,6 +225,7 @@ class RedisBackend(Backend):
         except BackendUnavailable as exc:
             call.failed(exc)
             raise
+        self._observe(call.sent, reply)
         return call.decision(reply), reply
 
     async def _adecided(
@@ -244,15 +250,29 @@ class RedisBackend(Backend):
             if call.slot:
                 store_threads().submit(self.release_quietly, call.slot, call.held)
             raise
+        self._observe(call.sent, reply)
         return call.decision(reply), reply
 
     def _call_for(
         self, checks: Sequence[Check], *, consume: bool, usage: Usage | None, wants: Sequence[int] | None
     ) -> _DecideCall:
         slot = new_slot(checks) if consume else None
-        script_keys, args = self.decide_call(checks, consume=consume, usage=usage, slot=slot, wants=wants)
+        sent = self.store_clock.now_us()
+        deadline = self.deadline(sent) if consume else 0  # a peek changes nothing, late or not
+        script_keys, args = self.decide_call(
+            checks, consume=consume, usage=usage, slot=slot, wants=wants, deadline=deadline
+        )
         held = slot_keys(checks, script_keys[1 : len(checks) + 1]) if slot else ()
-        return _DecideCall(checks, script_keys, args, slot, held)
+        return _DecideCall(checks, script_keys, args, slot, held, sent)
+
+    def deadline(self, sent_us: int) -> int:
+        """The store-clock moment by which a call sent at ``sent_us`` must run (0: none known yet)."""
+        return self.store_clock.deadline_us(sent_us, self.timeouts[0] if self.timeouts else None)
+
+    def _observe(self, sent_us: int, reply: Any) -> None:
+        """A decide script's reply: under Redis ``TIME``, its first item is the store's clock when it ran."""
+        if self.clock is None:
+            self.store_clock.observe(sent_us, int(reply[0]))
 
     @cached_property
     def _async(self) -> AsyncClients | None:
@@ -272,6 +292,7 @@ class RedisBackend(Backend):
         tag: str | None = None,
         refundable: bool = False,
         wants: Sequence[int] | None = None,
+        deadline: int = 0,
     ) -> tuple[list[str], list[Any]]:
         """The decide script's KEYS and ARGV for these checks (``lua/decide.lua`` says what each is).
 
@@ -279,6 +300,7 @@ class RedisBackend(Backend):
         and usage hash the call uses (:mod:`.layout`). ``refundable``: the reply also says what
         ``lua/refund.lua`` needs to give back what the call consumed. ``wants``: a leasing call,
         taking up to that many tokens more from each check (its reply says how many it took).
+        ``deadline``: the store-clock moment (us) after which the script does nothing (0: none).
         """
         now = -1.0 if self.clock is None else self.clock()  # negative: the script reads Redis TIME
         mode = (3 if wants is not None else 2 if refundable else 1) if consume else 0
@@ -301,7 +323,7 @@ class RedisBackend(Backend):
             script_keys += shares
             script_keys.append(layout.demand_key(prefix, second, tag))
         tokens = usage.tokens if usage else 1
-        record[0] = _REQUEST.pack(now, mode, tokens, layout.USAGE_TTL_S, self.usage_cap, len(shares))
+        record[0] = _REQUEST.pack(now, mode, tokens, layout.USAGE_TTL_S, self.usage_cap, len(shares), deadline)
         if wants is not None:
             ttls.append(b"".join(_LEASE.pack(want) for want in wants))
         if usage:
@@ -417,7 +439,8 @@ class RedisBackend(Backend):
     def add_usage_call(self, counts: Mapping[tuple[int, str], int]) -> tuple[list[int], list[Any]]:
         """The minutes whose hashes ``lua/add_usage.lua`` adds ``counts`` to (its KEYS, in order), and its ARGV."""
         keys: dict[int, int] = {}  # minute -> its key's index in KEYS
-        args: list[Any] = [_USAGE_TTL, self.usage_cap]
+        # Counted once: a flush that times out is kept and sent again, so one that ran late must do nothing.
+        args: list[Any] = [_USAGE_TTL, self.usage_cap, self.deadline(self.store_clock.now_us())]
         for (minute, field), n in counts.items():
             overflow = overflow_of(field)
             if overflow is not None:
@@ -427,6 +450,10 @@ class RedisBackend(Backend):
 
     def release(self, slot: str, keys: Sequence[str]) -> int:
         return int(self._run(RELEASE, list(keys), [slot]))
+
+    def renew(self, held: Mapping[str, Sequence[str]], lease_us: int) -> int:
+        keys, args = renew_call(held, lease_us, self.clock)
+        return int(self._run(RENEW, keys, args)) if keys else 0
 
     def clear(self, checks: Sequence[Check]) -> None:
         with self._store():
@@ -650,6 +677,18 @@ def _drop_if_stale(connection: Any) -> None:
 IDLE_CHECK_S = 0.005
 
 
+def renew_call(
+    held: Mapping[str, Sequence[str]], lease_us: int, clock: Callable[[], int] | None
+) -> tuple[list[str], list[Any]]:
+    """``lua/renew.lua``'s KEYS and ARGV for the slots ``held`` (slot id -> its keys)."""
+    keys: list[str] = []
+    slots: list[str] = []
+    for slot, held_under in held.items():
+        keys += held_under
+        slots += [slot] * len(held_under)
+    return keys, [-1 if clock is None else clock(), lease_us, *slots]
+
+
 #: What means the store could not answer: Redis' errors (timeouts, refused connections, a read-only
 #: replica; a script's own error is told apart: :func:`script_failed`) and the socket's. redis-py
 #: drops the connection on timeouts and socket errors (it reconnects on the next use), so a late
@@ -666,6 +705,8 @@ class _DecideCall:
     args: list[Any]
     slot: str | None
     held: tuple[str, ...]
+    #: When it was sent, on this process's wall clock (us): what its reply's time is an offset bound from.
+    sent: int
 
     def failed(self, exc: BackendUnavailable) -> None:
         """Tell ``exc`` what it means for this call."""

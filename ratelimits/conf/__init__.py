@@ -584,9 +584,10 @@ class Shedding(Namespace):
         doc="the longest a request holds its slots (a request in flight): its worker stops renewing them then; "
         "well above the slowest request",
     )
-    slot_lease = Setting(
+    slot_lease_us = Setting(
         "3s",
-        parse.seconds,
+        parse.duration_us,
+        key="SLOT_LEASE",
         id="ratelimits.E181",
         doc="how long a slot outlives the last renewal of its worker's heartbeat (every third of it): a killed "
         "worker's slots come back within it",

@@ -26,6 +26,7 @@ from ..exceptions import BackendUnavailable, PolicyFailed
 from ..metrics import get_recorder
 from ..policies.values import Check
 from .breaker import NOT_A_PROBE, BreakerState, CircuitBreaker
+from .heartbeat import HEARTBEAT
 from .local import LEASE, LocalPath, call_weakly
 
 __all__ = ["Limiter", "build_limiter", "get_limiter"]
@@ -88,14 +89,25 @@ class Limiter:
         plan = self._plan(checks, consume, usage)
         if isinstance(plan, Decision):
             return plan
-        return self._settled(plan, self._asked(plan.checks, consume=consume, usage=usage, wants=plan.wants))
+        return self._held(self._settled(plan, self._asked(plan.checks, consume=consume, usage=usage, wants=plan.wants)))
 
     async def adecide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
         """:meth:`decide` for async code: the same decision, the store asked without blocking the event loop."""
         plan = self._plan(checks, consume, usage)
         if isinstance(plan, Decision):
             return plan
-        return self._settled(plan, await self._aasked(plan.checks, consume=consume, usage=usage, wants=plan.wants))
+        decision = await self._aasked(plan.checks, consume=consume, usage=usage, wants=plan.wants)
+        return self._held(self._settled(plan, decision))
+
+    def _held(self, decision: Decision) -> Decision:
+        """``decision``, its slot renewed by the process's heartbeat until :meth:`release`."""
+        if decision.slot is not None:
+            HEARTBEAT.hold(self._holder(decision), decision.slot, decision.slot_keys)
+        return decision
+
+    def _holder(self, decision: Decision) -> Backend:
+        """The store a decision's slot is held in: this worker's memory for a degraded one."""
+        return self.local if decision.degraded else self.backend
 
     def _plan(self, checks: Sequence[Check], consume: bool, usage: Usage | None) -> Decision | _Ask:
         """What memory answers (a decision), or what the store must be asked (and leased)."""
@@ -355,7 +367,8 @@ class Limiter:
         """Give back the slots ``decision`` holds, in the store that granted them; idempotent."""
         held = []
         if decision.slot is not None:
-            held.append((self.local if decision.degraded else self.backend, decision.slot, decision.slot_keys))
+            HEARTBEAT.drop(decision.slot)
+            held.append((self._holder(decision), decision.slot, decision.slot_keys))
             recorder = get_recorder()
             if recorder is not None:
                 recorder.count("ratelimits_slots_released")

@@ -67,12 +67,14 @@ local CONCURRENCY, FLEET = 4, 5
 local SLOT_RETRY_US = 1000000
 -- The packed layouts (struct formats). REQUEST: now (negative: read the Redis clock, TIME),
 -- consume (1; 2: consume, and say what a refund needs) or only report (0), the tokens the request spends (its endpoint's cost, for the
--- usage count), seconds an undrained usage hash lives, the most rows a minute counts, and how
--- many checks are of global policies.
+-- usage count), seconds an undrained usage hash lives, the most rows a minute counts, how
+-- many checks are of global policies, and the call's deadline (us, Redis TIME; 0: none): a call
+-- that runs after it does nothing and answers the error LATE, for its worker stopped waiting
+-- and decided the request without it (ratelimits/backends/deadline.py).
 -- CHECK: algorithm code, flags (1: shadow, reported but never denies; 2: a global policy), limit
 -- (requests per period; slots), period (us; a slot's TTL), burst (GCRA capacity in requests), cost
 -- (tokens it spends); a global policy's adds FALLBACK: its share while it has no record.
-local REQUEST, CHECK, FALLBACK = '<dBdddd', '<BBdddd', '<d'
+local REQUEST, CHECK, FALLBACK = '<dBddddd', '<BBdddd', '<d'
 local GCRA_STATE, SLIDING_STATE, FIXED_STATE = '<dd', '<ddddd', '<dddd'
 -- A bucket given back to: arrival time, capacity, us given back so far, and a last byte no
 -- decimal has. Also each check's REFUNDABLE part.
@@ -96,10 +98,14 @@ local EPSILON = 1e-9
 local HEADER = 4
 
 local unpack_args, pack = struct.unpack, struct.pack
-local now, consume, tokens, usage_ttl, usage_cap, globals, pos = unpack_args(REQUEST, ARGV[1])
-if now < 0 then
+local now, consume, tokens, usage_ttl, usage_cap, globals, deadline, pos = unpack_args(REQUEST, ARGV[1])
+if now < 0 or deadline > 0 then
   local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local clock = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  if clock > deadline and deadline > 0 then
+    return redis.error_reply('LATE the call ran after its deadline; nothing was taken, spent or counted')
+  end
+  if now < 0 then now = clock end
 end
 local leasing = consume == 3
 local refundable = consume >= 2

@@ -418,10 +418,10 @@ def every_shard(check: Check) -> list[Check]:
 def concurrency_policy(
     name: str, limit: int, *, fail_mode: FailMode, shadow: bool = False, tier: str | None = None
 ) -> Policy:
-    """At most ``limit`` requests of one subject in flight; slots expire after ``SHEDDING['SLOT_TTL']``."""
+    """At most ``limit`` requests of one subject in flight; a slot lasts its lease (:func:`slot_lease_us`)."""
     return Policy(
         name,
-        Rate(limit, conf.shedding.slot_ttl_us),
+        Rate(limit, slot_lease_us()),
         limit,
         Algorithm.CONCURRENCY,
         fail_mode,
@@ -429,6 +429,16 @@ def concurrency_policy(
         tier,
         Role.CONCURRENCY,
     )
+
+
+def slot_lease_us() -> int:
+    """How long a slot lasts past its last renewal (a slot check's period): ``SHEDDING['SLOT_LEASE']``.
+
+    The worker holding it renews it while its request runs, up to ``SHEDDING['SLOT_TTL']``
+    (:mod:`ratelimits.engine.heartbeat`), so a killed worker's slots come back within the lease. Never
+    longer than ``SLOT_TTL``, the bound on a request's slots however it is renewed.
+    """
+    return min(conf.shedding.slot_lease_us, conf.shedding.slot_ttl_us)
 
 
 #: The one subject every fleet check counts under.
@@ -448,7 +458,7 @@ def fleet_checks(capacity: int | None, thresholds: Mapping[Priority, int], shard
     for priority in Priority:
         percent = thresholds.get(priority) if priority in SHEDDABLE else None
         limit = MAX_LIMIT if percent is None else min(max(capacity * percent // 100, 1), MAX_LIMIT)
-        rate = Rate(limit, conf.shedding.slot_ttl_us)
+        rate = Rate(limit, slot_lease_us())
         try:
             # Fails open: without Redis the fleet cannot be counted; the worker shedder still works.
             policy = Policy("fleet", rate, limit, Algorithm.FLEET, FailMode.OPEN, role=Role.FLEET, shards=shards)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .http import serving
 from .postgres import throwaway_database
-from .processes import gunicorn, manage, uvicorn
+from .processes import Service, gunicorn, manage, uvicorn
 from .redis_server import RedisServer, free_port
 
 __all__ = ["Demo", "demo_server"]
@@ -26,6 +26,8 @@ class Demo:
     port: int
     database_url: str
     redis: RedisServer
+    #: The server's process (its master, under gunicorn): its ``children()`` are the workers.
+    server: Service | None = None
 
 
 @contextlib.contextmanager
@@ -61,4 +63,4 @@ def demo_server(
         cleanup.callback(server.stop, grace=10)
         server.start(env)
         server.wait_until(lambda: serving(server.port), START_TIMEOUT, "answer to GET /admin/login/")
-        yield Demo(server.port, database_url, redis_server)
+        yield Demo(server.port, database_url, redis_server, server)

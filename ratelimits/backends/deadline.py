@@ -1,0 +1,74 @@
+"""When a call's answer stops mattering: the deadline a script is sent with, on the store's clock.
+
+A call the worker gave up on (its socket timeout passed: the request was decided by its fail
+mode, and its usage counted by the worker) may still run when a stalled store resumes. Run then,
+it would take fleet and concurrency slots nobody holds, and count usage the worker counted too:
+after a 3 s stall, 27 of 763 requests were shed for slots no request held, and 400 requests
+were counted 405 and 408 times. So every call that takes slots, consumes or counts carries the
+moment the worker stops waiting for it, and a script that runs later does nothing and says so
+(``LATE``): the worker's fail mode was the decision, and the worker's count the only one.
+
+The moment is on the store's clock (Redis ``TIME``), which the script reads. The worker knows
+its own clock, and learns the store's from the decisions' replies, which carry Redis ``TIME``:
+a reply's time minus the moment its call was sent bounds the offset between the two clocks from
+above (the script ran after the call was sent). The least bound seen lately is the estimate:
+never below the true offset, so a call in time is never refused as late, and above it by the
+one-way trip of the call that gave it (tens of microseconds on a LAN). Clocks that drift apart
+are followed: bounds older than two windows are forgotten. With the app's clock
+(``REDIS['USE_REDIS_TIME']`` off) the clocks are taken as in step, as that setting already does.
+
+The deadline leaves :data:`ANSWER_SHARE` of the timeout for the answer to travel back: a script
+that runs just before it is answered before the worker stops waiting.
+"""
+
+from __future__ import annotations
+
+import time
+
+__all__ = ["ANSWER_SHARE", "StoreClock"]
+
+#: The share of the socket timeout kept for the answer's way back: the script must have run by
+#: the rest of it.
+ANSWER_SHARE = 0.2
+#: How long one window of offset bounds lasts (seconds): the estimate is the least of this
+#: window's and the last one's.
+WINDOW_S = 30.0
+
+
+class StoreClock:
+    """The offset of the store's clock from this process's, learnt from replies; and deadlines on it."""
+
+    def __init__(self, *, in_step: bool = False) -> None:
+        #: The clocks are taken as in step (the app's clock decides): the offset is 0.
+        self.in_step = in_step
+        self._window_start = time.monotonic()
+        self._current: int | None = None
+        self._previous: int | None = None
+
+    @staticmethod
+    def now_us() -> int:
+        """This process's wall clock, in microseconds: what a call's send time is read on."""
+        return time.time_ns() // 1000
+
+    def observe(self, sent_us: int, store_us: int) -> None:
+        """A script sent at ``sent_us`` (:meth:`now_us`) read ``store_us`` from the store's clock."""
+        bound = store_us - sent_us
+        now = time.monotonic()
+        if now - self._window_start >= WINDOW_S:
+            self._window_start, self._previous, self._current = now, self._current, None
+        if self._current is None or bound < self._current:
+            self._current = bound
+
+    def offset_us(self) -> int | None:
+        """How far the store's clock is ahead of this process's (at most), or ``None`` before any reply."""
+        if self.in_step:
+            return 0
+        bounds = [b for b in (self._current, self._previous) if b is not None]
+        return min(bounds) if bounds else None
+
+    def deadline_us(self, sent_us: int, timeout_s: float | None) -> int:
+        """The store-clock moment by which a call sent at ``sent_us`` must run; 0: none (not known yet)."""
+        offset = self.offset_us()
+        if offset is None or not timeout_s:
+            return 0
+        return sent_us + offset + int(timeout_s * (1 - ANSWER_SHARE) * 1_000_000)
