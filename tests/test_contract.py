@@ -13,10 +13,10 @@ from ratelimits.algorithms import RATE_ALGORITHMS, Algorithm
 from ratelimits.backends.cluster import ClusterBackend
 from ratelimits.backends.memory import MemoryBackend
 from ratelimits.backends.redis import RedisBackend, make_client
+from ratelimits.choices import FailMode
 from ratelimits.decisions import Decision, Verdict
 from ratelimits.exceptions import ConfigurationError
 from ratelimits.identity import Subject
-from ratelimits.choices import FailMode
 from ratelimits.policies import Check, Policy
 from ratelimits.policies.values import concurrency_policy
 from ratelimits.rates import parse_rate

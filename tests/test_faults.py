@@ -393,17 +393,6 @@ def test_calls_that_run_after_a_stall_take_no_slots_and_count_nothing_twice(
     late_calls = sum(1 for h in during if h.seconds >= 0.8 * SOCKET_TIMEOUT)
     assert late_calls >= 5  # the calls that opened the breaker, and its probes: all ran on resume
 
-    import sys
-    from .support.redis_server import script_calls
-
-    print(
-        "DEBUG calls",
-        script_calls(own_redis),
-        len(before),
-        len(during),
-        [(round(h.seconds, 3), h.breaker_before) for h in during],
-        file=sys.stderr,
-    )
     after = caller.burst(TOTAL - len(before) - len(during))
     # The late calls took no fleet slot: nothing is shed while their slots would have lasted.
     assert 503 not in statuses(after), statuses(after)

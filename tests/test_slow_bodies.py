@@ -1,13 +1,15 @@
 """One tenant's trickled request bodies shed nobody: the demo under gunicorn 2x8, and under uvicorn.
 
 Globex opens five ``POST /v1/charges`` and sends their bodies one byte at a time; meanwhile Acme
-makes its normal calls (``GET /v1/charges``, normal priority). Decided before its body arrived, each trickle held
-one of the fleet's in-flight slots (the demo's fleet sheds normal requests from 4 of 6): Acme got
-59 of 59 x 503 (the finding's figure, on ``GET /v1/customers``). A request is now counted in flight only once its body has arrived, so Acme's
-calls are all served (the tenant's cap on the fleet, ``SHEDDING['TENANT_SHARE']``, is lifted
-here: the body read alone keeps the fleet for everyone); under gunicorn each trickle is a 408 once ``SHEDDING['BODY_TIMEOUT']``
-(10 s by default) has passed, having held nothing. Under uvicorn, Django's ASGI handler receives
-the whole body before the application runs, so the trickles never reach the limiter at all.
+makes its normal calls (``GET /v1/charges``, normal priority). Decided before its body arrived,
+each trickle held one of the fleet's in-flight slots (the demo's fleet sheds normal requests from
+4 of 6): Acme got 59 of 59 x 503 (the finding's figure, on ``GET /v1/customers``). A request is
+now counted in flight only once its body has arrived, so Acme's calls are all served. The
+tenant's cap on the fleet (``SHEDDING['TENANT_SHARE']``) is lifted here: the body read alone
+keeps the fleet for everyone. Under gunicorn each trickle is a 408 once
+``SHEDDING['BODY_TIMEOUT']`` (10 s by default) has passed, having held nothing. Under uvicorn,
+Django's ASGI handler receives the whole body before the application runs, so the trickles never
+reach the limiter at all.
 """
 
 from __future__ import annotations
