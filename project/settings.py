@@ -4,6 +4,7 @@ With no environment it runs on embedded defaults: SQLite and the in-process ``me
 backend. ``REDIS_URL`` switches limiting to Redis and ``DATABASE_URL`` the database.
 """
 
+import json
 import os
 from pathlib import Path
 
@@ -72,7 +73,14 @@ DATABASES = {"default": dj_database_url.parse(os.environ.get("DATABASE_URL", f"s
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["project.payments.auth.ApiKeyAuthentication"],
     "DEFAULT_THROTTLE_CLASSES": ["ratelimits.throttles.RateLimitThrottle"],
-    "EXCEPTION_HANDLER": "ratelimits.drf.exception_handler",
+    # DRF's parsers, but JSON nested too deep for Python's parser is a 400 as malformed JSON is, not a 500.
+    "DEFAULT_PARSER_CLASSES": [
+        "project.payments.problems.JSONParser",
+        "rest_framework.parsers.FormParser",
+        "rest_framework.parsers.MultiPartParser",
+    ],
+    # ratelimits' 429 and 503 as application/problem+json, and a body the parsers refuse as a 400 one.
+    "EXCEPTION_HANDLER": "project.payments.problems.exception_handler",
     "UNAUTHENTICATED_USER": None,
     # drf-spectacular's AutoSchema, plus the 429, 503 and rate-limit headers (docs/openapi.md).
     "DEFAULT_SCHEMA_CLASS": "ratelimits.openapi.RateLimitAutoSchema",
@@ -91,6 +99,10 @@ SPECTACULAR_SETTINGS = {
     # Nor does Swagger UI send the schema to validator.swagger.io for its badge.
     "SWAGGER_UI_SETTINGS": {"deepLinking": True, "validatorUrl": None},
 }
+
+# What the demo's views wait on (project/payments/downstream.py), as JSON; the tests make an export
+# last a minute with it, to hold its slots while they kill the workers.
+DEMO_DOWNSTREAM = json.loads(os.environ.get("DEMO_DOWNSTREAM") or "null")
 
 REDIS_URL = os.environ.get("REDIS_URL")
 # One Redis for the project: the cache, and (RATELIMITS['REDIS']['CACHE']) the limiter.
@@ -133,11 +145,23 @@ RATELIMITS = {
     "LOCAL_PATH": {"LEASES": True, "HEADER": True},
     # Prometheus metrics at /metrics; under gunicorn set PROMETHEUS_MULTIPROC_DIR (docs/metrics.md).
     "METRICS": True,
+    # One tenant may hold half the fleet's in-flight capacity (the default; 100 lifts the cap, as
+    # tests/test_slow_bodies.py does to show the body read alone keeps the fleet for everyone).
+    "SHEDDING": {"TENANT_SHARE": int(os.environ.get("RATELIMITS_TENANT_SHARE", "50"))},
 }
 
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "loggers": {"ratelimits": {"handlers": ["console"], "level": "INFO"}},
+    "filters": {"require_debug_false": {"()": "django.utils.log.RequireDebugFalse"}},
+    "handlers": {
+        "console": {"class": "logging.StreamHandler"},
+        "errors": {"class": "logging.StreamHandler", "level": "ERROR", "filters": ["require_debug_false"]},
+    },
+    "loggers": {
+        "ratelimits": {"handlers": ["console"], "level": "INFO"},
+        # Every 5xx and the exception behind a 500, on stderr with DEBUG=0 too: Django's own logging
+        # prints them only with DEBUG on, and otherwise mails them to ADMINS, which the demo has none of.
+        "django.request": {"handlers": ["errors"]},
+    },
 }

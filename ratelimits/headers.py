@@ -6,6 +6,7 @@ import base64
 import math
 import random
 from collections.abc import Sequence
+from fractions import Fraction
 from typing import NamedTuple
 
 from .algorithms import Algorithm
@@ -14,16 +15,21 @@ from .decisions import Decision, Result
 from .identity import remember
 from .policies.values import Check, Policy, whole_subject
 
-__all__ = ["rate_limit_headers", "retry_after_seconds"]
+__all__ = ["quota_and_window", "rate_limit_headers", "retry_after_seconds"]
 
 US = 1_000_000
+#: The largest Integer an RFC 9651 structured field can carry.
+SF_INTEGER_MAX = 999_999_999_999_999
+#: The shortest ``w`` past which :func:`quota_and_window` stops looking for an exact one (seconds).
+EXACT_WINDOW_FLOOR_S = 60
 
 
 def rate_limit_headers(decision: Decision) -> dict[str, str]:
     """Headers describing the decision's policies, in the configured style(s).
 
     IETF syntax follows draft-ietf-httpapi-ratelimit-headers-10/11: ``RateLimit-Policy``
-    gives each policy's quota ``q`` over a window of ``w`` seconds (every enforced policy of
+    gives each policy's quota ``q`` over a window of ``w`` seconds, its rate exactly where whole
+    numbers can say it (:func:`quota_and_window`; every enforced policy of
     the request, or with ``HEADERS['POLICIES']`` ``"closest"`` only the closest), ``RateLimit`` the
     remaining quota ``r`` of the policy closest to its limit and the seconds ``t`` until it is
     fully restored; on a refused request, the violated policy with the longest wait, and ``t`` is
@@ -131,11 +137,41 @@ def _static_parts(policy: Policy) -> _Static:
     if policy.holds_slots:
         described = f'{quoted};q={policy.capacity};qu="concurrent-requests"'
     else:
-        described = f"{quoted};q={policy.capacity};w={policy.window_seconds}"
+        quota, window = quota_and_window(policy)
+        described = f"{quoted};q={quota};w={window}"
     listed = not policy.shadow and policy.algorithm is not Algorithm.FLEET
     static = _Static(quoted, described, str(policy.capacity), listed)
     remember(_parts, id(policy), (policy, static))
     return static
+
+
+def quota_and_window(policy: Policy) -> tuple[int, int]:
+    """``RateLimit-Policy``'s ``q`` and ``w`` for a policy that refills with time: ``q / w`` is its rate.
+
+    ``w`` is the smallest whole number of seconds over which the rate grants a whole number of
+    requests, ``q``, and that is no shorter than the time the policy grants its capacity in (a
+    token bucket's refill from empty, a window's period): so ``q`` is never below the capacity,
+    and ``RateLimit``'s ``r`` never above ``q``. ``10/s`` with a burst of 20 is ``q=20;w=2``,
+    ``2/s`` with a burst of 5 ``q=6;w=3``, ``1/1500ms`` ``q=2;w=3``, ``2/500ms`` ``q=4;w=1``.
+
+    Such a ``w`` is a multiple of the denominator of the rate in requests per second, and is
+    looked for up to a bound: twice the longest of that time, the period and a minute (each in
+    whole seconds, rounded up), which every period of whole seconds stays below. Past it (a
+    period like ``1001ms``, whose rate is 1000/1001 a second), ``w`` is the bound and ``q`` the
+    rate times it, rounded to the nearest: within half a request of the policy's over ``w``.
+    ``q`` is at most the field's largest Integer, which only rates of trillions a second reach.
+    """
+    rate = Fraction(policy.rate.limit * US, policy.rate.period_us)  # per second
+    shortest = max(math.ceil(policy.capacity / rate), 1)
+    step = rate.denominator  # the rate grants whole requests over multiples of it
+    window = -(-shortest // step) * step
+    bound = 2 * max(shortest, -(-policy.rate.period_us // US), EXACT_WINDOW_FLOOR_S)
+    if window <= bound:
+        quota = rate.numerator * (window // step)
+    else:
+        window = bound
+        quota = math.floor(rate * window + Fraction(1, 2))
+    return min(quota, SF_INTEGER_MAX), window
 
 
 #: Check id -> (check, its ``pk`` parameter). An entry holds its check, so the id stays its own.

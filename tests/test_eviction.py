@@ -6,6 +6,7 @@ Every server here is a private redis-server started with the configuration under
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -17,14 +18,20 @@ from django.urls import reverse
 from rest_framework.test import APIClient
 
 from ratelimits import engine
+from ratelimits.algorithms import Algorithm
 from ratelimits.backends import get_backend
 from ratelimits.backends.layout import version_key
+from ratelimits.backends.memory import MemoryBackend
 from ratelimits.backends.redis import RedisBackend, make_client
 from ratelimits.checks import I001, W004, check_store
+from ratelimits.counters import usage_for
+from ratelimits.engine import Limiter
+from ratelimits.engine.breaker import BreakerState, CircuitBreaker
+from ratelimits.exceptions import BackendUnavailable
 from ratelimits.identity import Subject, SubjectKind
 from ratelimits.models import PolicyVersion
 from ratelimits.policies.database import DatabasePolicySource
-from ratelimits.policies.values import Check, Policy
+from ratelimits.policies.values import Check, Policy, concurrency_policy
 from ratelimits.policies.versioning import bump_policy_version
 from ratelimits.rates import parse_rate
 
@@ -200,7 +207,8 @@ def test_an_evicted_bucket_restarts_full(start: Any) -> None:
 
 @pytest.mark.django_db
 def test_a_full_noeviction_store_degrades_loudly(settings: Any, start: Any) -> None:
-    """What the recommended set-up does when memory runs out: writes fail, decisions degrade, visibly."""
+    """What the recommended set-up does when memory runs out, for a request that holds no slot (no
+    concurrency limit, no fleet shedder): its script's first write fails, the decision degrades, visibly."""
     server = start("--maxmemory", MAXMEMORY, "--maxmemory-policy", "noeviction")
     limit_with(settings, server)
     client = server.client()
@@ -214,6 +222,124 @@ def test_a_full_noeviction_store_degrades_loudly(settings: Any, start: Any) -> N
     response = APIClient(REMOTE_ADDR="198.51.100.11").get("/t/ping")
     assert response.status_code == 200  # fail mode open: admitted, and said so
     assert response["X-RateLimit-Degraded"] == "1"
+
+
+# -- a full noeviction store: what fails, and what does not ---------------------------------------
+#
+# Redis refuses a script's write that may grow memory (SET, HINCRBY, ZADD) while it is over
+# maxmemory, but only while the script has written nothing yet: it cannot stop a script halfway.
+# A slot check's first write purges expired slots (ZREMRANGEBYSCORE), which is never refused, so
+# the rest of a decision that holds a slot is written too, past maxmemory (docs/failure-modes.md).
+
+BUCKET = Policy("tier:small", parse_rate("5/m"), 5)
+SLOTS = concurrency_policy("tier:small:concurrency", 1_000, fail_mode="open")
+
+
+#: How far over its maxmemory a full store here is: far more than a client's buffers, which come and
+#: go with each connection and would otherwise take it back under the limit and over again.
+OVER_BY = 256 * 1024
+
+
+def over_maxmemory(server: RedisServer) -> redis.Redis:
+    """Fill a ``noeviction`` server: 1 MB of junk without a TTL, then a maxmemory below what it
+    uses, as a store that grew past its limit has (Redis takes the setting and evicts nothing).
+    Returns a client of the server, for the caller to close."""
+    client = server.client()
+    with client.pipeline(transaction=False) as pipe:
+        for i in range(10_000):
+            pipe.set(f"junk:{i}", "x" * 100)
+        pipe.execute()
+    client.config_set("maxmemory", int(client.info("memory")["used_memory"]) - OVER_BY)
+    with pytest.raises(redis.exceptions.OutOfMemoryError):
+        client.set("junk:probe", "x")
+    return client
+
+
+NOEVICTION = ("--maxmemory-policy", "noeviction")
+
+
+def subject(name: str) -> Subject:
+    return Subject(SubjectKind.API_KEY, name)
+
+
+def test_a_full_noeviction_store_refuses_decisions_that_write_first(start: Any) -> None:
+    """A decision that holds no slot: an admission writes its state first, and is refused with OOM."""
+    server = start(*NOEVICTION)
+    backend = RedisBackend(make_client(server.url, 2.0, 2.0))
+    spent = Check(BUCKET, subject("spent"))
+    assert [backend.decide([spent]).allowed for _ in range(6)] == [True] * 5 + [False]
+    over_maxmemory(server).close()
+    with pytest.raises(BackendUnavailable, match="OutOfMemoryError"):
+        backend.decide([Check(BUCKET, subject("new"))])  # admitted: its state is written first
+    with pytest.raises(BackendUnavailable, match="OutOfMemoryError"):
+        backend.decide([Check(Policy("daily", parse_rate("100/d"), 100, Algorithm.FIXED_WINDOW), subject("new"))])
+    assert backend.decide([spent]).allowed is False  # refused: it writes nothing, so it is decided
+    usage = usage_for(subject("spent"), None, "small", "ping", 1)
+    with pytest.raises(BackendUnavailable, match="OutOfMemoryError"):
+        backend.decide([spent], usage=usage)  # unless usage counting writes the refusal's count
+
+
+def test_a_full_noeviction_store_decides_a_request_that_holds_a_slot_and_grows_past_maxmemory(
+    settings: Any, start: Any
+) -> None:
+    """A decision that holds a slot purges its slot set first, so its writes all go through: the limit
+    holds exactly, and the store grows past maxmemory with nothing evicted and no check to say so."""
+    server = start(*NOEVICTION)
+    limit_with(settings, server)
+    backend = RedisBackend(make_client(server.url, 2.0, 2.0))
+    client = over_maxmemory(server)
+    usage = usage_for(subject("held"), None, "small", "ping", 1)
+    held = [Check(BUCKET, subject("held")), Check(SLOTS, subject("held"))]
+    decisions = [backend.decide(held, usage=usage) for _ in range(6)]
+    for decision in decisions:
+        if decision.slot is not None:
+            backend.release(decision.slot, decision.slot_keys)
+    assert [d.allowed for d in decisions] == [True] * 5 + [False]  # exactly the limit, nothing failed
+    before = backend.store_health()
+    for i in range(2_000):  # new callers: each one's bucket, slot set and usage row are new keys
+        caller = subject(f"caller-{i}")
+        decision = backend.decide([Check(BUCKET, caller), Check(SLOTS, caller)], usage=usage._replace(field=f"r{i}:"))
+        assert decision.allowed and decision.slot is not None
+        backend.release(decision.slot, decision.slot_keys)
+    after = backend.store_health()
+    assert before is not None and after is not None and after.maxmemory == before.maxmemory
+    assert before.used_memory is not None and after.used_memory is not None and after.maxmemory is not None
+    # Written past the limit, and nothing evicted, nothing said.
+    assert after.used_memory > after.maxmemory and after.used_memory - before.used_memory > 100_000
+    assert after.evicted_keys == 0 and after.maxmemory_policy == "noeviction"
+    assert check_store() == []
+    with pytest.raises(redis.exceptions.OutOfMemoryError):
+        client.set("another:client", "x")  # everyone else's writes are still refused
+    client.close()
+
+
+def test_a_full_noeviction_store_opens_the_breaker_and_then_degrades_every_decision(
+    start: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Failed decisions degrade, each logged, until the breaker opens; then every decision degrades,
+    one that holds a slot too (the store is not asked), and nothing more is logged."""
+    server = start(*NOEVICTION)
+    # A cooldown longer than the test: no probe reaches the store while it runs.
+    limiter = Limiter(
+        RedisBackend(make_client(server.url, 2.0, 2.0)),
+        CircuitBreaker(window=20, min_calls=5, failure_rate=0.5, cooldown=60),
+        local=MemoryBackend(),
+        local_share=1.0,
+    )
+    over_maxmemory(server).close()
+    logger = logging.getLogger("ratelimits")
+    logger.addHandler(caplog.handler)  # the test settings keep ratelimits' logs from propagating
+    try:
+        without_slots = [limiter.decide([Check(BUCKET, subject(f"a{i}"))]) for i in range(5)]
+        assert limiter.breaker.state is BreakerState.OPEN  # 5 of 5 failed: at least half of 5 calls
+        with_slot = limiter.decide([Check(BUCKET, subject("b")), Check(SLOTS, subject("b"))])
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert all(d.allowed and d.degraded for d in without_slots)  # fail mode open: admitted, and said so
+    assert with_slot.allowed and with_slot.degraded  # the breaker is open: not asked, though it would have answered
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 5  # one a failed call; none once the breaker is open
+    assert all(w.startswith("ratelimits: backend unavailable, degrading: OutOfMemoryError") for w in warnings)
 
 
 # -- the policy version stamp, evicted -----------------------------------------------------------

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import math
+import operator
+from fractions import Fraction
 from typing import Any
 
 import http_sfv
@@ -19,10 +22,10 @@ from hypothesis import strategies as st
 from ratelimits.algorithms import Algorithm
 from ratelimits.choices import Priority
 from ratelimits.decisions import Decision, Result
-from ratelimits.headers import rate_limit_headers, retry_after_seconds
+from ratelimits.headers import SF_INTEGER_MAX, rate_limit_headers, retry_after_seconds
 from ratelimits.identity import Subject, SubjectKind, subject_of
 from ratelimits.policies import Check, Policy, check_for, concurrency_policy, fleet_checks
-from ratelimits.rates import parse_rate
+from ratelimits.rates import MAX_BURST, MAX_LIMIT, MAX_PERIOD_US, MAX_REFILL_US, UNITS_US, Rate, parse_rate
 
 NOW_US = 1_700_000_000_250_000
 KEY = Subject(SubjectKind.API_KEY, "k")
@@ -348,3 +351,97 @@ def test_every_decision_has_headers_a_structured_field_parser_reads_as_described
     assert ("t" in params) is not closest.check.policy.holds_slots
     if partition_key:
         assert len(params["pk"]) == 12
+
+
+# -- RateLimit-Policy states each policy's rate ---------------------------------------------------
+
+US = 1_000_000
+
+
+def advertised(policy: Policy) -> tuple[int, int]:
+    """``q`` and ``w`` of the policy's ``RateLimit-Policy`` item, as a client's parser reads them."""
+    [(name, params)] = parsed(rate_limit_headers(decide(result(policy, remaining=policy.capacity)))["RateLimit-Policy"])
+    assert name == policy.name and set(params) == {"q", "w"}
+    return params["q"], params["w"]
+
+
+def per_second(policy: Policy) -> Fraction:
+    """The policy's rate in requests a second, exactly."""
+    return Fraction(policy.rate.limit * US, policy.rate.period_us)
+
+
+@pytest.mark.parametrize(
+    ("rate", "burst", "algorithm", "quota", "window"),
+    [
+        ("10/s", 20, Algorithm.TOKEN_BUCKET, 20, 2),  # a whole-second refill: the burst over it, as before
+        ("2/s", 5, Algorithm.TOKEN_BUCKET, 6, 3),  # refills in 2.5 s; was q=5;w=3, 1.67 a second
+        ("100/s", 10, Algorithm.TOKEN_BUCKET, 100, 1),  # refills in 0.1 s; was q=10;w=1, a tenth of the rate
+        ("1/1500ms", 1, Algorithm.TOKEN_BUCKET, 2, 3),
+        ("2/500ms", 2, Algorithm.TOKEN_BUCKET, 4, 1),
+        ("7/h", 10, Algorithm.TOKEN_BUCKET, 14, 7200),  # refills in 85.7 minutes: 14 in two hours
+        ("3/1500ms", 3, Algorithm.FIXED_WINDOW, 4, 2),
+        ("5/10m", 5, Algorithm.SLIDING_WINDOW, 5, 600),
+        ("1000/d", 1000, Algorithm.FIXED_WINDOW, 1000, 86400),
+    ],
+)
+def test_rate_limit_policy_states_the_policys_rate_exactly(
+    rate: str, burst: int, algorithm: Algorithm, quota: int, window: int
+) -> None:
+    policy = Policy("p", parse_rate(rate), burst, algorithm)
+    assert advertised(policy) == (quota, window)
+    assert Fraction(quota, window) == per_second(policy)
+
+
+def test_a_rate_no_short_window_states_is_within_half_a_request() -> None:
+    """1/1001ms is 1000/1001 a second: exact only over 1001 s, past the bound of 120 s."""
+    policy = Policy("p", parse_rate("1/1001ms"), 1)
+    quota, window = advertised(policy)
+    assert (quota, window) == (120, 120)
+    assert abs(quota - per_second(policy) * window) <= Fraction(1, 2)
+
+
+#: Any period a Rate takes, and whole numbers of the units rates are written in (whole seconds
+#: and longer must always be stated exactly).
+PERIODS = st.one_of(
+    st.integers(1, MAX_PERIOD_US),
+    st.builds(operator.mul, st.integers(1, 1000), st.sampled_from(sorted(set(UNITS_US.values())))).filter(
+        lambda period: period <= MAX_PERIOD_US
+    ),
+)
+
+
+@st.composite
+def refilling_policies(draw: st.DrawFn) -> Policy:
+    """Any policy that refills with time, within the bounds every policy is checked against."""
+    limit = draw(st.one_of(st.integers(1, 100), st.integers(1, MAX_LIMIT)))
+    period = draw(PERIODS)
+    most = min(MAX_BURST, MAX_REFILL_US * limit // period)  # what check_burst accepts
+    burst = draw(st.one_of(st.integers(1, min(most, 100)), st.integers(1, most)))
+    algorithm = draw(st.sampled_from([Algorithm.TOKEN_BUCKET, Algorithm.FIXED_WINDOW, Algorithm.SLIDING_WINDOW]))
+    return Policy("p", Rate(limit, period), burst, algorithm)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(refilling_policies())
+def test_q_over_w_is_the_policys_rate_exactly_or_within_the_documented_bound(policy: Policy) -> None:
+    """docs/contract.md: ``w`` is the smallest whole number of seconds, no shorter than the time
+    the policy grants its capacity in, over which its rate grants a whole number ``q``; past the
+    bound (twice the longest of that time, the period and a minute), the bound, and ``q`` within
+    half a request of the rate over it."""
+    quota, window = advertised(policy)
+    rate = per_second(policy)
+    shortest = max(math.ceil(policy.capacity / rate), 1)
+    assert 1 <= window <= SF_INTEGER_MAX and 1 <= quota <= SF_INTEGER_MAX
+    if quota == SF_INTEGER_MAX:  # a rate of trillions a second: no Integer of the field states it
+        assert rate * window >= SF_INTEGER_MAX
+        return
+    # Never a quota below the capacity: RateLimit's r (at most the capacity) never exceeds q.
+    assert window >= shortest and quota >= policy.capacity
+    if Fraction(quota, window) == rate:
+        # The smallest such window: rate x w is whole exactly when w is a multiple of the rate's denominator.
+        assert window % rate.denominator == 0 and window - rate.denominator < shortest
+        return
+    bound = 2 * max(shortest, math.ceil(Fraction(policy.rate.period_us, US)), 60)
+    assert policy.rate.period_us % US != 0, "a period of whole seconds is always stated exactly"
+    assert window == bound and math.ceil(Fraction(shortest, rate.denominator)) * rate.denominator > bound
+    assert abs(quota - rate * window) <= Fraction(1, 2)

@@ -11,11 +11,13 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from ratelimits.openapi import FIELD_ERRORS
+from ratelimits.problems import CONTENT_TYPE
 from ratelimits.throttles import AsyncRateLimitThrottle
 from ratelimits.views import RateLimitStatusView
 
 from . import downstream
 from .models import ApiKey, Charge, Customer
+from .problems import MALFORMED_BODY
 
 
 class ChargeSerializer(serializers.ModelSerializer):
@@ -62,7 +64,15 @@ class ChargeList(APIView):
 
     throttle_scope = "charges"
 
-    @extend_schema(request=ChargeSerializer, responses={201: ChargeSerializer, 400: FIELD_ERRORS})
+    @extend_schema(
+        request=ChargeSerializer,
+        responses={
+            201: ChargeSerializer,
+            # A body the parser refuses (problems.py), first: the 400's description is the first one's.
+            (400, CONTENT_TYPE): MALFORMED_BODY,
+            (400, "application/json"): FIELD_ERRORS,
+        },
+    )
     def post(self, request: Request) -> Response:
         serializer = ChargeSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
