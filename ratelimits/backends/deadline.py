@@ -66,9 +66,13 @@ class StoreClock:
         bounds = [b for b in (self._current, self._previous) if b is not None]
         return min(bounds) if bounds else None
 
-    def deadline_us(self, sent_us: int, timeout_s: float | None) -> int:
-        """The store-clock moment by which a call sent at ``sent_us`` must run; 0: none (not known yet)."""
+    def deadline_us(self, sent_us: int, timeout_s: float | None, waiting_s: float = 0.0) -> int:
+        """The store-clock moment by which a call sent at ``sent_us`` must run; 0: none (not known yet).
+
+        ``waiting_s``: how long the call may wait for a connection before it is sent (an event
+        loop's pool), which the worker waits on top of its socket timeout.
+        """
         offset = self.offset_us()
         if offset is None or not timeout_s:
             return 0
-        return sent_us + offset + int(timeout_s * (1 - ANSWER_SHARE) * 1_000_000)
+        return sent_us + offset + int((waiting_s + timeout_s * (1 - ANSWER_SHARE)) * 1_000_000)

@@ -88,6 +88,8 @@ _USAGE_TTL = str(layout.USAGE_TTL_S)
 #: The decide script's packed request header (``REQUEST`` in ``lua/decide.lua``; a check packs
 #: its own record, :attr:`Check.script_record <ratelimits.policies.values.Check.script_record>`).
 _REQUEST = struct.Struct("<dBddddd")
+#: The request record's last field: the call's deadline (us, Redis TIME; 0: none).
+_DEADLINE = struct.Struct("<d")
 #: ``lua/refund.lua``'s packed header (now) and each check's record before what the decide call reported.
 _REFUND_NOW = struct.Struct("<d")
 _REFUND_CHECK = struct.Struct("<Bddddd")
@@ -221,7 +223,7 @@ class RedisBackend(Backend):
         """One decide call: the decision, and the script's reply as it came."""
         call = self._call_for(checks, consume=consume, usage=usage, wants=wants)
         try:
-            reply = self._run(DECIDE, call.keys, call.args)
+            reply = self._run(DECIDE, call.keys, call.args, call.stamped if consume else None)
         except BackendUnavailable as exc:
             call.failed(exc)
             raise
@@ -239,6 +241,11 @@ class RedisBackend(Backend):
     ) -> tuple[Decision, Any]:
         """:meth:`_decided` on the running event loop's ``redis.asyncio`` client."""
         call = self._call_for(checks, consume=consume, usage=usage, wants=wants)
+        if consume:
+            # Sent once the loop's pool gives it a connection (and it is connected): the worker
+            # waits that long on top of its socket timeout, and so may the script.
+            timeouts = self.timeouts or (0.0, 0.0)
+            call.args = call.stamped(call.args, waiting_s=2 * timeouts[1])
         try:
             reply = await _arun(client, DECIDE, call.keys, call.args)
         except BackendUnavailable as exc:
@@ -257,21 +264,17 @@ class RedisBackend(Backend):
         self, checks: Sequence[Check], *, consume: bool, usage: Usage | None, wants: Sequence[int] | None
     ) -> _DecideCall:
         slot = new_slot(checks) if consume else None
-        sent = self.store_clock.now_us()
-        deadline = self.deadline(sent) if consume else 0  # a peek changes nothing, late or not
-        script_keys, args = self.decide_call(
-            checks, consume=consume, usage=usage, slot=slot, wants=wants, deadline=deadline
-        )
+        script_keys, args = self.decide_call(checks, consume=consume, usage=usage, slot=slot, wants=wants)
         held = slot_keys(checks, script_keys[1 : len(checks) + 1]) if slot else ()
-        return _DecideCall(checks, script_keys, args, slot, held, sent)
+        return _DecideCall(self, checks, script_keys, args, slot, held)
 
-    def deadline(self, sent_us: int) -> int:
+    def deadline(self, sent_us: int, waiting_s: float = 0.0) -> int:
         """The store-clock moment by which a call sent at ``sent_us`` must run (0: none known yet)."""
-        return self.store_clock.deadline_us(sent_us, self.timeouts[0] if self.timeouts else None)
+        return self.store_clock.deadline_us(sent_us, self.timeouts[0] if self.timeouts else None, waiting_s)
 
     def _observe(self, sent_us: int, reply: Any) -> None:
         """A decide script's reply: under Redis ``TIME``, its first item is the store's clock when it ran."""
-        if self.clock is None:
+        if self.clock is None and sent_us:  # a peek is not stamped: no send time to bound from
             self.store_clock.observe(sent_us, int(reply[0]))
 
     @cached_property
@@ -590,14 +593,23 @@ class RedisBackend(Backend):
         except STORE_ERRORS as exc:
             raise unavailable(exc) from exc
 
-    def _run(self, script: Script, script_keys: Sequence[str], args: Sequence[Any]) -> Any:
+    def _run(
+        self,
+        script: Script,
+        script_keys: Sequence[str],
+        args: Sequence[Any],
+        stamp: Callable[[Sequence[Any]], Sequence[Any]] | None = None,
+    ) -> Any:
         """Run ``script`` on this thread's connection: EVALSHA, and EVAL if Redis lost its script cache.
 
-        The same boundary as :meth:`_store`, written out: this is every decision's path, and a
-        context manager costs a microsecond.
+        ``stamp(args)``: the arguments as sent, made once the connection is ready (a deadline
+        counts from the send, not from before a connect). The same boundary as :meth:`_store`,
+        written out: this is every decision's path, and a context manager costs a microsecond.
         """
         try:
             connection = self._connection()
+            if stamp is not None:
+                args = stamp(args)
             try:
                 return _call(connection, "EVALSHA", script.sha, len(script_keys), *script_keys, *args)
             except redis.exceptions.NoScriptError:
@@ -696,17 +708,25 @@ def renew_call(
 STORE_ERRORS = (redis.RedisError, OSError)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _DecideCall:
     """One decide script call, made: its keys and arguments, and the slot it would take."""
 
+    backend: RedisBackend
     checks: Sequence[Check]
     keys: list[str]
     args: list[Any]
     slot: str | None
     held: tuple[str, ...]
     #: When it was sent, on this process's wall clock (us): what its reply's time is an offset bound from.
-    sent: int
+    sent: int = 0
+
+    def stamped(self, args: Sequence[Any], *, waiting_s: float = 0.0) -> list[Any]:
+        """``args`` with the call's deadline, from now, its send (``lua/decide.lua``'s REQUEST, last)."""
+        self.sent = sent = self.backend.store_clock.now_us()
+        record = args[0]
+        header = record[: _REQUEST.size - _DEADLINE.size] + _DEADLINE.pack(self.backend.deadline(sent, waiting_s))
+        return [header + record[_REQUEST.size :], *args[1:]]
 
     def failed(self, exc: BackendUnavailable) -> None:
         """Tell ``exc`` what it means for this call."""
