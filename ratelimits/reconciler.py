@@ -1,10 +1,14 @@
 """The reconciler: a round moves each global subject's regional shares toward where its demand is.
 
 A Celery beat task (``ratelimits.reconcile_regions``) runs :func:`reconcile` every
-``REGIONS['RECONCILE_INTERVAL']`` (1 s). A round:
+``REGIONS['RECONCILE_INTERVAL']`` (1 s). Demand is counted in a hash per second, so the rounds are
+aligned to the seconds, not to beat's ticks (which fall anywhere in a second, and drift): a round
+waits for just after its second's end (:func:`rounds_due`). Each round then reads a second of
+demand as soon as it is whole, and a share follows demand within about 1.1 s, instead of 1-2 s.
+A round:
 
-1. reads every region's demand of the last second that is over (``lua/decide.lua`` counts it),
-   and the share records of every subject that had demand somewhere;
+1. reads every region's demand of the second it is for (``lua/decide.lua`` counts it), and the
+   share records of every subject that had demand somewhere;
 2. gives each subject's reachable regions new shares: the floor each, the rest in proportion to
    demand, out of what the unreachable regions do not hold (each is assumed to hold the most it
    can come to without a write: ``max(its last share as decayed, 1 / regions)``), so the shares
@@ -25,6 +29,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -39,7 +44,7 @@ from .conf import conf
 from .exceptions import BackendUnavailable
 from .shares import RECORD_TTL_EXTRA_S, ShareRecord, target_shares
 
-__all__ = ["Round", "reconcile", "region_stores"]
+__all__ = ["Round", "reconcile", "region_stores", "rounds_due"]
 
 logger = logging.getLogger("ratelimits.reconciler")
 T = TypeVar("T")
@@ -54,6 +59,19 @@ WRITE_WINDOW_S = 1.0
 CLOCK_MARGIN_S = 0.1
 #: How long the last round's summary stays in each region's store for the admin.
 STATUS_TTL_S = 86_400
+#: A round reads a second this long after its end, by the reconciler's clock: room for the
+#: decisions the app's clock named in that second to land in their stores (``lua/decide.lua``
+#: counts a decision in the second its process named, a round trip before the script runs), and
+#: for the clocks to disagree (as ``CLOCK_MARGIN_S``). The rounds align to this moment.
+READ_AFTER_S = CLOCK_MARGIN_S
+#: A round whose task came at most this late after its second's moment reads that second at once.
+ON_TIME_S = 0.1
+#: A task later than ``ON_TIME_S`` and by at most this reads the second at once, then waits for the
+#: next second's moment and reads that one too: beat's ticks drift later (each is due an interval
+#: after the last one *ran*), so the task before may have read the second before this one, and
+#: waiting for the next alone would leave this one unread (a round missing). Later still, the task
+#: before has waited for this second already: the task waits for the next one alone.
+CATCH_UP_S = 0.25
 
 
 @dataclass
@@ -100,11 +118,50 @@ def region_stores() -> dict[str, RegionStore]:
     }
 
 
+def rounds_due(now: float) -> list[tuple[float, int]]:
+    """The rounds a task started at ``now`` runs (Unix seconds): when each starts, and the second it reads.
+
+    A second is read ``READ_AFTER_S`` after its end (its *moment*). A task reads the last second
+    whose moment has passed at once if it is at most ``ON_TIME_S`` late for it; at most
+    ``CATCH_UP_S`` late, at once and the next second at its moment too; later, the next second
+    alone, at its moment (it waits for at most ``1 - CATCH_UP_S`` s). With beat's ticks about a
+    second apart, drifting later, and no task more than ``CATCH_UP_S - ON_TIME_S`` later in its
+    second than the task before, every second is read, and each at most ``CATCH_UP_S`` after its
+    moment (usually at it): ``tests/test_regions.py`` runs such a beat for an hour.
+    """
+    second = math.floor(now - READ_AFTER_S) - 1  # the last second whose moment has passed
+    moment = second + 1 + READ_AFTER_S
+    late = now - moment  # in [0, 1)
+    following = (moment + 1, second + 1)
+    if late <= ON_TIME_S:
+        return [(now, second)]
+    if late <= CATCH_UP_S:
+        return [(now, second), following]
+    return [following]
+
+
 def reconcile(*, stores: Mapping[str, RegionStore] | None = None, now: float | None = None, lock: bool = True) -> Round:
-    """Run one round (``stores``: by region name, every region of ``REGIONS['STORES']`` by default)."""
-    at = time.time() if now is None else now
-    result = Round(at=at, second=int(at) - 1)
+    """Run a round (``stores``: by region name, every region of ``REGIONS['STORES']`` by default).
+
+    With ``now`` (Unix seconds): one round, at once, as of ``now``, reading the second before
+    ``now``'s. Without, as beat's task calls it: the round waits for its second's moment, and a
+    task late enough runs two (:func:`rounds_due`); the last round is returned. The wait is taken
+    before the round: the lock is not held meanwhile, and a write's deadline counts from the write.
+    """
     stores = region_stores() if stores is None else stores
+    if now is not None:
+        return _reconcile(stores, Round(at=now, second=int(now) - 1), lock)
+    at = time.time()
+    result = Round(at=at, second=math.floor(at - READ_AFTER_S) - 1)
+    if len(stores) < 2:
+        return result  # one region: a global limit is its own, and nothing to wait for
+    for start, second in rounds_due(at):
+        time.sleep(max(start - time.time(), 0))  # the second's moment: a wait of under a second
+        result = _reconcile(stores, Round(at=time.time(), second=second), lock)
+    return result
+
+
+def _reconcile(stores: Mapping[str, RegionStore], result: Round, lock: bool) -> Round:
     if len(stores) < 2:
         return result  # one region: a global limit is its own
     with _round_lock(lock) as held:

@@ -6,6 +6,7 @@ Celery beat and worker); demand is real decisions in each region. What must hold
 
 - without any round, each region enforces an even split, so the regions together admit no more
   than the global burst;
+- rounds align to just after each second's end, and a drifting beat leaves no second unread;
 - a round moves the shares toward demand, they sum to exactly the limit, and a share change
   keeps the tokens a region holds (lowered: capped at its new burst; raised: refilled, not given);
 - the script and the Python mirror decide a global bucket alike;
@@ -50,7 +51,7 @@ from ratelimits.policies.database import load_snapshot
 from ratelimits.policies.snapshot import tier_policies
 from ratelimits.policies.values import Check, Policy, Scope
 from ratelimits.rates import parse_rate
-from ratelimits.reconciler import _lock_id, reconcile
+from ratelimits.reconciler import CATCH_UP_S, ON_TIME_S, READ_AFTER_S, _lock_id, reconcile, rounds_due
 from ratelimits.shares import ShareRecord, target_shares
 
 from .support.redis_cluster import Cluster
@@ -94,8 +95,18 @@ def ask(server: RedisServer, check: Check, seconds: float, every: float = 0.005)
         time.sleep(every)
 
 
-def wait_for_next_second() -> None:
-    time.sleep(1.02 - time.time() % 1)  # the round reads the second before its own
+def wait_for_next_second() -> int:
+    """Sleep into the next second (a start, not a synchronisation); that second."""
+    time.sleep(1.02 - time.time() % 1)
+    return int(time.time())
+
+
+def reconcile_second(second: int) -> Any:
+    """A round reading ``second``'s demand, once that second is whole (its moment, as beat's round would
+    start), even if the test comes late: a decision that ran past the second's end (a loaded machine)
+    then only misses this round, rather than the round reading the next second instead."""
+    time.sleep(max(second + 1 + READ_AFTER_S - time.time(), 0))
+    return reconcile(now=second + 1 + READ_AFTER_S)
 
 
 # -- enforcing a share ------------------------------------------------------------------------------
@@ -151,15 +162,71 @@ def test_the_memory_backend_enforces_the_even_split(settings: Any) -> None:
     assert sum(store.decide([check]).allowed for _ in range(20)) == 10  # a quarter of the burst
 
 
+# -- when rounds run ---------------------------------------------------------------------------------
+
+
+def test_a_task_reads_the_last_second_at_once_only_when_it_is_just_over() -> None:
+    moment = 1_800_000_000 + 1 + READ_AFTER_S  # second 1_800_000_000's: just after its end
+    second = 1_800_000_000
+    assert rounds_due(moment) == [(moment, second)]
+    assert rounds_due(moment + ON_TIME_S) == [(moment + ON_TIME_S, second)]
+    # Later: that second at once (the task before may have read the one before it only), and the next at its moment.
+    assert rounds_due(moment + 0.2) == [(moment + 0.2, second), (pytest.approx(moment + 1), second + 1)]
+    # Later still: the next second alone, waiting for its moment (the task before waited for this one).
+    assert rounds_due(moment + CATCH_UP_S + 0.01) == [(pytest.approx(moment + 1), second + 1)]
+    assert rounds_due(moment + 0.99) == [(pytest.approx(moment + 1), second + 1)]
+    # Just before the moment: not yet whole (a decision named in it may still be on its way).
+    assert rounds_due(moment - 0.01) == [(pytest.approx(moment), second)]
+
+
+def test_a_drifting_beat_leaves_no_second_unread_and_reads_each_just_after_its_end() -> None:
+    """An hour of Celery beat's ticks: each due a second after the last one *ran* (they drift later, by
+    up to 12 ms here), each task starting up to 80 ms after its tick (a busy worker). Every second is
+    read, at most ``CATCH_UP_S`` after its moment; the rounds a task runs for a second already read
+    (the catch-up's) stay few. Rounds at beat's own ticks would leave a second unread at every
+    crossing of a second's end, and read each up to a second late: both fail here.
+    """
+    for seed in range(5):
+        rng = random.Random(seed)
+        tick = 1_800_000_000 + rng.random()
+        first_read: dict[int, float] = {}
+        rounds = 0
+        for _ in range(3600):
+            tick += 1 + rng.uniform(0, 0.012)
+            for start, second in rounds_due(tick + rng.uniform(0, 0.08)):
+                assert start >= second + 1 + READ_AFTER_S - 1e-6  # never before the second is whole
+                first_read.setdefault(second, start)
+                rounds += 1
+        seconds = sorted(first_read)
+        assert [s for s in range(seconds[0], seconds[-1] + 1) if s not in first_read] == [], seed
+        assert max(first_read[s] - (s + 1 + READ_AFTER_S) for s in seconds) <= CATCH_UP_S + 1e-6, seed
+        # A task reads twice only while its ticks fall in (ON_TIME_S, CATCH_UP_S] after a moment: 15 % of
+        # a second, which the drift sweeps evenly (measured: 14-16 % over these seeds).
+        assert rounds <= 3600 * 1.2, (seed, rounds)
+
+
+def test_a_round_started_mid_second_waits_for_its_end_and_reads_it(regions: dict[str, RedisServer]) -> None:
+    """Demand in a for half of second s, a round called at once: it reads s once s is over, not s - 1."""
+    check = global_check("100/s", 100)
+    second = wait_for_next_second()
+    ask(regions["a"], check, 0.5)
+    done = reconcile()  # called about half way through s: as beat's task calls it
+    assert done.second == second, done
+    # The round starts just after s is whole: never before (the demand named in s could be on its way),
+    # and late only by the sleep's overshoot: milliseconds, tens of them with both cores busy (the
+    # flake check's CPU hogs). 0.5 s is ten times that, and still well short of the next second's end.
+    assert second + 1 + READ_AFTER_S <= done.at < second + 1 + READ_AFTER_S + 0.5, (done.at, second)
+    assert share_in(regions["a"], check, 2) == pytest.approx(1 - conf.regions.reconcile.floor)
+
+
 # -- a round -----------------------------------------------------------------------------------------
 
 
 def test_a_round_moves_the_shares_toward_demand_and_they_sum_to_the_limit(regions: dict[str, RedisServer]) -> None:
     check = global_check("100/s", 100)
-    wait_for_next_second()
+    second = wait_for_next_second()
     ask(regions["a"], check, 0.9)
-    wait_for_next_second()
-    done = reconcile()
+    done = reconcile_second(second)
     # Both regions told the round's shares (b lowered, a held), then a raised: three writes.
     assert done.reached == ["a", "b"] and done.subjects == 1 and done.written == 3, done
     a, b = (share_in(regions[name], check, 2) for name in ("a", "b"))
@@ -167,13 +234,12 @@ def test_a_round_moves_the_shares_toward_demand_and_they_sum_to_the_limit(region
     assert a == pytest.approx(1 - floor) and b == pytest.approx(floor)
     assert a + b == pytest.approx(1.0, abs=1e-12)
     # Demand in both, three to one: the floor each, the rest three to one.
-    wait_for_next_second()
+    second = wait_for_next_second()
     thread = threading.Thread(target=ask, args=(regions["b"], check, 0.9, 0.015))
     thread.start()
     ask(regions["a"], check, 0.9)
     thread.join()
-    wait_for_next_second()
-    reconcile()
+    reconcile_second(second)
     records = {
         name: ShareRecord.unpack(regions[name].client().get(layout.share_key(check.key(PREFIX)))) for name in regions
     }
@@ -188,10 +254,9 @@ def test_a_share_change_keeps_the_tokens_each_region_holds(regions: dict[str, Re
     check = global_check("1/m", 100)  # refills nothing meanwhile
     assert burst_admitted(regions["a"], check, 50) == 50  # a has spent its whole half
     assert burst_admitted(regions["b"], check, 1) == 1  # b spent 1 of its 50
-    wait_for_next_second()
+    second = wait_for_next_second()
     ask(regions["a"], check, 0.5)  # then demand in a only (all denied): a's share goes up
-    wait_for_next_second()
-    reconcile()
+    reconcile_second(second)
     assert share_in(regions["a"], check, 2) == pytest.approx(0.95)
     # a holds 95 of capacity but no tokens were made: still none; b keeps 5 of its 49.
     assert burst_admitted(regions["a"], check, 20) == 0
@@ -234,10 +299,9 @@ def test_a_region_raised_before_it_ever_admitted_gets_capacity_not_tokens(region
     check = global_check("1/m", 100)  # refills nothing meanwhile
     costly = Check(check.policy, check.subject, 60)  # more than b's even half holds: always denied there
     assert burst_admitted(regions["a"], check, 50) == 50  # a spent its half
-    wait_for_next_second()
+    second = wait_for_next_second()
     assert burst_admitted(regions["b"], costly, 10) == 0  # demand in b, and no state
-    wait_for_next_second()
-    reconcile()
+    reconcile_second(second)
     assert share_in(regions["b"], check, 2) == pytest.approx(0.95)
     # b was a full half (50) when raised: it holds those 50 and may refill to 95, but is given nothing.
     assert burst_admitted(regions["b"], costly, 1) == 0
@@ -275,10 +339,9 @@ def test_a_malformed_share_record_reads_as_the_even_split(regions: dict[str, Red
     regions["a"].client().set(layout.share_key(key), b"not a record")
     assert burst_admitted(regions["a"], check, 80) == 50
     assert backend(regions["a"]).shares([check]) == {}
-    wait_for_next_second()
+    second = wait_for_next_second()
     ask(regions["a"], check, 0.2)
-    wait_for_next_second()
-    done = reconcile()  # reads it as none, and writes a record over it
+    done = reconcile_second(second)  # reads it as none, and writes a record over it
     assert done.written == 3  # both regions told, then a raised
     assert share_in(regions["a"], check, 2) == pytest.approx(0.95)
 
@@ -298,17 +361,15 @@ def test_an_unreachable_region_keeps_its_share_and_the_others_get_only_the_rest(
     regions: dict[str, RedisServer],
 ) -> None:
     check = global_check("100/s", 100)
-    wait_for_next_second()
+    second = wait_for_next_second()
     ask(regions["b"], check, 0.9)
-    wait_for_next_second()
-    reconcile()
+    reconcile_second(second)
     assert share_in(regions["b"], check, 2) == pytest.approx(0.95)
-    wait_for_next_second()
+    second = wait_for_next_second()
     ask(regions["a"], check, 0.9)  # demand moves to a, but b cannot be reached
-    wait_for_next_second()
     regions["b"].pause()
     try:
-        done = reconcile()
+        done = reconcile_second(second)
     finally:
         regions["b"].resume()
     assert done.unreachable == ["b"] and done.reached == ["a"], done
@@ -316,10 +377,9 @@ def test_an_unreachable_region_keeps_its_share_and_the_others_get_only_the_rest(
     assert share_in(regions["a"], check, 2) == pytest.approx(0.05)
     assert share_in(regions["b"], check, 2) == pytest.approx(0.95)
     # Reached again, the shares follow demand.
-    wait_for_next_second()
+    second = wait_for_next_second()
     ask(regions["a"], check, 0.9)
-    wait_for_next_second()
-    done = reconcile()
+    done = reconcile_second(second)
     assert done.unreachable == []
     assert share_in(regions["a"], check, 2) == pytest.approx(0.95)
     assert share_in(regions["b"], check, 2) == pytest.approx(0.05)
@@ -460,13 +520,22 @@ def test_a_cluster_region_is_reconciled_like_a_single_server(
     conf.clear()
     in_b = ClusterBackend(make_client(redis_cluster.url, 2.0, 2.0), prefix=PREFIX)  # type: ignore[arg-type]
     checks = [global_check("1/m", 100, subject=f"org-{i}") for i in range(12)]  # over every master; no refill
+    in_b.decide(checks, consume=False)  # connections to every master, scripts loaded: no demand counted
     wait_for_next_second()
     for check in checks:
         for _ in range(5):
             in_b.decide([check])
-    wait_for_next_second()
-    done = reconcile()
-    assert done.reached == ["a", "b"] and done.subjects == len(checks) and done.written == 3 * len(checks), done
+    # A round reads one second: the 60 decisions take a fraction of one, but may straddle a second's end
+    # on a busy machine. A round for each second their demand was counted in (as the store names it),
+    # each once that second is whole. (Not every second from the first decision's to the last's: a
+    # round over 16,384 slots' hashes took 4 s with both cores busy, and a hash lives 10 s.)
+    keys = [key for node in redis_cluster.masters() for key in node.client().scan_iter(match=f"{PREFIX}*demand:*")]
+    seconds = sorted({int(key.rsplit(b":", 1)[-1]) for key in keys})
+    time.sleep(max(seconds[-1] + 1 + READ_AFTER_S - time.time(), 0))
+    rounds = [reconcile(now=second + 1 + READ_AFTER_S) for second in seconds]  # the oldest (first to expire) first
+    for done in rounds:
+        assert done.reached == ["a", "b"] and done.written == 3 * done.subjects, rounds  # both told, then b raised
+    assert len(checks) <= sum(done.subjects for done in rounds), rounds  # every subject's demand, once or twice
     shares = in_b.shares(checks)
     assert len(shares) == len(checks)
     for check in checks:
