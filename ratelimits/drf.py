@@ -12,7 +12,7 @@ from .decisions import Decision
 from .problems import body_timeout_response
 from .problems import problem_response as decision_response
 
-__all__ = ["RateLimitUnavailable", "endpoint_name", "exception_handler", "problem_response"]
+__all__ = ["RateLimitUnavailable", "RequestBodyTimeout", "endpoint_name", "exception_handler", "problem_response"]
 
 
 class RequestBodyTimeout(exceptions.APIException):
