@@ -52,9 +52,7 @@ class SlotHeartbeat:
         self._lock = threading.Lock()
         #: slot id -> (its store, its keys, until when it is renewed: monotonic seconds)
         self._held: dict[str, tuple[Backend, tuple[str, ...], float]] = {}
-        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        self.beats = 0
 
     def hold(self, backend: Backend, slot: str, keys: Sequence[str]) -> None:
         """Renew ``slot`` under ``keys`` in ``backend`` until :meth:`drop`, or ``SLOT_TTL`` from now."""
@@ -69,10 +67,6 @@ class SlotHeartbeat:
         """The request ended (its slot released, or being released): renew it no more."""
         with self._lock:
             self._held.pop(slot, None)
-
-    @property
-    def held(self) -> int:
-        return len(self._held)
 
     def beat(self) -> None:
         """Renew every slot still held, one call per store; drop those past their ``SLOT_TTL``."""
@@ -90,12 +84,10 @@ class SlotHeartbeat:
                 backend.renew(slots, lease)
             except Exception as exc:  # the store is down: the next beat tries again, the lease covers two
                 logger.info("ratelimits: %d slots not renewed this beat: %s", len(slots), exc)
-        self.beats += 1
 
     def _run(self) -> None:
         while True:
-            self._wake.wait(self._lease_us() / 1_000_000 / BEATS_PER_LEASE)
-            self._wake.clear()
+            time.sleep(self._lease_us() / 1_000_000 / BEATS_PER_LEASE)
             try:
                 self.beat()
             except Exception:  # this thread must outlive anything
