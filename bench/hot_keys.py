@@ -137,7 +137,7 @@ def _redis_time_us(client: redis.Redis) -> int:
 
 def _script_calls_and_cpu(client: redis.Redis) -> tuple[int, float]:
     stats = client.info("commandstats")
-    calls = sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("evalsha", "eval"))
+    calls = sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("fcall", "evalsha", "eval"))
     cpu = client.info("cpu")
     return calls, float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
 

@@ -125,7 +125,7 @@ def decide_cost(server: RedisServer, decisions: int, rounds: int = 5) -> None:
             client.config_resetstat()
             for _ in range(decisions // rounds):
                 backend.decide([check])
-            script = client.info("commandstats").get("cmdstat_evalsha", {"usec": 0, "calls": 1})
+            script = client.info("commandstats").get("cmdstat_fcall", {"usec": 0, "calls": 1})
             figures[name].append(script["usec"] / script["calls"])
     medians = {name: sorted(values)[len(values) // 2] for name, values in figures.items()}
     print(f"\n== decide: Redis µs per decision (the script's own time, {rounds} interleaved rounds, median) ==")

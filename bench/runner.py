@@ -16,8 +16,9 @@ from .stats import Series
 IGNORED_COMMANDS = {"info", "config", "config|resetstat"}
 #: Commands a client sends on its own (a new connection's handshake): never part of a script.
 CONNECTION_COMMANDS = {"auth", "client", "client|setinfo", "hello", "select"}
-#: Top-level commands of a script-based decision (EVAL only after a NOSCRIPT).
-SCRIPT_COMMANDS = ("evalsha", "eval")
+#: Top-level commands of a script-based decision: a Redis Function's call, or a script's (EVAL
+#: only after a NOSCRIPT).
+SCRIPT_COMMANDS = ("fcall", "evalsha", "eval")
 
 
 def timed_block(call: Callable[[int], None], start: int, n: int) -> tuple[list[int], int]:
@@ -111,7 +112,7 @@ def run_rounds(
             calls = sum(stats.get(c, (0, 0))[0] for c in scenario.commands)
             usec = sum(stats.get(c, (0, 0))[1] for c in scenario.commands)
             # Commands a script runs appear in commandstats too, but their time is already inside
-            # the EVALSHA's own usec: they are tallied apart (per decision), never added.
+            # the FCALL's (or EVALSHA's) own usec: they are tallied apart (per decision), never added.
             scripted = any(c in SCRIPT_COMMANDS for c in scenario.commands)
             rest = {c: v[0] for c, v in stats.items() if c not in scenario.commands and v[0]}
             inner = {c: n for c, n in rest.items() if scripted and c not in CONNECTION_COMMANDS}

@@ -272,14 +272,14 @@ def build(redis_url: str) -> list[Scenario]:
             "ratelimits throttle, 1 dimension",
             ratelimits_throttle(requests, view),
             ratelimits=one_dimension,
-            commands=("evalsha", "eval"),
+            commands=("fcall", "evalsha", "eval"),
             notes={"checks": names_one, **subjects},
         ),
         Scenario(
             "ratelimits_4dim",
             "ratelimits throttle, 4 dimensions",
             ratelimits_throttle(requests, view),
-            commands=("evalsha", "eval"),
+            commands=("fcall", "evalsha", "eval"),
             notes={"checks": names, **subjects},
         ),
         Scenario(
@@ -287,7 +287,7 @@ def build(redis_url: str) -> list[Scenario]:
             "ratelimits throttle, 4 dimensions, usage counting off",
             ratelimits_throttle(requests, view),
             ratelimits={**ratelimits_settings(redis_url, dimensions=4), "USAGE": False},
-            commands=("evalsha", "eval"),
+            commands=("fcall", "evalsha", "eval"),
             notes={"checks": names, "usage": False, **subjects},
         ),
         Scenario(
@@ -302,7 +302,7 @@ def build(redis_url: str) -> list[Scenario]:
             "decide_4",
             "RedisBackend.decide, 4 checks",
             decide_only(backend, check_lists),
-            commands=("evalsha", "eval"),
+            commands=("fcall", "evalsha", "eval"),
             notes={"checks": names, **subjects},
         ),
         Scenario(

@@ -35,7 +35,7 @@ from ratelimits.algorithms import Algorithm
 from ratelimits.backends import aio
 from ratelimits.backends.aio import AsyncClients, async_pool_factory
 from ratelimits.backends.base import in_thread, store_threads
-from ratelimits.backends.redis import RedisBackend, make_client
+from ratelimits.backends.redis import DECIDE, RedisBackend, make_client
 from ratelimits.choices import FailMode
 from ratelimits.conf import LocalPathSettings
 from ratelimits.engine import evaluation
@@ -566,6 +566,30 @@ def test_a_policy_the_store_cannot_decide_goes_by_its_fail_mode_on_the_async_pat
     assert [d.allowed for d in decisions] == [True, True, False]
     assert [r.check.policy.name for r in decisions[-1].violated] == ["sound"]
     assert limiter.breaker.state is BreakerState.CLOSED  # a bad policy is not an outage
+
+
+@pytest.mark.parametrize("refused", [False, True], ids=["lost", "refused"])
+def test_a_lost_or_refused_function_on_the_async_path_decides_the_same(own_redis: RedisServer, refused: bool) -> None:
+    """The event loop's client reloads a library the store lost, and sends the script to a store
+    that refuses Functions (an ACL here): either way each call is decided once, exactly."""
+    url = own_redis.url
+    if refused:
+        own_redis.client().acl_setuser(
+            "scripts", enabled=True, nopass=True, keys=["*"], channels=["*"], commands=["+@all", "-fcall", "-function"]
+        )
+        url = f"redis://scripts@127.0.0.1:{own_redis.port}/0"
+    backend = RedisBackend(make_client(url, 2.0, 2.0), prefix="afunction")
+    check = local_check("lost", "3/m", 3, Algorithm.TOKEN_BUCKET, "lena")
+
+    async def scenario() -> list[int]:
+        remaining = [(await backend.adecide([check])).results[0].remaining]
+        own_redis.client().function_flush()
+        remaining += [(await backend.adecide([check])).results[0].remaining for _ in range(3)]
+        return remaining
+
+    assert run(scenario) == [2, 1, 0, 0]
+    assert backend.functions.enabled is not refused
+    assert bool(own_redis.client().function_list(library=DECIDE.function)) is not refused
 
 
 def test_a_timed_out_async_decision_hands_back_the_slot_it_may_have_taken(own_redis: RedisServer) -> None:

@@ -29,7 +29,7 @@ from rest_framework.test import APIRequestFactory
 
 from ratelimits.algorithms import token_bucket
 from ratelimits.backends.memory import MemoryBackend
-from ratelimits.backends.redis import DECIDE_SHA, RedisBackend
+from ratelimits.backends.redis import DECIDE, RedisBackend
 from ratelimits.conf import conf
 from ratelimits.decisions import Decision
 from ratelimits.decorators import (
@@ -835,8 +835,8 @@ def test_stacked_limits_and_policies_are_one_round_trip(
         assert limited(four_limits, request) is False
     sent = top_level(commands)
     assert len(sent) == 1, sent
-    name, sha, numkeys, *_ = sent[0].split(" ")
-    assert (name.upper(), sha) == ("EVALSHA", DECIDE_SHA)
+    name, function, numkeys, *_ = sent[0].split(" ")
+    assert (name.upper(), function) == ("FCALL", DECIDE.function)
     # The version stamp, the three limits' and the two policies' state keys, this minute's usage.
     assert numkeys == "7"
     assert [r.policy_name for r in request.ratelimit.results] == [  # type: ignore[attr-defined]

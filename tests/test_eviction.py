@@ -226,10 +226,13 @@ def test_a_full_noeviction_store_degrades_loudly(settings: Any, start: Any) -> N
 
 # -- a full noeviction store: what fails, and what does not ---------------------------------------
 #
-# Redis refuses a script's write that may grow memory (SET, HINCRBY, ZADD) while it is over
-# maxmemory, but only while the script has written nothing yet: it cannot stop a script halfway.
-# A slot check's first write purges expired slots (ZREMRANGEBYSCORE), which is never refused, so
-# the rest of a decision that holds a slot is written too, past maxmemory (docs/failure-modes.md).
+# Redis refuses a Redis Function that may write (the decide script, where the store runs
+# Functions) while it is over maxmemory, before it runs. A script sent by EVALSHA (before Redis
+# 7, an ACL without Functions, a cluster's slot groups) is refused only at a write that may grow
+# memory (SET, HINCRBY, ZADD), and only while it has written nothing yet: it cannot stop a script
+# halfway. A slot check's first write purges expired slots (ZREMRANGEBYSCORE), which is never
+# refused, so the rest of a decision that holds a slot is written too, past maxmemory
+# (docs/failure-modes.md).
 
 BUCKET = Policy("tier:small", parse_rate("5/m"), 5)
 SLOTS = concurrency_policy("tier:small:concurrency", 1_000, fail_mode="open")
@@ -262,10 +265,44 @@ def subject(name: str) -> Subject:
     return Subject(SubjectKind.API_KEY, name)
 
 
-def test_a_full_noeviction_store_refuses_decisions_that_write_first(start: Any) -> None:
-    """A decision that holds no slot: an admission writes its state first, and is refused with OOM."""
+def scripts_only(server: RedisServer) -> RedisBackend:
+    """A backend on ``server`` that sends the decide script by EVALSHA, as to a store without Functions."""
+    backend = RedisBackend(make_client(server.url, 2.0, 2.0))
+    backend.functions.enabled = False
+    return backend
+
+
+def test_a_full_noeviction_store_refuses_every_decision_up_front(start: Any) -> None:
+    """As a Redis Function, the decide script is refused before it runs: whatever the decision, a
+    refusal or one that holds a slot too, and nothing is written past maxmemory."""
     server = start(*NOEVICTION)
     backend = RedisBackend(make_client(server.url, 2.0, 2.0))
+    spent = Check(BUCKET, subject("spent"))
+    assert [backend.decide([spent]).allowed for _ in range(6)] == [True] * 5 + [False]
+    client = over_maxmemory(server)
+    used = int(client.info("memory")["used_memory"])
+    for checks in (
+        [Check(BUCKET, subject("new"))],
+        [spent],  # a refusal would write nothing, but the store cannot know that before it runs
+        [Check(BUCKET, subject("held")), Check(SLOTS, subject("held"))],
+    ):
+        with pytest.raises(BackendUnavailable, match="OutOfMemoryError"):
+            backend.decide(checks)
+    assert backend.functions.enabled  # an OOM is the store's state, not a refusal of Functions
+    assert (
+        client.exists(
+            *(check.key(backend.prefix) for check in (Check(BUCKET, subject("new")), Check(SLOTS, subject("held"))))
+        )
+        == 0
+    )
+    assert int(client.info("memory")["used_memory"]) < used + 64 * 1024  # no more than a connection's buffers
+    client.close()
+
+
+def test_a_full_noeviction_store_refuses_scripts_that_write_first(start: Any) -> None:
+    """By EVALSHA, a decision that holds no slot: an admission writes its state first, and is refused with OOM."""
+    server = start(*NOEVICTION)
+    backend = scripts_only(server)
     spent = Check(BUCKET, subject("spent"))
     assert [backend.decide([spent]).allowed for _ in range(6)] == [True] * 5 + [False]
     over_maxmemory(server).close()
@@ -279,14 +316,14 @@ def test_a_full_noeviction_store_refuses_decisions_that_write_first(start: Any) 
         backend.decide([spent], usage=usage)  # unless usage counting writes the refusal's count
 
 
-def test_a_full_noeviction_store_decides_a_request_that_holds_a_slot_and_grows_past_maxmemory(
+def test_a_full_noeviction_store_decides_a_script_that_holds_a_slot_and_grows_past_maxmemory(
     settings: Any, start: Any
 ) -> None:
-    """A decision that holds a slot purges its slot set first, so its writes all go through: the limit
-    holds exactly, and the store grows past maxmemory with nothing evicted and no check to say so."""
+    """By EVALSHA, a decision that holds a slot purges its slot set first, so its writes all go through:
+    the limit holds exactly, and the store grows past maxmemory with nothing evicted and no check to say so."""
     server = start(*NOEVICTION)
     limit_with(settings, server)
-    backend = RedisBackend(make_client(server.url, 2.0, 2.0))
+    backend = scripts_only(server)
     client = over_maxmemory(server)
     usage = usage_for(subject("held"), None, "small", "ping", 1)
     held = [Check(BUCKET, subject("held")), Check(SLOTS, subject("held"))]

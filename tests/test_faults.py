@@ -17,7 +17,7 @@ import pytest
 from rest_framework.test import APIClient
 
 from ratelimits import engine
-from ratelimits.backends.redis import DECIDE_SHA
+from ratelimits.backends.redis import DECIDE
 
 from .factories import ApiKeyFactory
 from .support.redis_server import RedisServer
@@ -312,41 +312,46 @@ def test_fail_local_policy_is_enforced_in_process(settings: Any, own_redis: Redi
     assert statuses(second.burst(3)) == [200, 200, 429]
 
 
-def _eval_calls(own_redis: RedisServer) -> int:
+def _function_loads(own_redis: RedisServer) -> int:
     stats = own_redis.client().info("commandstats")
-    return int(stats.get("cmdstat_eval", {}).get("calls", 0))
+    return int(stats.get("cmdstat_function|load", {}).get("calls", 0))
 
 
-def test_script_flush_is_transparent(settings: Any, own_redis: RedisServer) -> None:
+def _has_decide(own_redis: RedisServer) -> bool:
+    """Whether the store holds the decide script's library (a Redis Function)."""
+    return bool(own_redis.client().function_list(library=DECIDE.function))
+
+
+def test_function_flush_is_transparent(settings: Any, own_redis: RedisServer) -> None:
     configure(settings, own_redis)
     caller = key("sk_fault_noscript")
     hits = caller.burst(2)
     assert [h.response["X-RateLimit-Remaining"] for h in hits] == ["4", "3"]
-    evals = _eval_calls(own_redis)
+    loads = _function_loads(own_redis)
 
-    own_redis.client().script_flush()
-    assert own_redis.client().script_exists(DECIDE_SHA) == [False]
+    own_redis.client().function_flush()
+    assert not _has_decide(own_redis)
     hit = caller.get()
     assert hit.status == 200 and not hit.degraded
     assert hit.response["X-RateLimit-Remaining"] == "2"  # counted once, on top of the earlier two
-    assert _eval_calls(own_redis) == evals + 1  # NOSCRIPT answered by exactly one EVAL
-    assert own_redis.client().script_exists(DECIDE_SHA) == [True]
+    assert _function_loads(own_redis) == loads + 1  # "Function not found" answered by exactly one load
+    assert _has_decide(own_redis)
     assert statuses(caller.burst(3)) == [200, 200, 429]
     assert engine.get_limiter().breaker.state == "closed"
 
 
-def test_noscript_after_restart_is_transparent(settings: Any, own_redis: RedisServer) -> None:
+def test_a_lost_function_after_restart_is_transparent(settings: Any, own_redis: RedisServer) -> None:
     configure(settings, own_redis)
     caller = key("sk_fault_restart")
     assert statuses(caller.burst(3)) == [200] * 3
 
     own_redis.kill()
-    own_redis.start()  # same port, empty script cache and no data (no persistence)
-    assert own_redis.client().script_exists(DECIDE_SHA) == [False]
+    own_redis.start()  # same port, no functions and no data (no persistence)
+    assert not _has_decide(own_redis)
     hit = caller.get()
-    assert hit.status == 200 and not hit.degraded  # the stale pooled connection and NOSCRIPT both absorbed
+    assert hit.status == 200 and not hit.degraded  # the stale pooled connection and the lost function both absorbed
     assert hit.response["X-RateLimit-Remaining"] == "4"
-    assert own_redis.client().script_exists(DECIDE_SHA) == [True]
+    assert _has_decide(own_redis)
     assert statuses(caller.burst(5)) == [200] * 4 + [429]
 
 

@@ -18,7 +18,7 @@ import pytest
 import redis
 from rest_framework.test import APIClient
 
-from ratelimits.backends.redis import DECIDE_SHA, RedisBackend, make_client
+from ratelimits.backends.redis import DECIDE, RedisBackend, make_client
 from ratelimits.counters import usage_for
 from ratelimits.decisions import Decision
 from ratelimits.identity import Subject, SubjectKind
@@ -109,8 +109,8 @@ def test_four_dimension_request_costs_exactly_one_round_trip(caller: APIClient, 
         get_customers(caller)
     sent = top_level(commands)
     assert len(sent) == 1, sent
-    name, sha, numkeys, *_ = sent[0].split(" ")
-    assert (name.upper(), sha) == ("EVALSHA", DECIDE_SHA)
+    name, function, numkeys, *_ = sent[0].split(" ")
+    assert (name.upper(), function) == ("FCALL", DECIDE.function)
     assert numkeys == "6"  # the policy-version stamp, the four checks' state keys, this minute's usage
     # The four checks were decided inside that one call: TIME, one MGET (version + states), 4 SETs.
     inside = [c["command"].split(" ")[0].upper() for c in commands if c["client_type"] == "lua"]
@@ -120,20 +120,59 @@ def test_four_dimension_request_costs_exactly_one_round_trip(caller: APIClient, 
     assert sorted(inside) in (expected, sorted([*expected, "HSETNX", "HINCRBY", "EXPIRE"]))
 
 
-def test_lost_script_cache_costs_one_extra_round_trip_once(
+def test_a_lost_function_costs_one_extra_round_trip_once(
     caller: APIClient, use_redis: RedisServer, redis_client: redis.Redis
 ) -> None:
     warm = get_customers(caller)
-    redis_client.script_flush()
+    redis_client.function_flush()  # as a restart without persistence, or a new master, leaves it
     with recorded_commands(use_redis) as commands:
         first = get_customers(caller)
-    assert [c.split(" ")[0].upper() for c in top_level(commands)] == ["EVALSHA", "EVAL"]
+    assert [c.split(" ")[:2] for c in top_level(commands)] == [
+        ["FCALL", DECIDE.function],
+        ["FUNCTION", "LOAD"],
+        ["FCALL", DECIDE.function],
+    ]
     with recorded_commands(use_redis) as commands:
         second = get_customers(caller)
-    assert [c.split(" ")[0].upper() for c in top_level(commands)] == ["EVALSHA"]
-    # The failed EVALSHA charged nothing and the EVAL charged once: the tier budget (1000/h,
+    assert [c.split(" ")[0].upper() for c in top_level(commands)] == ["FCALL"]
+    # The failed FCALL charged nothing and the second charged once: the tier budget (1000/h,
     # a token back every 3.6 s) dropped by exactly one per request.
     assert [d.results[0].remaining for d in (warm, first, second)] == [999, 998, 997]
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        pytest.param(("--rename-command", "FCALL", "", "--rename-command", "FUNCTION", ""), id="no-functions"),
+        pytest.param((), id="acl-without-functions"),
+    ],
+)
+def test_a_store_that_refuses_functions_is_sent_the_script(
+    refusal: tuple[str, ...], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before Redis 7 there is no FCALL (a server with the commands renamed away says the same),
+    and an ACL may allow EVALSHA but not FCALL: the decision is the same, by EVALSHA."""
+    with RedisServer(config=refusal) as server:
+        url = server.url
+        if not refusal:
+            server.client().acl_setuser(
+                "scripts",
+                enabled=True,
+                nopass=True,
+                keys=["*"],
+                channels=["*"],
+                commands=["+@all", "-fcall", "-function"],
+            )
+            url = f"redis://scripts@127.0.0.1:{server.port}/0"
+        backend = RedisBackend(make_client(url, 2.0, 2.0))
+        check = Check(Policy("fallback", parse_rate("3/m"), 3), Subject(SubjectKind.USER, "u1"))
+        with caplog.at_level("INFO", logger="ratelimits"):
+            remaining = [backend.decide([check]).results[0].remaining for _ in range(4)]
+        assert remaining == [2, 1, 0, 0]
+        assert backend.functions.enabled is False
+        assert server.client().script_exists(DECIDE.sha) == [True]
+        refusals = [r for r in caplog.records if "refuses Redis Functions" in r.getMessage()]
+        assert len(refusals) == 1, caplog.text  # told once, not per decision
 
 
 def test_usage_costs_one_call_for_a_row_counted_already_and_more_only_for_a_new_one(

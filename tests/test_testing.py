@@ -127,7 +127,7 @@ def test_with_the_switch_off_no_entry_point_asks_the_store_or_sends_a_header(
         responses = every_entry_point()
     assert {name: replies[-1].status_code for name, replies in responses.items()} == dict.fromkeys(responses, 429)
     assert all(rate_limit_headers(replies[0]) for replies in responses.values())
-    assert commands_run(redis_client).get("evalsha", 0) > 0
+    assert commands_run(redis_client).get("fcall", 0) > 0
 
 
 # -- ratelimits.testing.limiter() -----------------------------------------------------------------

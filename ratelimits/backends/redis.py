@@ -61,19 +61,76 @@ logger = logging.getLogger("ratelimits")
 
 @dataclass(frozen=True, slots=True)
 class Script:
-    """A Lua script shipped in ``ratelimits/lua/``: its text and SHA-1, read once at import."""
+    """A Lua script shipped in ``ratelimits/lua/``: its text and SHA-1, read once at import.
+
+    A script that also runs as a Redis Function has a ``function`` name and its ``library``'s
+    text (``FUNCTION LOAD``): its file defines the function and stops, and is ended here both
+    ways, so the two forms are one source.
+    """
 
     name: str
     text: str
     sha: str
+    #: The Redis Function's name ("": a script only), unique to this text: two releases' libraries
+    #: live side by side through a rolling deploy.
+    function: str = ""
+    library: str = ""
 
     @classmethod
-    def load(cls, name: str) -> Script:
-        text = resources.files("ratelimits").joinpath("lua", name).read_text(encoding="utf-8")
-        return cls(name, text, hashlib.sha1(text.encode()).hexdigest())
+    def load(cls, name: str, *, entry: str | None = None) -> Script:
+        """The script ``name``; with ``entry``, also the Redis Function that calls the file's
+        ``entry(KEYS, ARGV)``."""
+        source = resources.files("ratelimits").joinpath("lua", name).read_text(encoding="utf-8")
+        if entry is None:
+            return cls(name, source, _sha(source))
+        text = f"{source}\nreturn {entry}(KEYS, ARGV)\n"
+        sha = _sha(text)
+        function = f"ratelimits_{entry}_{sha[:16]}"
+        library = f"#!lua name={function}\n{source}\nredis.register_function('{function}', {entry})\n"
+        return cls(name, text, sha, function, library)
 
 
-DECIDE = Script.load("decide.lua")
+def _sha(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()
+
+
+#: Run as a Redis Function where the store has them: its closures are made once, not per call.
+DECIDE = Script.load("decide.lua", entry="decide")
+
+
+class Functions:
+    """Whether a store runs scripts as Redis Functions (``FCALL``), until it refuses one.
+
+    A store refuses them before Redis 7 (an unknown command), or by an ACL that allows ``EVALSHA``
+    but not ``FCALL`` or ``FUNCTION LOAD``: from then on it is sent scripts, which cost it about
+    a seventh more CPU per decision (docs/benchmarks.md). Told once in the log.
+    """
+
+    __slots__ = ("enabled",)
+
+    def __init__(self) -> None:
+        self.enabled = True
+
+    def refused(self, exc: redis.ResponseError) -> bool:
+        """Whether ``exc`` says the store runs no Functions; if so, none are sent it again. (A
+        refused key is not that: a script would be refused it too.)"""
+        message = str(exc).lower()
+        command_refused = isinstance(exc, redis.exceptions.NoPermissionError) and (
+            "'fcall'" in message or "'function" in message
+        )
+        if not (command_refused or message.startswith("unknown command")):
+            return False
+        if self.enabled:
+            self.enabled = False
+            logger.info("ratelimits: the store refuses Redis Functions (%s); sending it scripts (EVALSHA) instead", exc)
+        return True
+
+
+def function_missing(exc: redis.ResponseError) -> bool:
+    """Whether ``exc`` says the store has no such function loaded (restarted, flushed, or a new master)."""
+    return str(exc).startswith("Function not found")
+
+
 ADD_USAGE = Script.load("add_usage.lua")
 PUBLISH_VERSION = Script.load("publish_version.lua")
 RELEASE = Script.load("release.lua")
@@ -142,7 +199,9 @@ class RedisBackend(Backend):
 
     The client has tight timeouts and no retries: redis-py would otherwise resend a command
     after a timeout, and a consume that may already have run must never be sent twice.
-    A lost script cache (restart, failover, ``SCRIPT FLUSH``) costs one ``EVAL`` instead.
+    The decide script runs as a Redis Function where the store has them (``FCALL``); a store that
+    lost it (restart, failover, ``FUNCTION FLUSH``) costs one ``FUNCTION LOAD`` first. Other
+    scripts go by ``EVALSHA``: a lost script cache (``SCRIPT FLUSH`` too) costs one ``EVAL`` instead.
     """
 
     leases = True
@@ -173,6 +232,7 @@ class RedisBackend(Backend):
         #: channel); held weakly, as the subscriptions hold them.
         self._subscribers: list[Callable[[], Callable[[bytes | None], None] | None]] = []
         self._publish_refused = False
+        self.functions = Functions()
 
     @classmethod
     def from_settings(cls) -> RedisBackend:
@@ -247,7 +307,7 @@ class RedisBackend(Backend):
             timeouts = self.timeouts or (0.0, 0.0)
             call.args = call.stamped(call.args, waiting_s=2 * timeouts[1])
         try:
-            reply = await _arun(client, DECIDE, call.keys, call.args)
+            reply = await _arun(client, DECIDE, call.keys, call.args, self.functions)
         except BackendUnavailable as exc:
             call.failed(exc)
             raise
@@ -600,7 +660,8 @@ class RedisBackend(Backend):
         args: Sequence[Any],
         stamp: Callable[[Sequence[Any]], Sequence[Any]] | None = None,
     ) -> Any:
-        """Run ``script`` on this thread's connection: EVALSHA, and EVAL if Redis lost its script cache.
+        """Run ``script`` on this thread's connection: FCALL if it is a Function the store runs
+        (loading it first if the store lost it), else EVALSHA, and EVAL if Redis lost its script cache.
 
         ``stamp(args)``: the arguments as sent, made once the connection is ready (a deadline
         counts from the send, not from before a connect). The same boundary as :meth:`_store`,
@@ -610,6 +671,16 @@ class RedisBackend(Backend):
             connection = self._connection()
             if stamp is not None:
                 args = stamp(args)
+            if script.function and self.functions.enabled:
+                command = ("FCALL", script.function, len(script_keys), *script_keys, *args)
+                try:
+                    return _call(connection, *command)
+                except redis.ResponseError as exc:
+                    if not function_missing(exc) and not self.functions.refused(exc):
+                        raise
+                # The function did not run, so sending it again cannot charge twice.
+                if self.functions.enabled and _loaded(connection, script, self.functions):
+                    return _call(connection, *command)
             try:
                 return _call(connection, "EVALSHA", script.sha, len(script_keys), *script_keys, *args)
             except redis.exceptions.NoScriptError:
@@ -764,9 +835,37 @@ def _granted(checks: Sequence[Check], decision: Decision, reply: Any) -> tuple[D
     return decision, grants
 
 
-async def _arun(client: Any, script: Script, script_keys: Sequence[str], args: Sequence[Any]) -> Any:
+def _loaded(connection: Any, script: Script, functions: Functions) -> bool:
+    """Load ``script``'s library on ``connection``'s store; ``False`` if the store refuses Functions."""
+    try:
+        _call(connection, "FUNCTION", "LOAD", "REPLACE", script.library)
+    except redis.ResponseError as exc:
+        if functions.refused(exc):
+            return False
+        raise
+    return True
+
+
+async def _arun(
+    client: Any, script: Script, script_keys: Sequence[str], args: Sequence[Any], functions: Functions
+) -> Any:
     """:meth:`RedisBackend._run` on a ``redis.asyncio`` client: the same errors mean the same."""
     try:
+        if script.function and functions.enabled:
+            command = ("FCALL", script.function, len(script_keys), *script_keys, *args)
+            try:
+                return await client.execute_command(*command)
+            except redis.ResponseError as exc:
+                if not function_missing(exc) and not functions.refused(exc):
+                    raise
+            if functions.enabled:
+                try:
+                    await client.execute_command("FUNCTION", "LOAD", "REPLACE", script.library)
+                except redis.ResponseError as exc:
+                    if not functions.refused(exc):
+                        raise
+                else:
+                    return await client.execute_command(*command)
         try:
             return await client.execute_command("EVALSHA", script.sha, len(script_keys), *script_keys, *args)
         except redis.exceptions.NoScriptError:
@@ -806,15 +905,16 @@ def policy_failed(failed: Sequence[Check]) -> PolicyFailed:
 def script_failed(exc: redis.ResponseError) -> bool:
     """Whether a script's error is its own (a key of another type, a bad value, a Lua error).
 
-    Redis suffixes every error raised inside a script with ``@user_script``; redis-py gives the
+    Redis suffixes every error raised inside a script with ``@user_script`` (inside a Function,
+    ``@user_function``); redis-py gives the
     store's own conditions (OOM, READONLY, NOPERM, MASTERDOWN, ...) their own classes, and the
     rest (BUSY, MISCONF, NOREPLICAS, ...) their own codes: all of those still mean the store
     cannot answer now.
     """
     message = str(exc)
-    if type(exc) is not redis.ResponseError or "user_script" not in message:
+    if type(exc) is not redis.ResponseError or not ("@user_script" in message or "@user_function" in message):
         return False
-    return message.startswith(("ERR ", "WRONGTYPE ", "user_script:"))
+    return message.startswith(("ERR ", "WRONGTYPE ", "user_script:", "user_function:"))
 
 
 def unavailable(exc: BaseException) -> BackendUnavailable:

@@ -2,6 +2,11 @@
 --
 -- Mirrors ratelimits/algorithms.py operation for operation, so both agree to the microsecond.
 --
+-- This file defines decide(KEYS, ARGV) and stops there; ratelimits/backends/redis.py (Script)
+-- ends it two ways: as a Redis Function's library (FUNCTION LOAD, then FCALL: what is above
+-- decide() is made once per library) and as a script (EVAL: made on every call), for a store
+-- without Functions (before Redis 7, an ACL without them) and for a cluster's slot groups.
+--
 -- KEYS[1]          policy version stamp (read only; returned so workers notice policy changes)
 -- KEYS[1 + i]      state key of check i, for i = 1..n
 -- KEYS[n + 1 + j]  with g global checks (the request's header says how many): the share record of
@@ -97,24 +102,11 @@ local EPSILON = 1e-9
 -- How many ARGV come before the checks' TTLs.
 local HEADER = 4
 
-local unpack_args, pack = struct.unpack, struct.pack
-local now, consume, tokens, usage_ttl, usage_cap, globals, deadline, pos = unpack_args(REQUEST, ARGV[1])
-if now < 0 or deadline > 0 then
-  local t = redis.call('TIME')
-  local clock = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  if clock > deadline and deadline > 0 then
-    return redis.error_reply('LATE the call ran after its deadline; nothing was taken, spent or counted')
-  end
-  if now < 0 then now = clock end
-end
-local leasing = consume == 3
-local refundable = consume >= 2
-consume = consume >= 1
-local usage = ARGV[2]
-local n = #KEYS - 1 - globals
-if globals > 0 then n = n - 1 end
-if usage ~= '' then n = n - 1 end
-local floor, ceil, max = math.floor, math.ceil, math.max
+-- The standard library's functions, bound by the first call: a Redis Function's library is loaded
+-- where only `redis` is in reach (Redis 7.0), and a local is cheaper to call than a global's field.
+local unpack_args, pack, floor, ceil, max, min
+-- The call's clock (us) and what it does, which the algorithms below read: set by decide().
+local now, consume, refundable, leasing
 
 -- Window index and offset without trusting float division near a boundary.
 local function split(period)
@@ -189,7 +181,7 @@ local function token_bucket(value, limit, period, burst, cost)
     elseif written ~= capacity then
       -- Written under another rate or burst: the same share of the burst is spent in the new
       -- terms, at most all of it (a debt rounded past the capacity, algorithms.py).
-      tat = now + math.min(tat - now, written) * capacity / written
+      tat = now + min(tat - now, written) * capacity / written
       if refunded > 0 then
         converted = pack(REFUNDED_STATE, tat, capacity, refunded, REFUNDED_MARK)
       else
@@ -206,7 +198,7 @@ local function token_bucket(value, limit, period, burst, cost)
   if want > 0 then
     local room = floor((now + capacity - new_tat) / interval)
     if room > 0 then
-      granted = math.min(want, room)
+      granted = min(want, room)
       new_tat = new_tat + granted * interval
     end
   end
@@ -295,7 +287,7 @@ local function fixed_window(value, limit, period, burst, cost)
   end
   if count + cost <= limit then
     if want > 0 and count + cost < limit then
-      granted = math.min(want, limit - count - cost)
+      granted = min(want, limit - count - cost)
     end
     return true, limit - count - cost - granted, until_next, 0, pack(FIXED_STATE, window, count + cost + granted, limit, period)
   end
@@ -319,11 +311,11 @@ local function global_bucket(value, limit, period, burst, cost)
     held, at, spent_share, _, written_burst = unpack_args(GLOBAL_STATE, value)
     -- Written under another burst: the same share of the new one.
     if written_burst ~= burst then held = held * burst / written_burst end
-    if now > at then held = held + (now - at) * full * math.min(share, spent_share) end
+    if now > at then held = held + (now - at) * full * min(share, spent_share) end
     if held > capacity then held = capacity end
   end
   if held + EPSILON >= cost then
-    held = math.max(held - cost, 0)
+    held = max(held - cost, 0)
     return true, floor(held + EPSILON), ceil((capacity - held) / speed), 0,
       pack(GLOBAL_STATE, held, now, share, full, burst)
   end
@@ -359,7 +351,7 @@ local function slots(key, limit, ttl, burst, cost)
   local first = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
   local earliest = now + ttl
   if first[2] then earliest = tonumber(first[2]) end
-  return false, max(limit - count, 0), earliest - now, math.min(earliest - now, SLOT_RETRY_US), nil
+  return false, max(limit - count, 0), earliest - now, min(earliest - now, SLOT_RETRY_US), nil
 end
 
 -- Indexed by code, so in code order (a table constructor with keys would put them in the
@@ -374,150 +366,177 @@ local function check_error(err)
   return code == 'WRONGTYPE' or code == 'ERR'
 end
 
--- Phase 1: decide every check against current state. A key named twice sees the pending
--- value of its earlier check, so duplicates cannot double-spend.
--- One MGET reads the version stamp and every state: each redis.call costs more than the Lua
--- around it. The reply is filled in place: {now, version, per-check triples}.
-local stored = redis.call('MGET', unpack(KEYS, 1, n + 1 + globals))
-local global_index = 0
-local demand = globals > 0 and KEYS[n + globals + 2]
-local reply = {now, stored[1]}
-local pending = {}
-local writes = {}  -- per admitted check: its index i (a slot's is negative) and new value
-local conversions = {}  -- per check whose state was converted: its index i, converted value, and whether it allowed
-local all_allowed, limited, failed = true, false, false
-local out = 2
-local refunds = refundable and {}  -- per check, REFUNDABLE: for a refundable call
-local wants = leasing and ARGV[HEADER + n + 1]
-local grants = leasing and {}  -- per check, LEASE: for a leasing call
-for i = 1, n do
-  local key = KEYS[i + 1]
-  local algorithm, shadow, limit, period, burst, cost
-  algorithm, shadow, limit, period, burst, cost, pos = unpack_args(CHECK, ARGV[1], pos)
-  local holds_slot = algorithm >= CONCURRENCY  -- CONCURRENCY and FLEET, the codes after the rate algorithms
-  local decide = algorithms[algorithm]
-  if shadow >= 2 then  -- a global policy: its region's share of a token bucket
-    local fallback
-    fallback, pos = unpack_args(FALLBACK, ARGV[1], pos)
-    global_index = global_index + 1
-    share = share_of(stored[n + 1 + global_index], fallback)
-    shadow = shadow - 2
-    decide = global_bucket
-    if consume and redis.call('HINCRBY', demand, key, cost) == cost then
-      -- The subject's first demand this second: the hash's TTL, and the policy's numbers, which
-      -- the reconciler's write needs to convert (or make) the bucket.
-      redis.call('HSET', demand, key .. '#p', pack(POLICY, limit / period, burst, tonumber(ARGV[HEADER + i])))
-      redis.call('EXPIRE', demand, DEMAND_TTL)
+-- One call: KEYS and ARGV as the top of this file says. Everything above is made once per library
+-- (FUNCTION LOAD), not per call: each closure over this many locals costs a few thousand instructions
+-- to make, about an eighth of a decision. (The script form, for EVAL, makes them per call.)
+local function decide(KEYS, ARGV)
+  if not pack then
+    unpack_args, pack, floor, ceil, max, min = struct.unpack, struct.pack, math.floor, math.ceil, math.max, math.min
+  end
+  local tokens, usage_ttl, usage_cap, globals, deadline, pos
+  now, consume, tokens, usage_ttl, usage_cap, globals, deadline, pos = unpack_args(REQUEST, ARGV[1])
+  if now < 0 or deadline > 0 then
+    local t = redis.call('TIME')
+    local clock = tonumber(t[1]) * 1000000 + tonumber(t[2])
+    if clock > deadline and deadline > 0 then
+      return redis.error_reply('LATE the call ran after its deadline; nothing was taken, spent or counted')
     end
+    if now < 0 then now = clock end
   end
-  local value = key  -- a slot check takes its key
-  if not holds_slot then
-    value = pending[key]
-    if value == nil then value = stored[i + 1] end
-  end
-  granted, converted = 0, nil
-  if leasing and (algorithm == TOKEN_BUCKET or algorithm == FIXED_WINDOW) then
-    want = unpack_args(LEASE, wants, 8 * i - 7)
-  else
-    want = 0
-  end
-  local ok, allowed, remaining, reset, retry, new_value = pcall(decide, value, limit, period, burst, cost)
-  if not ok then
-    -- This check cannot be decided: its key holds another type, or its arguments are out of range.
-    -- (The store's own errors, READONLY, OOM and the like, fail the whole call as ever.) The check
-    -- is reported as failed (allowed = 2) and the request denied without consuming anything: the
-    -- engine decides it again without that check, by the check's fail mode; other subjects go on.
-    if type(allowed) == 'table' and not check_error(allowed.err) then return allowed end
-    all_allowed, failed = false, true
-    remaining, reset, retry = 0, 0, -1
-  elseif allowed then
-    if holds_slot then
-      writes[#writes + 1] = -i
-      writes[#writes + 1] = now + period
-    else
-      pending[key] = new_value
-      writes[#writes + 1] = i
-      writes[#writes + 1] = new_value
-    end
-  elseif converted then
-    pending[key] = converted
-  end
-  if ok and converted then
-    local at = #conversions
-    conversions[at + 1], conversions[at + 2], conversions[at + 3] = i, converted, allowed
-  end
-  if ok and not allowed then
-    -- A shadow check reports what it would do; only enforced checks can deny the request.
-    if shadow == 0 then
-      all_allowed = false
-      -- Denied only by the fleet is shed (503); by anything else, limited (429).
-      if algorithm ~= FLEET then limited = true end
-    end
-  end
-  reply[out + 1], reply[out + 2], reply[out + 3] = remaining, reset, retry
-  out = out + 3
-  if refundable then
-    if decide == token_bucket and retry == 0 then
-      refunds[i] = pack(REFUNDABLE, spent_tat, given_back)
-    else
-      refunds[i] = pack(REFUNDABLE, 0, 0)
-    end
-  end
-  if leasing then grants[i] = granted end
-end
-if refundable then reply[out + 1] = table.concat(refunds) end
-if leasing then
-  -- Only an admitted request takes anything: a denied one leases nothing either.
+  leasing = consume == 3
+  refundable = consume >= 2
+  consume = consume >= 1
+  spent_tat, given_back, want, granted, converted, share = 0, 0, 0, 0, nil, 1
+  local usage = ARGV[2]
+  local n = #KEYS - 1 - globals
+  if globals > 0 then n = n - 1 end
+  if usage ~= '' then n = n - 1 end
+
+  -- Phase 1: decide every check against current state. A key named twice sees the pending
+  -- value of its earlier check, so duplicates cannot double-spend.
+  -- One MGET reads the version stamp and every state: each redis.call costs more than the Lua
+  -- around it. The reply is filled in place: {now, version, per-check triples}.
+  local stored = redis.call('MGET', unpack(KEYS, 1, n + 1 + globals))
+  local global_index = 0
+  local demand = globals > 0 and KEYS[n + globals + 2]
+  local reply = {now, stored[1]}
+  local pending = {}
+  local writes = {}  -- per admitted check: its index i (a slot's is negative) and new value
+  local conversions = {}  -- per check whose state was converted: its index i, converted value, and whether it allowed
+  local all_allowed, limited, failed = true, false, false
+  local out = 2
+  local refunds = refundable and {}  -- per check, REFUNDABLE: for a refundable call
+  local wants = leasing and ARGV[HEADER + n + 1]
+  local grants = leasing and {}  -- per check, LEASE: for a leasing call
   for i = 1, n do
-    if not all_allowed then grants[i] = 0 end
-    grants[i] = pack(LEASE, grants[i])
-  end
-  reply[out + 2] = table.concat(grants)
-end
-
--- Phase 2: all or nothing. A converted state is kept either way, unless an admission rewrites it.
-if consume then
-  for c = 1, #conversions, 3 do
-    if not (all_allowed and conversions[c + 2]) then
-      local i = conversions[c]
-      redis.call('SET', KEYS[i + 1], conversions[c + 1], 'PX', ARGV[HEADER + i])
+    local key = KEYS[i + 1]
+    local algorithm, shadow, limit, period, burst, cost
+    algorithm, shadow, limit, period, burst, cost, pos = unpack_args(CHECK, ARGV[1], pos)
+    local holds_slot = algorithm >= CONCURRENCY  -- CONCURRENCY and FLEET, the codes after the rate algorithms
+    local decide = algorithms[algorithm]
+    if shadow >= 2 then  -- a global policy: its region's share of a token bucket
+      local fallback
+      fallback, pos = unpack_args(FALLBACK, ARGV[1], pos)
+      global_index = global_index + 1
+      share = share_of(stored[n + 1 + global_index], fallback)
+      shadow = shadow - 2
+      decide = global_bucket
+      if consume and redis.call('HINCRBY', demand, key, cost) == cost then
+        -- The subject's first demand this second: the hash's TTL, and the policy's numbers, which
+        -- the reconciler's write needs to convert (or make) the bucket.
+        redis.call('HSET', demand, key .. '#p', pack(POLICY, limit / period, burst, tonumber(ARGV[HEADER + i])))
+        redis.call('EXPIRE', demand, DEMAND_TTL)
+      end
     end
-  end
-end
-if all_allowed and consume then
-  for w = 1, #writes, 2 do
-    local i = writes[w]
-    if i < 0 then
-      redis.call('ZADD', KEYS[1 - i], writes[w + 1], ARGV[3])
-      redis.call('PEXPIRE', KEYS[1 - i], ARGV[HEADER - i])
+    local value = key  -- a slot check takes its key
+    if not holds_slot then
+      value = pending[key]
+      if value == nil then value = stored[i + 1] end
+    end
+    granted, converted = 0, nil
+    if leasing and (algorithm == TOKEN_BUCKET or algorithm == FIXED_WINDOW) then
+      want = unpack_args(LEASE, wants, 8 * i - 7)
     else
-      redis.call('SET', KEYS[i + 1], writes[w + 1], 'PX', ARGV[HEADER + i])
+      want = 0
     end
+    local ok, allowed, remaining, reset, retry, new_value = pcall(decide, value, limit, period, burst, cost)
+    if not ok then
+      -- This check cannot be decided: its key holds another type, or its arguments are out of range.
+      -- (The store's own errors, READONLY, OOM and the like, fail the whole call as ever.) The check
+      -- is reported as failed (allowed = 2) and the request denied without consuming anything: the
+      -- engine decides it again without that check, by the check's fail mode; other subjects go on.
+      if type(allowed) == 'table' and not check_error(allowed.err) then return allowed end
+      all_allowed, failed = false, true
+      remaining, reset, retry = 0, 0, -1
+    elseif allowed then
+      if holds_slot then
+        writes[#writes + 1] = -i
+        writes[#writes + 1] = now + period
+      else
+        pending[key] = new_value
+        writes[#writes + 1] = i
+        writes[#writes + 1] = new_value
+      end
+    elseif converted then
+      pending[key] = converted
+    end
+    if ok and converted then
+      local at = #conversions
+      conversions[at + 1], conversions[at + 2], conversions[at + 3] = i, converted, allowed
+    end
+    if ok and not allowed then
+      -- A shadow check reports what it would do; only enforced checks can deny the request.
+      if shadow == 0 then
+        all_allowed = false
+        -- Denied only by the fleet is shed (503); by anything else, limited (429).
+        if algorithm ~= FLEET then limited = true end
+      end
+    end
+    reply[out + 1], reply[out + 2], reply[out + 3] = remaining, reset, retry
+    out = out + 3
+    if refundable then
+      if decide == token_bucket and retry == 0 then
+        refunds[i] = pack(REFUNDABLE, spent_tat, given_back)
+      else
+        refunds[i] = pack(REFUNDABLE, 0, 0)
+      end
+    end
+    if leasing then grants[i] = granted end
   end
-end
+  if refundable then reply[out + 1] = table.concat(refunds) end
+  if leasing then
+    -- Only an admitted request takes anything: a denied one leases nothing either.
+    for i = 1, n do
+      if not all_allowed then grants[i] = 0 end
+      grants[i] = pack(LEASE, grants[i])
+    end
+    reply[out + 2] = table.concat(grants)
+  end
 
--- Usage counters for the roll-up, in this same round trip. One call in the common case (a row
--- already counted this minute); tokens beyond one per request are counted only for costlier
--- endpoints. Only a row's first field does more: the cap on the minute's rows, and for the
--- minute's first row the hash's expiry (if nothing drains it).
--- A failed check's request is decided again without it, and counted then.
-if consume and usage ~= '' and not failed then
-  local counters = KEYS[#KEYS]
-  local metric = 's'
-  if all_allowed then
-    metric = 'a'
-  elseif limited then
-    metric = 'l'
-  end
-  if redis.call('HINCRBY', counters, usage .. metric, 1) == 1 and redis.call('HSETNX', counters, usage, 1) == 1 then
-    local rows = redis.call('HINCRBY', counters, '#', 1)
-    if rows == 1 then redis.call('EXPIRE', counters, usage_ttl) end
-    if rows > usage_cap then
-      redis.call('HDEL', counters, usage .. metric, usage)
-      usage = ARGV[4]
-      redis.call('HINCRBY', counters, usage .. metric, 1)
+  -- Phase 2: all or nothing. A converted state is kept either way, unless an admission rewrites it.
+  if consume then
+    for c = 1, #conversions, 3 do
+      if not (all_allowed and conversions[c + 2]) then
+        local i = conversions[c]
+        redis.call('SET', KEYS[i + 1], conversions[c + 1], 'PX', ARGV[HEADER + i])
+      end
     end
   end
-  if all_allowed and tokens ~= 1 then redis.call('HINCRBY', counters, usage .. 'x', tokens - 1) end
+  if all_allowed and consume then
+    for w = 1, #writes, 2 do
+      local i = writes[w]
+      if i < 0 then
+        redis.call('ZADD', KEYS[1 - i], writes[w + 1], ARGV[3])
+        redis.call('PEXPIRE', KEYS[1 - i], ARGV[HEADER - i])
+      else
+        redis.call('SET', KEYS[i + 1], writes[w + 1], 'PX', ARGV[HEADER + i])
+      end
+    end
+  end
+
+  -- Usage counters for the roll-up, in this same round trip. One call in the common case (a row
+  -- already counted this minute); tokens beyond one per request are counted only for costlier
+  -- endpoints. Only a row's first field does more: the cap on the minute's rows, and for the
+  -- minute's first row the hash's expiry (if nothing drains it).
+  -- A failed check's request is decided again without it, and counted then.
+  if consume and usage ~= '' and not failed then
+    local counters = KEYS[#KEYS]
+    local metric = 's'
+    if all_allowed then
+      metric = 'a'
+    elseif limited then
+      metric = 'l'
+    end
+    if redis.call('HINCRBY', counters, usage .. metric, 1) == 1 and redis.call('HSETNX', counters, usage, 1) == 1 then
+      local rows = redis.call('HINCRBY', counters, '#', 1)
+      if rows == 1 then redis.call('EXPIRE', counters, usage_ttl) end
+      if rows > usage_cap then
+        redis.call('HDEL', counters, usage .. metric, usage)
+        usage = ARGV[4]
+        redis.call('HINCRBY', counters, usage .. metric, 1)
+      end
+    end
+    if all_allowed and tokens ~= 1 then redis.call('HINCRBY', counters, usage .. 'x', tokens - 1) end
+  end
+  return reply
 end
-return reply

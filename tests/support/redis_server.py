@@ -95,10 +95,10 @@ class RedisServer:
 
 
 def script_calls(server: RedisServer) -> int:
-    """Script calls (``EVALSHA`` and ``EVAL``) the server has run since its stats were last reset."""
+    """Script calls (``FCALL``, ``EVALSHA`` and ``EVAL``) the server has run since its stats were last reset."""
     client = server.client()
     try:
         stats = client.info("commandstats")
     finally:
         client.close()
-    return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("evalsha", "eval"))
+    return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("fcall", "evalsha", "eval"))
