@@ -34,16 +34,21 @@ MODEL_RTTS_US = (100, 250, 500)
 
 #: Each target: the figure's key in ``targets``, how it must compare, and its label.
 TARGETS = {
+    "ratelimits_1dim_p50_over_ping_p50": ("<=", 1.5, "1-dim p50 / PING p50"),
     "ratelimits_4dim_p50_over_ping_p50": ("<=", 1.8, "4-dim p50 / PING p50"),
     "ratelimits_4dim_p99_us": ("<", 1000.0, "4-dim p99 (µs)"),
     "drf_stack_p50_over_ratelimits_4dim_p50": (">=", 2.0, "DRF stack p50 / 4-dim p50"),
     "decide_4_p50_over_ping_p50": ("<=", 1.3, "decide(4) p50 / PING p50"),
     "redis_us_per_4dim_decision": ("<=", 12.0, "Redis µs per 4-dim decision"),
     "redis_us_per_1dim_decision": ("<=", 6.0, "Redis µs per 1-dim decision"),
-    "throttle_plumbing_p50_us": ("<=", 20.0, "plumbing p50 µs"),
+    "throttle_plumbing_p50_us": ("<=", 15.0, "plumbing p50 µs"),
     "extra_per_dimension_p50_us": ("<=", 4.0, "each extra dimension µs"),
+    "redis_cpu_4dim_over_ping": ("<=", 2.0, "Redis CPU, 4-dim / PING"),
+    "redis_cpu_4dim_over_envoy_4": ("<=", 1.3, "Redis CPU, 4-dim / Envoy-style 4"),
     "memory_per_idle_subject_bytes": ("<=", 128.0, "bytes per idle subject"),
 }
+#: The anchors (bench/scenarios.py): each row's p50 and server CPU are printed over PING's.
+ANCHORS = ("envoy_1", "envoy_4", "limits_fixed_1", "lua_bucket_1")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -263,6 +268,7 @@ def build_report(
     )
     noop, floor = results["floor_noop"], results["floor_4"]
     values = {
+        "ratelimits_1dim_p50_over_ping_p50": round(one["p50_us"] / ping["p50_us"], 2),
         "ratelimits_4dim_p50_over_ping_p50": round(four["p50_us"] / ping["p50_us"], 2),
         "ratelimits_4dim_p99_us": four["p99_us"],
         "drf_stack_p50_over_ratelimits_4dim_p50": round(drf["p50_us"] / four["p50_us"], 2),
@@ -271,6 +277,10 @@ def build_report(
         "redis_us_per_1dim_decision": one["redis_us_per_decision"],
         "throttle_plumbing_p50_us": round(four["p50_us"] - decide["p50_us"], 1),
         "extra_per_dimension_p50_us": round((four["p50_us"] - one["p50_us"]) / 3, 1),
+        "redis_cpu_4dim_over_ping": round(four["redis_cpu_us_per_decision"] / ping["redis_cpu_us_per_decision"], 2),
+        "redis_cpu_4dim_over_envoy_4": round(
+            four["redis_cpu_us_per_decision"] / results["envoy_4"]["redis_cpu_us_per_decision"], 2
+        ),
         "memory_per_idle_subject_bytes": memory["state_bytes"],
     }
     ratios: dict[str, Any] = {}
@@ -280,7 +290,6 @@ def build_report(
         ratios[name] = {"label": label, "value": value, "target": f"{op} {target:g}", "met": met}
     info = {
         "usage_on_over_off_p50": round(four["p50_us"] / results["ratelimits_4dim_no_usage"]["p50_us"], 2),
-        "ratelimits_1dim_p50_over_ping_p50": round(one["p50_us"] / ping["p50_us"], 2),
         "drf_stack_throughput_over_ratelimits_4dim": round(drf["throughput_per_s"] / four["throughput_per_s"], 2),
         # The distance to the physical limit: the script's own Lua is what it costs beyond the floor.
         "redis_us_4dim_over_floor": round(four["redis_us_per_decision"] - floor["redis_us_per_decision"], 1),
@@ -289,6 +298,17 @@ def build_report(
         "redis_cpu_us_4dim": four["redis_cpu_us_per_decision"],
         "redis_cpu_us_ping": ping["redis_cpu_us_per_decision"],
         "memory": memory,
+        # The same decisions by EVALSHA, as to a store without Redis Functions.
+        "redis_cpu_decide_4_script_over_function": round(
+            results["decide_4_script"]["redis_cpu_us_per_decision"] / decide["redis_cpu_us_per_decision"], 2
+        ),
+        "anchors_over_ping": {
+            key: {
+                "p50": round(results[key]["p50_us"] / ping["p50_us"], 2),
+                "redis_cpu": round(results[key]["redis_cpu_us_per_decision"] / ping["redis_cpu_us_per_decision"], 2),
+            }
+            for key in ANCHORS
+        },
     }
     # Not measured: what the DRF/4-dim ratio becomes if every round trip cost ``rtt`` instead of
     # this machine's loopback PING (DRF makes 4 round trips per decision, ratelimits 1).
@@ -361,9 +381,16 @@ def render(report: dict[str, Any]) -> str:
     lines += [
         "",
         f"usage counting on / off p50   {derived['usage_on_over_off_p50']:>8}",
-        f"1-dim p50 / PING p50          {derived['ratelimits_1dim_p50_over_ping_p50']:>8}",
+        f"decide(4) CPU, script / FCALL {derived['redis_cpu_decide_4_script_over_function']:>8}   "
+        "server CPU of the same decisions by EVALSHA over FCALL",
+        *(
+            f"{report['scenarios'][key]['label'][8:]:<42} p50 {ratio['p50']:>5} x PING, "
+            f"server CPU {ratio['redis_cpu']:>5} x PING's"
+            for key, ratio in derived["anchors_over_ping"].items()
+        ),
         f"Redis µs, 4-dim over floor    {derived['redis_us_4dim_over_floor']:>8}   "
-        f"the script's own Lua (floor {derived['redis_us_floor_4']} µs, no-op EVALSHA {derived['redis_us_noop']} µs)",
+        f"the script's own Lua (floor {derived['redis_us_floor_4']} µs, no-op EVALSHA {derived['redis_us_noop']} µs; "
+        "the floors are sent by EVALSHA)",
         f"server CPU µs, 4-dim / PING   {derived['redis_cpu_us_4dim']:>8}   {derived['redis_cpu_us_ping']} for a PING "
         "(INFO cpu, user + sys)",
         f"usage row bytes per subject   {memory['usage_row_bytes']:>8}   until the minute is drained "

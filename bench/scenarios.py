@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import hiredis
 from django.test import override_settings
 from rest_framework.request import Request
 from rest_framework.test import APIRequestFactory
@@ -200,7 +202,11 @@ SCRIPTS = Path(__file__).resolve().parent / "lua"
 
 
 def bench_script(name: str) -> Script:
-    text = (SCRIPTS / name).read_text(encoding="utf-8")
+    return bench_script_text(name, (SCRIPTS / name).read_text(encoding="utf-8"))
+
+
+def bench_script_text(name: str, text: str) -> Script:
+    """``text`` as a script the backend runs (by EVALSHA, as the floors are)."""
     return Script(name, text, hashlib.sha1(text.encode()).hexdigest())
 
 
@@ -220,9 +226,77 @@ def script_floor(backend: RedisBackend, script: Script, calls: list[ScriptCall])
     return call
 
 
+def envoy_style(backend: RedisBackend, descriptors: int) -> Callable[[int], None]:
+    """Envoy's ratelimit service, as its Redis sees it: per descriptor an ``INCRBY`` of the window's
+    counter and a ``PEXPIRE``, all in one pipeline (inexact fixed windows, no script). Sent on the
+    limiter's own connection, packed as a decision is: the transport is the same, only the work differs."""
+    names = [f"envoy_{d}" for d in range(descriptors)]
+
+    def call(i: int) -> None:
+        subject = i & (SUBJECTS - 1)
+        window = int(time.time())
+        commands: list[tuple[Any, ...]] = []
+        for name in names:
+            key = f"bench_{name}_{subject}_{window}"
+            commands += [("INCRBY", key, 1), ("PEXPIRE", key, 1000)]
+        connection = backend._connection()
+        connection.send_packed_command([b"".join(hiredis.pack_command(c) for c in commands)], check_health=False)
+        replies = [connection.read_response() for _ in commands]
+        if any(count > UNREACHABLE_COUNT for count in replies[::2]):
+            raise Invalid("the Envoy-style pipeline counted a window over its limit")
+
+    return call
+
+
+#: The anchors' limit: as the bench's policies, never reached by one thread.
+UNREACHABLE_COUNT = 1_000_000
+
+
+def limits_fixed_window(redis_url: str) -> Callable[[int], None]:
+    """The ``limits`` library's fixed window on its Redis storage, as its users call it: one
+    ``hit`` per decision (its ``incr_expire`` script)."""
+    from limits import RateLimitItemPerSecond
+    from limits.storage import RedisStorage
+    from limits.strategies import FixedWindowRateLimiter
+
+    limiter = FixedWindowRateLimiter(RedisStorage(redis_url))
+    item = RateLimitItemPerSecond(UNREACHABLE_COUNT)
+    hit = limiter.hit
+
+    def call(i: int) -> None:
+        if not hit(item, "bench", str(i & (SUBJECTS - 1))):
+            raise Invalid("limits' fixed window denied a request")
+
+    return call
+
+
+def bare_bucket(backend: RedisBackend) -> Callable[[int], None]:
+    """``bench/lua/token_bucket.lua``: one exact token bucket, on the limiter's own connection."""
+    script = bench_script("token_bucket.lua")
+    rate = 1_000_000  # per second: 1 us apart, a burst of a second's worth
+    args = [str(1_000_000 // rate), str(1_000_000), "2000"]
+    keys = [[f"bench_bucket:{i}"] for i in range(SUBJECTS)]
+    run = backend._run
+
+    def call(i: int) -> None:
+        if run(script, keys[i & (SUBJECTS - 1)], args)[0] != 1:
+            raise Invalid("the bare token bucket denied a request")
+
+    return call
+
+
 def checks_for(request: Request, view: BenchView) -> list[Check]:
     identity = identify(request, endpoint=SCOPE, auth=request.auth, user=request.user)
     return get_policy_source().checks_for(request, identity)
+
+
+def decision_calls(backend: RedisBackend, requests: list[Request], check_lists: list[list[Check]]) -> list[ScriptCall]:
+    """The KEYS and ARGV of the 4-dimension throttle's decisions, usage row and all, one per caller."""
+    identities = [identify(request, endpoint=SCOPE, auth=request.auth, user=request.user) for request in requests]
+    return [
+        backend.decide_call(checks, consume=True, usage=usage_of(identity, checks), slot=None)
+        for identity, checks in zip(identities, check_lists, strict=True)
+    ]
 
 
 def build(redis_url: str) -> list[Scenario]:
@@ -250,13 +324,11 @@ def build(redis_url: str) -> list[Scenario]:
     if names_one != ["tier:bench"]:
         raise RuntimeError(f"one-dimension config yields checks {names_one}")
 
-    # The floors get the KEYS and ARGV of the 4-dimension throttle's decisions, usage row and all.
-    identities = [identify(request, endpoint=SCOPE, auth=request.auth, user=request.user) for request in requests]
-    floor_calls = [
-        backend.decide_call(checks, consume=True, usage=usage_of(identity, checks), slot=None)
-        for identity, checks in zip(identities, check_lists, strict=True)
-    ]
+    floor_calls = decision_calls(backend, requests, check_lists)
     noop_calls: list[ScriptCall] = [([], [])]
+    # The same decisions sent as a script (EVALSHA), as to a store without Redis Functions.
+    by_script = RedisBackend(backend.client, prefix=backend.prefix, timeouts=backend.timeouts)
+    by_script.functions.enabled = False
 
     subjects = {"subjects": len(requests), "organisations": ORGANISATIONS}
     return [
@@ -304,6 +376,41 @@ def build(redis_url: str) -> list[Scenario]:
             decide_only(backend, check_lists),
             commands=("fcall", "evalsha", "eval"),
             notes={"checks": names, **subjects},
+        ),
+        Scenario(
+            "decide_4_script",
+            "RedisBackend.decide, 4 checks, by EVALSHA",
+            decide_only(by_script, check_lists),
+            commands=("evalsha", "eval"),
+            notes={"checks": names, "sent_as": "script", **subjects},
+        ),
+        Scenario(
+            "envoy_1",
+            "anchor: Envoy-style pipeline, 1 descriptor",
+            envoy_style(backend, 1),
+            commands=("incrby", "pexpire"),
+            notes={"per_descriptor": "INCRBY + PEXPIRE, one pipeline", **subjects},
+        ),
+        Scenario(
+            "envoy_4",
+            "anchor: Envoy-style pipeline, 4 descriptors",
+            envoy_style(backend, 4),
+            commands=("incrby", "pexpire"),
+            notes={"per_descriptor": "INCRBY + PEXPIRE, one pipeline", **subjects},
+        ),
+        Scenario(
+            "limits_fixed_1",
+            "anchor: limits fixed window, 1 dimension",
+            limits_fixed_window(redis_url),
+            commands=("evalsha", "eval"),
+            notes={"library": "limits", "strategy": "FixedWindowRateLimiter", **subjects},
+        ),
+        Scenario(
+            "lua_bucket_1",
+            "anchor: bare Lua token bucket, 1 dimension",
+            bare_bucket(backend),
+            commands=("evalsha", "eval"),
+            notes={"script": "bench/lua/token_bucket.lua", **subjects},
         ),
         Scenario(
             "floor_noop",

@@ -33,11 +33,20 @@ def test_a_short_benchmark_run_reports_every_row_target_and_floor(tmp_path: Path
         "ratelimits_4dim_no_usage",
         "drf_stack",
         "decide_4",
+        "decide_4_script",
+        "envoy_1",
+        "envoy_4",
+        "limits_fixed_1",
+        "lua_bucket_1",
         "floor_noop",
         "floor_4",
     }
-    # One round trip each, and the floor ran the same inner commands as a four-check decision.
-    assert all(row["redis_calls_per_decision"] == 1 for key, row in rows.items() if key != "drf_stack")
+    # One call each (an Envoy-style pipeline: two commands a descriptor, in one round trip), and the
+    # floor ran the same inner commands as a four-check decision.
+    pipelined = {"envoy_1": 2, "envoy_4": 8}
+    assert {key: row["redis_calls_per_decision"] for key, row in rows.items() if key != "drf_stack"} == {
+        key: pipelined.get(key, 1) for key in rows if key != "drf_stack"
+    }
     inner = {command: round(n) for command, n in rows["floor_4"]["script_commands_per_decision"].items()}
     assert inner == {"time": 1, "mget": 1, "set": 4, "hincrby": 1}
     assert all(row["redis_cpu_us_per_decision"] > 0 for row in rows.values())
@@ -48,12 +57,38 @@ def test_a_short_benchmark_run_reports_every_row_target_and_floor(tmp_path: Path
         "throttle_plumbing_p50_us",
         "extra_per_dimension_p50_us",
         "memory_per_idle_subject_bytes",
+        "ratelimits_1dim_p50_over_ping_p50",
+        "redis_cpu_4dim_over_ping",
+        "redis_cpu_4dim_over_envoy_4",
     }
     assert all(isinstance(target["met"], bool) for target in report["targets"].values())
+    assert set(report["derived"]["anchors_over_ping"]) == {"envoy_1", "envoy_4", "limits_fixed_1", "lua_bucket_1"}
     memory = report["derived"]["memory"]
     assert memory["state_keys"] == memory["subjects"]  # one key per caller, none expired mid-measurement
     assert memory["state_bytes"] > 0 and memory["usage_row_bytes"] > 0
     assert "target" in done.stdout and "floor: no-op EVALSHA" in done.stdout
+
+
+@pytest.mark.slow
+def test_the_instruction_count_reports_every_scenario_and_part(tmp_path: Path) -> None:
+    out = tmp_path / "instructions.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.instructions", "--calls", "200", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    rows = report["scenarios"]
+    assert {"ping", "ratelimits_4dim", "decide_4", "decide_4_script", "envoy_4", "lua_bucket_1"} <= set(rows)
+    assert all(row["instructions"] > 0 for row in rows.values())
+    assert rows["ping"]["over_ping"] == 1.0 and rows["envoy_4"]["over_envoy_4"] == 1.0
+    # Each part adds a line to the one before: a script that does more runs more instructions.
+    cumulative = [report["parts"][label] for label in report["parts"] if label.startswith(("a call", "+ "))]
+    assert len(cumulative) == 7 and cumulative == sorted(cumulative)
+    assert "Where a 4-dimension decision's instructions go" in done.stdout
 
 
 @pytest.mark.slow

@@ -145,7 +145,29 @@ def test_a_token_bucket_is_stored_exactly_with_the_capacity_it_was_written_under
         assert backend.decide([check]).allowed
     key = check.key(backend.prefix)
     stored = redis_client.get(key)
-    assert stored is not None and len(stored) == 16
+    assert stored is not None and len(stored) == 24
     interval = check.policy.rate.interval_us
     assert read_state(Algorithm.TOKEN_BUCKET, stored) == (clock.now + interval + interval, 3 * interval)
+    assert struct.unpack("<ddd", stored)[2] == 0  # on the app's clock, when the key expires is not known
     assert backend.decide([check], consume=False).results[0].remaining == 0  # the third of 3 still fits
+
+
+def test_a_bucket_keeps_its_keys_expiry_while_it_covers_the_state_and_renews_it_after(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """On Redis TIME, an admission whose state the key's expiry still covers (by the TTL's second of
+    slack) keeps it (SET ... KEEPTTL); one it no longer covers renews it (PX). The expiry the state
+    records is never later than the key's own, nor earlier than its arrival time plus the slack."""
+    backend = RedisBackend(make_client(redis_server.url, 2.0, 2.0))
+    check = Check(Policy("p", parse_rate("10/s"), 10), Subject(SubjectKind.IP, "198.51.100.5"))  # TTL 2 s
+    key = check.key(backend.prefix)
+    recorded = []
+    for _ in range(10):  # drained at once: each admission moves the arrival time 0.1 s on
+        assert backend.decide([check]).allowed
+        tat, _, expires = struct.unpack("<ddd", redis_client.get(key) or b"")
+        expires_at_us = redis_client.pexpiretime(key) * 1000
+        assert tat + 1_000_000 <= expires <= expires_at_us
+        recorded.append(expires)
+    # The first admission set the expiry; the next eight kept it (their arrival time plus the slack
+    # within it); the tenth's (a second past the first) did not fit, and was written with PX.
+    assert len(set(recorded[:9])) == 1 and recorded[9] > recorded[0]

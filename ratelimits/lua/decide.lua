@@ -2,10 +2,11 @@
 --
 -- Mirrors ratelimits/algorithms.py operation for operation, so both agree to the microsecond.
 --
--- This file defines decide(KEYS, ARGV) and stops there; ratelimits/backends/redis.py (Script)
--- ends it two ways: as a Redis Function's library (FUNCTION LOAD, then FCALL: what is above
--- decide() is made once per library) and as a script (EVAL: made on every call), for a store
--- without Functions (before Redis 7, an ACL without them) and for a cluster's slot groups.
+-- This file defines decide(KEYS, ARGV) last and stops there; ratelimits/backends/redis.py
+-- (Script) makes it two things: a Redis Function's library (FUNCTION LOAD, then FCALL: what is
+-- above decide() is made once per library), and a script whose chunk runs decide's body (EVAL:
+-- everything made on every call), for a store without Functions (before Redis 7, an ACL without
+-- them) and for a cluster's slot groups.
 --
 -- KEYS[1]          policy version stamp (read only; returned so workers notice policy changes)
 -- KEYS[1 + i]      state key of check i, for i = 1..n
@@ -84,6 +85,17 @@ local GCRA_STATE, SLIDING_STATE, FIXED_STATE = '<dd', '<ddddd', '<dddd'
 -- A bucket given back to: arrival time, capacity, us given back so far, and a last byte no
 -- decimal has. Also each check's REFUNDABLE part.
 local REFUNDED_STATE, REFUNDED_MARK, REFUNDABLE = '<dddB', 255, '<dd'
+-- A token bucket's state with the moment its key expires (us, on Redis TIME; 0: not known, as
+-- under the app's clock). An admission whose state the key's expiry still covers, by the slack
+-- the state TTL carries (Policy.state_ttl_ms), rewrites it with KEEPTTL: a SET without PX costs
+-- Redis about two fifths less, and a bucket a caller keeps below its limit is rewritten with PX
+-- about once per burst's refill time. Its first 16 bytes are GCRA_STATE, as a previous release
+-- (and lua/refund.lua) reads it; a state written by either carries no expiry, and is written
+-- with PX. The expiry recorded is the least the PX can give: the state TTL is the capacity
+-- rounded up to the millisecond, plus the slack (Policy.state_ttl_ms), counted from the script's
+-- start in whole milliseconds (Redis freezes the clock keys expire by for a script), where TIME
+-- may be read a little later: two milliseconds less covers both.
+local TIMED_STATE, TIMED_SIZE, TTL_SLACK_US, EXPIRY_MARGIN_US = '<ddd', 24, 1000000, 2000
 -- The windows' previous layouts, without their terms.
 local OLD_SLIDING, OLD_FIXED = '<ddd', '<dd'
 local LEASE = '<d'
@@ -106,7 +118,8 @@ local HEADER = 4
 -- where only `redis` is in reach (Redis 7.0), and a local is cheaper to call than a global's field.
 local unpack_args, pack, floor, ceil, max, min
 -- The call's clock (us) and what it does, which the algorithms below read: set by decide().
-local now, consume, refundable, leasing
+-- server_clock: `now` is Redis TIME, the clock keys expire by.
+local now, consume, refundable, leasing, server_clock
 
 -- Window index and offset without trusting float division near a boundary.
 local function split(period)
@@ -155,12 +168,13 @@ local function sliding_retry(previous, current, elapsed, period, limit, cost)
   return wait_us
 end
 
--- Each returns allowed, remaining, reset_us, retry_us, new_value. An admitted token bucket also
--- leaves its new arrival time and what it was given back so far here, for a refundable call. An
--- admitted token bucket or fixed window takes up to `want` more tokens (a leasing call's), leaving
--- how many in `granted`.
+-- Each returns allowed, remaining, reset_us, retry_us, new_value. An admitted token bucket also leaves its new arrival time and what it was
+-- given back so far here, for a refundable call, and in `keep` whether its new value may keep the
+-- key's expiry (KEEPTTL). An admitted token bucket or fixed window takes up to `want` more tokens
+-- (a leasing call's), leaving how many in `granted`.
 local spent_tat, given_back = 0, 0
 local want, granted = 0, 0
+local keep = false
 -- A state read in other terms than its check's (the policy changed), as the new terms read it:
 -- stored by a call that consumes, admitted or not (it spends nothing), so that from then on it
 -- drains at the new rate and a denial's wait is the wait there is. Set per check.
@@ -168,10 +182,13 @@ local converted = nil
 local function token_bucket(value, limit, period, burst, cost)
   local interval = period / limit
   local capacity = burst * interval
-  local tat, refunded = now, 0
+  local tat, refunded, expires = now, 0, 0
   if value then
     local written  -- the capacity it was written under
-    if #value == 25 then
+    local size = #value
+    if size == TIMED_SIZE then
+      tat, written, expires = unpack_args(TIMED_STATE, value)
+    elseif size == 25 then
       tat, written, refunded = unpack_args(REFUNDED_STATE, value)
     else
       tat, written = unpack_args(GCRA_STATE, value)
@@ -206,8 +223,12 @@ local function token_bucket(value, limit, period, burst, cost)
   local state
   if refunded > 0 then
     state = pack(REFUNDED_STATE, new_tat, capacity, refunded, REFUNDED_MARK)
+  elseif server_clock and expires >= new_tat + TTL_SLACK_US then
+    keep = true
+    state = pack(TIMED_STATE, new_tat, capacity, expires)
   else
-    state = pack(GCRA_STATE, new_tat, capacity)
+    if server_clock then expires = now + capacity + TTL_SLACK_US - EXPIRY_MARGIN_US end
+    state = pack(TIMED_STATE, new_tat, capacity, expires)
   end
   if refundable then spent_tat, given_back = new_tat, refunded end
   return true, remaining, ceil(new_tat - now), 0, state
@@ -368,13 +389,14 @@ end
 
 -- One call: KEYS and ARGV as the top of this file says. Everything above is made once per library
 -- (FUNCTION LOAD), not per call: each closure over this many locals costs a few thousand instructions
--- to make, about an eighth of a decision. (The script form, for EVAL, makes them per call.)
+-- to make, about a fifth of a decision in all. (The script form, for EVAL, makes them per call.)
 local function decide(KEYS, ARGV)
   if not pack then
     unpack_args, pack, floor, ceil, max, min = struct.unpack, struct.pack, math.floor, math.ceil, math.max, math.min
   end
   local tokens, usage_ttl, usage_cap, globals, deadline, pos
   now, consume, tokens, usage_ttl, usage_cap, globals, deadline, pos = unpack_args(REQUEST, ARGV[1])
+  server_clock = now < 0
   if now < 0 or deadline > 0 then
     local t = redis.call('TIME')
     local clock = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -401,7 +423,7 @@ local function decide(KEYS, ARGV)
   local demand = globals > 0 and KEYS[n + globals + 2]
   local reply = {now, stored[1]}
   local pending = {}
-  local writes = {}  -- per admitted check: its index i (a slot's is negative) and new value
+  local writes = {}  -- per admitted check: its index i (a slot's is negative), new value, and whether it keeps the TTL
   local conversions = {}  -- per check whose state was converted: its index i, converted value, and whether it allowed
   local all_allowed, limited, failed = true, false, false
   local out = 2
@@ -433,7 +455,7 @@ local function decide(KEYS, ARGV)
       value = pending[key]
       if value == nil then value = stored[i + 1] end
     end
-    granted, converted = 0, nil
+    granted, converted, keep = 0, nil, false
     if leasing and (algorithm == TOKEN_BUCKET or algorithm == FIXED_WINDOW) then
       want = unpack_args(LEASE, wants, 8 * i - 7)
     else
@@ -449,13 +471,12 @@ local function decide(KEYS, ARGV)
       all_allowed, failed = false, true
       remaining, reset, retry = 0, 0, -1
     elseif allowed then
+      local at = #writes
       if holds_slot then
-        writes[#writes + 1] = -i
-        writes[#writes + 1] = now + period
+        writes[at + 1], writes[at + 2], writes[at + 3] = -i, now + period, false
       else
         pending[key] = new_value
-        writes[#writes + 1] = i
-        writes[#writes + 1] = new_value
+        writes[at + 1], writes[at + 2], writes[at + 3] = i, new_value, keep
       end
     elseif converted then
       pending[key] = converted
@@ -503,11 +524,13 @@ local function decide(KEYS, ARGV)
     end
   end
   if all_allowed and consume then
-    for w = 1, #writes, 2 do
+    for w = 1, #writes, 3 do
       local i = writes[w]
       if i < 0 then
         redis.call('ZADD', KEYS[1 - i], writes[w + 1], ARGV[3])
         redis.call('PEXPIRE', KEYS[1 - i], ARGV[HEADER - i])
+      elseif writes[w + 2] then
+        redis.call('SET', KEYS[i + 1], writes[w + 1], 'KEEPTTL')
       else
         redis.call('SET', KEYS[i + 1], writes[w + 1], 'PX', ARGV[HEADER + i])
       end
