@@ -68,8 +68,8 @@ def many_subjects(n: int) -> list[Subject]:
     return [Subject("api_key", f"spread-{i}") for i in range(n)]
 
 
-def evalsha_calls(cluster: Cluster) -> int:
-    """Script calls (EVALSHA and EVAL) the masters have run, from INFO commandstats."""
+def script_calls(cluster: Cluster) -> int:
+    """Script calls (FCALL, EVALSHA and EVAL) the masters have run, from INFO commandstats."""
     total = 0
     for server in cluster.masters():
         client = server.client()
@@ -77,7 +77,7 @@ def evalsha_calls(cluster: Cluster) -> int:
             stats = client.info("commandstats")
         finally:
             client.close()
-        total += sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("evalsha", "eval"))
+        total += sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("fcall", "evalsha", "eval"))
     return total
 
 
@@ -208,10 +208,10 @@ def test_a_four_dimension_request_makes_one_script_call_per_slot_group(
     slots = {layout.key_slot(c.key("rl").encode()) for c in checks}
     assert len(slots) == 4  # the caller's two policies share its slot
     backend.decide(checks, consume=False)  # connections open, scripts cached
-    before = evalsha_calls(redis_cluster)
+    before = script_calls(redis_cluster)
     for _ in range(10):
         assert backend.decide(checks).allowed
-    assert evalsha_calls(redis_cluster) - before == 10 * len(slots)
+    assert script_calls(redis_cluster) - before == 10 * len(slots)
 
 
 def test_the_groups_are_sent_concurrently(redis_cluster: Cluster, cluster_client: Any) -> None:
@@ -499,6 +499,62 @@ def test_a_check_one_group_cannot_decide_is_left_to_its_fail_mode_and_the_others
     assert decision.allowed and not decision.degraded  # the bad check fails open; the good one was decided
     assert [r.check for r in decision.results] == [good, bad]
     assert backend.decide([good], consume=False).results[0].remaining == 8  # charged once ("after this one": 8)
+
+
+def test_a_function_the_nodes_lost_is_loaded_on_each_and_every_call_charged_once(
+    redis_cluster: Cluster, cluster_client: Any
+) -> None:
+    """After FUNCTION FLUSH (as a restart or a promoted replica leaves a node), each node's calls of
+    one round come back "Function not found", every reply is read, the library is loaded on the
+    node and the calls sent again: each charged once."""
+    backend = cluster_backend(redis_cluster)
+    checks = [Check(policy("10/h", name=f"lost{i}"), s) for i, s in enumerate(many_subjects(12))]
+    assert backend.decide(checks).allowed
+    for server in redis_cluster.masters():
+        with server.client() as node:
+            node.function_flush()
+    decision = backend.decide(checks)
+    assert decision.allowed and [r.remaining for r in decision.results] == [8] * len(checks)
+    assert [r.remaining for r in backend.decide(checks).results] == [7] * len(checks)  # every node in step
+    for server in redis_cluster.masters():
+        with server.client() as node:
+            assert node.function_list(library=DECIDE.function)
+
+
+def test_an_error_reply_leaves_its_nodes_connection_in_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node that answers a round's calls with an error (out of memory here) is read to the end: its
+    next round's replies are its own, not the errors left unread."""
+    monkeypatch.setattr("ratelimits.backends.redis.IDLE_CHECK_S", 3600.0)  # a connection is never asked
+    with Cluster(masters=3, replicas=0, config=("--maxmemory-policy", "noeviction")) as cluster:
+        backend = cluster_backend(cluster)
+        checks = [Check(policy("10/h", name=f"oom{i}"), s) for i, s in enumerate(many_subjects(12))]
+        assert backend.decide(checks).allowed
+        masters = [server.client() for server in cluster.masters()]
+        try:
+            for node in masters:
+                node.config_set("maxmemory", 1)  # over it: a call that may write is refused
+            with pytest.raises(BackendUnavailable, match="OutOfMemoryError"):
+                backend.decide(checks)
+            for node in masters:
+                node.config_set("maxmemory", 0)
+        finally:
+            for node in masters:
+                node.close()
+        decision = backend.decide(checks)
+        assert decision.allowed and [r.remaining for r in decision.results] == [8] * len(checks)
+
+
+def test_a_cluster_without_functions_is_sent_the_script() -> None:
+    """Nodes that refuse FCALL (before Redis 7; renamed away here): every group's call goes by
+    EVALSHA from the first refusal on, each charged once."""
+    no_functions = ("--rename-command", "FCALL", "", "--rename-command", "FUNCTION", "")
+    with Cluster(masters=3, replicas=0, config=no_functions) as cluster:
+        backend = cluster_backend(cluster)
+        checks = [Check(policy("10/h", name=f"script{i}"), s) for i, s in enumerate(many_subjects(12))]
+        remaining = [[r.remaining for r in backend.decide(checks).results] for _ in range(2)]
+        assert remaining == [[9] * len(checks), [8] * len(checks)]
+        assert backend.functions.enabled is False
+        assert script_calls(cluster) >= 2  # by EVALSHA (and EVAL where a node first lacked the script)
 
 
 def test_calls_pipelined_to_one_node_keep_their_connection(

@@ -55,8 +55,10 @@ from .redis import (
     STORE_ERRORS,
     RedisBackend,
     Script,
+    _loaded,
     _pack,
     decide_results,
+    function_missing,
     make_client,
     policy_failed,
     renew_call,
@@ -358,7 +360,7 @@ class ClusterBackend(RedisBackend):
                     connection = connections.get(address)
                     if connection is None:
                         connection = connections[address] = self._address_connection(*address)
-                    command = ("EVALSHA", script.sha, len(call.keys), *call.keys, *call.args)
+                    command = (*self._body(script), len(call.keys), *call.keys, *call.args)
                     connection.send_packed_command(_pack(connection, command), check_health=False)
                 except STORE_ERRORS as exc:
                     broken.setdefault(address, exc)
@@ -377,6 +379,14 @@ class ClusterBackend(RedisBackend):
                 except NOT_RUN as not_run:
                     again.append((call, not_run))
                 except STORE_ERRORS as exc:
+                    if isinstance(exc, redis.ResponseError):
+                        # The node answered (an error): its connection is in step, and its next
+                        # reply is the next call's. A Redis Function it lacks or refuses did not run.
+                        if self._function_not_run(exc):
+                            again.append((call, exc))
+                        else:
+                            call.error = self._failed(script, exc)
+                        continue
                     broken[address] = exc
                     call.error = self._failed(script, exc)
         except BaseException:
@@ -394,10 +404,12 @@ class ClusterBackend(RedisBackend):
         """Send a call the store said it did not run, where and as the store said; a few times at most.
 
         ``MOVED``: to the slot's new master (the slot map learns it). ``ASK``: to the node importing
-        the slot, for this call only. ``NOSCRIPT``: the script in full. ``TRYAGAIN`` (a migration
-        has moved some of the call's keys and not others): after a pause, to the slot's master.
+        the slot, for this call only. ``NOSCRIPT``: the script in full. A Redis Function the node
+        lacks (a promoted replica, a restart): its library loaded there first; one it refuses: the
+        script in full from then on. ``TRYAGAIN`` (a migration has moved some of the call's keys
+        and not others): after a pause, to the slot's master.
         """
-        full = False
+        full = load = False
         address: tuple[str, int] | None = None  # the node an ASK named
         for attempt in range(SEND_AGAIN):
             if isinstance(reason, redis.exceptions.MovedError):
@@ -407,10 +419,16 @@ class ClusterBackend(RedisBackend):
                 address = (reason.host, reason.port)
             elif isinstance(reason, redis.exceptions.TryAgainError):
                 time.sleep(TRY_AGAIN_PAUSE_S * (attempt + 1))
-            else:  # NoScriptError: a promoted replica or a restarted node lacks the script
-                full = True
+            elif isinstance(reason, redis.exceptions.NoScriptError) or not self.functions.enabled:
+                full = True  # the node lacks the script, or refuses Functions: the script in full
+            else:  # the node lacks the function
+                load = True
             connection = self._address_connection(*(address or self._address_of(call.slot)))
-            body = ("EVAL", script.text) if full else ("EVALSHA", script.sha)
+            if load:
+                load = False
+                if not _loaded(connection, script, self.functions):
+                    full = True
+            body = ("EVAL", script.text) if full else self._body(script)
             command = _pack(connection, (*body, len(call.keys), *call.keys, *call.args))
             connection.send_packed_command(
                 (_pack(connection, ("ASKING",)) + command) if address else command, check_health=False
@@ -421,7 +439,21 @@ class ClusterBackend(RedisBackend):
                 return connection.read_response()
             except NOT_RUN as not_run:
                 reason = not_run
+            except redis.ResponseError as exc:
+                if not self._function_not_run(exc):
+                    raise
+                reason = exc
         raise reason
+
+    def _body(self, script: Script) -> tuple[str, str]:
+        """How ``script`` is called: ``FCALL`` of its function where the nodes run Functions, else ``EVALSHA``."""
+        if script.function and self.functions.enabled:
+            return ("FCALL", script.function)
+        return ("EVALSHA", script.sha)
+
+    def _function_not_run(self, exc: redis.ResponseError) -> bool:
+        """Whether ``exc`` says a Redis Function did not run: the node lacks it, or refuses Functions."""
+        return function_missing(exc) or self.functions.refused(exc)
 
     def _failed(self, script: Script, exc: BaseException) -> BaseException:
         failure = script_error(script, exc)
