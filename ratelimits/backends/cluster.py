@@ -55,10 +55,10 @@ from .redis import (
     STORE_ERRORS,
     RedisBackend,
     Script,
-    _loaded,
     _pack,
     decide_results,
     function_missing,
+    load_function,
     make_client,
     policy_failed,
     renew_call,
@@ -426,7 +426,7 @@ class ClusterBackend(RedisBackend):
             connection = self._address_connection(*(address or self._address_of(call.slot)))
             if load:
                 load = False
-                if not _loaded(connection, script, self.functions):
+                if not load_function(connection, script, self.functions):
                     full = True
             body = ("EVAL", script.text) if full else self._body(script)
             command = _pack(connection, (*body, len(call.keys), *call.keys, *call.args))

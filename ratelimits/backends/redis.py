@@ -696,7 +696,7 @@ class RedisBackend(Backend):
                     if not function_missing(exc) and not self.functions.refused(exc):
                         raise
                 # The function did not run, so sending it again cannot charge twice.
-                if self.functions.enabled and _loaded(connection, script, self.functions):
+                if self.functions.enabled and load_function(connection, script, self.functions):
                     return _call(connection, *command)
             try:
                 return _call(connection, "EVALSHA", script.sha, len(script_keys), *script_keys, *args)
@@ -852,7 +852,7 @@ def _granted(checks: Sequence[Check], decision: Decision, reply: Any) -> tuple[D
     return decision, grants
 
 
-def _loaded(connection: Any, script: Script, functions: Functions) -> bool:
+def load_function(connection: Any, script: Script, functions: Functions) -> bool:
     """Load ``script``'s library on ``connection``'s store; ``False`` if the store refuses Functions."""
     try:
         _call(connection, "FUNCTION", "LOAD", "REPLACE", script.library)
