@@ -116,7 +116,7 @@ class Functions:
 
     A store refuses them before Redis 7 (an unknown command), or by an ACL that allows ``EVALSHA``
     but not ``FCALL`` or ``FUNCTION LOAD``: from then on it is sent scripts, which cost it about
-    a seventh more CPU per decision (docs/benchmarks.md). Told once in the log.
+    an eighth more CPU per decision (docs/benchmarks.md). Told once in the log.
     """
 
     __slots__ = ("enabled",)
