@@ -168,10 +168,10 @@ local function sliding_retry(previous, current, elapsed, period, limit, cost)
   return wait_us
 end
 
--- Each returns allowed, remaining, reset_us, retry_us, new_value. An admitted token bucket also leaves its new arrival time and what it was
--- given back so far here, for a refundable call, and in `keep` whether its new value may keep the
--- key's expiry (KEEPTTL). An admitted token bucket or fixed window takes up to `want` more tokens
--- (a leasing call's), leaving how many in `granted`.
+-- Each returns allowed, remaining, reset_us, retry_us, new_value. An admitted token bucket also
+-- leaves its new arrival time and what it was given back so far here, for a refundable call, and
+-- in `keep` whether its new value may keep the key's expiry (KEEPTTL). An admitted token bucket or
+-- fixed window takes up to `want` more tokens (a leasing call's), leaving how many in `granted`.
 local spent_tat, given_back = 0, 0
 local want, granted = 0, 0
 local keep = false
@@ -435,14 +435,14 @@ local function decide(KEYS, ARGV)
     local algorithm, shadow, limit, period, burst, cost
     algorithm, shadow, limit, period, burst, cost, pos = unpack_args(CHECK, ARGV[1], pos)
     local holds_slot = algorithm >= CONCURRENCY  -- CONCURRENCY and FLEET, the codes after the rate algorithms
-    local decide = algorithms[algorithm]
+    local evaluate = algorithms[algorithm]
     if shadow >= 2 then  -- a global policy: its region's share of a token bucket
       local fallback
       fallback, pos = unpack_args(FALLBACK, ARGV[1], pos)
       global_index = global_index + 1
       share = share_of(stored[n + 1 + global_index], fallback)
       shadow = shadow - 2
-      decide = global_bucket
+      evaluate = global_bucket
       if consume and redis.call('HINCRBY', demand, key, cost) == cost then
         -- The subject's first demand this second: the hash's TTL, and the policy's numbers, which
         -- the reconciler's write needs to convert (or make) the bucket.
@@ -461,7 +461,7 @@ local function decide(KEYS, ARGV)
     else
       want = 0
     end
-    local ok, allowed, remaining, reset, retry, new_value = pcall(decide, value, limit, period, burst, cost)
+    local ok, allowed, remaining, reset, retry, new_value = pcall(evaluate, value, limit, period, burst, cost)
     if not ok then
       -- This check cannot be decided: its key holds another type, or its arguments are out of range.
       -- (The store's own errors, READONLY, OOM and the like, fail the whole call as ever.) The check
@@ -496,7 +496,7 @@ local function decide(KEYS, ARGV)
     reply[out + 1], reply[out + 2], reply[out + 3] = remaining, reset, retry
     out = out + 3
     if refundable then
-      if decide == token_bucket and retry == 0 then
+      if evaluate == token_bucket and retry == 0 then
         refunds[i] = pack(REFUNDABLE, spent_tat, given_back)
       else
         refunds[i] = pack(REFUNDABLE, 0, 0)
