@@ -52,6 +52,8 @@ class Callgrind:
         return int(found.group(1))
 
 
+#: The part that counts usage: what a decision that counts none does not run.
+USAGE_PART = "+ one HINCRBY of the usage row"
 #: Where a four-dimension decision's instructions go: a script built up a line at a time, each run
 #: with the very KEYS and ARGV of the 4-dimension throttle's decisions (lua/decide.lua says what
 #: each is). Each part's cost is its row minus the one before; decide.lua's own arithmetic and
@@ -69,7 +71,7 @@ PARTS = (
         "+ 4 SET ... PX of 16-byte states",
         "for i = 1, 4 do redis.call('SET', KEYS[i + 1], string.sub(ARGV[1], 1, 16), 'PX', ARGV[4 + i]) end",
     ),
-    ("+ one HINCRBY of the usage row", "redis.call('HINCRBY', KEYS[6], ARGV[2] .. 'a', 1)"),
+    (USAGE_PART, "redis.call('HINCRBY', KEYS[6], ARGV[2] .. 'a', 1)"),
     ("+ a reply of 14 numbers", "return {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14}"),
 )
 #: One part done another way, in place of the cumulative script's: what a redesign would save.
@@ -96,9 +98,9 @@ def parts(backend: Any, calls: list[Any], callgrind: Callgrind, count: int) -> d
         upto = [part for part, _ in PARTS].index(replaces)
         body = [*[part_line for _, part_line in PARTS[:upto]], line]
         scripts.append((label, "\n".join(body) + "\nreturn 1"))
+    run = backend._run
     for label, text in scripts:
         script = bench_script_text(f"part {label}", text)
-        run = backend._run
         for i in range(WARM_CALLS):
             run(script, *calls[i % len(calls)])
         callgrind.zero()
@@ -189,21 +191,18 @@ def run(args: argparse.Namespace, server: RedisServer, callgrind: Callgrind) -> 
     header = f"{'part':<56} {'instructions':>12} {'the part':>9}"
     print(header)
     print("-" * len(header))
-    before = 0
     cumulative = [label for label, _ in PARTS]
-    for label in cumulative:
-        print(f"{label:<56} {costs[label]:>12,} {costs[label] - before:>+9,}")
-        before = costs[label]
-    for label, _, replaces in ALTERNATIVES:
-        upto = cumulative[cumulative.index(replaces) - 1]
-        print(f"{label:<56} {costs[label]:>12,} {costs[label] - costs[upto]:>+9,}")
+    # Each part's own cost: its script's count less the one before it (for an alternative, the one
+    # before the part it replaces).
+    before = dict(zip(cumulative, [0, *(costs[label] for label in cumulative[:-1])], strict=True))
+    added = {label: costs[label] - before[label] for label in cumulative}
+    added |= {label: costs[label] - before[replaces] for label, _, replaces in ALTERNATIVES}
+    for label in added:
+        print(f"{label:<56} {costs[label]:>12,} {added[label]:>+9,}")
     # What decide.lua does beyond the parts: its arithmetic and bookkeeping. The throttle's call
     # counts usage; RedisBackend.decide's do not (their parts less the HINCRBY).
     floor = costs[cumulative[-1]]
-    without_usage = floor - (
-        costs["+ one HINCRBY of the usage row"]
-        - costs[cumulative[cumulative.index("+ one HINCRBY of the usage row") - 1]]
-    )
+    without_usage = floor - added[USAGE_PART]
     for key, parts_cost in (
         ("ratelimits_4dim", floor),
         ("decide_4", without_usage),

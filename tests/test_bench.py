@@ -13,17 +13,19 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def run_bench(module: str, *args: str, timeout: float) -> str:
+    """``python -m module args`` from the repository's root, which must succeed; its stdout."""
+    done = subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
 @pytest.mark.slow
 def test_a_short_benchmark_run_reports_every_row_target_and_floor(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "bench", "--quick", "--rounds", "1", "--iterations", "300", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    stdout = run_bench("bench", "--quick", "--rounds", "1", "--iterations", "300", "--json", str(out), timeout=120)
     report = json.loads(out.read_text())
     rows = report["scenarios"]
     assert set(rows) == {
@@ -66,20 +68,13 @@ def test_a_short_benchmark_run_reports_every_row_target_and_floor(tmp_path: Path
     memory = report["derived"]["memory"]
     assert memory["state_keys"] == memory["subjects"]  # one key per caller, none expired mid-measurement
     assert memory["state_bytes"] > 0 and memory["usage_row_bytes"] > 0
-    assert "target" in done.stdout and "floor: no-op EVALSHA" in done.stdout
+    assert "target" in stdout and "floor: no-op EVALSHA" in stdout
 
 
 @pytest.mark.slow
 def test_the_instruction_count_reports_every_scenario_and_part(tmp_path: Path) -> None:
     out = tmp_path / "instructions.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.instructions", "--calls", "200", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    stdout = run_bench("bench.instructions", "--calls", "200", "--json", str(out), timeout=600)
     report = json.loads(out.read_text())
     rows = report["scenarios"]
     assert {"ping", "ratelimits_4dim", "decide_4", "decide_4_script", "envoy_4", "lua_bucket_1"} <= set(rows)
@@ -88,31 +83,14 @@ def test_the_instruction_count_reports_every_scenario_and_part(tmp_path: Path) -
     # Each part adds a line to the one before: a script that does more runs more instructions.
     cumulative = [report["parts"][label] for label in report["parts"] if label.startswith(("a call", "+ "))]
     assert len(cumulative) == 7 and cumulative == sorted(cumulative)
-    assert "Where a 4-dimension decision's instructions go" in done.stdout
+    assert "Where a 4-dimension decision's instructions go" in stdout
 
 
 @pytest.mark.slow
 def test_the_observability_benchmark_reports_both_ways_and_the_added_steps() -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.observability",
-            "--rounds",
-            "2",
-            "--iterations",
-            "300",
-            "--memory-rounds",
-            "2",
-            "--split",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
+    out = run_bench(
+        "bench.observability", "--rounds", "2", "--iterations", "300", "--memory-rounds", "2", "--split", timeout=180
     )
-    assert done.returncode == 0, done.stderr[-2000:]
-    out = done.stdout
     assert "redis round 2: before" in out
     [memory_round] = [line for line in out.splitlines() if line.startswith("memory round 2: ")]
     assert all(f"{name} " in memory_round for name in ("before", "metrics", "headers", "observed"))

@@ -57,7 +57,6 @@ from .redis import (
     Script,
     _pack,
     decide_results,
-    function_missing,
     load_function,
     make_client,
     policy_failed,
@@ -382,7 +381,7 @@ class ClusterBackend(RedisBackend):
                     if isinstance(exc, redis.ResponseError):
                         # The node answered (an error): its connection is in step, and its next
                         # reply is the next call's. A Redis Function it lacks or refuses did not run.
-                        if self._function_not_run(exc):
+                        if self.functions.not_run(exc):
                             again.append((call, exc))
                         else:
                             call.error = self._failed(script, exc)
@@ -440,7 +439,7 @@ class ClusterBackend(RedisBackend):
             except NOT_RUN as not_run:
                 reason = not_run
             except redis.ResponseError as exc:
-                if not self._function_not_run(exc):
+                if not self.functions.not_run(exc):
                     raise
                 reason = exc
         raise reason
@@ -450,10 +449,6 @@ class ClusterBackend(RedisBackend):
         if script.function and self.functions.enabled:
             return ("FCALL", script.function)
         return ("EVALSHA", script.sha)
-
-    def _function_not_run(self, exc: redis.ResponseError) -> bool:
-        """Whether ``exc`` says a Redis Function did not run: the node lacks it, or refuses Functions."""
-        return function_missing(exc) or self.functions.refused(exc)
 
     def _failed(self, script: Script, exc: BaseException) -> BaseException:
         failure = script_error(script, exc)

@@ -138,10 +138,10 @@ class Functions:
             logger.info("ratelimits: the store refuses Redis Functions (%s); sending it scripts (EVALSHA) instead", exc)
         return True
 
-
-def function_missing(exc: redis.ResponseError) -> bool:
-    """Whether ``exc`` says the store has no such function loaded (restarted, flushed, or a new master)."""
-    return str(exc).startswith("Function not found")
+    def not_run(self, exc: redis.ResponseError) -> bool:
+        """Whether ``exc`` says a Function call did not run, so sending it again cannot charge twice:
+        the store has no such function loaded (restarted, flushed, a new master), or refuses Functions."""
+        return str(exc).startswith("Function not found") or self.refused(exc)
 
 
 ADD_USAGE = Script.load("add_usage.lua")
@@ -693,7 +693,7 @@ class RedisBackend(Backend):
                 try:
                     return _call(connection, *command)
                 except redis.ResponseError as exc:
-                    if not function_missing(exc) and not self.functions.refused(exc):
+                    if not self.functions.not_run(exc):
                         raise
                 # The function did not run, so sending it again cannot charge twice.
                 if self.functions.enabled and load_function(connection, script, self.functions):
@@ -873,7 +873,7 @@ async def _arun(
             try:
                 return await client.execute_command(*command)
             except redis.ResponseError as exc:
-                if not function_missing(exc) and not functions.refused(exc):
+                if not functions.not_run(exc):
                     raise
             if functions.enabled:
                 try:
