@@ -17,7 +17,17 @@ from .conf import conf
 if TYPE_CHECKING:
     from django.http import HttpRequest
 
-__all__ = ["Identity", "Subject", "SubjectKind", "client_ip", "identify", "normalize_ip", "remember", "subject_of"]
+__all__ = [
+    "Identity",
+    "Subject",
+    "SubjectKind",
+    "client_ip",
+    "django_request",
+    "identify",
+    "normalize_ip",
+    "remember",
+    "subject_of",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +51,17 @@ def remember(memo: dict[K, T], key: K, value: T) -> T:
         memo.clear()
     memo[key] = value
     return value
+
+
+def django_request(request: Any) -> HttpRequest:
+    """The Django request behind ``request``: itself, or the one a DRF ``Request`` wraps.
+
+    DRF's ``Request`` proxies every attribute it does not have itself to Django's, at about half a
+    microsecond a read (two for one Django's does not have either): the decision path reads
+    ``META``, ``method`` and ``path_info`` from Django's own.
+    """
+    http: HttpRequest = getattr(request, "_request", request)
+    return http
 
 
 def _memoize(func: Callable[..., T]) -> Callable[..., T]:
@@ -248,7 +269,8 @@ def client_ip(request: HttpRequest) -> str:
     IPv6 addresses are aggregated to a network (``/64`` by default), since one host usually
     owns a whole /64; IPv4-mapped IPv6 addresses become IPv4.
     """
-    remote_addr = request.META.get("REMOTE_ADDR", "")
+    meta = django_request(request).META
+    remote_addr = meta.get("REMOTE_ADDR", "")
     trusted = conf.identity.trusted_proxies
     prefix = conf.identity.ipv6_prefix
     if not trusted:
@@ -259,7 +281,7 @@ def client_ip(request: HttpRequest) -> str:
     if not _in_any(remote, trusted):
         return _aggregate(remote, prefix)
     client = remote
-    header = request.META.get(conf.identity.client_ip_header, "")
+    header = meta.get(conf.identity.client_ip_header, "")
     hops = header.split(",") if isinstance(header, str) else []
     for raw in reversed(hops):
         hop = normalize_ip(raw)

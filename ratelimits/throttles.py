@@ -81,8 +81,11 @@ class RateLimitThrottle(BaseThrottle):
     def _decided(self, request: Request) -> Decision | None:
         """The decision another throttle of the view made for all its ``RateLimitThrottle``
         classes, this one's among them; ``None`` if none did: this one decides."""
-        decided: _Decided | None = getattr(request, _DECIDED, None)
-        if decided is None or decided.by is self or type(self) not in getattr(request, _CLASSES, ()):
+        # Read from the instance's own attributes: a DRF Request looks a name it lacks up on
+        # Django's request too, and fails twice (about 1.5 µs), as it does for every request here.
+        kept = vars(request)
+        decided: _Decided | None = kept.get(_DECIDED)
+        if decided is None or decided.by is self or type(self) not in kept.get(_CLASSES, ()):
             return None
         return decided.decision
 
@@ -151,7 +154,7 @@ def throttles_of(view: Any) -> tuple[type[RateLimitThrottle], ...]:
 
 def _classes(request: Request, view: Any) -> tuple[type[RateLimitThrottle], ...]:
     """:func:`throttles_of` the request's view, asked once per request: a ``get_throttles()`` may be costly."""
-    found: tuple[type[RateLimitThrottle], ...] | None = getattr(request, _CLASSES, None)
+    found: tuple[type[RateLimitThrottle], ...] | None = vars(request).get(_CLASSES)
     if found is None:
         found = throttles_of(view)
         setattr(request, _CLASSES, found)

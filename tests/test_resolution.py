@@ -208,3 +208,50 @@ def test_both_sources_resolve_alike(
     assert resolved == case.expected
     unknown_tier = case.tier_func is not None and case.tier_func not in TIERS
     assert any("not an enabled tier" in r.getMessage() for r in caplog.records) is unknown_tier
+
+
+def test_a_request_like_an_earlier_one_resolves_as_the_function_says_now(settings: Any, rf: RequestFactory) -> None:
+    """Without assignments or overrides, a request is resolved from what decides it (the rule, the
+    caller's tier, its subjects), kept by the snapshot. ``POLICIES['TIER_FUNC']`` is still asked
+    every time: the same caller moved to another tier gets that tier's checks at once, and a
+    caller of another organisation or address gets its own subjects."""
+    placed = {"tier": "pro"}
+    settings.RATELIMITS = {
+        "BACKEND": "memory",
+        "TIERS": TIERS,
+        "POLICIES": {"DEFAULT_TIERS": DEFAULTS, "TIER_FUNC": lambda request, identity: placed["tier"]},
+        "DIMENSIONS": {"org": {"rate": "50/s"}, "ip": {"rate": "70/s"}},
+        "IDENTITY": {"ORGANIZATION_FUNC": lambda request: request.META.get("HTTP_X_ORG")},
+    }
+    engine.reset()
+    source = engine.get_policy_source()
+
+    def resolved(address: str, org: str | None = None) -> list[tuple[str, str, str]]:
+        request = rf.get("/", REMOTE_ADDR=address, **({"HTTP_X_ORG": org} if org else {}))
+        identity = identify(request, endpoint="customers", auth="sk_case")
+        return [(c.policy.name, c.subject.kind, c.subject.value) for c in source.checks_for(request, identity)]
+
+    first = resolved("198.51.100.7", "acme")
+    assert first == [
+        ("tier:pro", "api_key", "sk_case"),
+        ("org", "org", "acme"),
+        ("ip", "ip", "198.51.100.7"),
+    ]
+    assert resolved("198.51.100.7", "acme") == first
+    assert source.snapshot().resolved  # kept
+    placed["tier"] = "basic"
+    assert [name for name, _, _ in resolved("198.51.100.7", "acme")] == [
+        "tier:basic",
+        "tier:basic:quota",
+        "tier:basic:concurrency",
+        "org",
+        "ip",
+    ]
+    other = resolved("203.0.113.9", "globex")
+    assert other[-2:] == [("org", "org", "globex"), ("ip", "ip", "203.0.113.9")]
+    assert resolved("198.51.100.7") == [  # no organisation: no check of one
+        ("tier:basic", "api_key", "sk_case"),
+        ("tier:basic:quota", "api_key", "sk_case"),
+        ("tier:basic:concurrency", "api_key", "sk_case"),
+        ("ip", "ip", "198.51.100.7"),
+    ]

@@ -27,7 +27,7 @@ from ..backends.base import in_thread
 from ..conf import ProcessWide, conf
 from ..counters import LIMITED, Usage, usage_for
 from ..decisions import UNLIMITED, Decision, Result, Verdict
-from ..identity import Identity, SubjectKind, identify, remember, subject_of
+from ..identity import Identity, SubjectKind, django_request, identify, remember, subject_of
 from ..metrics import Recorder, get_recorder
 from ..policies.snapshot import PolicySnapshot
 from ..policies.source import PolicySource, get_policy_source
@@ -272,16 +272,18 @@ def _prepare(
     identity = identify(request, endpoint=endpoint, auth=auth, user=user)
     if not conf.enabled:
         return identity, UNLIMITED
+    http = django_request(request)
+    method = http.method or "GET"
     if consume:
-        receive_body(request)  # counted in flight only once it can run
+        receive_body(http)  # counted in flight only once it can run
     source = get_policy_source()
     if consume:
         # What refuse_early looks the path up as: exactly what this view is limited as.
-        remember(_endpoints, (getattr(request, "urlconf", None), request.path_info), endpoint)
+        remember(_endpoints, (getattr(http, "urlconf", None), http.path_info), endpoint)
     shedder = get_worker_shedder() if consume else None
     recorder = get_recorder() if consume else None
     if shedder is not None:
-        priority = source.endpoint_rule(endpoint, request.method or "GET").priority
+        priority = source.endpoint_rule(endpoint, method).priority
         if not shedder.admit(priority):
             if recorder is not None:
                 recorder.decision(endpoint, "shed", "shedder", 0.0)
@@ -296,7 +298,6 @@ def _prepare(
         if not tiers:
             checks = [check for check in checks if check.policy.tier is None]
         if caller_policies is not None:
-            method = request.method or "GET"
             rule = source.endpoint_rule(endpoint, method)
             if not rule.exempt:
                 checks = _with_caller_policies(checks, caller_policies(source, method), identity, rule.cost)
@@ -329,6 +330,8 @@ def _with_caller_policies(
 ) -> list[Check]:
     """``checks`` and a check of each of ``policies`` on the caller, but those already among them:
     one policy on one subject is one bucket, spent once."""
+    if not policies:  # RateLimitThrottle itself names none: the common case
+        return checks
     have = {(check.policy.name, check.subject) for check in checks}
     found = list(checks)
     for policy in policies:

@@ -28,9 +28,19 @@ from django.utils import timezone
 
 from ..conf import Policies, conf
 from ..exceptions import ConfigurationError
-from ..identity import Identity, Subject, SubjectKind
+from ..identity import Identity, Subject, SubjectKind, django_request, remember
 from .snapshot import Assignment, PolicySnapshot
-from .values import Check, Explained, Origin, OriginKind, Policy, Role, check_for, concurrency_policy
+from .values import (
+    Check,
+    EndpointRule,
+    Explained,
+    Origin,
+    OriginKind,
+    Policy,
+    Role,
+    check_for,
+    concurrency_policy,
+)
 
 if TYPE_CHECKING:
     from django.http import HttpRequest
@@ -77,15 +87,47 @@ def resolve(
 ) -> list[Resolved]:
     """What :func:`explain` says, as ``(check, origin)`` pairs: what ``checks_for`` reads per request."""
     endpoint = identity.endpoint.value
-    rule = snapshot.endpoint_rule(endpoint, method or request.method or "GET")
+    rule = snapshot.endpoint_rule(endpoint, method or django_request(request).method or "GET")
     if rule.exempt:
         return []
-    if now is None and snapshot.has_windows:
-        now = timezone.now()
+    if now is not None or snapshot.has_windows:
+        now = now or timezone.now()
+        return _resolve(snapshot, identity, rule, _placements(snapshot, request, identity, now), now)
+    # Nothing applies for a while only: the checks follow from the rule, the caller's tier and
+    # the request's subjects, all objects made once (a snapshot's, subject_of's), so a request
+    # like an earlier one is resolved by their ids. An entry holds them: no id can be another's.
+    default = default_assignment(snapshot, request, identity)
+    key = (
+        id(rule),
+        id(default),
+        id(identity.api_key),
+        id(identity.user),
+        id(identity.organization),
+        id(identity.ip),
+        id(identity.endpoint),
+    )
+    kept = snapshot.resolved.get(key)
+    if kept is not None:
+        return list(kept[1])
+    found = _resolve(snapshot, identity, rule, () if default is None else ((identity.caller, default),))
+    fleet = snapshot.fleet_resolved.get(rule.priority)
+    if fleet is None or fleet[0].policy.shard is None:  # a sharded fleet's shard is picked per request
+        remember(snapshot.resolved, key, ((rule, default, identity), tuple(found)))
+    return found
+
+
+def _resolve(
+    snapshot: PolicySnapshot,
+    identity: Identity,
+    rule: EndpointRule,
+    placements: Iterable[tuple[Subject, Assignment]],
+    now: datetime | None = None,
+) -> list[Resolved]:
+    endpoint = identity.endpoint.value
     cost = rule.cost
     caller = identity.caller
     found: list[Resolved] = []
-    for subject, assignment in _placements(snapshot, request, identity, now):
+    for subject, assignment in placements:
         policies = snapshot.tiers.get(assignment.tier, ())
         for policy in policies:
             if now is None:  # nothing can override it
@@ -116,13 +158,10 @@ def resolve(
 
 
 def _placements(
-    snapshot: PolicySnapshot, request: HttpRequest, identity: Identity, now: datetime | None
+    snapshot: PolicySnapshot, request: HttpRequest, identity: Identity, now: datetime
 ) -> Iterable[tuple[Subject, Assignment]]:
     """Each subject of the request that is on a tier, with its assignment; the caller always is, if it can be."""
     caller = identity.caller
-    if now is None:  # nothing is assigned for a while only, so nothing is assigned at all: the fast path
-        default = default_assignment(snapshot, request, identity)
-        return () if default is None else ((caller, default),)
     assigned: dict[Subject, Assignment] = {}
     for subject in (identity.api_key, identity.user, identity.organization, identity.ip):
         if subject is not None:

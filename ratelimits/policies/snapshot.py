@@ -132,8 +132,8 @@ class OverrideRule:
 class PolicySnapshot:
     """Every policy a source knows, indexed for lookups without queries.
 
-    Loaders fill it in once; the resolver reads it on every request. ``derived`` and
-    ``reported`` are caches the resolver keeps while the snapshot lives.
+    Loaders fill it in once; the resolver reads it on every request. ``derived``,
+    ``placed``, ``resolved`` and ``reported`` are caches the resolver keeps while the snapshot lives.
     """
 
     #: Each tier's policies: its rate, and if it has them its quota and concurrency limit.
@@ -170,6 +170,9 @@ class PolicySnapshot:
     derived: dict[tuple[Any, ...], Policy | None] = field(default_factory=dict)
     #: Where ``POLICIES['TIER_FUNC']`` placed callers, by (tier, anonymous or authenticated), built on first use.
     placed: dict[tuple[str, str], Assignment] = field(default_factory=dict)
+    #: What requests resolved to while nothing applies for a while only, by the ids of what
+    #: decides it (:func:`~.resolver.resolve`); each entry holds those objects, then its checks.
+    resolved: dict[tuple[int, ...], tuple[Any, tuple[Any, ...]]] = field(default_factory=dict)
     #: Tier names ``POLICIES['TIER_FUNC']`` returned that are not tiers here, each logged once (up to a bound).
     reported: set[str] = field(default_factory=set)
     #: DRF throttle rates this snapshot's own policies replace: (DRF's setting, its rate, what
