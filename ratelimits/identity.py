@@ -26,6 +26,7 @@ __all__ = [
     "identify",
     "normalize_ip",
     "remember",
+    "request_method",
     "subject_of",
 ]
 
@@ -62,6 +63,16 @@ def django_request(request: Any) -> HttpRequest:
     """
     http: HttpRequest = getattr(request, "_request", request)
     return http
+
+
+def request_method(request: Any) -> str:
+    """``request``'s method (``"GET"`` if it has none), read without DRF's proxy.
+
+    A DRF ``Request`` made by ``clone_request`` (the browsable API, ``OPTIONS`` metadata) carries
+    a method of its own, which beats Django's.
+    """
+    method: str | None = vars(request).get("method") or django_request(request).method
+    return method or "GET"
 
 
 def _memoize(func: Callable[..., T]) -> Callable[..., T]:

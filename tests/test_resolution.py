@@ -255,3 +255,30 @@ def test_a_request_like_an_earlier_one_resolves_as_the_function_says_now(setting
         ("tier:basic:concurrency", "api_key", "sk_case"),
         ("ip", "ip", "198.51.100.7"),
     ]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"ENDPOINTS": {"customers": {"endpoint_rate": {"rate": "20000/s", "shards": 16}}}},
+        {"DIMENSIONS": {"ip": {"rate": "20000/s", "shards": 16}}},
+    ],
+    ids=["endpoint-wide", "dimension"],
+)
+def test_a_sharded_budget_is_picked_per_request_however_alike_the_requests(
+    settings: Any, rf: RequestFactory, config: dict[str, Any]
+) -> None:
+    """What a request resolved to is not kept when it holds a shard: each request is decided by a
+    shard picked at random, or one caller would get one sixteenth of the budget and one key all
+    the load."""
+    settings.RATELIMITS = {"BACKEND": "memory", "TIERS": TIERS, "POLICIES": {"DEFAULT_TIERS": DEFAULTS}, **config}
+    engine.reset()
+    source = engine.get_policy_source()
+    request = rf.get("/", REMOTE_ADDR="198.51.100.7")
+    identity = identify(request, endpoint="customers", auth="sk_case")
+    shards = set()
+    for _ in range(40):
+        checks = source.checks_for(request, identity)
+        shards |= {check.subject.value for check in checks if check.policy.is_shard}
+    assert len(shards) > 1  # 40 picks of 16 shards all alike: 16 ** -39
+    assert not source.snapshot().resolved

@@ -35,6 +35,7 @@ from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, UnreadablePostError
 
 from ..conf import conf
+from ..identity import django_request
 
 __all__ = ["BodyNotReceived", "receive_body"]
 
@@ -55,7 +56,7 @@ def receive_body(request: HttpRequest) -> None:
     Raises :class:`BodyNotReceived` when it does not all arrive in time (or the client closed
     its side first). The view then reads the body from memory, as Django reads it twice.
     """
-    http: Any = getattr(request, "_request", request)  # DRF's Request wraps Django's
+    http: Any = django_request(request)
     meta = http.META
     if "wsgi.input" not in meta or http._read_started or hasattr(http, "_body"):
         return

@@ -27,7 +27,7 @@ from ..backends.base import in_thread
 from ..conf import ProcessWide, conf
 from ..counters import LIMITED, Usage, usage_for
 from ..decisions import UNLIMITED, Decision, Result, Verdict
-from ..identity import Identity, SubjectKind, django_request, identify, remember, subject_of
+from ..identity import Identity, SubjectKind, django_request, identify, remember, request_method, subject_of
 from ..metrics import Recorder, get_recorder
 from ..policies.snapshot import PolicySnapshot
 from ..policies.source import PolicySource, get_policy_source
@@ -273,7 +273,7 @@ def _prepare(
     if not conf.enabled:
         return identity, UNLIMITED
     http = django_request(request)
-    method = http.method or "GET"
+    method = request_method(request)
     if consume:
         receive_body(http)  # counted in flight only once it can run
     source = get_policy_source()

@@ -28,8 +28,8 @@ from django.utils import timezone
 
 from ..conf import Policies, conf
 from ..exceptions import ConfigurationError
-from ..identity import Identity, Subject, SubjectKind, django_request, remember
-from .snapshot import Assignment, PolicySnapshot
+from ..identity import Identity, Subject, SubjectKind, remember, request_method
+from .snapshot import Assignment, PolicySnapshot, Resolution
 from .values import (
     Check,
     EndpointRule,
@@ -87,15 +87,16 @@ def resolve(
 ) -> list[Resolved]:
     """What :func:`explain` says, as ``(check, origin)`` pairs: what ``checks_for`` reads per request."""
     endpoint = identity.endpoint.value
-    rule = snapshot.endpoint_rule(endpoint, method or django_request(request).method or "GET")
+    rule = snapshot.endpoint_rule(endpoint, method or request_method(request))
     if rule.exempt:
         return []
     if now is not None or snapshot.has_windows:
         now = now or timezone.now()
         return _resolve(snapshot, identity, rule, _placements(snapshot, request, identity, now), now)
-    # Nothing applies for a while only: the checks follow from the rule, the caller's tier and
-    # the request's subjects, all objects made once (a snapshot's, subject_of's), so a request
-    # like an earlier one is resolved by their ids. An entry holds them: no id can be another's.
+    # No assignment or override (each may hold for a while only): the checks follow from the
+    # rule, the caller's tier and the request's subjects, all objects made once (a snapshot's,
+    # subject_of's), so a request like an earlier one is resolved by their ids. An entry holds
+    # them: no id can be another's. (POLICIES['TIER_FUNC'] is asked every time, as before.)
     default = default_assignment(snapshot, request, identity)
     key = (
         id(rule),
@@ -108,11 +109,10 @@ def resolve(
     )
     kept = snapshot.resolved.get(key)
     if kept is not None:
-        return list(kept[1])
+        return list(kept.found)
     found = _resolve(snapshot, identity, rule, () if default is None else ((identity.caller, default),))
-    fleet = snapshot.fleet_resolved.get(rule.priority)
-    if fleet is None or fleet[0].policy.shard is None:  # a sharded fleet's shard is picked per request
-        remember(snapshot.resolved, key, ((rule, default, identity), tuple(found)))
+    if not any(check.policy.is_shard for check, _ in found):  # a sharded budget's shard is picked per request
+        remember(snapshot.resolved, key, Resolution((rule, default, identity), tuple(found)))
     return found
 
 
@@ -123,6 +123,9 @@ def _resolve(
     placements: Iterable[tuple[Subject, Assignment]],
     now: datetime | None = None,
 ) -> list[Resolved]:
+    """The checks of a request to ``rule``'s endpoint: each of ``placements``' tier's policies on
+    its subject (overridden as of ``now``; ``None``: nothing is overridden), then the
+    dimensions, the endpoint's own limits and the fleet's."""
     endpoint = identity.endpoint.value
     cost = rule.cost
     caller = identity.caller

@@ -14,7 +14,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import documentation
 from ..algorithms import Algorithm
@@ -128,6 +128,15 @@ class OverrideRule:
         )
 
 
+class Resolution(NamedTuple):
+    """What one request resolved to, kept by the snapshot (:func:`~.resolver.resolve`)."""
+
+    #: The objects whose ids it is kept under: held, so that no id can be another object's.
+    keeps: tuple[Any, ...]
+    #: Its ``(check, origin)`` pairs.
+    found: tuple[Any, ...]
+
+
 @dataclass
 class PolicySnapshot:
     """Every policy a source knows, indexed for lookups without queries.
@@ -170,9 +179,9 @@ class PolicySnapshot:
     derived: dict[tuple[Any, ...], Policy | None] = field(default_factory=dict)
     #: Where ``POLICIES['TIER_FUNC']`` placed callers, by (tier, anonymous or authenticated), built on first use.
     placed: dict[tuple[str, str], Assignment] = field(default_factory=dict)
-    #: What requests resolved to while nothing applies for a while only, by the ids of what
-    #: decides it (:func:`~.resolver.resolve`); each entry holds those objects, then its checks.
-    resolved: dict[tuple[int, ...], tuple[Any, tuple[Any, ...]]] = field(default_factory=dict)
+    #: What requests resolved to, while it holds no assignment or override, by the ids of what
+    #: decides it (:func:`~.resolver.resolve`).
+    resolved: dict[tuple[int, ...], Resolution] = field(default_factory=dict)
     #: Tier names ``POLICIES['TIER_FUNC']`` returned that are not tiers here, each logged once (up to a bound).
     reported: set[str] = field(default_factory=set)
     #: DRF throttle rates this snapshot's own policies replace: (DRF's setting, its rate, what
