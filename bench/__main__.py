@@ -290,6 +290,10 @@ def build_report(
         ratios[name] = {"label": label, "value": value, "target": f"{op} {target:g}", "met": met}
     info = {
         "usage_on_over_off_p50": round(four["p50_us"] / results["ratelimits_4dim_no_usage"]["p50_us"], 2),
+        "usage_worker_over_script_p50": round(results["ratelimits_4dim_worker_usage"]["p50_us"] / four["p50_us"], 2),
+        "redis_cpu_usage_worker_over_script": round(
+            results["ratelimits_4dim_worker_usage"]["redis_cpu_us_per_decision"] / four["redis_cpu_us_per_decision"], 2
+        ),
         "drf_stack_throughput_over_ratelimits_4dim": round(drf["throughput_per_s"] / four["throughput_per_s"], 2),
         # The distance to the physical limit: the script's own Lua is what it costs beyond the floor.
         "redis_us_4dim_over_floor": round(four["redis_us_per_decision"] - floor["redis_us_per_decision"], 1),
@@ -381,6 +385,8 @@ def render(report: dict[str, Any]) -> str:
     lines += [
         "",
         f"usage counting on / off p50   {derived['usage_on_over_off_p50']:>8}",
+        f"usage by worker / script p50  {derived['usage_worker_over_script_p50']:>8}   "
+        f"server CPU {derived['redis_cpu_usage_worker_over_script']} x (USAGE['FLUSH_EVERY'] '1s' over the default)",
         f"decide(4) CPU, script / FCALL {derived['redis_cpu_decide_4_script_over_function']:>8}   "
         "server CPU of the same decisions by EVALSHA over FCALL",
         *(

@@ -125,8 +125,12 @@ def ping(client: Any) -> Callable[[int], None]:
     return call
 
 
-def ratelimits_throttle(requests: list[Request], view: BenchView) -> Callable[[int], None]:
-    """What DRF's ``check_throttles`` does with ``throttle_classes = [RateLimitThrottle]``."""
+def ratelimits_throttle(requests: list[Request], view: BenchView, *, flush: bool = False) -> Callable[[int], None]:
+    """What DRF's ``check_throttles`` does with ``throttle_classes = [RateLimitThrottle]``.
+
+    ``flush``: then adds the usage the worker counted, when due, as the end of a response does
+    (``USAGE['FLUSH_EVERY']``: its one call a second is in the row's figures).
+    """
     mask = len(requests) - 1
 
     def call(i: int) -> None:
@@ -136,6 +140,8 @@ def ratelimits_throttle(requests: list[Request], view: BenchView) -> Callable[[i
         decision = throttle.decision
         if decision is None or decision.degraded:
             raise Invalid("ratelimits answered without Redis (degraded, fail-open)")
+        if flush:
+            get_limiter().flush_usage()
 
     return call
 
@@ -361,6 +367,18 @@ def build(redis_url: str) -> list[Scenario]:
             ratelimits={**ratelimits_settings(redis_url, dimensions=4), "USAGE": False},
             commands=("fcall", "evalsha", "eval"),
             notes={"checks": names, "usage": False, **subjects},
+        ),
+        Scenario(
+            "ratelimits_4dim_worker_usage",
+            "ratelimits throttle, 4 dimensions, usage counted by the worker",
+            ratelimits_throttle(requests, view, flush=True),
+            ratelimits={**ratelimits_settings(redis_url, dimensions=4), "USAGE": {"FLUSH_EVERY": "1s"}},
+            commands=("fcall", "evalsha", "eval"),
+            notes={
+                "checks": names,
+                "usage": "USAGE['FLUSH_EVERY'] = '1s', added after a decision when due",
+                **subjects,
+            },
         ),
         Scenario(
             "drf_stack",

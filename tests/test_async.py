@@ -306,8 +306,16 @@ def slots_taken(backend: Any, check: Check) -> int:
     return int(backend.client.zcard(check.key(backend.prefix)))
 
 
-def test_async_decisions_are_counted_in_usage(limits: Any) -> None:
+@pytest.mark.parametrize("counted_by", ["script", "worker"])
+def test_async_decisions_are_counted_in_usage(settings: Any, limits: Any, counted_by: str) -> None:
+    """Counted by the decide script, or (``USAGE['FLUSH_EVERY']``) by the worker, as the store answered."""
+    if counted_by == "worker":
+        settings.RATELIMITS = {**limits, "USAGE": {"FLUSH_EVERY": "60s"}}
     statuses = [r.status_code for r in burst("/t/async/plain", 5)]
+    store = engine.get_limiter().backend
+    now = int(time.time() // 60)
+    in_store = store.peek_usage([now + 1, now, now - 1], 100).counts
+    assert bool(in_store) is (counted_by == "script")
     # The last 429 was answered from this worker's memory of the first: counted here, added to the
     # store's counters within a second, or now.
     engine.get_limiter().flush_usage(now=True)

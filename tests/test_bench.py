@@ -33,6 +33,7 @@ def test_a_short_benchmark_run_reports_every_row_target_and_floor(tmp_path: Path
         "ratelimits_1dim",
         "ratelimits_4dim",
         "ratelimits_4dim_no_usage",
+        "ratelimits_4dim_worker_usage",
         "drf_stack",
         "decide_4",
         "decide_4_script",

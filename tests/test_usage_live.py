@@ -19,6 +19,7 @@ from ratelimits import engine
 from ratelimits.backends.cluster import ClusterBackend
 from ratelimits.backends.redis import RedisBackend, make_client
 from ratelimits.counters import ALLOWED, LIMITED, caller_rows, parse_field, usage_for
+from ratelimits.engine.breaker import BreakerState
 from ratelimits.identity import Subject, SubjectKind
 from ratelimits.usage import drain
 from ratelimits.usage.live import LIVE_MINUTES, live_minutes, read_live
@@ -127,12 +128,15 @@ def test_a_store_that_cannot_be_read_leaves_the_live_part_out_and_says_why() -> 
 # -- the report ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis, counted by the worker"])
 def store(request: pytest.FixtureRequest, settings: Any) -> str:
-    """Decisions counted on the memory backend, or on the private Redis."""
-    if request.param == "redis":
+    """Decisions counted on the memory backend, or on the private Redis: by the decide script, or
+    by the worker and added in one call (``USAGE['FLUSH_EVERY']``; :func:`requests_from` flushes)."""
+    if request.param != "memory":
         request.getfixturevalue("use_redis")
     settings.RATELIMITS = {**settings.RATELIMITS, **LIMITS}
+    if request.param == "redis, counted by the worker":
+        settings.RATELIMITS = {**settings.RATELIMITS, "USAGE": {"FLUSH_EVERY": "60s"}}
     return str(request.param)
 
 
@@ -198,6 +202,61 @@ def test_minutes_not_drained_are_live_and_once_drained_are_counted_from_their_ro
     assert mixed["live"] >= 1
     csv_rows = admin_client.get(URL, {"format": "csv"}).content.decode().splitlines()
     assert csv_rows[0].endswith(",Live") and sum(row.endswith(",live") for row in csv_rows) == mixed["live"]
+
+
+@pytest.mark.django_db
+def test_a_worker_that_counts_usage_itself_adds_it_when_due_in_one_call(settings: Any, use_redis: Any) -> None:
+    """With ``USAGE['FLUSH_EVERY']`` the decide script counts nothing: the worker counts each
+    answer as the script would have (allowed, throttled, tokens) and adds them once due, all in one
+    call; a response before then adds nothing."""
+    settings.RATELIMITS = merged(settings.RATELIMITS, {**LIMITS, "USAGE": {"FLUSH_EVERY": "60s"}})
+    limiter = engine.get_limiter()
+    backend = limiter.backend
+    client = APIClient(REMOTE_ADDR="198.51.100.30")
+    minute = int(time.time() // 60)
+    assert [client.get("/t/ping").status_code for _ in range(7)] == [200] * 5 + [429] * 2
+    minutes = list(range(minute + 1, minute - 2, -1))  # a minute may have turned meanwhile
+    assert backend.peek_usage(minutes, 1000).counts == {}  # each response's flush: not due yet
+    calls = backend.client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+
+    def counted() -> dict[str, int]:
+        found: dict[str, int] = {}
+        for fields in metrics(backend.peek_usage(minutes, 1000).counts).values():
+            for field, n in fields.items():
+                found[field] = found.get(field, 0) + n
+        return found
+
+    limiter.flush_usage(now=True)
+    row = row_of("198.51.100.30")
+    assert counted() == {row + ALLOWED: 5, row + LIMITED: 2}
+    assert backend.client.info("commandstats")["cmdstat_evalsha"]["calls"] == calls + 1  # one call, add_usage.lua
+    limiter.flush_usage(now=True)  # what was added is taken: nothing is added twice
+    assert counted() == {row + ALLOWED: 5, row + LIMITED: 2}
+
+
+@pytest.mark.django_db
+def test_a_worker_that_exits_adds_the_usage_it_counted_even_with_its_breaker_open(
+    settings: Any, use_redis: Any
+) -> None:
+    """The exit hook adds what the worker holds (``USAGE['FLUSH_EVERY']``), though its breaker,
+    opened by failures a while ago, keeps the flush after each response from asking the store."""
+    from ratelimits.engine import limiter as limiter_module
+
+    settings.RATELIMITS = merged(settings.RATELIMITS, {**LIMITS, "USAGE": {"FLUSH_EVERY": "60s"}})
+    limiter = engine.get_limiter()
+    client = APIClient(REMOTE_ADDR="198.51.100.31")
+    assert [client.get("/t/ping").status_code for _ in range(3)] == [200] * 3
+    for _ in range(limiter.breaker.min_calls):
+        limiter.breaker.record_failure()
+    assert limiter.breaker.state is not BreakerState.CLOSED
+    limiter.flush_usage(now=True)  # what a response's flush does now: nothing
+    minute = int(time.time() // 60)
+    minutes = [minute + 1, minute, minute - 1]
+    assert limiter.backend.peek_usage(minutes, 100).counts == {}
+
+    limiter_module._flush_at_exit()
+    counted = [fields for fields in metrics(limiter.backend.peek_usage(minutes, 100).counts).values()]
+    assert sum(fields.get(row_of("198.51.100.31") + ALLOWED, 0) for fields in counted) == 3
 
 
 @pytest.mark.django_db

@@ -620,6 +620,15 @@ class Usage(Switchable):
         doc="the most rows (a caller on an endpoint) one minute of usage counts; a new row beyond them is counted in "
         "the overflow row of its caller kind and endpoint",
     )
+    flush_every = Setting(
+        None,
+        parse.flush_every,
+        id="ratelimits.E182",
+        doc="`None` (the default): each decision's usage is counted in its own script call, exactly. A duration "
+        "(`\"1s\"`): each worker counts its decisions' usage itself and adds it to the store's counters at most "
+        "that often (at most a minute), in one call, after a response; Redis does less per decision, and a worker "
+        "killed (not one that exits) loses what it counted since its last addition",
+    )
     drain_every = Setting(
         "30s",
         parse.seconds,

@@ -118,6 +118,21 @@ def optional_seconds(value: object, field: str) -> float | None:
     return None if value is None else seconds(value, field)
 
 
+#: The longest ``USAGE['FLUSH_EVERY']``: usage is counted by the minute, and what a worker holds
+#: is what killing it loses.
+FLUSH_EVERY_MAX_S = 60.0
+
+
+def flush_every(value: object, field: str) -> float | None:
+    found = optional_seconds(value, field)
+    if found is not None and found > FLUSH_EVERY_MAX_S:
+        raise ConfigurationError(
+            f"{field}: {value!r} is longer than a minute: usage is counted by the minute, and what a worker "
+            "holds is what killing it loses"
+        )
+    return found
+
+
 def duration_us(value: object, field: str) -> int:
     return parse_duration(value, field=field)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import math
 import threading
@@ -20,7 +21,7 @@ from ..backends.base import store_threads, takes_slots
 from ..backends.memory import MemoryBackend
 from ..choices import FailMode
 from ..conf import LocalPathSettings, ProcessWide, conf
-from ..counters import ALLOWED, DEGRADED, EXTRA_TOKENS, LIMITED, Usage
+from ..counters import ALLOWED, DEGRADED, EXTRA_TOKENS, LIMITED, SHED, Usage
 from ..decisions import UNLIMITED, Decision, Verdict
 from ..exceptions import BackendUnavailable, PolicyFailed
 from ..metrics import get_recorder
@@ -35,6 +36,10 @@ logger = logging.getLogger("ratelimits")
 
 #: How often the usage of requests answered from memory is added to the store's counters (seconds).
 LOCAL_USAGE_EVERY_S = 1.0
+#: How many counter fields this worker holds before it adds them, whenever they are due.
+LOCAL_USAGE_FIELDS = 1_000
+#: The usage metric a store's answer counts under, as the decide script counts it.
+_COUNTED_AS = {Verdict.ALLOW: ALLOWED, Verdict.LIMITED: LIMITED, Verdict.SHED: SHED}
 #: How often a worker with an adaptive capacity publishes it for the admin, and how long it is shown
 #: after its worker stopped publishing.
 WORKER_STATE_EVERY_S = 1.0
@@ -52,6 +57,7 @@ class Limiter:
         local: Backend,
         local_share: float,
         local_path: LocalPath | None = None,
+        usage_every: float | None = None,
     ) -> None:
         self.backend = backend
         self.breaker = breaker
@@ -68,7 +74,11 @@ class Limiter:
         self._count_lock = threading.Lock()
         #: Usage of degraded decisions, per (minute, field), waiting for the store to come back.
         self._degraded_usage: Counter[tuple[int, str]] = Counter()
-        #: Usage of decisions answered from memory, added to the store's every LOCAL_USAGE_EVERY_S.
+        #: Seconds between additions of the usage this worker counts itself (``USAGE['FLUSH_EVERY']``):
+        #: then the store's answers are counted here too, not by the decide script. ``None``: by it.
+        self.usage_every = usage_every
+        #: Usage of decisions answered from memory (and with ``usage_every``, of every decision),
+        #: added to the store's every ``usage_every`` or LOCAL_USAGE_EVERY_S.
         self._local_usage: Counter[tuple[int, str]] = Counter()
         self._local_usage_at = time.monotonic()
         self._published_at = -WORKER_STATE_EVERY_S
@@ -82,9 +92,9 @@ class Limiter:
 
         With the local path (:mod:`.local`), a consuming decision may be answered from memory: a
         remembered denial, or tokens this worker leased (a request partly covered by leases asks
-        the store about the rest). ``usage`` is counted by the backend in the same call; a
-        decision degraded or answered from memory is counted here and added to the store's
-        counters later (:meth:`flush_usage`).
+        the store about the rest). ``usage`` is counted by the backend in the same call (with
+        ``USAGE['FLUSH_EVERY']``, here); a decision degraded or answered from memory is counted
+        here, and what is counted here is added to the store's counters later (:meth:`flush_usage`).
         """
         plan = self._plan(checks, consume, usage)
         if isinstance(plan, Decision):
@@ -152,11 +162,12 @@ class Limiter:
         if not self.breaker.allow():
             return self._unanswered(checks, consume=consume, usage=usage)
         sent = self._sending(consume)
+        worker_usage, script_usage = self._counting(consume, usage)
         try:
             if wants is None:
-                answer: Any = self.backend.decide(checks, consume=consume, usage=usage)
+                answer: Any = self.backend.decide(checks, consume=consume, usage=script_usage)
             else:
-                answer = self.backend.lease(checks, wants, usage=usage)
+                answer = self.backend.lease(checks, wants, usage=script_usage)
         except PolicyFailed as exc:
             self._policy_failed(exc)
             return self._without(exc, checks, consume=consume, usage=usage)
@@ -167,7 +178,7 @@ class Limiter:
             # whose probe never reports would turn every later call away for good.
             self.breaker.record_failure()
             raise
-        return self._answered(answer, sent, wants)
+        return self._answered(answer, sent, wants, worker_usage=worker_usage)
 
     async def _aasked(
         self, checks: Sequence[Check], *, consume: bool, usage: Usage | None, wants: list[int] | None = None
@@ -177,10 +188,11 @@ class Limiter:
         if ticket is None:
             return self._unanswered(checks, consume=consume, usage=usage)
         sent = self._sending(consume)
+        worker_usage, script_usage = self._counting(consume, usage)
         asked = (
-            self.backend.adecide(checks, consume=consume, usage=usage)
+            self.backend.adecide(checks, consume=consume, usage=script_usage)
             if wants is None
-            else self.backend.alease(checks, wants, usage=usage)
+            else self.backend.alease(checks, wants, usage=script_usage)
         )
         # The breaker's probe, and a call that takes slots, are shielded when they go out to the
         # store: a request given up (its client went away) leaves them to finish, so that the
@@ -202,18 +214,24 @@ class Limiter:
         except asyncio.CancelledError:
             if call is None:
                 self.breaker.abandon(ticket)  # cancelled with its request: it never reports
+                # Nor is it counted by this worker (USAGE['FLUSH_EVERY']): its answer is not known.
             else:
                 _finishing.add(call)  # a task the loop holds only weakly
                 # (Run soon if the call is done already: its answer and the cancellation crossed.)
-                call.add_done_callback(lambda done: self._abandoned(done, ticket, sent, wants))
+                call.add_done_callback(lambda done: self._abandoned(done, ticket, sent, wants, worker_usage))
             raise
         except BaseException:
             self.breaker.record_failure()  # as in _asked: a probe always reports
             raise
-        return self._answered(answer, sent, wants)
+        return self._answered(answer, sent, wants, worker_usage=worker_usage)
 
     def _abandoned(
-        self, call: asyncio.Future[Any], ticket: int, sent: tuple[float, int] | None, wants: list[int] | None
+        self,
+        call: asyncio.Future[Any],
+        ticket: int,
+        sent: tuple[float, int] | None,
+        wants: list[int] | None,
+        worker_usage: Usage | None,
     ) -> None:
         """A cancelled request's shielded store call ended: the breaker, the metrics and the local
         path learn its outcome (reported with its ticket: it may come late), and the slots it took
@@ -236,7 +254,9 @@ class Limiter:
         if exc is not None:
             self.breaker.record_failure(ticket)
             return
-        decision = self._answered(call.result(), sent, wants, ticket)  # leases granted are kept for others
+        decision = self._answered(
+            call.result(), sent, wants, ticket, worker_usage
+        )  # leases granted are kept for others
         if decision.slot is not None or decision.stray_slot is not None:
             store_threads().submit(self._release_logged, decision)
 
@@ -251,12 +271,26 @@ class Limiter:
         local = self.local_path if consume else None
         return (local.clock(), local.generation) if local is not None else None
 
+    def _counting(self, consume: bool, usage: Usage | None) -> tuple[Usage | None, Usage | None]:
+        """Who counts a consuming call's ``usage``: ``(this worker's, the decide script's)``, one of them ``None``."""
+        if usage is None or not consume or self.usage_every is None:
+            return None, usage
+        return usage, None
+
     def _answered(
-        self, answer: Any, sent: tuple[float, int] | None, wants: list[int] | None, ticket: int | None = None
+        self,
+        answer: Any,
+        sent: tuple[float, int] | None,
+        wants: list[int] | None,
+        ticket: int | None = None,
+        worker_usage: Usage | None = None,
     ) -> Decision:
-        """The store answered (a decision, or a decision and its grants): the breaker and the local path learn it."""
+        """The store answered (a decision, or a decision and its grants): the breaker and the local
+        path learn it, and this worker counts ``worker_usage`` as the script would have."""
         self.breaker.record_success(ticket)
         decision: Decision = answer if wants is None else answer[0]
+        if worker_usage is not None and decision.verdict in _COUNTED_AS:
+            self.count_local(worker_usage, _COUNTED_AS[decision.verdict])
         local = self.local_path
         if sent is not None and local is not None:
             local.learn(decision, *sent)
@@ -333,7 +367,8 @@ class Limiter:
             logger.info("ratelimits: worker state not published: %s", exc)
 
     def count_local(self, usage: Usage | None, metric: str) -> None:
-        """Count ``usage`` as a request answered from memory (``metric``: allowed or limited)."""
+        """Count ``usage`` here, to add to the store's counters later (``metric``: allowed, limited or
+        shed): a request answered from memory, or with ``USAGE['FLUSH_EVERY']`` any the store answered."""
         if usage is not None:
             with self._count_lock:
                 self._local_usage[(usage.minute, usage.field + metric)] += 1
@@ -342,16 +377,26 @@ class Limiter:
 
     def flush_usage(self, *, now: bool = False) -> None:
         """Add usage counted in this process to the store's counters: what was decided while it was
-        unreachable, once it is back, and every LOCAL_USAGE_EVERY_S (or ``now``) what was answered
-        from memory.
+        unreachable, once it is back, and every LOCAL_USAGE_EVERY_S (``USAGE['FLUSH_EVERY']`` if
+        set), or ``now``, what was answered from memory (and with ``FLUSH_EVERY``, every decision).
         """
         if self.breaker.state is not BreakerState.CLOSED:
             return
         if self._degraded_usage:
             self._flush("_degraded_usage")
-        if self._local_usage and (now or time.monotonic() - self._local_usage_at >= LOCAL_USAGE_EVERY_S):
+        every = LOCAL_USAGE_EVERY_S if self.usage_every is None else self.usage_every
+        held = self._local_usage
+        if held and (now or len(held) >= LOCAL_USAGE_FIELDS or time.monotonic() - self._local_usage_at >= every):
             self._local_usage_at = time.monotonic()
             self._flush("_local_usage")
+
+    def flush_at_exit(self) -> int:
+        """Add everything counted here, whether the breaker is open or not: the process is ending.
+        How many counts could not be added (the store did not answer)."""
+        for name in ("_degraded_usage", "_local_usage"):
+            if getattr(self, name):
+                self._flush(name)
+        return sum(self._degraded_usage.values()) + sum(self._local_usage.values())
 
     def _flush(self, name: str) -> None:
         with self._count_lock:
@@ -520,18 +565,24 @@ def build_limiter(
     *,
     local_share: float = 1.0,
     usage_cap: int | None = None,
+    usage_every: float | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> Limiter:
     """A limiter on ``backend`` with the local path ``settings`` ask for (``LOCAL_PATH``'s shape).
 
     None over a backend whose state is the process's (memory): it answers from memory already.
-    ``usage_cap`` is the fallback backend's (``USAGE['MAX_SUBJECTS']`` if ``None``); ``clock`` the
-    local path's (monotonic seconds).
+    ``usage_cap`` is the fallback backend's (``USAGE['MAX_SUBJECTS']`` if ``None``); ``usage_every``
+    ``USAGE['FLUSH_EVERY']``; ``clock`` the local path's (monotonic seconds).
     """
     wanted = settings.denials or (settings.leases and backend.leases)
     local_path = LocalPath(backend, breaker, settings, clock=clock) if backend.shared and wanted else None
     return Limiter(
-        backend, breaker, local=MemoryBackend(usage_cap=usage_cap), local_share=local_share, local_path=local_path
+        backend,
+        breaker,
+        local=MemoryBackend(usage_cap=usage_cap),
+        local_share=local_share,
+        local_path=local_path,
+        usage_every=usage_every,
     )
 
 
@@ -541,10 +592,28 @@ def _build() -> Limiter:
         CircuitBreaker(**conf.failure.breaker),
         conf.local_path.settings,
         local_share=conf.failure.local_share,
+        usage_every=conf.usage.flush_every if conf.usage.enabled else None,
     )
 
 
 _limiter: ProcessWide[Limiter] = ProcessWide(_build)
+
+
+def _flush_at_exit() -> None:
+    """A worker that exits adds the usage it counted itself (``USAGE['FLUSH_EVERY']``): only a killed one loses it."""
+    limiter = _limiter.current()
+    if limiter is None or limiter.usage_every is None:
+        return
+    try:
+        lost = limiter.flush_at_exit()
+    except Exception:  # a bug or a closed store: nothing to do about it now but say so
+        logger.warning("ratelimits: the usage this worker counted could not be added at exit", exc_info=True)
+        return
+    if lost:
+        logger.warning("ratelimits: %d usage counts this worker held could not be added at exit", lost)
+
+
+atexit.register(_flush_at_exit)
 
 
 def get_limiter() -> Limiter:
