@@ -254,9 +254,8 @@ class Limiter:
         if exc is not None:
             self.breaker.record_failure(ticket)
             return
-        decision = self._answered(
-            call.result(), sent, wants, ticket, worker_usage
-        )  # leases granted are kept for others
+        # Leases it was granted are kept for others.
+        decision = self._answered(call.result(), sent, wants, ticket, worker_usage)
         if decision.slot is not None or decision.stray_slot is not None:
             store_threads().submit(self._release_logged, decision)
 
@@ -600,7 +599,7 @@ _limiter: ProcessWide[Limiter] = ProcessWide(_build)
 
 
 def _flush_at_exit() -> None:
-    """A worker that exits adds the usage it counted itself (``USAGE['FLUSH_EVERY']``): only a killed one loses it."""
+    """A worker that exits adds the usage it counted itself (``USAGE['FLUSH_EVERY']``); a killed one cannot."""
     limiter = _limiter.current()
     if limiter is None or limiter.usage_every is None:
         return
