@@ -115,8 +115,13 @@ def _overflow(kind: str, endpoint: str) -> str:
     return _row(OVERFLOW, kind, "", "", endpoint)
 
 
+@lru_cache(maxsize=65_536)
 def overflow_of(field: str) -> str | None:
-    """The overflow row of a counter field's row (``None`` if the field is no counter's)."""
+    """The overflow row of a counter field's row (``None`` if the field is no counter's).
+
+    Asked for every field a worker adds to the store (``add_usage``): the same callers' fields
+    come back flush after flush, and reading a row back (JSON) costs about 4 µs.
+    """
     parsed = parse_field(field)
     return None if parsed is None else _overflow(parsed[0].kind, parsed[0].endpoint)
 
