@@ -27,7 +27,6 @@ import pytest
 import redis
 from asgiref.sync import SyncToAsync, async_to_sync, sync_to_async
 from django.core.handlers.asgi import ASGIHandler
-from django.db import connections
 from django.test import AsyncClient
 
 from ratelimits import engine, usage
@@ -50,7 +49,7 @@ from ratelimits.sources import DatabasePolicySource
 
 from .factories import ApiKeyFactory
 from .support.aio import CALL_TIMEOUT_S, EventLoopThread, asgi_get, event_loop_thread
-from .support.bursts import in_flight
+from .support.bursts import close_thread_connections, in_flight
 from .support.demo import demo_server
 from .support.gate import Gate
 from .support.http import HTTP_TIMEOUT, Reply, fetch
@@ -82,7 +81,7 @@ def loop() -> Iterator[EventLoopThread]:
     # The database connections the requests' threads opened: asgiref's one thread for sync work
     # outside a request context keeps its own, and those of threads that ended wait for the
     # collector. Closed here, or PostgreSQL refuses to drop the test database at the end.
-    SyncToAsync.single_thread_executor.submit(connections.close_all).result(CALL_TIMEOUT_S)
+    SyncToAsync.single_thread_executor.submit(close_thread_connections).result(CALL_TIMEOUT_S)
     gc.collect()
 
 

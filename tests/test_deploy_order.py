@@ -27,6 +27,7 @@ from ratelimits.policies.audit import audit_context
 from ratelimits.policies.database import DatabasePolicySource, bounded_waits
 from ratelimits.usage import subjects
 
+from .support.bursts import close_thread_connections
 from .support.polling import wait_until
 from .support.settings import merged
 
@@ -152,7 +153,7 @@ def test_requests_that_wait_for_the_first_load_share_its_fallback(
     def ask() -> None:
         start.wait(timeout=10)
         found.append(source.snapshot())
-        connection.close()
+        close_thread_connections()
 
     with caplog.at_level(logging.ERROR, logger="ratelimits"), without("ratelimits_policyversion", "ratelimits_tier"):
         threads = [threading.Thread(target=ask) for _ in range(8)]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.db import connections
+from django.db.backends.base.base import BaseDatabaseWrapper
 
 from ratelimits.backends.base import Backend
 from ratelimits.backends.redis import RedisBackend
@@ -64,7 +65,7 @@ class Burst:
                 self.answers.append(Answer(label, response))
                 self._cond.notify_all()
         finally:
-            connections.close_all()  # this thread's own database connections
+            close_thread_connections()
 
     def wait_answered(self, count: int, timeout: float = 10.0) -> bool:
         """Wait until ``count`` requests have answered (or one failed); bounded."""
@@ -85,6 +86,22 @@ class Burst:
     def by_label(self) -> dict[str, Answer]:
         with self._cond:
             return {a.label: a for a in self.answers}
+
+
+def close_thread_connections() -> None:
+    """Close this thread's own database connections, at the end of a thread a test started.
+
+    ``connections.close_all()`` leaves an in-memory SQLite database's connections open (Django's
+    SQLite backend ignores ``close()`` there, as closing the last one would drop the database): a
+    thread's connection then lives until the garbage collector finds it, and one still open can
+    hold a shared-cache table lock that makes the test's teardown flush fail. A thread's own
+    connection is never the last (the test's thread holds one), so it is closed for real.
+    """
+    for connection in connections.all(initialized_only=True):
+        if connection.vendor == "sqlite" and connection.is_in_memory_db():
+            BaseDatabaseWrapper.close(connection)
+        else:
+            connection.close()
 
 
 def in_flight(backend: Backend, check: Check) -> int:
