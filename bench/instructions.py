@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ratelimits.backends import codec
 from tests.support.redis_server import RedisServer
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -52,6 +53,9 @@ class Callgrind:
         return int(found.group(1))
 
 
+#: How many numbers the decide script's request header and check record hold (a check's TTL is its last).
+_REQUEST_FIELDS = len(codec.REQUEST.unpack(bytes(codec.REQUEST.size)))
+_CHECK_FIELDS = len(codec.CHECK.unpack(bytes(codec.CHECK.size)))
 #: The part that counts usage: what a decision that counts none does not run.
 USAGE_PART = "+ one HINCRBY of the usage row"
 #: Where a four-dimension decision's instructions go: a script built up a line at a time, each run
@@ -64,12 +68,13 @@ PARTS = (
     ("+ one MGET of the version stamp and the 4 states", "local stored = redis.call('MGET', unpack(KEYS, 1, 5))"),
     (
         "+ unpacking the request and its 4 check records",
-        "local u = struct.unpack local pos = select(8, u('<dBddddd', ARGV[1])) "
-        "for i = 1, 4 do pos = select(7, u('<BBdddd', ARGV[1], pos)) end",
+        f"local u = struct.unpack local pos = select({_REQUEST_FIELDS + 1}, u('{codec.REQUEST.format}', ARGV[1])) "
+        f"local ttls, _, ttl = {{}} for i = 1, 4 do {'_, ' * (_CHECK_FIELDS - 1)}ttl, pos = "
+        f"u('{codec.CHECK.format}', ARGV[1], pos) ttls[i] = ttl end",
     ),
     (
         "+ 4 SET ... PX of 16-byte states",
-        "for i = 1, 4 do redis.call('SET', KEYS[i + 1], string.sub(ARGV[1], 1, 16), 'PX', ARGV[4 + i]) end",
+        "for i = 1, 4 do redis.call('SET', KEYS[i + 1], string.sub(ARGV[1], 1, 16), 'PX', ttls[i]) end",
     ),
     (USAGE_PART, "redis.call('HINCRBY', KEYS[6], ARGV[2] .. 'a', 1)"),
     ("+ a reply of 14 numbers", "return {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14}"),

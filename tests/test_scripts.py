@@ -10,12 +10,12 @@ import pytest
 import redis
 
 from ratelimits.algorithms import RATE_ALGORITHMS, SLOT_RETRY_US, Algorithm
-from ratelimits.backends import layout
-from ratelimits.backends import redis as redis_backend
+from ratelimits.backends import codec, layout
 from ratelimits.backends.redis import DECIDE, RedisBackend, Script, make_client, read_state
 from ratelimits.counters import usage_for
 from ratelimits.identity import Subject, SubjectKind
 from ratelimits.policies import Check, Policy
+from ratelimits.policies.values import Scope
 from ratelimits.rates import parse_rate
 
 from .support.clock import FakeClock
@@ -50,11 +50,42 @@ def lua_formats(script: Script) -> dict[str, str]:
 
 
 def test_decide_unpacks_what_python_packs() -> None:
-    """The request header and a check record: the script's struct formats are Python's, byte for byte."""
+    """The codec's layouts are the script's, byte for byte: the request header, each check's record
+    (a global policy's with its fallback share), the reports, and every state the script writes."""
     formats = lua_formats(DECIDE)
-    assert formats["REQUEST"] == redis_backend._REQUEST.format
+    assert formats["REQUEST"] == codec.REQUEST.format
+    assert codec.REQUEST.format.endswith(codec.DEADLINE.format.removeprefix("<"))  # the deadline is last
     check = Check(Policy("p", parse_rate("7/s"), 9, shadow=True), Subject(SubjectKind.IP, "198.51.100.1"), 3)
-    assert struct.unpack(formats["CHECK"], check.script_record) == (Algorithm.TOKEN_BUCKET.code, 1, 7.0, 1e6, 9.0, 3.0)
+    ttl = float(check.policy.state_ttl_ms)
+    assert struct.unpack(formats["CHECK"], codec.check_record(check)) == (
+        Algorithm.TOKEN_BUCKET.code,
+        1,
+        7.0,
+        1e6,
+        9.0,
+        3.0,
+        ttl,
+    )
+    assert codec.check_record(check) is codec.check_record(check)  # packed once per check
+    shared = Check(Policy("g", parse_rate("8/s"), 8, scope=Scope.GLOBAL), Subject(SubjectKind.IP, "198.51.100.1"))
+    record = codec.check_record(shared)
+    layout_size = struct.calcsize(formats["CHECK"])
+    assert struct.unpack(formats["CHECK"], record[:layout_size])[1] == 2  # the global flag
+    assert struct.unpack(formats["FALLBACK"], record[layout_size:]) == (shared.policy.even_share,)
+    assert (formats["REFUNDABLE"], formats["LEASE"]) == (codec.REFUNDABLE.format, codec.LEASE.format)
+    states = {
+        Algorithm.TOKEN_BUCKET: formats["GCRA_STATE"],
+        Algorithm.SLIDING_WINDOW: formats["SLIDING_STATE"],
+        Algorithm.FIXED_WINDOW: formats["FIXED_STATE"],
+    }
+    assert states == {algorithm: layout.format for algorithm, layout in codec.STATE_FORMATS.items()}
+    assert (formats["TIMED_STATE"], formats["REFUNDED_STATE"]) == (
+        codec.TIMED_STATE.format,
+        codec.REFUNDED_STATE.format,
+    )
+    assert formats["TIMED_STATE"].startswith(formats["GCRA_STATE"])  # what a previous release reads
+    old = {Algorithm.SLIDING_WINDOW: formats["OLD_SLIDING"], Algorithm.FIXED_WINDOW: formats["OLD_FIXED"]}
+    assert old == {algorithm: layout.format for algorithm, layout in codec.OLD_WINDOW_FORMATS.items()}
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

@@ -41,11 +41,9 @@ from ..exceptions import BackendUnavailable, PolicyFailed
 from ..policies.values import Check
 from . import layout
 from .base import StoreHealth, UsagePeek, new_slot, slot_keys
+from .codec import REFUND_CHECK, REFUND_NOW, REFUNDABLE
 from .invalidation import version_message
 from .redis import (
-    _REFUND_CHECK,
-    _REFUND_NOW,
-    _REFUNDABLE,
     ADD_USAGE,
     DECIDE,
     PUBLISH_VERSION,
@@ -306,7 +304,7 @@ class ClusterBackend(RedisBackend):
         refunds: dict[int, _Call] = {}  # by the decide call's slot
         for call in admitted:
             now_us = call.reply[0]
-            records = [_REFUND_NOW.pack(-1.0 if self.clock is None else self.clock())]
+            records = [REFUND_NOW.pack(-1.0 if self.clock is None else self.clock())]
             keys = []
             for n, result in enumerate(call.results):
                 if not result.allowed:
@@ -314,15 +312,15 @@ class ClusterBackend(RedisBackend):
                 check = result.check
                 policy, rate = check.policy, check.policy.rate
                 spent = call.reply[-1][
-                    _REFUNDABLE.size * n : _REFUNDABLE.size * (n + 1)
+                    REFUNDABLE.size * n : REFUNDABLE.size * (n + 1)
                 ]  # as the decide call reported it
                 record = (policy.algorithm.code, rate.limit, rate.period_us, check.cost, now_us, policy.burst)
-                records.append(_REFUND_CHECK.pack(*record) + spent)
+                records.append(REFUND_CHECK.pack(*record) + spent)
                 keys.append(check.key(self.prefix))
             refunds[call.slot] = _Call(call.slot, keys, [b"".join(records), slot or "", "", "", "", 1, ""])
         if usage is not None:
             refund = refunds.setdefault(
-                usage.call.slot, _Call(usage.call.slot, [], [_REFUND_NOW.pack(-1.0), "", "", "", "", 1, ""])
+                usage.call.slot, _Call(usage.call.slot, [], [REFUND_NOW.pack(-1.0), "", "", "", "", 1, ""])
             )
             refund.keys.append(usage.call.keys[-1])
             refund.args[2:] = [usage.usage.field, usage.counted, usage.metric, usage.usage.tokens, usage.usage.overflow]

@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import re
-import struct
 import threading
 import time
 import uuid
@@ -28,7 +27,7 @@ try:
 except ImportError:  # optional: redis-py's own packer is used instead
     hiredis = None  # type: ignore[assignment]
 
-from ..algorithms import Algorithm, State
+
 from ..conf import conf
 from ..counters import Usage, overflow_of
 from ..decisions import Decision, Result
@@ -38,6 +37,17 @@ from ..shares import ShareRecord
 from . import layout
 from .aio import AsyncClients, async_pool_factory
 from .base import Backend, Grant, StoreHealth, UsagePeek, new_slot, slot_keys, store_threads
+from .codec import (
+    DEADLINE,
+    LEASE,
+    REFUND_CHECK,
+    REFUND_NOW,
+    REFUNDABLE,
+    REQUEST,
+    STATE_FORMATS,
+    check_record,
+    read_state,
+)
 from .connection import make_client as new_client
 from .connection import tight
 from .deadline import StoreClock
@@ -155,55 +165,6 @@ DECIDE_SHA = DECIDE.sha
 _FAILED = -1
 #: The usage hashes' TTL as ``add_usage.lua`` is passed it, converted once.
 _USAGE_TTL = str(layout.USAGE_TTL_S)
-#: The decide script's packed request header (``REQUEST`` in ``lua/decide.lua``; a check packs
-#: its own record, :attr:`Check.script_record <ratelimits.policies.values.Check.script_record>`).
-_REQUEST = struct.Struct("<dBddddd")
-#: The request record's last field: the call's deadline (us, Redis TIME; 0: none).
-_DEADLINE = struct.Struct("<d")
-#: ``lua/refund.lua``'s packed header (now) and each check's record before what the decide call reported.
-_REFUND_NOW = struct.Struct("<d")
-_REFUND_CHECK = struct.Struct("<Bddddd")
-#: A refundable decide call's report per check (``REFUNDABLE`` in ``lua/decide.lua``: what a refund
-#: needs, passed on as it came), and a leasing one's (``LEASE``: the tokens taken).
-_REFUNDABLE = struct.Struct("<dd")
-_LEASE = struct.Struct("<d")
-
-
-#: How ``lua/decide.lua`` packs each rate algorithm's state (``GCRA_STATE`` and the others there),
-#: with the terms it was written in, and how the windows' previous layouts did, without them.
-STATE_FORMATS = {
-    Algorithm.TOKEN_BUCKET: struct.Struct("<dd"),
-    Algorithm.SLIDING_WINDOW: struct.Struct("<ddddd"),
-    Algorithm.FIXED_WINDOW: struct.Struct("<dddd"),
-}
-_OLD_WINDOW_FORMATS = {
-    Algorithm.SLIDING_WINDOW: struct.Struct("<ddd"),
-    Algorithm.FIXED_WINDOW: struct.Struct("<dd"),
-}
-
-
-#: A token bucket a cluster refund gave back to: its arrival time, capacity, the us given back so
-#: far, and a last byte of 255 (``REFUNDED_STATE`` in ``lua/decide.lua``).
-_REFUNDED = struct.Struct("<dddB")
-#: A token bucket's state with when its key expires (``TIMED_STATE`` in ``lua/decide.lua``).
-_TIMED = struct.Struct("<ddd")
-
-
-def read_state(algorithm: Algorithm, value: bytes) -> State:
-    """A state value as the decide script stored it, read back (for tests and for looking into Redis).
-
-    The same tuples :mod:`ratelimits.algorithms` takes: a token bucket's ``(theoretical arrival
-    time, capacity)``, a sliding window's ``(window index, current count, previous count, limit,
-    period)``, a fixed window's ``(window index, count, limit, period)``. A window value of the
-    previous layout reads without its terms (``(window, current, previous)``, ``(window, count)``),
-    as the script reads it.
-    """
-    if algorithm is Algorithm.TOKEN_BUCKET and len(value) == _REFUNDED.size:  # a cluster refund gave back to it
-        return _REFUNDED.unpack(value)[:2]
-    if algorithm is Algorithm.TOKEN_BUCKET and len(value) == _TIMED.size:  # with its key's expiry
-        return _TIMED.unpack(value)[:2]
-    layout = STATE_FORMATS[algorithm]
-    return (layout if len(value) == layout.size else _OLD_WINDOW_FORMATS[algorithm]).unpack(value)
 
 
 def _glob_escaped(text: str) -> str:
@@ -386,14 +347,12 @@ class RedisBackend(Backend):
         mode = (3 if wants is not None else 2 if refundable else 1) if consume else 0
         script_keys = [self.version_key if tag is None else layout.version_key(self.prefix, tag)]
         record = [b""]
-        ttls: list[str | bytes] = []
         prefix = self.prefix
         shares = []
         for check in checks:
             key = check.key(prefix)
             script_keys.append(key)
-            record.append(check.script_record)
-            ttls.append(check.policy.script_ttl)
+            record.append(check_record(check))
             if check.policy.is_global:
                 shares.append(layout.share_key(key))
         if shares:
@@ -402,26 +361,30 @@ class RedisBackend(Backend):
             second = int(now // 1_000_000) if now >= 0 else int(time.time())
             script_keys += shares
             script_keys.append(layout.demand_key(prefix, second, tag))
+        overflow = usage.overflow.encode() if usage else b""
+        record += (overflow, slot.encode() if slot else b"")
         tokens = usage.tokens if usage else 1
-        record[0] = _REQUEST.pack(now, mode, tokens, layout.USAGE_TTL_S, self.usage_cap, len(shares), deadline)
+        record[0] = REQUEST.pack(
+            now, mode, tokens, layout.USAGE_TTL_S, self.usage_cap, len(shares), len(overflow), deadline
+        )
+        args: list[Any] = [b"".join(record), usage.field if usage else ""]
         if wants is not None:
-            ttls.append(b"".join(_LEASE.pack(want) for want in wants))
+            args.append(b"".join(LEASE.pack(want) for want in wants))
         if usage:
             script_keys.append(layout.usage_key(prefix, usage.minute, tag))
-            return script_keys, [b"".join(record), usage.field, slot or "", usage.overflow, *ttls]
-        return script_keys, [b"".join(record), "", slot or "", "", *ttls]
+        return script_keys, args
 
     def give_back(self, grants: Sequence[tuple[Grant, int]]) -> int:
         """Give ``(grant, unused tokens)`` back to their buckets with ``lua/refund.lua``: no more than time has
         not yet refilled of them (so a bucket never holds more than it would had they never been taken).
         """
-        records = [_REFUND_NOW.pack(-1.0 if self.clock is None else self.clock())]
+        records = [REFUND_NOW.pack(-1.0 if self.clock is None else self.clock())]
         keys = []
         for grant, unused in grants:
             policy = grant.check.policy
             rate = policy.rate
             record = (policy.algorithm.code, rate.limit, rate.period_us, unused, grant.taken_us, policy.burst)
-            records.append(_REFUND_CHECK.pack(*record) + _REFUNDABLE.pack(grant.spent_tat, grant.given_back))
+            records.append(REFUND_CHECK.pack(*record) + REFUNDABLE.pack(grant.spent_tat, grant.given_back))
             keys.append(grant.check.key(self.prefix))
         return int(self._run(REFUND, keys, [b"".join(records), "", ""]))
 
@@ -813,8 +776,8 @@ class _DecideCall:
         """``args`` with the call's deadline, from now, its send (``lua/decide.lua``'s REQUEST, last)."""
         self.sent = sent = self.backend.store_clock.now_us()
         record = args[0]
-        header = record[: _REQUEST.size - _DEADLINE.size] + _DEADLINE.pack(self.backend.deadline(sent, waiting_s))
-        return [header + record[_REQUEST.size :], *args[1:]]
+        header = record[: REQUEST.size - DEADLINE.size] + DEADLINE.pack(self.backend.deadline(sent, waiting_s))
+        return [header + record[REQUEST.size :], *args[1:]]
 
     def failed(self, exc: BackendUnavailable) -> None:
         """Tell ``exc`` what it means for this call."""
@@ -845,9 +808,9 @@ def _granted(checks: Sequence[Check], decision: Decision, reply: Any) -> tuple[D
     spent, taken = reply[-2], reply[-1]
     grants = []
     for i, check in enumerate(checks):
-        (tokens,) = _LEASE.unpack_from(taken, _LEASE.size * i)
+        (tokens,) = LEASE.unpack_from(taken, LEASE.size * i)
         if tokens > 0:
-            spent_tat, given_back = _REFUNDABLE.unpack_from(spent, _REFUNDABLE.size * i)
+            spent_tat, given_back = REFUNDABLE.unpack_from(spent, REFUNDABLE.size * i)
             grants.append(Grant(check, int(tokens), reply[0], spent_tat, given_back))
     return decision, grants
 

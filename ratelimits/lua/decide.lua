@@ -21,15 +21,16 @@
 --                  and adds one to the field "#" (the minute's rows); a row beyond the cap is
 --                  counted in the overflow row instead (ratelimits/counters.py, count(), is the
 --                  same rule in Python). The minute's first row sets the hash's expiry.
--- ARGV[1]          the request, packed little-endian (RedisBackend.decide_call builds it):
---                  a header, REQUEST below, then n records, CHECK below. Numbers travel as IEEE
---                  doubles: unpacking them is a copy, where parsing decimal strings is the
---                  costliest thing a script does.
+-- ARGV[1]          the request, packed little-endian (ratelimits/backends/codec.py builds it):
+--                  a header, REQUEST below, then n records, CHECK below, then the overflow row of
+--                  the request's caller kind and endpoint (as long as the header says), then the
+--                  request's slot id (for checks of the slot algorithms; none without them): the
+--                  two are read only when a request needs them. Numbers travel as IEEE doubles:
+--                  unpacking them is a copy, where parsing decimal strings is the costliest thing
+--                  a script does. One argument, not one per part: each costs Redis about 1,100
+--                  instructions to take in (docs/benchmarks.md).
 -- ARGV[2]          the request's usage row, or "" not to count it
--- ARGV[3]          this request's slot id (for checks of the slot algorithms), or ""
--- ARGV[4]          the overflow row of the request's caller kind and endpoint
--- ARGV[4 + i]      check i's state TTL in milliseconds, as the decimal PX takes
--- ARGV[5 + n]      a leasing call's (consume = 3) wants: per check, LEASE packed, the tokens to
+-- ARGV[3]          a leasing call's (consume = 3) wants: per check, LEASE packed, the tokens to
 --                  take beyond its cost for the worker to spend itself (0: none; token buckets and
 --                  fixed windows only: a fixed window's are the current window's, spent in it)
 --
@@ -74,17 +75,19 @@ local SLOT_RETRY_US = 1000000
 -- The packed layouts (struct formats). REQUEST: now (negative: read the Redis clock, TIME),
 -- consume (1; 2: consume, and say what a refund needs) or only report (0), the tokens the request spends (its endpoint's cost, for the
 -- usage count), seconds an undrained usage hash lives, the most rows a minute counts, how
--- many checks are of global policies, and the call's deadline (us, Redis TIME; 0: none): a call
+-- many checks are of global policies, the overflow row's length, and the call's deadline (us, Redis TIME; 0: none): a call
 -- that runs after it does nothing and answers the error LATE, for its worker stopped waiting
 -- and decided the request without it (ratelimits/backends/deadline.py).
 -- CHECK: algorithm code, flags (1: shadow, reported but never denies; 2: a global policy), limit
 -- (requests per period; slots), period (us; a slot's TTL), burst (GCRA capacity in requests), cost
--- (tokens it spends); a global policy's adds FALLBACK: its share while it has no record.
-local REQUEST, CHECK, FALLBACK = '<dBddddd', '<BBdddd', '<d'
+-- (tokens it spends), the state's TTL (ms, for PX); a global policy's adds FALLBACK: its share
+-- while it has no record.
+local REQUEST, CHECK, FALLBACK = '<dBdddddd', '<BBddddd', '<d'
 local GCRA_STATE, SLIDING_STATE, FIXED_STATE = '<dd', '<ddddd', '<dddd'
 -- A bucket given back to: arrival time, capacity, us given back so far, and a last byte no
 -- decimal has. Also each check's REFUNDABLE part.
-local REFUNDED_STATE, REFUNDED_MARK, REFUNDABLE = '<dddB', 255, '<dd'
+local REFUNDED_STATE, REFUNDABLE = '<dddB', '<dd'
+local REFUNDED_MARK = 255
 -- A token bucket's state with the moment its key expires (us, on Redis TIME; 0: not known, as
 -- under the app's clock). An admission whose state the key's expiry still covers, by the slack
 -- the state TTL carries (Policy.state_ttl_ms), rewrites it with KEEPTTL: a SET without PX costs
@@ -95,7 +98,8 @@ local REFUNDED_STATE, REFUNDED_MARK, REFUNDABLE = '<dddB', 255, '<dd'
 -- rounded up to the millisecond, plus the slack (Policy.state_ttl_ms), counted from the script's
 -- start in whole milliseconds (Redis freezes the clock keys expire by for a script), where TIME
 -- may be read a little later: two milliseconds less covers both.
-local TIMED_STATE, TIMED_SIZE, TTL_SLACK_US, EXPIRY_MARGIN_US = '<ddd', 24, 1000000, 2000
+local TIMED_STATE = '<ddd'
+local TIMED_SIZE, TTL_SLACK_US, EXPIRY_MARGIN_US = 24, 1000000, 2000
 -- The windows' previous layouts, without their terms.
 local OLD_SLIDING, OLD_FIXED = '<ddd', '<dd'
 local LEASE = '<d'
@@ -111,9 +115,6 @@ local DEMAND_TTL = 10
 local RESHARE_RETRY_US = 1000000
 -- Spent tokens are doubles: a retry computed to the microsecond may leave a rounding error short.
 local EPSILON = 1e-9
--- How many ARGV come before the checks' TTLs.
-local HEADER = 4
-
 -- The standard library's functions, bound by the first call: a Redis Function's library is loaded
 -- where only `redis` is in reach (Redis 7.0), and a local is cheaper to call than a global's field.
 local unpack_args, pack, floor, ceil, max, min
@@ -219,7 +220,14 @@ local function token_bucket(value, limit, period, burst, cost)
       new_tat = new_tat + granted * interval
     end
   end
-  local remaining = max(floor((now + capacity - new_tat) / interval), 0)
+  -- Rounded by the % operator, not floor() and ceil(): this is every admission's path, and a call
+  -- into the math library costs ten times an operator. Exact for the doubles a bucket holds
+  -- (x % 1 is x - floor(x)); remaining is never negative here (now >= allow_at).
+  local remaining = (now + capacity - new_tat) / interval
+  remaining = remaining - remaining % 1
+  local reset = new_tat - now
+  local fraction = reset % 1
+  if fraction > 0 then reset = reset - fraction + 1 end
   local state
   if refunded > 0 then
     state = pack(REFUNDED_STATE, new_tat, capacity, refunded, REFUNDED_MARK)
@@ -231,7 +239,7 @@ local function token_bucket(value, limit, period, burst, cost)
     state = pack(TIMED_STATE, new_tat, capacity, expires)
   end
   if refundable then spent_tat, given_back = new_tat, refunded end
-  return true, remaining, ceil(new_tat - now), 0, state
+  return true, remaining, reset, 0, state
 end
 
 -- A window's count under old_limit, as the same share of limit, with another period no more than
@@ -394,8 +402,8 @@ local function decide(KEYS, ARGV)
   if not pack then
     unpack_args, pack, floor, ceil, max, min = struct.unpack, struct.pack, math.floor, math.ceil, math.max, math.min
   end
-  local tokens, usage_ttl, usage_cap, globals, deadline, pos
-  now, consume, tokens, usage_ttl, usage_cap, globals, deadline, pos = unpack_args(REQUEST, ARGV[1])
+  local tokens, usage_ttl, usage_cap, globals, overflow_size, deadline, pos
+  now, consume, tokens, usage_ttl, usage_cap, globals, overflow_size, deadline, pos = unpack_args(REQUEST, ARGV[1])
   server_clock = now < 0
   if now < 0 or deadline > 0 then
     local t = redis.call('TIME')
@@ -421,19 +429,23 @@ local function decide(KEYS, ARGV)
   local stored = redis.call('MGET', unpack(KEYS, 1, n + 1 + globals))
   local global_index = 0
   local demand = globals > 0 and KEYS[n + globals + 2]
-  local reply = {now, stored[1]}
+  -- The reply and the writes are made with room for eight checks: a table grown an item at a
+  -- time is reallocated at every power of two, about a twentieth of a decision's instructions.
+  -- (The reply ends at its first nil.)
+  local reply = {now, stored[1], nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil}
+  local writes = {nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil}
+  local written = 0  -- per admitted check, in writes: its index i (a slot's is negative), new value, and its TTL (false: kept)
   local pending = {}
-  local writes = {}  -- per admitted check: its index i (a slot's is negative), new value, and whether it keeps the TTL
-  local conversions = {}  -- per check whose state was converted: its index i, converted value, and whether it allowed
+  local conversions = {}  -- per check whose state was converted: its index i, converted value, TTL, and whether it allowed
   local all_allowed, limited, failed = true, false, false
   local out = 2
   local refunds = refundable and {}  -- per check, REFUNDABLE: for a refundable call
-  local wants = leasing and ARGV[HEADER + n + 1]
+  local wants = leasing and ARGV[3]
   local grants = leasing and {}  -- per check, LEASE: for a leasing call
   for i = 1, n do
     local key = KEYS[i + 1]
-    local algorithm, shadow, limit, period, burst, cost
-    algorithm, shadow, limit, period, burst, cost, pos = unpack_args(CHECK, ARGV[1], pos)
+    local algorithm, shadow, limit, period, burst, cost, ttl
+    algorithm, shadow, limit, period, burst, cost, ttl, pos = unpack_args(CHECK, ARGV[1], pos)
     local holds_slot = algorithm >= CONCURRENCY  -- CONCURRENCY and FLEET, the codes after the rate algorithms
     local evaluate = algorithms[algorithm]
     if shadow >= 2 then  -- a global policy: its region's share of a token bucket
@@ -446,7 +458,7 @@ local function decide(KEYS, ARGV)
       if consume and redis.call('HINCRBY', demand, key, cost) == cost then
         -- The subject's first demand this second: the hash's TTL, and the policy's numbers, which
         -- the reconciler's write needs to convert (or make) the bucket.
-        redis.call('HSET', demand, key .. '#p', pack(POLICY, limit / period, burst, tonumber(ARGV[HEADER + i])))
+        redis.call('HSET', demand, key .. '#p', pack(POLICY, limit / period, burst, ttl))
         redis.call('EXPIRE', demand, DEMAND_TTL)
       end
     end
@@ -471,19 +483,19 @@ local function decide(KEYS, ARGV)
       all_allowed, failed = false, true
       remaining, reset, retry = 0, 0, -1
     elseif allowed then
-      local at = #writes
       if holds_slot then
-        writes[at + 1], writes[at + 2], writes[at + 3] = -i, now + period, false
+        writes[written + 1], writes[written + 2], writes[written + 3] = -i, now + period, ttl
       else
         pending[key] = new_value
-        writes[at + 1], writes[at + 2], writes[at + 3] = i, new_value, keep
+        writes[written + 1], writes[written + 2], writes[written + 3] = i, new_value, not keep and ttl
       end
+      written = written + 3
     elseif converted then
       pending[key] = converted
     end
     if ok and converted then
       local at = #conversions
-      conversions[at + 1], conversions[at + 2], conversions[at + 3] = i, converted, allowed
+      conversions[at + 1], conversions[at + 2], conversions[at + 3], conversions[at + 4] = i, converted, ttl, allowed
     end
     if ok and not allowed then
       -- A shadow check reports what it would do; only enforced checks can deny the request.
@@ -516,23 +528,24 @@ local function decide(KEYS, ARGV)
 
   -- Phase 2: all or nothing. A converted state is kept either way, unless an admission rewrites it.
   if consume then
-    for c = 1, #conversions, 3 do
-      if not (all_allowed and conversions[c + 2]) then
-        local i = conversions[c]
-        redis.call('SET', KEYS[i + 1], conversions[c + 1], 'PX', ARGV[HEADER + i])
+    for c = 1, #conversions, 4 do
+      if not (all_allowed and conversions[c + 3]) then
+        redis.call('SET', KEYS[conversions[c] + 1], conversions[c + 1], 'PX', conversions[c + 2])
       end
     end
   end
   if all_allowed and consume then
-    for w = 1, #writes, 3 do
-      local i = writes[w]
+    local slot  -- the request's slot id, the last part of ARGV[1]
+    for w = 1, written, 3 do
+      local i, ttl = writes[w], writes[w + 2]
       if i < 0 then
-        redis.call('ZADD', KEYS[1 - i], writes[w + 1], ARGV[3])
-        redis.call('PEXPIRE', KEYS[1 - i], ARGV[HEADER - i])
-      elseif writes[w + 2] then
-        redis.call('SET', KEYS[i + 1], writes[w + 1], 'KEEPTTL')
+        slot = slot or string.sub(ARGV[1], pos + overflow_size)
+        redis.call('ZADD', KEYS[1 - i], writes[w + 1], slot)
+        redis.call('PEXPIRE', KEYS[1 - i], ttl)
+      elseif ttl then
+        redis.call('SET', KEYS[i + 1], writes[w + 1], 'PX', ttl)
       else
-        redis.call('SET', KEYS[i + 1], writes[w + 1], 'PX', ARGV[HEADER + i])
+        redis.call('SET', KEYS[i + 1], writes[w + 1], 'KEEPTTL')
       end
     end
   end
@@ -555,7 +568,7 @@ local function decide(KEYS, ARGV)
       if rows == 1 then redis.call('EXPIRE', counters, usage_ttl) end
       if rows > usage_cap then
         redis.call('HDEL', counters, usage .. metric, usage)
-        usage = ARGV[4]
+        usage = string.sub(ARGV[1], pos, pos + overflow_size - 1)  -- the overflow row
         redis.call('HINCRBY', counters, usage .. metric, 1)
       end
     end

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import re
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -52,13 +51,6 @@ STATE_LAYOUTS = {
     Algorithm.CONCURRENCY: "",
     Algorithm.FLEET: "",
 }
-#: How the decide script takes a policy's numbers (``lua/decide.lua``, ``CHECK`` less the cost).
-_SCRIPT_POLICY = struct.Struct("<BBddd")
-_SCRIPT_COST = struct.Struct("<d")
-#: What a global policy's check record adds after its cost: the region's share without a record.
-_SCRIPT_FALLBACK = struct.Struct("<d")
-#: The flags byte of a check record: bit 0 shadow, bit 1 a global policy (``lua/decide.lua``).
-_GLOBAL_FLAG = 2
 #: The state layout letter of a global token bucket (tokens, time, share: ``lua/decide.lua``).
 GLOBAL_LAYOUT = "g"
 
@@ -126,17 +118,11 @@ class Policy:
 
     #: The most a subject can spend at once: the burst for a bucket, the limit for windows.
     capacity: int = field(init=False, repr=False, compare=False)
-    #: The policy's part of a decide script check record, packed once (see ``lua/decide.lua``).
-    script_record: bytes = field(init=False, repr=False, compare=False)
     #: Whether each region enforces only its share of this policy (``scope`` ``global``).
     is_global: bool = field(init=False, repr=False, compare=False)
     #: A global policy's share in a region the reconciler has written none to: an even split,
     #: 1 / the number of regions (1 for a regional policy).
     even_share: float = field(init=False, repr=False, compare=False)
-    #: What a check record adds after its cost: for a global policy, its ``even_share``.
-    script_tail: bytes = field(init=False, repr=False, compare=False)
-    #: The state TTL in milliseconds as the script passes it to ``PX``.
-    script_ttl: str = field(init=False, repr=False, compare=False)
     #: What follows the subject in this policy's state keys.
     key_suffix: str = field(init=False, repr=False, compare=False)
     #: Whether a check of this policy holds a slot until its request finishes (read per request).
@@ -158,11 +144,6 @@ class Policy:
         is_global = self.scope is Scope.GLOBAL
         object.__setattr__(self, "is_global", is_global)
         object.__setattr__(self, "even_share", 1 / conf.regions.count if is_global else 1.0)
-        flags = self.shadow | (_GLOBAL_FLAG if is_global else 0)
-        record = _SCRIPT_POLICY.pack(self.algorithm.code, flags, self.rate.limit, self.rate.period_us, self.burst)
-        object.__setattr__(self, "script_record", record)
-        object.__setattr__(self, "script_tail", _SCRIPT_FALLBACK.pack(self.even_share) if is_global else b"")
-        object.__setattr__(self, "script_ttl", str(self.state_ttl_ms))
         layout = GLOBAL_LAYOUT if is_global else STATE_LAYOUTS[self.algorithm]
         object.__setattr__(self, "key_suffix", f":{self.name}:{self.algorithm.code}{layout}")
         object.__setattr__(self, "holds_slots", self.algorithm.holds_slots)
@@ -281,8 +262,6 @@ class Check:
     policy: Policy
     subject: Subject
     cost: int = 1
-    #: The check's record for the decide script: its policy's, then its cost (``lua/decide.lua``).
-    script_record: bytes = field(init=False, repr=False, compare=False)
     #: ``(prefix, key)`` once :meth:`key` has been asked (checks are reused: see :func:`check_for`).
     _key: tuple[str, str] | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -294,8 +273,6 @@ class Check:
                     f"{self.policy.name}: cost {self.cost} exceeds its capacity {self.policy.capacity}; "
                     "such a request could never be admitted"
                 )
-        record = self.policy.script_record + _SCRIPT_COST.pack(self.cost) + self.policy.script_tail
-        object.__setattr__(self, "script_record", record)
 
     def key(self, prefix: str) -> str:
         """The state key: hash-tagged by subject, so one subject's keys share a Cluster slot."""
