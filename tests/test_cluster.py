@@ -524,7 +524,7 @@ def test_a_function_the_nodes_lost_is_loaded_on_each_and_every_call_charged_once
 def test_an_error_reply_leaves_its_nodes_connection_in_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """A node that answers a round's calls with an error (out of memory here) is read to the end: its
     next round's replies are its own, not the errors left unread."""
-    monkeypatch.setattr("ratelimits.backends.redis.IDLE_CHECK_S", 3600.0)  # a connection is never asked
+    monkeypatch.setattr("ratelimits.backends.transport.IDLE_CHECK_S", 3600.0)  # a connection is never asked
     with Cluster(masters=3, replicas=0, config=("--maxmemory-policy", "noeviction")) as cluster:
         backend = cluster_backend(cluster)
         checks = [Check(policy("10/h", name=f"oom{i}"), s) for i, s in enumerate(many_subjects(12))]
@@ -565,7 +565,7 @@ def test_calls_pipelined_to_one_node_keep_their_connection(
     Every take of a connection asks whether it holds a stray reply (as if idle longer than
     ``IDLE_CHECK_S``): the 16,384 pipelined calls of a publication still all get their replies.
     """
-    monkeypatch.setattr("ratelimits.backends.redis.IDLE_CHECK_S", -1.0)
+    monkeypatch.setattr("ratelimits.backends.transport.IDLE_CHECK_S", -1.0)
     backend = cluster_backend(redis_cluster)
     assert backend.publish_version(4) == "4"
     checks = [Check(policy("10/s", name=f"p{i}"), s) for i, s in enumerate(many_subjects(12))]

@@ -53,7 +53,6 @@ from .redis import (
     STORE_ERRORS,
     RedisBackend,
     Script,
-    _pack,
     decide_results,
     load_function,
     make_client,
@@ -62,6 +61,7 @@ from .redis import (
     script_error,
     unavailable,
 )
+from .transport import read, send
 
 __all__ = ["REFUND", "ClusterBackend"]
 
@@ -358,7 +358,7 @@ class ClusterBackend(RedisBackend):
                     if connection is None:
                         connection = connections[address] = self._address_connection(*address)
                     command = (*self._body(script), len(call.keys), *call.keys, *call.args)
-                    connection.send_packed_command(_pack(connection, command), check_health=False)
+                    send(connection, command)
                 except STORE_ERRORS as exc:
                     broken.setdefault(address, exc)
                     call.error = self._failed(script, exc)
@@ -372,7 +372,7 @@ class ClusterBackend(RedisBackend):
                     call.error = self._failed(script, broken[address])
                     continue
                 try:
-                    call.reply = connection.read_response()
+                    call.reply = read(connection)
                 except NOT_RUN as not_run:
                     again.append((call, not_run))
                 except STORE_ERRORS as exc:
@@ -426,14 +426,15 @@ class ClusterBackend(RedisBackend):
                 if not load_function(connection, script, self.functions):
                     full = True
             body = ("EVAL", script.text) if full else self._body(script)
-            command = _pack(connection, (*body, len(call.keys), *call.keys, *call.args))
-            connection.send_packed_command(
-                (_pack(connection, ("ASKING",)) + command) if address else command, check_health=False
-            )
+            command = (*body, len(call.keys), *call.keys, *call.args)
+            if address:
+                send(connection, ("ASKING",), command)
+            else:
+                send(connection, command)
             try:
                 if address:
-                    connection.read_response()  # ASKING's OK
-                return connection.read_response()
+                    read(connection)  # ASKING's OK
+                return read(connection)
             except NOT_RUN as not_run:
                 reason = not_run
             except redis.ResponseError as exc:

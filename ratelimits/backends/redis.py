@@ -8,9 +8,7 @@ import hashlib
 import itertools
 import json
 import logging
-import os
 import re
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -21,12 +19,6 @@ from typing import Any, cast
 
 import redis
 from redis.cluster import RedisCluster
-
-try:
-    import hiredis
-except ImportError:  # optional: redis-py's own packer is used instead
-    hiredis = None  # type: ignore[assignment]
-
 
 from ..conf import conf
 from ..counters import Usage, overflow_of
@@ -52,6 +44,7 @@ from .connection import make_client as new_client
 from .connection import tight
 from .deadline import StoreClock
 from .invalidation import RESET, Subscription, channel, held, version_message
+from .transport import ThreadConnections, call
 
 __all__ = [
     "ADD_USAGE",
@@ -205,7 +198,7 @@ class RedisBackend(Backend):
         #: The most rows a minute of usage counts (``USAGE['MAX_SUBJECTS']``).
         self.usage_cap = conf.usage.max_subjects if usage_cap is None else usage_cap
         self.version_key = layout.version_key(prefix)
-        self._local = threading.local()
+        self._connections = ThreadConnections(self._new_connection)
         #: This process's subscribers, told of its own publications at once (the others by the
         #: channel); held weakly, as the subscriptions hold them.
         self._subscribers: list[Callable[[], Callable[[bytes | None], None] | None]] = []
@@ -654,62 +647,28 @@ class RedisBackend(Backend):
             if script.function and self.functions.enabled:
                 command = ("FCALL", script.function, len(script_keys), *script_keys, *args)
                 try:
-                    return _call(connection, *command)
+                    return call(connection, *command)
                 except redis.ResponseError as exc:
                     if not self.functions.not_run(exc):
                         raise
                 # The function did not run, so sending it again cannot charge twice.
                 if self.functions.enabled and load_function(connection, script, self.functions):
-                    return _call(connection, *command)
+                    return call(connection, *command)
             try:
-                return _call(connection, "EVALSHA", script.sha, len(script_keys), *script_keys, *args)
+                return call(connection, "EVALSHA", script.sha, len(script_keys), *script_keys, *args)
             except redis.exceptions.NoScriptError:
                 # The script did not run, so sending it again cannot charge twice.
-                return _call(connection, "EVAL", script.text, len(script_keys), *script_keys, *args)
+                return call(connection, "EVAL", script.text, len(script_keys), *script_keys, *args)
         except STORE_ERRORS as exc:
             raise script_error(script, exc) from exc
 
     def _connection(self) -> Any:
-        """This thread's own connection to Redis, made with the client's settings.
-
-        A decision is one packed write and one read on a connection nobody else uses: the
-        client's generic command path and its pool's check-out bookkeeping cost more than the
-        script itself on loopback. A connection inherited through ``fork`` is replaced, never
-        used: parent and child would read each other's replies. (A cluster backend keeps one
-        such connection per node: :meth:`_thread_connection`; this one is written out, as every
-        decision on one Redis takes it.)
-        """
-        local = self._local
-        connection = getattr(local, "connection", None)
-        now = time.monotonic()
-        if connection is None or connection.pid != os.getpid():
-            connection = local.connection = self._new_connection(self.client.connection_pool)
-        elif connection._sock is not None and now - local.used_at > IDLE_CHECK_S:
-            _drop_if_stale(connection)
-        if connection._sock is None:
-            # Connected here, as the pool does on check-out: a Sentinel connection finds the
-            # master as it connects, which sending on an unconnected one would skip.
-            connection.connect()
-        local.used_at = now
-        return connection
+        """This thread's own connection to Redis, made with the client's settings (:mod:`.transport`)."""
+        return self._connections.own(self.client.connection_pool)
 
     def _thread_connection(self, name: str, pool: Any, **address: Any) -> Any:
         """This thread's own connection ``name`` (a cluster node's), made with ``pool``'s settings and ``address``."""
-        local = self._local
-        try:
-            connections, used = local.connections, local.used
-        except AttributeError:
-            connections, used = local.connections, local.used = {}, {}
-        connection = connections.get(name)
-        now = time.monotonic()
-        if connection is None or connection.pid != os.getpid():
-            connection = connections[name] = self._new_connection(pool, **address)
-        elif connection._sock is not None and now - used[name] > IDLE_CHECK_S:
-            _drop_if_stale(connection)
-        if connection._sock is None:
-            connection.connect()
-        used[name] = now
-        return connection
+        return self._connections.node(name, pool, **address)
 
     def _new_connection(self, pool: Any, **address: Any) -> Any:
         # Replies are read as bytes whatever the client decodes (REDIS['CLIENT'] may decode them).
@@ -719,25 +678,6 @@ class RedisBackend(Backend):
             # a decision still gets the limiter's timeouts and is never retried.
             kwargs.update(tight(*self.timeouts))
         return pool.connection_class(**kwargs)
-
-
-def _drop_if_stale(connection: Any) -> None:
-    """Disconnect an idle connection with something to read: the server closed it (a restart), or a stray reply.
-
-    As redis-py's pool does on check-out. Asked only after a pause (:data:`IDLE_CHECK_S`): the
-    question is a system call, and a server cannot restart between two decisions a few
-    milliseconds apart.
-    """
-    try:
-        stale = connection.can_read()
-    except (redis.ConnectionError, redis.TimeoutError, OSError):
-        stale = True
-    if stale:
-        connection.disconnect()
-
-
-#: After how long unused (seconds) a thread's connection is asked whether the server closed it.
-IDLE_CHECK_S = 0.005
 
 
 def renew_call(
@@ -818,7 +758,7 @@ def _granted(checks: Sequence[Check], decision: Decision, reply: Any) -> tuple[D
 def load_function(connection: Any, script: Script, functions: Functions) -> bool:
     """Load ``script``'s library on ``connection``'s store; ``False`` if the store refuses Functions."""
     try:
-        _call(connection, "FUNCTION", "LOAD", "REPLACE", script.library)
+        call(connection, "FUNCTION", "LOAD", "REPLACE", script.library)
     except redis.ResponseError as exc:
         if functions.refused(exc):
             return False
@@ -900,17 +840,6 @@ def script_failed(exc: redis.ResponseError) -> bool:
 def unavailable(exc: BaseException) -> BackendUnavailable:
     """The one way a store error is reported to the engine (which degrades by fail mode)."""
     return BackendUnavailable(f"{type(exc).__name__}: {exc}")
-
-
-def _call(connection: Any, *command: Any) -> Any:
-    connection.send_packed_command(_pack(connection, command), check_health=False)
-    return connection.read_response()
-
-
-def _pack(connection: Any, command: tuple[Any, ...]) -> list[bytes]:
-    if hiredis is not None:
-        return [hiredis.pack_command(command)]
-    return list(connection.pack_command(*command))
 
 
 def _refused_is_none(command: Callable[[], Any]) -> Any:
