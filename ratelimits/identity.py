@@ -173,7 +173,12 @@ def subject_of(kind: SubjectKind, value: str) -> Subject:
     The same callers come back request after request: the made subject carries its digest, so
     neither the object nor the hash is made again. Bounded like the memos above.
     """
-    key = (kind, value, conf.identity.hash_key)
+    return _subject(kind, value, conf.identity.hash_key)
+
+
+def _subject(kind: SubjectKind, value: str, hash_key: bytes) -> Subject:
+    """:func:`subject_of` under ``hash_key`` (the one in the settings: a request's subjects read it once)."""
+    key = (kind, value, hash_key)
     try:
         return _subjects[key]
     except KeyError:
@@ -229,17 +234,19 @@ def identify(request: HttpRequest, *, endpoint: str, auth: Any = None, user: Any
     ``request.auth`` and ``request.user``); for plain Django views ``user`` is
     ``request.user`` and ``auth`` is ``None``.
     """
+    settings = conf.identity
+    hash_key = settings.hash_key
     user_subject = None
     if user is not None and getattr(user, "is_authenticated", False):
-        user_subject = subject_of(SubjectKind.USER, str(user.pk))
-    api_key = conf.identity.api_key_func(auth) if auth is not None else None
-    organization = conf.identity.organization_func(request)
+        user_subject = _subject(SubjectKind.USER, str(user.pk), hash_key)
+    api_key = settings.api_key_func(auth) if auth is not None else None
+    organization = settings.organization_func(request)
     return Identity(
-        subject_of(SubjectKind.IP, client_ip(request)),
-        subject_of(SubjectKind.ENDPOINT, endpoint),
+        _subject(SubjectKind.IP, client_ip(request), hash_key),
+        _subject(SubjectKind.ENDPOINT, endpoint, hash_key),
         user_subject,
-        subject_of(SubjectKind.API_KEY, str(api_key)) if api_key is not None else None,
-        subject_of(SubjectKind.ORG, str(organization)) if organization is not None else None,
+        _subject(SubjectKind.API_KEY, str(api_key), hash_key) if api_key is not None else None,
+        _subject(SubjectKind.ORG, str(organization), hash_key) if organization is not None else None,
     )
 
 

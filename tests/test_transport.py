@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: The contract, as a script: ``python CONTRACT <transport.py> <port>`` prints ``ok`` or fails.
 CONTRACT = textwrap.dedent(
     """
-    import importlib.util, sys
+    import importlib.util, os, sys
     import redis
 
     spec = importlib.util.spec_from_file_location("transport", sys.argv[1])
@@ -65,9 +65,16 @@ CONTRACT = textwrap.dedent(
     first.disconnect()
     assert not transport.connected(first)
     assert connections.own(pool) is first and transport.connected(first)
-    # A connection made in another process (a fork) is replaced, never used.
-    first.pid = -1
-    assert connections.own(pool) is not first and len(made) == 3
+    # A forked child makes connections of its own; the parent keeps using its.
+    node = connections.node("admin", pool)
+    child = os.fork()
+    if child == 0:
+        mine = connections.own(pool)
+        fresh = mine is not first and connections.node("admin", pool) is not node
+        os._exit(0 if fresh and transport.call(mine, "PING") in (b"PONG", "PONG") else 1)
+    assert os.waitpid(child, 0)[1] == 0, "the forked child used its parent's connections"
+    assert connections.own(pool) is first and connections.node("admin", pool) is node
+    assert transport.call(first, "PING") in (b"PONG", "PONG") and len(made) == 2
     print("ok")
     """
 )
