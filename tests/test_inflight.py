@@ -406,6 +406,7 @@ def test_local_fail_mode_releases_its_slots(settings: Any, own_redis: RedisServe
         burst.start(f"r{i}", call)
     settled = gate.wait_for(lambda g: g.inside == 2, 10) and burst.wait_answered(3, 10)
     assert settled, (gate.inside, burst.statuses(), burst.errors)
+    assert not burst.errors, burst.errors
     assert gate.entered == 2
     assert burst.statuses() == [429] * 3
     assert all(a.response["X-RateLimit-Degraded"] == "1" for a in burst.answers)

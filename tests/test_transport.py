@@ -18,11 +18,11 @@ import pytest
 
 from ratelimits.backends import transport
 
-from .support.redis_server import RedisServer
+from .support.redis_server import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: The contract, as a script: ``python CONTRACT <transport.py> <port>`` prints ``ok`` or fails.
+#: The contract, as a script: ``python CONTRACT <transport.py> <port> <a closed port>`` prints ``ok`` or fails.
 CONTRACT = textwrap.dedent(
     """
     import importlib.util, os, sys
@@ -65,6 +65,24 @@ CONTRACT = textwrap.dedent(
     first.disconnect()
     assert not transport.connected(first)
     assert connections.own(pool) is first and transport.connected(first)
+    # A store that refuses connections: each use says so, as redis-py does.
+    closed = redis.ConnectionPool(host="127.0.0.1", port=int(sys.argv[3]), socket_connect_timeout=5)
+    refused = transport.ThreadConnections(make)
+    for _ in range(2):
+        try:
+            refused.own(closed)
+        except redis.ConnectionError:
+            pass
+        else:
+            raise AssertionError("a connection to a closed port was made")
+        try:
+            refused.node("closed", closed)
+        except redis.ConnectionError:
+            pass
+        else:
+            raise AssertionError("a connection to a closed port was made")
+    del made[2:]
+
     # A forked child makes connections of its own; the parent keeps using its.
     node = connections.node("admin", pool)
     child = os.fork()
@@ -84,7 +102,7 @@ def test_the_transport_keeps_its_contract_on_this_redis_py(redis_server: RedisSe
     script = tmp_path / "contract.py"
     script.write_text(CONTRACT)
     result = subprocess.run(
-        [sys.executable, str(script), transport.__file__, str(redis_server.port)],
+        [sys.executable, str(script), transport.__file__, str(redis_server.port), str(free_port())],
         capture_output=True,
         text=True,
         timeout=60,
@@ -116,7 +134,7 @@ def test_the_transport_keeps_its_contract_on_the_oldest_redis_py(redis_server: R
         [str(python), "-c", "import redis; print(redis.__version__)"], capture_output=True, text=True, check=True
     ).stdout.strip()
     result = subprocess.run(
-        [str(python), str(script), transport.__file__, str(redis_server.port)],
+        [str(python), str(script), transport.__file__, str(redis_server.port), str(free_port())],
         capture_output=True,
         text=True,
         timeout=60,

@@ -85,7 +85,7 @@ class ThreadConnections:
         now = time.monotonic()
         if connection is None or local.forks != _forks:
             connection = local.connection = self._make(pool)
-            local.forks = _forks
+            local.forks, local.used_at = _forks, now
         elif now - local.used_at > IDLE_CHECK_S and connected(connection):
             _drop_if_stale(connection)
         if not connected(connection):
@@ -103,6 +103,7 @@ class ThreadConnections:
         now = time.monotonic()
         if connection is None:
             connection = connections[name] = self._make(pool, **address)
+            used[name] = now
         elif now - used[name] > IDLE_CHECK_S and connected(connection):
             _drop_if_stale(connection)
         if not connected(connection):
