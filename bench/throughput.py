@@ -80,7 +80,9 @@ def worker(url: str, port: int, index: int, rounds: int, seconds: float, go: Any
                         call(offset + i)
                     n += 64
                 reports.put((key, n, clock() - began, time.process_time() - cpu))
-                go.wait(START_TIMEOUT_S)  # the parent reads the server's CPU after every process stopped
+                # Every process stopped; then the parent reads the server's CPU before any warms up.
+                go.wait(START_TIMEOUT_S)
+                go.wait(START_TIMEOUT_S)
 
 
 def _server_cpu_s(client: Any) -> float:
@@ -125,6 +127,7 @@ def run(args: argparse.Namespace, server: RedisServer) -> int:
                 reported = [reports.get(timeout=START_TIMEOUT_S + args.seconds) for _ in children]
                 go.wait(START_TIMEOUT_S)
                 server_cpu = _server_cpu_s(admin) - before
+                go.wait(START_TIMEOUT_S)
                 calls = sum(n for _, n, _, _ in reported)
                 elapsed = max(wall for _, _, wall, _ in reported)
                 rows[key].append(

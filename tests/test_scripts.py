@@ -54,7 +54,6 @@ def test_decide_unpacks_what_python_packs() -> None:
     (a global policy's with its fallback share), the reports, and every state the script writes."""
     formats = lua_formats(DECIDE)
     assert formats["REQUEST"] == codec.REQUEST.format
-    assert codec.REQUEST.format.endswith(codec.DEADLINE.format.removeprefix("<"))  # the deadline is last
     check = Check(Policy("p", parse_rate("7/s"), 9, shadow=True), Subject(SubjectKind.IP, "198.51.100.1"), 3)
     ttl = float(check.policy.state_ttl_ms)
     assert struct.unpack(formats["CHECK"], codec.check_record(check)) == (
@@ -181,6 +180,40 @@ def test_a_token_bucket_is_stored_exactly_with_the_capacity_it_was_written_under
     assert read_state(Algorithm.TOKEN_BUCKET, stored) == (clock.now + interval + interval, 3 * interval)
     assert struct.unpack("<ddd", stored)[2] == 0  # on the app's clock, when the key expires is not known
     assert backend.decide([check], consume=False).results[0].remaining == 0  # the third of 3 still fits
+
+
+def test_a_decide_call_packs_its_header_and_tail_where_the_script_reads_them() -> None:
+    """The header's fields in the script's order (the deadline last, which a call's send rewrites),
+    then the checks' records, the overflow row (as long as the header says) and the slot id."""
+    clock = FakeClock()
+    backend = RedisBackend(make_client("redis://127.0.0.1:1/0", 0.1, 0.1), clock=clock, usage_cap=7)
+    check = Check(Policy("p", parse_rate("5/s"), 5), Subject(SubjectKind.IP, "198.51.100.8"), 2)
+    usage = usage_for(Subject(SubjectKind.IP, "198.51.100.8"), None, "", "ping", 2)
+    _, args = backend.decide_call([check], consume=True, usage=usage, slot="slot-id", deadline=123)
+    packed = args[0]
+    header = codec.REQUEST.unpack_from(packed)
+    overflow = usage.overflow.encode()
+    assert header == (clock.now, 1, 2, layout.USAGE_TTL_S, 7, 0, len(overflow), 123)
+    record = codec.check_record(check)
+    assert packed[codec.REQUEST.size :] == record + overflow + b"slot-id"
+    assert args[1:] == [usage.field]
+    stamped = backend._call_for([check], consume=True, usage=usage, wants=None).stamped(args)[0]
+    assert codec.REQUEST.unpack_from(stamped)[:-1] == header[:-1]  # only the deadline is new
+    assert stamped[codec.REQUEST.size :] == packed[codec.REQUEST.size :]
+
+
+def test_an_admission_at_the_edge_of_a_bucket_leaves_zero_never_minus_one(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """In doubles, now + capacity - the new arrival time can round a hair below zero on an admission
+    the script makes (now >= allow_at): the remaining count is clamped to 0, as algorithms.py does."""
+    clock = FakeClock(1_780_000_595_824_040)
+    backend = RedisBackend(make_client(redis_server.url, 2.0, 2.0), clock=clock)
+    check = Check(Policy("edge", parse_rate("1024/s"), 18), Subject(SubjectKind.IP, "198.51.100.9"), 12)
+    capacity = 18 * check.policy.rate.interval_us
+    redis_client.set(check.key(backend.prefix), struct.pack("<dd", 1_780_000_595_829_899.5, capacity), px=60_000)
+    result = backend.decide([check]).results[0]
+    assert result.allowed and result.remaining == 0
 
 
 def test_a_bucket_keeps_its_keys_expiry_while_it_covers_the_state_and_renews_it_after(

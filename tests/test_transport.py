@@ -8,6 +8,7 @@ by its path with nothing but redis-py beside it.
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -96,6 +97,19 @@ CONTRACT = textwrap.dedent(
     print("ok")
     """
 )
+
+
+def test_the_transport_imports_nothing_of_the_package() -> None:
+    """What lets the oldest redis-py's virtualenv load it with nothing else installed."""
+    tree = ast.parse(Path(transport.__file__).read_text())
+    imported = [
+        node.module or "." if isinstance(node, ast.ImportFrom) else alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+    ]
+    relative = [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level]
+    assert not relative and not [name for name in imported if name.split(".")[0] == "ratelimits"], imported
 
 
 def test_the_transport_keeps_its_contract_on_this_redis_py(redis_server: RedisServer, tmp_path: Path) -> None:

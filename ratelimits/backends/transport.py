@@ -5,7 +5,7 @@ command path and its pool's check-out bookkeeping cost more than the decide scri
 loopback. This module is the one place the Redis backends go below redis-py's client API, and it
 uses only what redis-py's own pipelines use: a connection made as its pool makes one
 (``connection_class(**connection_kwargs)``), ``connect``, ``disconnect``, ``can_read``,
-and ``send_packed_command``, ``read_response``. Whether a connection is
+``send_packed_command``, ``read_response`` and the ``pid`` it was made in. Whether a connection is
 connected is asked through :func:`connected` (``is_connected`` where redis-py has it).
 ``tests/test_transport.py`` runs this module on the newest redis-py and the oldest the package
 supports (``redis>=5.0``), against a real server.
@@ -34,18 +34,6 @@ __all__ = ["IDLE_CHECK_S", "ThreadConnections", "call", "connected", "pack", "re
 #: After how long unused (seconds) a thread's connection is asked whether the server closed it.
 IDLE_CHECK_S = 0.005
 
-#: How many forks made this process (counted in each child): a connection made under another
-#: count is its parent's. Compared on every decision, where ``os.getpid()`` is a system call.
-_forks = 0
-
-
-def _forked() -> None:
-    global _forks
-    _forks += 1
-
-
-os.register_at_fork(after_in_child=_forked)
-
 
 def _is_connected(connection: Any) -> bool:
     return bool(connection.is_connected)
@@ -66,9 +54,12 @@ class ThreadConnections:
     """Each thread's own connections, made on first use with ``make(pool, **address)``.
 
     A connection inherited through ``fork`` is replaced, never used: parent and child would read
-    each other's replies. One unused for a while (:data:`IDLE_CHECK_S`) is asked whether the
-    server closed it, as redis-py's pool asks on check-out. An unconnected one is connected
-    here, as the pool does: a Sentinel connection finds the master as it connects.
+    each other's replies. It is told by the process id it was made in (a system call per decision,
+    as redis-py's pool pays): a count kept by ``os.register_at_fork`` would miss a server that
+    forks its workers from C without telling Python (uWSGI, by default). One unused for a while
+    (:data:`IDLE_CHECK_S`) is asked whether the server closed it, as redis-py's pool asks on
+    check-out. An unconnected one is connected here, as the pool does: a Sentinel connection
+    finds the master as it connects.
     """
 
     def __init__(self, make: Callable[..., Any]) -> None:
@@ -83,9 +74,9 @@ class ThreadConnections:
         local = self._local
         connection = getattr(local, "connection", None)
         now = time.monotonic()
-        if connection is None or local.forks != _forks:
+        if connection is None or connection.pid != os.getpid():
             connection = local.connection = self._make(pool)
-            local.forks, local.used_at = _forks, now
+            local.used_at = now
         elif now - local.used_at > IDLE_CHECK_S and connected(connection):
             _drop_if_stale(connection)
         if not connected(connection):
@@ -96,12 +87,13 @@ class ThreadConnections:
     def node(self, name: str, pool: Any, **address: Any) -> Any:
         """This thread's connection ``name`` (a cluster node's), made with ``pool``'s settings and ``address``."""
         local = self._local
-        if getattr(local, "node_forks", None) != _forks:
-            local.connections, local.used, local.node_forks = {}, {}, _forks
-        connections, used = local.connections, local.used
+        try:
+            connections, used = local.connections, local.used
+        except AttributeError:
+            connections, used = local.connections, local.used = {}, {}
         connection = connections.get(name)
         now = time.monotonic()
-        if connection is None:
+        if connection is None or connection.pid != os.getpid():
             connection = connections[name] = self._make(pool, **address)
             used[name] = now
         elif now - used[name] > IDLE_CHECK_S and connected(connection):

@@ -235,10 +235,12 @@ local function token_bucket(value, limit, period, burst, cost)
     end
   end
   -- Rounded by the % operator, not floor() and ceil(): this is every admission's path, and a call
-  -- into the math library costs ten times an operator. Exact for the doubles a bucket holds
-  -- (x % 1 is x - floor(x)); remaining is never negative here (now >= allow_at).
+  -- into the math library costs ten times an operator (x % 1 is x - floor(x), exactly). Clamped
+  -- as algorithms.py clamps it: at the edge of an admission, now + capacity - new_tat may round to
+  -- a hair below zero in doubles although now >= allow_at.
   local remaining = (now + capacity - new_tat) / interval
   remaining = remaining - remaining % 1
+  if remaining < 0 then remaining = 0 end
   local reset = new_tat - now
   local fraction = reset % 1
   if fraction > 0 then reset = reset - fraction + 1 end

@@ -351,7 +351,8 @@ def check_for(policy: Policy, subject: Subject, cost: int) -> Check:
 
     Made once and handed out again while policy and subject are the same objects (the resolver
     reads both from a snapshot and :func:`~ratelimits.identity.subject_of`): a check validates
-    itself and packs its script record when made, and keeps its key. Bounded like the identity memos.
+    itself when made, and keeps its key (and the Redis backends its packed record,
+    :func:`~ratelimits.backends.codec.check_record`). Bounded like the identity memos.
     A sharded policy's check is of one of its sub-buckets, picked at random: uniform picks spread
     the load evenly over the shards' keys, and over the nodes those live on.
     """
