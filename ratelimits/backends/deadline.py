@@ -44,6 +44,8 @@ class StoreClock:
         self._window_start = time.monotonic()
         self._current: int | None = None
         self._previous: int | None = None
+        #: The least of the two windows' bounds, kept as they change: every call's deadline reads it.
+        self._offset: int | None = 0 if in_step else None
 
     @staticmethod
     def now_us() -> int:
@@ -55,16 +57,18 @@ class StoreClock:
         bound = store_us - sent_us
         now = time.monotonic()
         if now - self._window_start >= WINDOW_S:
-            self._window_start, self._previous, self._current = now, self._current, None
-        if self._current is None or bound < self._current:
+            self._window_start, self._previous, self._current = now, self._current, bound
+        elif self._current is None or bound < self._current:
             self._current = bound
+        else:
+            return  # the common case: no tighter than this window's bound, and the offset stands
+        if not self.in_step:
+            previous = self._previous
+            self._offset = bound if previous is None or bound < previous else previous
 
     def offset_us(self) -> int | None:
         """How far the store's clock is ahead of this process's (at most), or ``None`` before any reply."""
-        if self.in_step:
-            return 0
-        bounds = [b for b in (self._current, self._previous) if b is not None]
-        return min(bounds) if bounds else None
+        return self._offset
 
     def deadline_us(self, sent_us: int, timeout_s: float | None, waiting_s: float = 0.0) -> int:
         """The store-clock moment by which a call sent at ``sent_us`` must run; 0: none (not known yet).
@@ -72,7 +76,7 @@ class StoreClock:
         ``waiting_s``: how long the call may wait for a connection before it is sent (an event
         loop's pool), which the worker waits on top of its socket timeout.
         """
-        offset = self.offset_us()
+        offset = self._offset
         if offset is None or not timeout_s:
             return 0
         return sent_us + offset + int((waiting_s + timeout_s * (1 - ANSWER_SHARE)) * 1_000_000)

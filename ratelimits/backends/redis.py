@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from importlib import resources
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import redis
 from redis.cluster import RedisCluster
@@ -24,6 +24,7 @@ from ..conf import conf
 from ..counters import Usage, overflow_of
 from ..decisions import Decision, Result
 from ..exceptions import BackendUnavailable, PolicyFailed
+from ..identity import remember
 from ..policies.values import Check
 from ..shares import ShareRecord
 from . import layout
@@ -198,6 +199,8 @@ class RedisBackend(Backend):
         #: The most rows a minute of usage counts (``USAGE['MAX_SUBJECTS']``).
         self.usage_cap = conf.usage.max_subjects if usage_cap is None else usage_cap
         self.version_key = layout.version_key(prefix)
+        #: Checks (by their ids) -> what every decide call of them says (:class:`_Compiled`).
+        self._compiled: dict[tuple[int, ...], _Compiled] = {}
         self._connections = ThreadConnections(self._new_connection)
         #: This process's subscribers, told of its own publications at once (the others by the
         #: channel); held weakly, as the subscriptions hold them.
@@ -294,10 +297,23 @@ class RedisBackend(Backend):
     def _call_for(
         self, checks: Sequence[Check], *, consume: bool, usage: Usage | None, wants: Sequence[int] | None
     ) -> _DecideCall:
-        slot = new_slot(checks) if consume else None
-        script_keys, args = self.decide_call(checks, consume=consume, usage=usage, slot=slot, wants=wants)
-        held = slot_keys(checks, script_keys[1 : len(checks) + 1]) if slot else ()
-        return _DecideCall(self, checks, script_keys, args, slot, held)
+        compiled = self.compiled(checks)
+        slot = new_slot(compiled.checks) if consume and compiled.held else None
+        script_keys, args = self._call_of(compiled, consume=consume, usage=usage, slot=slot, wants=wants)
+        return _DecideCall(self, checks, script_keys, args, slot, compiled.held if slot else ())
+
+    def compiled(self, checks: Sequence[Check]) -> _Compiled:
+        """What every decide call of ``checks`` says, whoever makes it: made once per list of checks.
+
+        A caller's checks are the same objects request after request (the resolver's), so they
+        are known by their ids; an entry holds them, so the ids stay theirs.
+        """
+        ids = tuple(map(id, checks))
+        try:
+            return self._compiled[ids]
+        except KeyError:
+            pass
+        return remember(self._compiled, ids, _Compiled.of(tuple(checks), self.prefix))
 
     def deadline(self, sent_us: int, waiting_s: float = 0.0) -> int:
         """The store-clock moment by which a call sent at ``sent_us`` must run (0: none known yet)."""
@@ -336,35 +352,59 @@ class RedisBackend(Backend):
         taking up to that many tokens more from each check (its reply says how many it took).
         ``deadline``: the store-clock moment (us) after which the script does nothing (0: none).
         """
+        return self._call_of(
+            self.compiled(checks),
+            consume=consume,
+            usage=usage,
+            slot=slot,
+            tag=tag,
+            refundable=refundable,
+            wants=wants,
+            deadline=deadline,
+        )
+
+    def _call_of(
+        self,
+        compiled: _Compiled,
+        *,
+        consume: bool,
+        usage: Usage | None,
+        slot: str | None,
+        tag: str | None = None,
+        refundable: bool = False,
+        wants: Sequence[int] | None = None,
+        deadline: int = 0,
+    ) -> tuple[list[str], list[Any]]:
+        """:meth:`decide_call` of checks compiled: the request's own parts filled in."""
         now = -1.0 if self.clock is None else self.clock()  # negative: the script reads Redis TIME
         mode = (3 if wants is not None else 2 if refundable else 1) if consume else 0
-        script_keys = [self.version_key if tag is None else layout.version_key(self.prefix, tag)]
-        record = [b""]
-        prefix = self.prefix
-        shares = []
-        for check in checks:
-            key = check.key(prefix)
-            script_keys.append(key)
-            record.append(check_record(check))
-            if check.policy.is_global:
-                shares.append(layout.share_key(key))
+        script_keys = [self.version_key if tag is None else layout.version_key(self.prefix, tag), *compiled.keys]
+        shares = compiled.shares
         if shares:
             # The second of the app's clock even under Redis TIME: the key is named before the
             # script runs, and the reconciler reads the seconds that are over by its own clock.
             second = int(now // 1_000_000) if now >= 0 else int(time.time())
             script_keys += shares
-            script_keys.append(layout.demand_key(prefix, second, tag))
+            script_keys.append(layout.demand_key(self.prefix, second, tag))
         overflow = usage.overflow.encode() if usage else b""
-        record += (overflow, slot.encode() if slot else b"")
-        tokens = usage.tokens if usage else 1
-        record[0] = REQUEST.pack(
-            now, mode, tokens, layout.USAGE_TTL_S, self.usage_cap, len(shares), len(overflow), deadline
+        header = REQUEST.pack(
+            now,
+            mode,
+            usage.tokens if usage else 1,
+            layout.USAGE_TTL_S,
+            self.usage_cap,
+            len(shares),
+            len(overflow),
+            deadline,
         )
-        args: list[Any] = [b"".join(record), usage.field if usage else ""]
+        args: list[Any] = [
+            b"".join((header, compiled.records, overflow, slot.encode() if slot else b"")),
+            usage.field if usage else "",
+        ]
         if wants is not None:
             args.append(b"".join(LEASE.pack(want) for want in wants))
         if usage:
-            script_keys.append(layout.usage_key(prefix, usage.minute, tag))
+            script_keys.append(layout.usage_key(self.prefix, usage.minute, tag))
         return script_keys, args
 
     def give_back(self, grants: Sequence[tuple[Grant, int]]) -> int:
@@ -699,6 +739,36 @@ def renew_call(
 STORE_ERRORS = (redis.RedisError, OSError)
 
 
+#: Where the deadline is in a decide call's packed request: its header's last number.
+_DEADLINE_AT = REQUEST.size - DEADLINE.size
+
+
+class _Compiled(NamedTuple):
+    """What every decide call of one list of checks says: their keys, records and slot keys."""
+
+    #: The checks (held: the memo knows them by their ids).
+    checks: tuple[Check, ...]
+    #: Each check's state key, in order (the script's KEYS after the version stamp).
+    keys: tuple[str, ...]
+    #: Each check's packed record, in order (``lua/decide.lua``'s CHECK).
+    records: bytes
+    #: The share keys of the global checks, in order.
+    shares: tuple[str, ...]
+    #: The keys a consuming call holds its slot under (empty: it takes none).
+    held: tuple[str, ...]
+
+    @classmethod
+    def of(cls, checks: tuple[Check, ...], prefix: str) -> _Compiled:
+        keys = tuple(check.key(prefix) for check in checks)
+        return cls(
+            checks,
+            keys,
+            b"".join(map(check_record, checks)),
+            tuple(layout.share_key(key) for check, key in zip(checks, keys, strict=True) if check.policy.is_global),
+            slot_keys(checks, keys),
+        )
+
+
 @dataclass(slots=True)
 class _DecideCall:
     """One decide script call, made: its keys and arguments, and the slot it would take."""
@@ -714,10 +784,12 @@ class _DecideCall:
 
     def stamped(self, args: Sequence[Any], *, waiting_s: float = 0.0) -> list[Any]:
         """``args`` with the call's deadline, from now, its send (``lua/decide.lua``'s REQUEST, last)."""
-        self.sent = sent = self.backend.store_clock.now_us()
+        self.sent = sent = StoreClock.now_us()
+        deadline = self.backend.deadline(sent, waiting_s)
+        if not deadline:
+            return list(args)  # none known yet: the header says 0 already
         record = args[0]
-        header = record[: REQUEST.size - DEADLINE.size] + DEADLINE.pack(self.backend.deadline(sent, waiting_s))
-        return [header + record[REQUEST.size :], *args[1:]]
+        return [b"".join((record[:_DEADLINE_AT], DEADLINE.pack(deadline), record[REQUEST.size :])), *args[1:]]
 
     def failed(self, exc: BackendUnavailable) -> None:
         """Tell ``exc`` what it means for this call."""
