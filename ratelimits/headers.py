@@ -37,7 +37,8 @@ def rate_limit_headers(decision: Decision) -> dict[str, str]:
     full). With ``HEADERS['PARTITION_KEY']`` each item carries ``pk``, its subject's keyed
     hash. GitHub's headers describe the closest policy.
     """
-    style = conf.headers.style
+    settings = conf.headers
+    style = settings.style
     headers: dict[str, str] = {}
     if decision.degraded:
         headers["X-RateLimit-Degraded"] = "1"
@@ -57,9 +58,9 @@ def rate_limit_headers(decision: Decision) -> dict[str, str]:
     # Slots have no window: they come back when requests finish, not at a time we could name.
     reset_us = closest.retry_us if not closest.allowed else 0 if policy.holds_slots else closest.reset_us
     if style != "github":  # "ietf" or "both"
-        with_keys = conf.headers.partition_key
+        with_keys = settings.partition_key
         key = _partition_key(closest.check) if with_keys else ""
-        if conf.headers.policies == "all":
+        if settings.policies == "all":
             headers["RateLimit-Policy"] = _policy_list(decision.results, with_keys)
         else:
             headers["RateLimit-Policy"] = static.policy + key

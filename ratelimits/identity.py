@@ -235,19 +235,31 @@ def identify(request: HttpRequest, *, endpoint: str, auth: Any = None, user: Any
     ``request.user`` and ``auth`` is ``None``.
     """
     settings = conf.identity
-    hash_key = settings.hash_key
-    user_subject = None
-    if user is not None and getattr(user, "is_authenticated", False):
-        user_subject = _subject(SubjectKind.USER, str(user.pk), hash_key)
-    api_key = settings.api_key_func(auth) if auth is not None else None
-    organization = settings.organization_func(request)
-    return Identity(
-        _subject(SubjectKind.IP, client_ip(request), hash_key),
+    user_pk = str(user.pk) if user is not None and getattr(user, "is_authenticated", False) else None
+    named_key = settings.api_key_func(auth) if auth is not None else None
+    named_organization = settings.organization_func(request)
+    api_key = None if named_key is None else str(named_key)
+    organization = None if named_organization is None else str(named_organization)
+    ip, hash_key = client_ip(request), settings.hash_key
+    # A caller's requests come back with the same values: their identity is made once (each
+    # subject is made once anyway, and an identity holds nothing else).
+    values = (ip, endpoint, user_pk, api_key, organization, hash_key)
+    try:
+        return _identities[values]
+    except KeyError:
+        pass
+    made = Identity(
+        _subject(SubjectKind.IP, ip, hash_key),
         _subject(SubjectKind.ENDPOINT, endpoint, hash_key),
-        user_subject,
-        _subject(SubjectKind.API_KEY, str(api_key), hash_key) if api_key is not None else None,
-        _subject(SubjectKind.ORG, str(organization), hash_key) if organization is not None else None,
+        None if user_pk is None else _subject(SubjectKind.USER, user_pk, hash_key),
+        None if api_key is None else _subject(SubjectKind.API_KEY, api_key, hash_key),
+        None if organization is None else _subject(SubjectKind.ORG, organization, hash_key),
     )
+    return remember(_identities, values, made)
+
+
+#: (ip, endpoint, user, API key, organisation, hash key) -> the identity made of them.
+_identities: dict[tuple[str, str, str | None, str | None, str | None, bytes], Identity] = {}
 
 
 def default_api_key(auth: Any) -> str | None:

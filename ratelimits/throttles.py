@@ -106,7 +106,7 @@ class RateLimitThrottle(BaseThrottle):
                 endpoint=endpoint_name(request, view),
                 auth=request.auth,
                 user=request.user,
-                caller_policies=_ClassPolicies(classes),
+                caller_policies=_ClassPolicies.of(classes),
                 tiers=_charges_tier(classes),
             )
         except BodyNotReceived as exc:
@@ -118,6 +118,10 @@ class RateLimitThrottle(BaseThrottle):
         if self.decision is None or self.decision.allowed:
             return None
         return self.decision.retry_after_us / 1_000_000
+
+
+#: The classes of a view throttled by ``RateLimitThrottle`` alone, the usual case.
+_PLAIN: tuple[type[RateLimitThrottle], ...] = (RateLimitThrottle,)
 
 
 class AsyncRateLimitThrottle(RateLimitThrottle):
@@ -137,7 +141,7 @@ class AsyncRateLimitThrottle(RateLimitThrottle):
                 endpoint=endpoint_name(request, view),
                 auth=request.auth,
                 user=request.user,
-                caller_policies=_ClassPolicies(classes),
+                caller_policies=_ClassPolicies.of(classes),
                 tiers=_charges_tier(classes),
             )
             setattr(request, _DECIDED, _Decided(self, decision))
@@ -171,6 +175,8 @@ def _charges_tier(classes: tuple[type[RateLimitThrottle], ...]) -> bool:
     """Whether the caller's tier applies: a class that names no ``scope`` or ``rate`` of its own
     (``RateLimitThrottle`` itself) is among them. One that does limits what it names, not the
     tier, as DRF's ``UserRateThrottle`` subclass with a ``scope`` limits its scope alone."""
+    if classes == _PLAIN:  # every view throttled by RateLimitThrottle alone: asked on each request
+        return True
     return any(not (cls.scope or cls.rate) for cls in classes)
 
 
@@ -182,6 +188,13 @@ class _ClassPolicies:
 
     def __init__(self, classes: tuple[type[RateLimitThrottle], ...]) -> None:
         self.classes = classes
+
+    @classmethod
+    def of(cls, classes: tuple[type[RateLimitThrottle], ...]) -> _ClassPolicies | None:
+        """What ``classes`` add; ``None`` if none names a ``scope`` or ``rate`` (the engine then asks nothing)."""
+        if classes == _PLAIN or not any(c.rate or c.scope for c in classes):
+            return None
+        return cls(classes)
 
     def __call__(self, source: PolicySource, method: str) -> list[Policy]:
         found: list[Policy] = []
