@@ -88,6 +88,26 @@ def test_the_instruction_count_reports_every_scenario_and_part(tmp_path: Path) -
 
 
 @pytest.mark.slow
+def test_the_plumbing_benchmark_takes_each_part_out_of_every_call(tmp_path: Path) -> None:
+    out = tmp_path / "plumbing.json"
+    stdout = run_bench("bench.plumbing", "--calls", "300", "--rounds", "1", "--json", str(out), timeout=300)
+    report = json.loads(out.read_text())
+    parts = {
+        "identity",
+        "policy resolution",
+        "usage row",
+        "limiter (breaker, local path)",
+        "backend (call made, stamped, reply read)",
+        "headers",
+    }
+    assert set(report["part_us"]) == parts
+    # Each replacement stood in for its part on every call (a patch that missed would read as free).
+    assert report["replaced_calls_per_call"] == dict.fromkeys(parts, 1.0)
+    assert all(value > 0 for value in report["us_per_call"].values())
+    assert "Plumbing (throttle minus decide, both replayed)" in stdout
+
+
+@pytest.mark.slow
 def test_the_observability_benchmark_reports_both_ways_and_the_added_steps() -> None:
     out = run_bench(
         "bench.observability", "--rounds", "2", "--iterations", "300", "--memory-rounds", "2", "--split", timeout=180
