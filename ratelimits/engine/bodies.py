@@ -58,10 +58,12 @@ def receive_body(request: HttpRequest) -> None:
     """
     http: Any = django_request(request)
     meta = http.META
-    if "wsgi.input" not in meta or http._read_started or hasattr(http, "_body"):
+    announced = meta.get("CONTENT_LENGTH")
+    # Most requests (GET) announce no body: they are done with at the first test.
+    if not announced or "wsgi.input" not in meta or http._read_started or hasattr(http, "_body"):
         return
     try:
-        length = int(meta.get("CONTENT_LENGTH") or 0)
+        length = int(announced)
     except ValueError:
         return  # Django reads such a body as empty
     limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
