@@ -26,6 +26,8 @@ __all__ = ["AsyncRateLimitThrottle", "RateLimitThrottle", "class_policies", "thr
 
 logger = logging.getLogger("ratelimits")
 
+#: The verdicts DRF answers 503 for, not 429.
+_UNAVAILABLE = frozenset((Verdict.UNAVAILABLE, Verdict.SHED))
 #: The attribute of a DRF request that holds its decision once one throttle class made it.
 _DECIDED = "_ratelimits_decided"
 #: The attribute of a DRF request that holds its view's ``RateLimitThrottle`` classes once asked.
@@ -93,7 +95,7 @@ class RateLimitThrottle(BaseThrottle):
         self.decision = decision
         request._request.ratelimit = decision  # type: ignore[attr-defined]
         view.headers.update(rate_limit_headers(decision))
-        if decision.verdict in (Verdict.UNAVAILABLE, Verdict.SHED):
+        if decision.verdict in _UNAVAILABLE:
             raise RateLimitUnavailable(decision)
         return decision.allowed
 

@@ -279,7 +279,7 @@ def _prepare(
     source = get_policy_source()
     if consume:
         # What refuse_early looks the path up as: exactly what this view is limited as.
-        remember(_endpoints, (getattr(http, "urlconf", None), http.path_info), endpoint)
+        remember(_endpoints, (_urlconf(http), http.path_info), endpoint)
     shedder = get_worker_shedder() if consume else None
     recorder = get_recorder() if consume else None
     if shedder is not None:
@@ -366,7 +366,8 @@ def _conclude(request: HttpRequest, pending: _Pending, decision: Decision) -> De
     admitted_at = time.monotonic()
     endpoint, consume, shedder, limiter = pending.endpoint, pending.consume, pending.shedder, pending.limiter
     if decision.allowed and consume:
-        _hold(request, _Held(limiter, decision, shedder, endpoint, admitted_at))
+        if _holds_anything(decision, shedder):  # else nothing is made for it (the usual request)
+            _hold(request, _Held(limiter, decision, shedder, endpoint, admitted_at))
     else:
         if shedder is not None:
             shedder.finish()  # refused by the limiter: the view never ran, so nothing to learn from
@@ -448,7 +449,12 @@ _endpoints: dict[tuple[Any, str], str] = {}
 
 def endpoint_of(request: HttpRequest) -> str | None:
     """The endpoint ``request``'s path was last limited as, if a request to it was (else: not limited here)."""
-    return _endpoints.get((getattr(request, "urlconf", None), request.path_info))
+    return _endpoints.get((_urlconf(request), request.path_info))
+
+
+def _urlconf(request: HttpRequest) -> Any:
+    """The URLconf a middleware set on ``request`` (``None``: the project's), read without a failed lookup."""
+    return vars(request).get("urlconf")
 
 
 def early_refusals() -> bool:
@@ -508,6 +514,11 @@ def usage_of(identity: Identity, checks: Sequence[Check]) -> Usage:
     return usage_for(caller, identity.organization, tier, identity.endpoint.value, tokens)
 
 
+def _holds_anything(decision: Decision, shedder: WorkerShedder | None) -> bool:
+    """Whether a request so decided has anything to give back when it finishes: slots, or its place in the shedder."""
+    return decision.slot is not None or decision.stray_slot is not None or shedder is not None
+
+
 def _hold(request: HttpRequest, item: _Held) -> None:
     """Keep ``item`` until the request's response is closed, or the request is over.
 
@@ -522,7 +533,7 @@ def _hold(request: HttpRequest, item: _Held) -> None:
     after that (work the view left in a thread of its own, an outer context shared by several
     requests) is released when the request is collected.
     """
-    if item.decision.slot is None and item.decision.stray_slot is None and item.shedder is None:
+    if not _holds_anything(item.decision, item.shedder):
         return
     http_request: Any = getattr(request, "_request", request)  # DRF's Request wraps Django's
     held: list[_Held] | None = getattr(http_request, HELD_ATTRIBUTE, None)
