@@ -137,3 +137,26 @@ def test_identify_collects_subjects(rf: RequestFactory, settings: Any) -> None:
     assert not identity.is_anonymous
     anonymous = identify(rf.get("/", REMOTE_ADDR="192.0.2.1"), endpoint="charges")
     assert anonymous.caller == anonymous.ip and anonymous.is_anonymous
+
+
+def test_a_caller_identified_again_gets_the_same_identity_unless_a_value_or_the_hash_key_changed(
+    rf: RequestFactory, settings: Any
+) -> None:
+    """The identity is kept under the values it is made of: the same values, the same object; any
+    value (or the hash key its digests are made with) changed, another identity with its own digests."""
+
+    class User:
+        pk = 7
+        is_authenticated = True
+
+    def identified() -> Any:
+        return identify(rf.get("/", REMOTE_ADDR="192.0.2.1"), endpoint="charges", auth="sk_1", user=User())
+
+    first = identified()
+    assert identified() is first
+    assert identify(rf.get("/", REMOTE_ADDR="192.0.2.2"), endpoint="charges", auth="sk_1", user=User()).ip != first.ip
+    assert identify(rf.get("/", REMOTE_ADDR="192.0.2.1"), endpoint="refunds", auth="sk_1", user=User()) is not first
+    settings.RATELIMITS = {"IDENTITY": {"HASH_KEY": "another key entirely, for this test"}}
+    again = identified()
+    assert again is not first and again.caller == first.caller  # the same subjects, hashed otherwise
+    assert again.caller.digest != first.caller.digest

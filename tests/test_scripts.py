@@ -15,7 +15,7 @@ from ratelimits.backends.redis import DECIDE, RedisBackend, Script, make_client,
 from ratelimits.counters import usage_for
 from ratelimits.identity import Subject, SubjectKind
 from ratelimits.policies import Check, Policy
-from ratelimits.policies.values import Scope
+from ratelimits.policies.values import Scope, check_for
 from ratelimits.rates import parse_rate
 
 from .support.clock import FakeClock
@@ -200,6 +200,30 @@ def test_a_decide_call_packs_its_header_and_tail_where_the_script_reads_them() -
     stamped = backend._call_for([check], consume=True, usage=usage, wants=None).stamped(args)[0]
     assert codec.REQUEST.unpack_from(stamped)[:-1] == header[:-1]  # only the deadline is new
     assert stamped[codec.REQUEST.size :] == packed[codec.REQUEST.size :]
+
+
+def test_a_list_of_checks_is_compiled_once_and_each_list_for_itself() -> None:
+    """A decide call's keys and records are made once per list of checks (by their ids): two lists
+    sharing a check are each their own, a list seen again is what a fresh backend makes of it, and a
+    list with a sharded budget's check (its shard picked per request) is never kept."""
+    backend = RedisBackend(make_client("redis://127.0.0.1:1/0", 0.1, 0.1), clock=FakeClock())
+    caller, org = Subject(SubjectKind.API_KEY, "k1"), Subject(SubjectKind.ORG, "acme")
+    rate = Check(Policy("p", parse_rate("5/s"), 5), caller)
+    shared = Check(Policy("org", parse_rate("50/s"), 50), org)
+    both, alone = [rate, shared], [shared]
+
+    def call(on: RedisBackend, checks: list[Check]) -> tuple[list[str], list[object]]:
+        return on.decide_call(checks, consume=True, usage=None, slot=None)
+
+    first = call(backend, both)
+    assert call(backend, alone)[0] == [backend.version_key, shared.key("rl")]
+    assert call(backend, both) == first == call(RedisBackend(backend.client, clock=backend.clock), both)
+    assert first[0] == [backend.version_key, rate.key("rl"), shared.key("rl")]
+    assert first[1][0][codec.REQUEST.size :] == codec.check_record(rate) + codec.check_record(shared)
+    kept = len(backend._compiled)
+    sharded = Policy("all", parse_rate("1000/s"), 1000, shards=4)
+    call(backend, [rate, check_for(sharded, Subject(SubjectKind.ENDPOINT, "charges"), 1)])
+    assert len(backend._compiled) == kept
 
 
 def test_an_admission_at_the_edge_of_a_bucket_leaves_zero_never_minus_one(

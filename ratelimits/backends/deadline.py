@@ -23,6 +23,7 @@ that runs just before it is answered before the worker stops waiting.
 
 from __future__ import annotations
 
+import threading
 import time
 
 __all__ = ["ANSWER_SHARE", "StoreClock"]
@@ -39,13 +40,16 @@ class StoreClock:
     """The offset of the store's clock from this process's, learnt from replies; and deadlines on it."""
 
     def __init__(self, *, in_step: bool = False) -> None:
-        #: The clocks are taken as in step (the app's clock decides): the offset is 0.
+        #: The clocks are taken as in step (the app's clock decides): the offset is 0. Fixed when made.
         self.in_step = in_step
         self._window_start = time.monotonic()
         self._current: int | None = None
         self._previous: int | None = None
         #: The least of the two windows' bounds, kept as they change: every call's deadline reads it.
         self._offset: int | None = 0 if in_step else None
+        #: Held to change the bounds (rarely: a tighter one, a new window), so that two threads'
+        #: replies never leave an offset made of a bound the other dropped.
+        self._lock = threading.Lock()
 
     @staticmethod
     def now_us() -> int:
@@ -55,16 +59,18 @@ class StoreClock:
     def observe(self, sent_us: int, store_us: int) -> None:
         """A script sent at ``sent_us`` (:meth:`now_us`) read ``store_us`` from the store's clock."""
         bound = store_us - sent_us
-        now = time.monotonic()
-        if now - self._window_start >= WINDOW_S:
-            self._window_start, self._previous, self._current = now, self._current, bound
-        elif self._current is None or bound < self._current:
-            self._current = bound
-        else:
+        current = self._current
+        if current is not None and bound >= current and time.monotonic() - self._window_start < WINDOW_S:
             return  # the common case: no tighter than this window's bound, and the offset stands
-        if not self.in_step:
-            previous = self._previous
-            self._offset = bound if previous is None or bound < previous else previous
+        with self._lock:
+            now = time.monotonic()
+            if now - self._window_start >= WINDOW_S:
+                self._window_start, self._previous, self._current = now, self._current, bound
+            elif self._current is None or bound < self._current:
+                self._current = bound
+            if not self.in_step:
+                current, previous = self._current, self._previous
+                self._offset = current if previous is None or current < previous else previous
 
     def offset_us(self) -> int | None:
         """How far the store's clock is ahead of this process's (at most), or ``None`` before any reply."""

@@ -297,23 +297,29 @@ class RedisBackend(Backend):
     def _call_for(
         self, checks: Sequence[Check], *, consume: bool, usage: Usage | None, wants: Sequence[int] | None
     ) -> _DecideCall:
-        compiled = self.compiled(checks)
-        slot = new_slot(compiled.checks) if consume and compiled.held else None
+        compiled = self._compiled_for(checks)
+        slot = new_slot(compiled.checks) if consume and compiled.held else None  # held: it takes slots
         script_keys, args = self._call_of(compiled, consume=consume, usage=usage, slot=slot, wants=wants)
         return _DecideCall(self, checks, script_keys, args, slot, compiled.held if slot else ())
 
-    def compiled(self, checks: Sequence[Check]) -> _Compiled:
+    def _compiled_for(self, checks: Sequence[Check]) -> _Compiled:
         """What every decide call of ``checks`` says, whoever makes it: made once per list of checks.
 
         A caller's checks are the same objects request after request (the resolver's), so they
-        are known by their ids; an entry holds them, so the ids stay theirs.
+        are known by their ids; an entry holds them, so the ids stay theirs. A list with a sharded
+        budget's check is made afresh each time and not kept: its shard is picked per request, so
+        it would fill the memo with lists that never come back. Checks made for one call only (a
+        failed authentication's) are kept like any, until the memo starts over (it is bounded).
         """
         ids = tuple(map(id, checks))
         try:
             return self._compiled[ids]
         except KeyError:
             pass
-        return remember(self._compiled, ids, _Compiled.of(tuple(checks), self.prefix))
+        compiled = _Compiled.of(tuple(checks), self.prefix)
+        if any(check.policy.is_shard for check in checks):
+            return compiled
+        return remember(self._compiled, ids, compiled)
 
     def deadline(self, sent_us: int, waiting_s: float = 0.0) -> int:
         """The store-clock moment by which a call sent at ``sent_us`` must run (0: none known yet)."""
@@ -353,7 +359,7 @@ class RedisBackend(Backend):
         ``deadline``: the store-clock moment (us) after which the script does nothing (0: none).
         """
         return self._call_of(
-            self.compiled(checks),
+            self._compiled_for(checks),
             consume=consume,
             usage=usage,
             slot=slot,
@@ -759,6 +765,7 @@ class _Compiled(NamedTuple):
 
     @classmethod
     def of(cls, checks: tuple[Check, ...], prefix: str) -> _Compiled:
+        """``checks`` compiled for a backend whose keys start with ``prefix``."""
         keys = tuple(check.key(prefix) for check in checks)
         return cls(
             checks,
@@ -784,12 +791,10 @@ class _DecideCall:
 
     def stamped(self, args: Sequence[Any], *, waiting_s: float = 0.0) -> list[Any]:
         """``args`` with the call's deadline, from now, its send (``lua/decide.lua``'s REQUEST, last)."""
-        self.sent = sent = StoreClock.now_us()
-        deadline = self.backend.deadline(sent, waiting_s)
-        if not deadline:
-            return list(args)  # none known yet: the header says 0 already
+        self.sent = sent = self.backend.store_clock.now_us()
         record = args[0]
-        return [b"".join((record[:_DEADLINE_AT], DEADLINE.pack(deadline), record[REQUEST.size :])), *args[1:]]
+        deadline = DEADLINE.pack(self.backend.deadline(sent, waiting_s))
+        return [b"".join((record[:_DEADLINE_AT], deadline, record[REQUEST.size :])), *args[1:]]
 
     def failed(self, exc: BackendUnavailable) -> None:
         """Tell ``exc`` what it means for this call."""

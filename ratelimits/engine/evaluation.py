@@ -279,7 +279,7 @@ def _prepare(
     source = get_policy_source()
     if consume:
         # What refuse_early looks the path up as: exactly what this view is limited as.
-        remember(_endpoints, (_urlconf(http), http.path_info), endpoint)
+        remember(_endpoints, (getattr(http, "urlconf", None), http.path_info), endpoint)
     shedder = get_worker_shedder() if consume else None
     recorder = get_recorder() if consume else None
     if shedder is not None:
@@ -449,12 +449,7 @@ _endpoints: dict[tuple[Any, str], str] = {}
 
 def endpoint_of(request: HttpRequest) -> str | None:
     """The endpoint ``request``'s path was last limited as, if a request to it was (else: not limited here)."""
-    return _endpoints.get((_urlconf(request), request.path_info))
-
-
-def _urlconf(request: HttpRequest) -> Any:
-    """The URLconf a middleware set on ``request`` (``None``: the project's), read without a failed lookup."""
-    return vars(request).get("urlconf")
+    return _endpoints.get((getattr(request, "urlconf", None), request.path_info))
 
 
 def early_refusals() -> bool:
