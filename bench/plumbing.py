@@ -17,13 +17,23 @@ really taken out).
 It starts a private ``redis-server`` on a free loopback port (for the recorded reply and the row
 with the store asked) and stops it by PID. Issue 28 defines the plumbing as the throttle minus
 ``RedisBackend.decide``; both are printed, replayed, and their difference.
+
+``--instructions`` counts instead of timing: it runs the replayed call under valgrind's callgrind
+in two child processes (1,000 and 6,000 calls, ``PYTHONHASHSEED=0``, against this process's
+private Redis), and the difference over 5,000 is the instructions of one call. Callgrind counts
+every thread of a child, and the background threads' work grows with the time a run takes, which
+does not cancel out: counts of the same code have moved by up to 4 % between runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -49,13 +59,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=20_000, help="calls per variant per round (default 20,000)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     parser.add_argument("--json", type=Path, default=RESULTS / "plumbing.json", help="where to write the figures")
+    parser.add_argument(
+        "--instructions", action="store_true", help="count the replayed call's instructions under callgrind (~3 min)"
+    )
+    # A callgrind child's calls, on its parent's Redis (which the parent stops).
+    parser.add_argument("--replayed-only", type=int, nargs=2, metavar=("CALLS", "PORT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.replayed_only is not None:
+        calls, port = args.replayed_only
+        replay_only(port, calls)
+        return 0
     server = RedisServer()
     if server.port == SHARED_REDIS_PORT:
         raise RuntimeError("refusing to use port 6379 (the shared Redis)")
     try:
         server.start()
         log(f"private redis-server pid {server.pid} on 127.0.0.1:{server.port}")
+        if args.instructions:
+            return count_instructions(server.port)
         report = measure(server.port, args.calls, args.rounds)
     finally:
         server.stop()
@@ -129,6 +150,62 @@ def measure(port: int, calls: int, rounds: int) -> dict[str, Any]:
         "plumbing_target_us": TARGET_US,
         "store_us": figures["throttle, store asked"] - replayed,
     }
+
+
+#: The callgrind children's calls: the difference is one call's instructions times their difference.
+COUNTED_CALLS = (1_000, 6_000)
+
+
+def count_instructions(port: int) -> int:
+    """Instructions of one replayed throttle call: two children under callgrind, the difference."""
+    if shutil.which("valgrind") is None:
+        log("valgrind is not on PATH; install it to count instructions")
+        return 2
+    totals = []
+    for calls in COUNTED_CALLS:
+        # A child that outlives its timeout is killed; the Redis it used is this process's, stopped after.
+        done = subprocess.run(
+            [
+                "valgrind",
+                "--tool=callgrind",
+                "--callgrind-out-file=/dev/null",
+                sys.executable,
+                "-m",
+                "bench.plumbing",
+                "--replayed-only",
+                str(calls),
+                str(port),
+            ],
+            env={**os.environ, "PYTHONHASHSEED": "0"},
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            check=False,
+        )
+        found = re.search(r"Collected : (\d+)", done.stderr)
+        if done.returncode != 0 or found is None:
+            log(done.stderr[-2000:])
+            return 1
+        totals.append(int(found.group(1)))
+        log(f"{calls:,} replayed calls: {totals[-1]:,} instructions in all")
+    per_call = (totals[1] - totals[0]) / (COUNTED_CALLS[1] - COUNTED_CALLS[0])
+    print(f"Instructions per four-dimension throttle call, the store's reply replayed: {per_call:,.0f}")
+    return 0
+
+
+def replay_only(port: int, calls: int) -> None:
+    """What a callgrind child runs: the throttle ``calls`` times with the store's reply replayed."""
+    url = f"redis://127.0.0.1:{port}/0"
+    from .settings import configure, ratelimits_settings
+
+    configure(url, f"redis://127.0.0.1:{port}/1")
+    from django.test import override_settings
+
+    with override_settings(RATELIMITS=ratelimits_settings(url, dimensions=4)):
+        path = _Path()
+        with _patched(path.redis_module, "call", path.replay):
+            for i in range(calls):
+                path.throttle(i)
 
 
 def _per_call_us(variant: Variant, calls: int) -> float:
@@ -216,6 +293,10 @@ class _Path:
             stack.enter_context(_patched(throttles, "rate_limit_headers", written))
             for i in range(len(self.requests)):
                 self.throttle(i)
+        # Each caller's own entry (its tier check leads its list): none overwrote another's.
+        callers = len(self.requests)
+        if any(len(recorded) != callers for recorded in given.values()):
+            raise AssertionError(f"expected one recording per caller: {[len(r) for r in given.values()]}")
 
     def variants(self) -> list[Variant]:
         evaluation, source, backend, limiter, throttles = (

@@ -2,7 +2,8 @@
 
 A subject's keys share its hash tag, so a request touches one slot for its caller's own policies
 and one for each shared subject (its IP, organisation, an endpoint-wide limit). Each group is one
-``EVALSHA`` of ``lua/decide.lua`` on the master of its slot; the calls go out to their nodes
+call of ``lua/decide.lua`` on the master of its slot (``FCALL`` of its Function, ``EVALSHA`` where
+a node refuses Functions); the calls go out to their nodes
 before any reply is read, so a decision costs about one round trip however many groups it has.
 
 All or nothing across groups: when a group denies, the groups that admitted are given back what
