@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
 import redis
+import redis.asyncio
 
-from ratelimits.backends import layout
+from ratelimits.backends import codec, layout
 from ratelimits.backends.deadline import ANSWER_SHARE, StoreClock
-from ratelimits.backends.redis import ADD_USAGE, DECIDE, RedisBackend, make_client
+from ratelimits.backends.redis import ADD_USAGE, DECIDE, Functions, RedisBackend, _arun, make_client
 from ratelimits.choices import FailMode
 from ratelimits.counters import usage_for
 from ratelimits.exceptions import BackendUnavailable
@@ -91,3 +93,37 @@ def test_a_worker_learns_the_offset_from_its_decisions_and_sends_deadlines(
     offset = timed.store_clock.offset_us()
     assert offset is not None and abs(offset) < 1_000_000  # one machine's clocks: a trip apart
     assert timed.decide([check]).allowed  # sent with a deadline, in time
+
+
+@pytest.mark.parametrize("on_a_loop", [False, True], ids=["sync", "asyncio"])
+def test_a_call_sent_again_is_stamped_again(own_redis: RedisServer, on_a_loop: bool) -> None:
+    """A call the store did not run (it lost the decide Function) is sent again after the load, and
+    stamped again: the worker waits its timeout from the new send, so the deadline counts from it."""
+    backend = RedisBackend(make_client(own_redis.url, 2.0, 2.0))
+    checks = [Check(policy("10/s"), ALICE)]
+    assert backend.decide(checks).allowed  # the Function loaded
+    own_redis.client().function_flush()
+    keys, args = backend.decide_call(checks, consume=True, usage=None, slot=None)
+    deadlines = [1, 2**52]  # the first send's deadline long past (it never runs), the second's far ahead
+    stamps: list[int] = []
+
+    def stamp(sent: Any) -> Any:
+        stamps.append(deadlines[len(stamps)])
+        record = sent[0]
+        header = record[: codec.REQUEST.size - codec.DEADLINE.size] + codec.DEADLINE.pack(stamps[-1])
+        return [header + record[codec.REQUEST.size :], *sent[1:]]
+
+    if on_a_loop:
+
+        async def run() -> Any:
+            client = redis.asyncio.Redis.from_url(own_redis.url)
+            try:
+                return await _arun(client, DECIDE, keys, args, Functions(), stamp)
+            finally:
+                await client.aclose()
+
+        reply: Any = asyncio.run(run())
+    else:
+        reply = backend._run(DECIDE, keys, args, stamp)
+    assert stamps == deadlines  # stamped as each send went out
+    assert all(retry == 0 for retry in reply[4::3])  # the second send ran, in time

@@ -275,13 +275,18 @@ class RedisBackend(Backend):
     ) -> tuple[Decision, Any]:
         """:meth:`_decided` on the running event loop's ``redis.asyncio`` client."""
         call = self._call_for(checks, consume=consume, usage=usage, wants=wants)
+        stamp = None
         if consume:
             # Sent once the loop's pool gives it a connection (and it is connected): the worker
             # waits that long on top of its socket timeout, and so may the script.
             timeouts = self.timeouts or (0.0, 0.0)
-            call.args = call.stamped(call.args, waiting_s=2 * timeouts[1])
+            waiting_s = 2 * timeouts[1]
+
+            def stamp(args: Sequence[Any]) -> Sequence[Any]:
+                return call.stamped(args, waiting_s=waiting_s)
+
         try:
-            reply = await _arun(client, DECIDE, call.keys, call.args, self.functions)
+            reply = await _arun(client, DECIDE, call.keys, call.args, self.functions, stamp)
         except BackendUnavailable as exc:
             call.failed(exc)
             raise
@@ -682,29 +687,32 @@ class RedisBackend(Backend):
         """Run ``script`` on this thread's connection: FCALL if it is a Function the store runs
         (loading it first if the store lost it), else EVALSHA, and EVAL if Redis lost its script cache.
 
-        ``stamp(args)``: the arguments as sent, made once the connection is ready (a deadline
-        counts from the send, not from before a connect). The same boundary as :meth:`_store`,
-        written out: this is every decision's path, and a context manager costs a microsecond.
+        ``stamp(args)``: the arguments as sent, made as each send goes out, once the connection is
+        ready: a deadline counts from the send, not from before a connect, nor from an earlier send
+        the store did not run (the worker waits its timeout from the new one). The same boundary as
+        :meth:`_store`, written out: this is every decision's path, and a context manager costs a
+        microsecond.
         """
         try:
             connection = self._connection()
-            if stamp is not None:
-                args = stamp(args)
             if script.function and self.functions.enabled:
-                command = ("FCALL", script.function, len(script_keys), *script_keys, *args)
+                sent = args if stamp is None else stamp(args)
                 try:
-                    return call(connection, *command)
+                    return call(connection, "FCALL", script.function, len(script_keys), *script_keys, *sent)
                 except redis.ResponseError as exc:
                     if not self.functions.not_run(exc):
                         raise
                 # The function did not run, so sending it again cannot charge twice.
                 if self.functions.enabled and load_function(connection, script, self.functions):
-                    return call(connection, *command)
+                    sent = _stamped(args, stamp)
+                    return call(connection, "FCALL", script.function, len(script_keys), *script_keys, *sent)
+            sent = _stamped(args, stamp)
             try:
-                return call(connection, "EVALSHA", script.sha, len(script_keys), *script_keys, *args)
+                return call(connection, "EVALSHA", script.sha, len(script_keys), *script_keys, *sent)
             except redis.exceptions.NoScriptError:
                 # The script did not run, so sending it again cannot charge twice.
-                return call(connection, "EVAL", script.text, len(script_keys), *script_keys, *args)
+                sent = _stamped(args, stamp)
+                return call(connection, "EVAL", script.text, len(script_keys), *script_keys, *sent)
         except STORE_ERRORS as exc:
             raise script_error(script, exc) from exc
 
@@ -724,6 +732,11 @@ class RedisBackend(Backend):
             # a decision still gets the limiter's timeouts and is never retried.
             kwargs.update(tight(*self.timeouts))
         return pool.connection_class(**kwargs)
+
+
+def _stamped(args: Sequence[Any], stamp: Callable[[Sequence[Any]], Sequence[Any]] | None) -> Sequence[Any]:
+    """``args`` as a send goes out now: stamped with its deadline, if the call has one."""
+    return args if stamp is None else stamp(args)
 
 
 def renew_call(
@@ -844,14 +857,20 @@ def load_function(connection: Any, script: Script, functions: Functions) -> bool
 
 
 async def _arun(
-    client: Any, script: Script, script_keys: Sequence[str], args: Sequence[Any], functions: Functions
+    client: Any,
+    script: Script,
+    script_keys: Sequence[str],
+    args: Sequence[Any],
+    functions: Functions,
+    stamp: Callable[[Sequence[Any]], Sequence[Any]] | None = None,
 ) -> Any:
-    """:meth:`RedisBackend._run` on a ``redis.asyncio`` client: the same errors mean the same."""
+    """:meth:`RedisBackend._run` on a ``redis.asyncio`` client: the same errors mean the same, and
+    each send is stamped as it goes out."""
     try:
         if script.function and functions.enabled:
-            command = ("FCALL", script.function, len(script_keys), *script_keys, *args)
             try:
-                return await client.execute_command(*command)
+                sent = _stamped(args, stamp)
+                return await client.execute_command("FCALL", script.function, len(script_keys), *script_keys, *sent)
             except redis.ResponseError as exc:
                 if not functions.not_run(exc):
                     raise
@@ -862,12 +881,15 @@ async def _arun(
                     if not functions.refused(exc):
                         raise
                 else:
-                    return await client.execute_command(*command)
+                    sent = _stamped(args, stamp)
+                    return await client.execute_command("FCALL", script.function, len(script_keys), *script_keys, *sent)
         try:
-            return await client.execute_command("EVALSHA", script.sha, len(script_keys), *script_keys, *args)
+            sent = _stamped(args, stamp)
+            return await client.execute_command("EVALSHA", script.sha, len(script_keys), *script_keys, *sent)
         except redis.exceptions.NoScriptError:
             # The script did not run, so sending it again cannot charge twice.
-            return await client.execute_command("EVAL", script.text, len(script_keys), *script_keys, *args)
+            sent = _stamped(args, stamp)
+            return await client.execute_command("EVAL", script.text, len(script_keys), *script_keys, *sent)
     except STORE_ERRORS as exc:
         raise script_error(script, exc) from exc
 
