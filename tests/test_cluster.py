@@ -23,7 +23,7 @@ from ratelimits.algorithms import RATE_ALGORITHMS, Algorithm
 from ratelimits.backends import get_backend, layout
 from ratelimits.backends.cluster import ClusterBackend
 from ratelimits.backends.memory import MemoryBackend
-from ratelimits.backends.redis import DECIDE, make_client, read_state
+from ratelimits.backends.redis import DECIDE, deadline_of, make_client, read_state, with_deadline
 from ratelimits.counters import Usage
 from ratelimits.decisions import Verdict
 from ratelimits.engine import get_limiter
@@ -519,6 +519,26 @@ def test_a_function_the_nodes_lost_is_loaded_on_each_and_every_call_charged_once
     for server in redis_cluster.masters():
         with server.client() as node:
             assert node.function_list(library=DECIDE.function)
+
+
+def test_a_call_sent_again_after_the_function_was_lost_carries_a_deadline_of_its_new_send(
+    redis_cluster: Cluster,
+) -> None:
+    """A round's calls the nodes did not run (their Function lost) are sent again once it is loaded,
+    stamped again: sent first with a deadline long past, they run when sent again."""
+    backend = cluster_backend(redis_cluster)
+    checks = [Check(policy("10/h", name=f"restamp{i}"), s) for i, s in enumerate(many_subjects(12))]
+    assert backend.decide(checks).allowed
+    for server in redis_cluster.masters():
+        with server.client() as node:
+            node.function_flush()
+    calls = backend.decide_calls(checks, consume=True, usage=None, slot=None)
+    for call in calls:
+        call.args = with_deadline(call.args, 1)  # long past: as sent first, each would be LATE
+    backend._run_calls(DECIDE, calls)
+    assert all(call.error is None for call in calls), [call.error for call in calls]
+    assert all(deadline_of(call.args) != 1 for call in calls)
+    assert [r.remaining for r in backend.decide(checks).results] == [7] * len(checks)  # each charged once
 
 
 def test_an_error_reply_leaves_its_nodes_connection_in_step(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,9 +9,9 @@ import pytest
 import redis
 import redis.asyncio
 
-from ratelimits.backends import codec, layout
+from ratelimits.backends import layout
 from ratelimits.backends.deadline import ANSWER_SHARE, StoreClock
-from ratelimits.backends.redis import ADD_USAGE, DECIDE, Functions, RedisBackend, _arun, make_client
+from ratelimits.backends.redis import ADD_USAGE, DECIDE, Functions, RedisBackend, _arun, make_client, with_deadline
 from ratelimits.choices import FailMode
 from ratelimits.counters import usage_for
 from ratelimits.exceptions import BackendUnavailable
@@ -109,9 +109,7 @@ def test_a_call_sent_again_is_stamped_again(own_redis: RedisServer, on_a_loop: b
 
     def stamp(sent: Any) -> Any:
         stamps.append(deadlines[len(stamps)])
-        record = sent[0]
-        header = record[: codec.REQUEST.size - codec.DEADLINE.size] + codec.DEADLINE.pack(stamps[-1])
-        return [header + record[codec.REQUEST.size :], *sent[1:]]
+        return with_deadline(sent, stamps[-1])
 
     if on_a_loop:
 

@@ -54,6 +54,7 @@ from .redis import (
     STORE_ERRORS,
     RedisBackend,
     Script,
+    deadline_of,
     decide_results,
     load_function,
     make_client,
@@ -61,6 +62,7 @@ from .redis import (
     renew_call,
     script_error,
     unavailable,
+    with_deadline,
 )
 from .transport import read, send
 
@@ -427,6 +429,9 @@ class ClusterBackend(RedisBackend):
                 if not load_function(connection, script, self.functions):
                     full = True
             body = ("EVAL", script.text) if full else self._body(script)
+            if script is DECIDE and deadline_of(call.args):
+                # Sent again, so stamped again: the worker waits its timeout from this send.
+                call.args = with_deadline(call.args, self.deadline(self.store_clock.now_us()))
             command = (*body, len(call.keys), *call.keys, *call.args)
             if address:
                 send(connection, ("ASKING",), command)

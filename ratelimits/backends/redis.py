@@ -762,6 +762,18 @@ STORE_ERRORS = (redis.RedisError, OSError)
 _DEADLINE_AT = REQUEST.size - DEADLINE.size
 
 
+def with_deadline(args: Sequence[Any], deadline: int) -> list[Any]:
+    """A decide call's ``args`` with ``deadline`` in its packed request (0: none)."""
+    record = args[0]
+    return [b"".join((record[:_DEADLINE_AT], DEADLINE.pack(deadline), record[REQUEST.size :])), *args[1:]]
+
+
+def deadline_of(args: Sequence[Any]) -> int:
+    """The deadline a decide call's ``args`` carry (0: none)."""
+    (deadline,) = DEADLINE.unpack_from(args[0], _DEADLINE_AT)
+    return int(deadline)
+
+
 class _Compiled(NamedTuple):
     """What every decide call of one list of checks says: their keys, records and slot keys."""
 
@@ -805,9 +817,7 @@ class _DecideCall:
     def stamped(self, args: Sequence[Any], *, waiting_s: float = 0.0) -> list[Any]:
         """``args`` with the call's deadline, from now, its send (``lua/decide.lua``'s REQUEST, last)."""
         self.sent = sent = self.backend.store_clock.now_us()
-        record = args[0]
-        deadline = DEADLINE.pack(self.backend.deadline(sent, waiting_s))
-        return [b"".join((record[:_DEADLINE_AT], deadline, record[REQUEST.size :])), *args[1:]]
+        return with_deadline(args, self.backend.deadline(sent, waiting_s))
 
     def failed(self, exc: BackendUnavailable) -> None:
         """Tell ``exc`` what it means for this call."""
