@@ -44,10 +44,11 @@ from typing import Any
 
 from tests.support.redis_server import RedisServer
 
+from .__main__ import SHARED_REDIS_PORT
+
 #: The issue's target for the plumbing (throttle minus decide), in microseconds.
 TARGET_US = 15.0
 RESULTS = Path(__file__).resolve().parent / "results"
-SHARED_REDIS_PORT = 6379
 
 
 def log(message: str) -> None:

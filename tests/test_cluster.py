@@ -501,18 +501,25 @@ def test_a_check_one_group_cannot_decide_is_left_to_its_fail_mode_and_the_others
     assert backend.decide([good], consume=False).results[0].remaining == 8  # charged once ("after this one": 8)
 
 
+def decided_then_function_lost(cluster: Cluster, name: str) -> tuple[ClusterBackend, list[Check]]:
+    """A backend and twelve checks spread over the masters, each decided once (10/h: 9 left), and
+    then every master's copy of the decide Function flushed, as a restart or a promoted replica leaves it."""
+    backend = cluster_backend(cluster)
+    checks = [Check(policy("10/h", name=f"{name}{i}"), s) for i, s in enumerate(many_subjects(12))]
+    assert backend.decide(checks).allowed
+    for server in cluster.masters():
+        with server.client() as node:
+            node.function_flush()
+    return backend, checks
+
+
 def test_a_function_the_nodes_lost_is_loaded_on_each_and_every_call_charged_once(
     redis_cluster: Cluster, cluster_client: Any
 ) -> None:
     """After FUNCTION FLUSH (as a restart or a promoted replica leaves a node), each node's calls of
     one round come back "Function not found", every reply is read, the library is loaded on the
     node and the calls sent again: each charged once."""
-    backend = cluster_backend(redis_cluster)
-    checks = [Check(policy("10/h", name=f"lost{i}"), s) for i, s in enumerate(many_subjects(12))]
-    assert backend.decide(checks).allowed
-    for server in redis_cluster.masters():
-        with server.client() as node:
-            node.function_flush()
+    backend, checks = decided_then_function_lost(redis_cluster, "lost")
     decision = backend.decide(checks)
     assert decision.allowed and [r.remaining for r in decision.results] == [8] * len(checks)
     assert [r.remaining for r in backend.decide(checks).results] == [7] * len(checks)  # every node in step
@@ -526,12 +533,7 @@ def test_a_call_sent_again_after_the_function_was_lost_carries_a_deadline_of_its
 ) -> None:
     """A round's calls the nodes did not run (their Function lost) are sent again once it is loaded,
     stamped again: sent first with a deadline long past, they run when sent again."""
-    backend = cluster_backend(redis_cluster)
-    checks = [Check(policy("10/h", name=f"restamp{i}"), s) for i, s in enumerate(many_subjects(12))]
-    assert backend.decide(checks).allowed
-    for server in redis_cluster.masters():
-        with server.client() as node:
-            node.function_flush()
+    backend, checks = decided_then_function_lost(redis_cluster, "restamp")
     calls = backend.decide_calls(checks, consume=True, usage=None, slot=None)
     for call in calls:
         call.args = with_deadline(call.args, 1)  # long past: as sent first, each would be LATE

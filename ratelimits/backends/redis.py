@@ -696,7 +696,7 @@ class RedisBackend(Backend):
         try:
             connection = self._connection()
             if script.function and self.functions.enabled:
-                sent = args if stamp is None else stamp(args)
+                sent = _stamped(args, stamp)
                 try:
                     return call(connection, "FCALL", script.function, len(script_keys), *script_keys, *sent)
                 except redis.ResponseError as exc:

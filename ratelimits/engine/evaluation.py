@@ -515,7 +515,8 @@ def _holds_anything(decision: Decision, shedder: WorkerShedder | None) -> bool:
 
 
 def _hold(request: HttpRequest, item: _Held) -> None:
-    """Keep ``item`` until the request's response is closed, or the request is over.
+    """Keep ``item`` (which holds something: :func:`_holds_anything`) until the request's response
+    is closed, or the request is over.
 
     The list is kept on the request, and the request's ``close`` releases it: Django calls it when
     it closes the response, under WSGI and ASGI alike, sync or async, after a streaming body too.
@@ -528,8 +529,6 @@ def _hold(request: HttpRequest, item: _Held) -> None:
     after that (work the view left in a thread of its own, an outer context shared by several
     requests) is released when the request is collected.
     """
-    if not _holds_anything(item.decision, item.shedder):
-        return
     http_request: Any = getattr(request, "_request", request)  # DRF's Request wraps Django's
     held: list[_Held] | None = getattr(http_request, HELD_ATTRIBUTE, None)
     if held is None:
