@@ -40,6 +40,7 @@ __all__ = [
     "Row",
     "SubjectLabels",
     "Usage",
+    "UsageRow",
     "caller_rows",
     "count",
     "overflow_of",
@@ -47,6 +48,7 @@ __all__ = [
     "parse_row",
     "subject_labels",
     "usage_for",
+    "usage_row",
 ]
 
 #: The metric suffixes of a counter field.
@@ -85,17 +87,43 @@ class Row(NamedTuple):
     endpoint: str
 
 
-def usage_for(caller: Subject, organization: Subject | None, tier: str, endpoint: str, tokens: int) -> Usage:
-    """The usage of one request made now (minutes since the epoch on this process's clock).
+#: ``Usage(...)`` without the Python-level ``__new__`` a NamedTuple has: one per request.
+_usage = tuple.__new__
 
-    Notes the labels of the digests its row carries, for :mod:`ratelimits.usage.subjects` to write.
-    """
-    labels = _labels.get()
-    labels.note(caller)
-    if organization is not None:
-        labels.note(organization)
+
+class UsageRow(NamedTuple):
+    """Where a caller's requests to one endpoint are counted, whatever the minute: made once,
+    read for every request (:meth:`now`)."""
+
+    caller: Subject
+    organization: Subject | None
+    field: str
+    tokens: int
+    overflow: str
+
+    def now(self) -> Usage:
+        """The usage of one request made now (minutes since the epoch on this process's clock).
+
+        Notes the labels of the digests its row carries, for :mod:`ratelimits.usage.subjects` to
+        write (the labels forget what they wrote once an hour: each request notes them again).
+        """
+        labels = _labels.get()
+        labels.note(self.caller)
+        if self.organization is not None:
+            labels.note(self.organization)
+        return _usage(Usage, (int(time.time() // 60), self.field, self.tokens, self.overflow))
+
+
+def usage_row(caller: Subject, organization: Subject | None, tier: str, endpoint: str, tokens: int) -> UsageRow:
+    """The row ``caller``'s requests to ``endpoint`` (with ``organization`` and ``tier``, each
+    spending ``tokens``) are counted in."""
     row = _row(caller.kind, caller.digest, organization.digest if organization else "", tier, endpoint)
-    return Usage(int(time.time() // 60), row, tokens, _overflow(caller.kind, endpoint))
+    return UsageRow(caller, organization, row, tokens, _overflow(caller.kind, endpoint))
+
+
+def usage_for(caller: Subject, organization: Subject | None, tier: str, endpoint: str, tokens: int) -> Usage:
+    """The usage of one request made now: :func:`usage_row`'s :meth:`~UsageRow.now`."""
+    return usage_row(caller, organization, tier, endpoint, tokens).now()
 
 
 @lru_cache(maxsize=65_536)

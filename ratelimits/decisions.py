@@ -87,12 +87,20 @@ class Decision:
     @property
     def violated(self) -> tuple[Result, ...]:
         """Enforced checks that deny this request."""
-        return tuple(r for r in self.results if not r.allowed and not r.check.policy.shadow)
+        return self._denied(False)
 
     @property
     def shadow_violated(self) -> tuple[Result, ...]:
         """Shadow checks that would have denied this request had they been enforced."""
-        return tuple(r for r in self.results if not r.allowed and r.check.policy.shadow)
+        return self._denied(True)
+
+    def _denied(self, shadow: bool) -> tuple[Result, ...]:
+        # A loop, not a generator: read for every response, and nearly always empty.
+        found: tuple[Result, ...] = ()
+        for result in self.results:
+            if not result.allowed and bool(result.check.policy.shadow) == shadow:
+                found += (result,)
+        return found
 
     @property
     def closest(self) -> Result | None:

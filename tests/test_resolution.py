@@ -8,6 +8,7 @@ case both must resolve the request into exactly the same checks: policy, subject
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,9 +16,13 @@ import pytest
 from django.test import RequestFactory
 
 from ratelimits import engine
+from ratelimits.counters import caller_rows, subject_labels
+from ratelimits.engine.evaluation import usage_of
 from ratelimits.identity import identify
 from ratelimits.models import EndpointPolicy, FleetSettings, Override, SubjectAssignment, Tier
 from ratelimits.policies.audit import audit_context
+from ratelimits.policies.resolver import resolve
+from ratelimits.policies.values import KeptChecks
 from ratelimits.rates import MAX_LIMIT
 
 from .support.settings import merged
@@ -257,6 +262,62 @@ def test_a_request_like_an_earlier_one_resolves_as_the_function_says_now(setting
     ]
 
 
+def test_requests_that_resolve_alike_share_one_kept_list_of_checks(settings: Any, rf: RequestFactory) -> None:
+    """A resolution the snapshot keeps is handed out as one object (a ``KeptChecks``), which what is
+    made of it (a usage row, a backend's compiled call) is kept under: alike requests get that very
+    object, another caller its own, and a new snapshot (the settings changed) new ones. What it
+    says is what the pairs of :func:`resolve` say."""
+    settings.RATELIMITS = {
+        "BACKEND": "memory",
+        "TIERS": TIERS,
+        "POLICIES": {"DEFAULT_TIERS": DEFAULTS},
+        "DIMENSIONS": {"ip": {"rate": "70/s"}},
+    }
+    engine.reset()
+    source = engine.get_policy_source()
+
+    def checks_of(address: str) -> Any:
+        request = rf.get("/", REMOTE_ADDR=address)
+        return source.checks_for(request, identify(request, endpoint="customers", auth="sk_case"))
+
+    first = checks_of("198.51.100.7")
+    assert type(first) is KeptChecks
+    assert checks_of("198.51.100.7") is first
+    other = checks_of("203.0.113.9")
+    assert type(other) is KeptChecks and other is not first
+    assert [c.subject.value for c in other][-1] == "203.0.113.9"
+    assert list(other)[:-1] == list(first)[:-1]  # the same caller's own checks
+    request = rf.get("/", REMOTE_ADDR="198.51.100.7")
+    pairs = resolve(source.snapshot(), request, identify(request, endpoint="customers", auth="sk_case"))
+    assert [check for check, _ in pairs] == list(first)
+    settings.RATELIMITS = {**settings.RATELIMITS, "DIMENSIONS": {}}
+    engine.reset()
+    source = engine.get_policy_source()
+    again = checks_of("198.51.100.7")
+    assert again is not first and list(again) == [c for c in first if c.policy.name != "ip"]
+
+
+def test_a_kept_resolutions_usage_row_is_made_once_and_dated_per_request(settings: Any, rf: RequestFactory) -> None:
+    """The usage of a request whose checks the snapshot keeps is its row, made once, of the minute
+    it is made in: what the same checks made afresh give, and its caller's label is noted each time
+    (the labels forget what they wrote once an hour)."""
+    settings.RATELIMITS = {"BACKEND": "memory", "TIERS": TIERS, "POLICIES": {"DEFAULT_TIERS": DEFAULTS}}
+    engine.reset()
+    request = rf.get("/", REMOTE_ADDR="198.51.100.7")
+    identity = identify(request, endpoint="customers", auth="sk_case")
+    kept = engine.get_policy_source().checks_for(request, identity)
+    assert type(kept) is KeptChecks
+    labels = subject_labels()
+    for _ in range(2):
+        before = int(time.time() // 60)
+        usage = usage_of(identity, kept)
+        assert before <= usage.minute <= int(time.time() // 60)
+        assert usage._replace(minute=0) == usage_of(identity, list(kept))._replace(minute=0)
+        assert usage.field.startswith(caller_rows(identity.caller)) and '"basic"' in usage.field
+        assert identity.caller.digest in labels.pending
+        labels.take()
+
+
 @pytest.mark.parametrize(
     "config",
     [
@@ -282,3 +343,4 @@ def test_a_sharded_budget_is_picked_per_request_however_alike_the_requests(
         shards |= {check.subject.value for check in checks if check.policy.is_shard}
     assert len(shards) > 1  # 40 picks of 16 shards all alike: 16 ** -39
     assert not source.snapshot().resolved
+    assert type(checks) is list  # made for this request alone: nothing is kept under it

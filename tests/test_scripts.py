@@ -15,7 +15,7 @@ from ratelimits.backends.redis import DECIDE, RedisBackend, Script, make_client,
 from ratelimits.counters import usage_for
 from ratelimits.identity import Subject, SubjectKind
 from ratelimits.policies import Check, Policy
-from ratelimits.policies.values import Scope, check_for
+from ratelimits.policies.values import KeptChecks, Scope, check_for
 from ratelimits.rates import parse_rate
 
 from .support.clock import FakeClock
@@ -221,6 +221,10 @@ def test_a_list_of_checks_is_compiled_once_and_each_list_for_itself() -> None:
     assert first[0] == [backend.version_key, rate.key("rl"), shared.key("rl")]
     assert first[1][0][codec.REQUEST.size :] == codec.check_record(rate) + codec.check_record(shared)
     kept = len(backend._compiled)
+    resolved = KeptChecks(both)  # a snapshot's kept resolution: known by its own id
+    assert call(backend, resolved) == first == call(backend, resolved)
+    assert len(backend._compiled) == kept + 1
+    kept += 1
     sharded = Policy("all", parse_rate("1000/s"), 1000, shards=4)
     call(backend, [rate, check_for(sharded, Subject(SubjectKind.ENDPOINT, "charges"), 1)])
     assert len(backend._compiled) == kept

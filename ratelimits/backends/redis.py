@@ -22,10 +22,10 @@ from redis.cluster import RedisCluster
 
 from ..conf import conf
 from ..counters import Usage, overflow_of
-from ..decisions import Decision, Result
+from ..decisions import Decision, Result, Verdict
 from ..exceptions import BackendUnavailable, PolicyFailed
 from ..identity import remember
-from ..policies.values import Check
+from ..policies.values import Check, KeptChecks
 from ..shares import ShareRecord
 from . import layout
 from .aio import AsyncClients, async_pool_factory
@@ -200,7 +200,9 @@ class RedisBackend(Backend):
         self.usage_cap = conf.usage.max_subjects if usage_cap is None else usage_cap
         self.version_key = layout.version_key(prefix)
         #: Checks (by their ids) -> what every decide call of them says (:class:`_Compiled`).
-        self._compiled: dict[tuple[int, ...], _Compiled] = {}
+        self._compiled: dict[int | tuple[int, ...], _Compiled] = {}
+        #: The last minute a decision counted usage in, and its usage hash's key.
+        self._minute_key: tuple[int, str] = (-1, "")
         self._connections = ThreadConnections(self._new_connection)
         #: This process's subscribers, told of its own publications at once (the others by the
         #: channel); held weakly, as the subscriptions hold them.
@@ -316,15 +318,17 @@ class RedisBackend(Backend):
         it would fill the memo with lists that never come back. Checks made for one call only (a
         failed authentication's) are kept like any, until the memo starts over (it is bounded).
         """
-        ids = tuple(map(id, checks))
+        # A resolution the policy snapshot keeps is one object (its id is enough); others are
+        # known by their checks' ids.
+        key: int | tuple[int, ...] = id(checks) if type(checks) is KeptChecks else tuple(map(id, checks))
         try:
-            return self._compiled[ids]
+            return self._compiled[key]
         except KeyError:
             pass
-        compiled = _Compiled.of(tuple(checks), self.prefix)
+        compiled = _Compiled.of(tuple(checks), self.prefix, checks)
         if any(check.policy.is_shard for check in checks):
             return compiled
-        return remember(self._compiled, ids, compiled)
+        return remember(self._compiled, key, compiled)
 
     def deadline(self, sent_us: int, waiting_s: float = 0.0) -> int:
         """The store-clock moment by which a call sent at ``sent_us`` must run (0: none known yet)."""
@@ -415,8 +419,17 @@ class RedisBackend(Backend):
         if wants is not None:
             args.append(b"".join(LEASE.pack(want) for want in wants))
         if usage:
-            script_keys.append(layout.usage_key(self.prefix, usage.minute, tag))
+            script_keys.append(
+                self._usage_key(usage.minute) if tag is None else layout.usage_key(self.prefix, usage.minute, tag)
+            )
         return script_keys, args
+
+    def _usage_key(self, minute: int) -> str:
+        """The key of ``minute``'s usage hash, made once a minute (every decision names it)."""
+        kept = self._minute_key
+        if kept[0] != minute:
+            self._minute_key = kept = (minute, layout.usage_key(self.prefix, minute))
+        return kept[1]
 
     def give_back(self, grants: Sequence[tuple[Grant, int]]) -> int:
         """Give ``(grant, unused tokens)`` back to their buckets with ``lua/refund.lua``: no more than time has
@@ -787,9 +800,11 @@ class _Compiled(NamedTuple):
     shares: tuple[str, ...]
     #: The keys a consuming call holds its slot under (empty: it takes none).
     held: tuple[str, ...]
+    #: The list of checks as it was given (a :class:`KeptChecks` is known by its id: held too).
+    given: Sequence[Check]
 
     @classmethod
-    def of(cls, checks: tuple[Check, ...], prefix: str) -> _Compiled:
+    def of(cls, checks: tuple[Check, ...], prefix: str, given: Sequence[Check]) -> _Compiled:
         """``checks`` compiled for a backend whose keys start with ``prefix``."""
         keys = tuple(check.key(prefix) for check in checks)
         return cls(
@@ -798,7 +813,12 @@ class _Compiled(NamedTuple):
             b"".join(map(check_record, checks)),
             tuple(layout.share_key(key) for check, key in zip(checks, keys, strict=True) if check.policy.is_global),
             slot_keys(checks, keys),
+            given,
         )
+
+
+#: ``Result(...)`` without the Python-level ``__new__`` a NamedTuple has: one per check of every decision.
+_result = tuple.__new__
 
 
 @dataclass(slots=True)
@@ -829,17 +849,26 @@ class _DecideCall:
             exc.stray_slot = (self.slot, self.held)
 
     def decision(self, reply: Any) -> Decision:
-        """The script's ``reply`` read into a decision."""
-        results, failed = decide_results(self.checks, reply)
+        """The script's ``reply`` read into a decision (:func:`decide_results`, then
+        :meth:`Decision.from_results`, in one pass: this is every decision's path)."""
+        results = []
+        refused = False
+        at = 2
+        for check in self.checks:
+            retry = reply[at + 2]
+            if retry:
+                refused = True
+            results.append(_result(Result, (check, retry == 0, reply[at], reply[at + 1], retry)))
+            at += 3
+        version = reply[1]
+        policy_version = version.decode() if isinstance(version, bytes) else None
+        if not refused:  # every check allowed: the common case
+            return Decision(Verdict.ALLOW, tuple(results), 0, reply[0], False, policy_version, self.slot, self.held)
+        failed = [result.check for result in results if result.retry_us == _FAILED]
         if failed:
             raise policy_failed(failed)
-        version = reply[1]
         return Decision.from_results(
-            results,
-            now_us=reply[0],
-            policy_version=version.decode() if isinstance(version, bytes) else None,
-            slot=self.slot,
-            slot_keys=self.held,
+            results, now_us=reply[0], policy_version=policy_version, slot=self.slot, slot_keys=self.held
         )
 
 

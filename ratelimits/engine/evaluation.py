@@ -25,13 +25,13 @@ from .. import documentation
 from ..algorithms import SLOT_RETRY_US
 from ..backends.base import in_thread
 from ..conf import ProcessWide, conf
-from ..counters import LIMITED, Usage, usage_for
+from ..counters import LIMITED, Usage, UsageRow, usage_row
 from ..decisions import UNLIMITED, Decision, Result, Verdict
 from ..identity import Identity, SubjectKind, django_request, identify, remember, request_method, subject_of
 from ..metrics import Recorder, get_recorder
 from ..policies.snapshot import PolicySnapshot
 from ..policies.source import PolicySource, get_policy_source
-from ..policies.values import Check, Policy, check_for
+from ..policies.values import Check, KeptChecks, Policy, check_for
 from .bodies import receive_body
 from .failed_auth import presented_authorization
 from .limiter import Limiter, current_limiter, get_limiter
@@ -244,7 +244,7 @@ class _Pending:
     limiter: Limiter
     shedder: WorkerShedder | None
     recorder: Recorder | None
-    checks: list[Check]
+    checks: Sequence[Check]
     usage: Usage | None
     #: What a refusal is remembered under, for refusals before authentication (taken before the checks).
     generation: int
@@ -326,8 +326,8 @@ def _prepare(
 
 
 def _with_caller_policies(
-    checks: list[Check], policies: Sequence[Policy], identity: Identity, cost: int
-) -> list[Check]:
+    checks: Sequence[Check], policies: Sequence[Policy], identity: Identity, cost: int
+) -> Sequence[Check]:
     """``checks`` and a check of each of ``policies`` on the caller, but those already among them:
     one policy on one subject is one bucket, spent once."""
     if not policies:  # RateLimitThrottle itself names none: the common case
@@ -497,6 +497,18 @@ def refuse_early(request: HttpRequest, endpoint: str) -> Decision | None:
 
 def usage_of(identity: Identity, checks: Sequence[Check]) -> Usage:
     """Where a request's usage is counted: its caller, organisation, the caller's tier, its endpoint."""
+    if type(checks) is KeptChecks:
+        # Its row is made once: a resolution the snapshot keeps is one caller's, on one endpoint.
+        try:
+            kept = _rows[(id(identity), id(checks))][2]
+        except KeyError:
+            kept = _row_of(identity, checks)
+            remember(_rows, (id(identity), id(checks)), (identity, checks, kept))
+        return kept.now()
+    return _row_of(identity, checks).now()
+
+
+def _row_of(identity: Identity, checks: Sequence[Check]) -> UsageRow:
     caller = identity.caller
     tier = ""
     tokens = 1
@@ -506,7 +518,11 @@ def usage_of(identity: Identity, checks: Sequence[Check]) -> Usage:
             tokens = check.cost  # every rate check of a request spends the endpoint's cost
         if policy.tier is not None and (not tier or check.subject is caller):  # the resolver's own object
             tier = policy.tier
-    return usage_for(caller, identity.organization, tier, identity.endpoint.value, tokens)
+    return usage_row(caller, identity.organization, tier, identity.endpoint.value, tokens)
+
+
+#: (identity id, kept checks id) -> (identity, checks, their row): each entry holds what its key is the ids of.
+_rows: dict[tuple[int, int], tuple[Identity, KeptChecks, UsageRow]] = {}
 
 
 def _holds_anything(decision: Decision, shedder: WorkerShedder | None) -> bool:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING
 
@@ -34,6 +34,7 @@ from .values import (
     Check,
     EndpointRule,
     Explained,
+    KeptChecks,
     Origin,
     OriginKind,
     Policy,
@@ -45,7 +46,7 @@ from .values import (
 if TYPE_CHECKING:
     from django.http import HttpRequest
 
-__all__ = ["default_assignment", "explain", "resolve"]
+__all__ = ["default_assignment", "explain", "resolve", "resolve_checks"]
 
 #: One check and where its values come from, as the resolver collects them (a plain tuple: it is
 #: built for every check of every request).
@@ -85,7 +86,27 @@ def resolve(
     now: datetime | None = None,
     method: str | None = None,
 ) -> list[Resolved]:
-    """What :func:`explain` says, as ``(check, origin)`` pairs: what ``checks_for`` reads per request."""
+    """What :func:`explain` says, as ``(check, origin)`` pairs."""
+    found = _resolution(snapshot, request, identity, now, method)
+    return list(found.found) if isinstance(found, Resolution) else found
+
+
+def resolve_checks(snapshot: PolicySnapshot, request: HttpRequest, identity: Identity) -> Sequence[Check]:
+    """The checks :func:`resolve` finds for ``request`` now, what ``checks_for`` reads per request:
+    the snapshot's :class:`~.values.KeptChecks` when it keeps the resolution (the usual request),
+    else a list made for this request."""
+    found = _resolution(snapshot, request, identity, None, None)
+    return found.checks if isinstance(found, Resolution) else [check for check, _ in found]
+
+
+def _resolution(
+    snapshot: PolicySnapshot,
+    request: HttpRequest,
+    identity: Identity,
+    now: datetime | None,
+    method: str | None,
+) -> Resolution | list[Resolved]:
+    """The request's resolution as the snapshot keeps it, or the pairs of one it does not keep."""
     endpoint = identity.endpoint.value
     rule = snapshot.endpoint_rule(endpoint, method or request_method(request))
     if rule.exempt:
@@ -109,11 +130,12 @@ def resolve(
     )
     kept = snapshot.resolved.get(key)
     if kept is not None:
-        return list(kept.found)
+        return kept
     found = _resolve(snapshot, identity, rule, () if default is None else ((identity.caller, default),))
-    if not any(check.policy.is_shard for check, _ in found):  # a sharded budget's shard is picked per request
-        remember(snapshot.resolved, key, Resolution((rule, default, identity), tuple(found)))
-    return found
+    if any(check.policy.is_shard for check, _ in found):  # a sharded budget's shard is picked per request
+        return found
+    checks = KeptChecks(check for check, _ in found)
+    return remember(snapshot.resolved, key, Resolution((rule, default, identity), tuple(found), checks))
 
 
 def _resolve(

@@ -26,6 +26,7 @@ from .values import (
     DEFAULT_RULE,
     Check,
     EndpointRule,
+    KeptChecks,
     Origin,
     OriginKind,
     Policy,
@@ -135,6 +136,8 @@ class Resolution(NamedTuple):
     keeps: tuple[Any, ...]
     #: Its ``(check, origin)`` pairs.
     found: tuple[Any, ...]
+    #: Its checks alone: what every request so resolved is decided on.
+    checks: KeptChecks
 
 
 @dataclass

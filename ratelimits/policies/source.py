@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -14,7 +15,7 @@ from django.utils.module_loading import import_string
 
 from ..conf import Policies, ProcessWide, conf, require_app
 from ..exceptions import ConfigurationError
-from .resolver import default_assignment, explain, resolve
+from .resolver import default_assignment, explain, resolve_checks
 from .snapshot import PolicySnapshot
 from .values import Check, EndpointRule, Explained
 
@@ -45,8 +46,11 @@ class PolicySource(Protocol):
     ) -> list[Explained]:
         """Every check that applies to ``request`` (called with ``method``), with where its values come from."""
 
-    def checks_for(self, request: HttpRequest, identity: Identity) -> list[Check]:
-        """Every check that applies to ``request``, each with its cost (what the throttle decides)."""
+    def checks_for(self, request: HttpRequest, identity: Identity) -> Sequence[Check]:
+        """Every check that applies to ``request``, each with its cost (what the throttle decides).
+
+        Not changed by its caller: a source may hand the same object to every request that
+        resolves alike (a :class:`~.values.KeptChecks`)."""
 
     def endpoint_rule(self, endpoint: str, method: str) -> EndpointRule:
         """The rule for an endpoint and HTTP method (a default rule if none is configured)."""
@@ -213,8 +217,8 @@ class SnapshotPolicySource(ABC):
     ) -> list[Explained]:
         return explain(self.snapshot(), request, identity, now=now, method=method)
 
-    def checks_for(self, request: HttpRequest, identity: Identity) -> list[Check]:
-        return [check for check, _ in resolve(self.snapshot(), request, identity)]
+    def checks_for(self, request: HttpRequest, identity: Identity) -> Sequence[Check]:
+        return resolve_checks(self.snapshot(), request, identity)
 
     def endpoint_rule(self, endpoint: str, method: str) -> EndpointRule:
         return self.snapshot().endpoint_rule(endpoint, method)

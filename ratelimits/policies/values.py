@@ -20,6 +20,7 @@ __all__ = [
     "Check",
     "EndpointRule",
     "Explained",
+    "KeptChecks",
     "Origin",
     "OriginKind",
     "Policy",
@@ -282,6 +283,20 @@ class Check:
         key = f"{prefix}:{{{self.subject.digest}}}{self.policy.key_suffix}"
         object.__setattr__(self, "_key", (prefix, key))
         return key
+
+
+class KeptChecks(tuple[Check, ...]):
+    """A request's checks as its policy snapshot keeps them: one object for every request that
+    resolves alike (:func:`~ratelimits.policies.resolver.resolve_checks`).
+
+    What is made of a request's checks and nothing else (its usage row, its backend call's keys
+    and packed records) can then be made once and kept under this object's id, by whoever holds
+    it: the decision is compiled once per resolution, and each request fills in only its own
+    parts (the minute, the clock, the slot). A plain list or tuple of checks is made per request
+    and is not kept by anyone.
+    """
+
+    __slots__ = ()
 
 
 class OriginKind(StrEnum):
