@@ -22,7 +22,7 @@ from redis.cluster import RedisCluster
 
 from ..conf import conf
 from ..counters import Usage, overflow_of
-from ..decisions import Decision, Result, Verdict
+from ..decisions import Decision, Result, admitted
 from ..exceptions import BackendUnavailable, PolicyFailed
 from ..identity import remember
 from ..policies.values import Check, KeptChecks
@@ -863,7 +863,7 @@ class _DecideCall:
         version = reply[1]
         policy_version = version.decode() if isinstance(version, bytes) else None
         if not refused:  # every check allowed: the common case
-            return Decision(Verdict.ALLOW, tuple(results), 0, reply[0], False, policy_version, self.slot, self.held)
+            return admitted(tuple(results), reply[0], policy_version, self.slot, self.held)
         failed = [result.check for result in results if result.retry_us == _FAILED]
         if failed:
             raise policy_failed(failed)

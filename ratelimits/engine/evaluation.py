@@ -361,13 +361,12 @@ def _prepare_checks(checks: Sequence[Check], endpoint: str, consume: bool) -> _P
 
 def _conclude(request: HttpRequest, pending: _Pending, decision: Decision) -> Decision:
     """Hold what the decision took, count it, and tell the policy source and the local path of it."""
-    # The adaptive capacity times the view, not the store: a slow Redis is the breaker's
-    # business, and must not read as every endpoint slowing down.
-    admitted_at = time.monotonic()
     endpoint, consume, shedder, limiter = pending.endpoint, pending.consume, pending.shedder, pending.limiter
     if decision.allowed and consume:
         if _holds_anything(decision, shedder):  # else nothing is made for it (the usual request)
-            _hold(request, _Held(limiter, decision, shedder, endpoint, admitted_at))
+            # The adaptive capacity times the view, not the store: a slow Redis is the breaker's
+            # business, and must not read as every endpoint slowing down.
+            _hold(request, _Held(limiter, decision, shedder, endpoint, time.monotonic()))
     else:
         if shedder is not None:
             shedder.finish()  # refused by the limiter: the view never ran, so nothing to learn from

@@ -96,7 +96,8 @@ class Limiter:
         ``USAGE['FLUSH_EVERY']``, here); a decision degraded or answered from memory is counted
         here, and what is counted here is added to the store's counters later (:meth:`flush_usage`).
         """
-        if self.local_path is None:  # the store decides alone: nothing to plan or settle
+        local = self.local_path
+        if local is None or (consume and local.idle):  # memory has nothing to answer, pay or lease with
             return self._held(self._asked(checks, consume=consume, usage=usage)) if checks else UNLIMITED
         plan = self._plan(checks, consume, usage)
         if isinstance(plan, Decision):

@@ -181,6 +181,13 @@ class LocalPath:
 
     # -- trust ---------------------------------------------------------------------------------
 
+    @property
+    def idle(self) -> bool:
+        """Whether memory has nothing to answer a decision with, nor to lease: no denial
+        remembered, no lease held, leases off. Such a decision goes to the store as it is (the
+        local path still learns its denials)."""
+        return not (self._denials or self._leases or self._leasing)
+
     def trusted(self, store_down: bool = False) -> bool:
         """Whether memory may answer: the invalidation channel is live, or the store is down.
 
