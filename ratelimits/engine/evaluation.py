@@ -279,7 +279,9 @@ def _prepare(
     source = get_policy_source()
     if consume:
         # What refuse_early looks the path up as: exactly what this view is limited as.
-        remember(_endpoints, (getattr(http, "urlconf", None), http.path_info), endpoint)
+        path = (getattr(http, "urlconf", None), http.path_info)
+        if _endpoints.get(path) != endpoint:
+            remember(_endpoints, path, endpoint)
     shedder = get_worker_shedder() if consume else None
     recorder = get_recorder() if consume else None
     if shedder is not None:
@@ -321,7 +323,7 @@ def _prepare(
         usage,
         generation,
         snapshot,
-        time.perf_counter(),
+        time.perf_counter() if recorder is not None else 0.0,  # what the metrics time the decision from
     )
 
 
