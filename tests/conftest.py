@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +21,10 @@ from .support.gate import GATE, Gate
 from .support.redis_cluster import Cluster
 from .support.redis_server import RedisServer
 from .support.settings import merged
+
+#: How long a test's end waits for a background policy reload to end: a load is bounded by
+#: POLICIES['LOAD_TIMEOUT'], and one waiting out its backoff ends within RETIRED_CHECK_S.
+RELOAD_JOIN_S = 10.0
 
 
 @pytest.fixture(scope="session")
@@ -96,6 +101,13 @@ def _fresh_engine() -> Iterator[None]:
     engine.reset()
     yield
     engine.reset()
+    # A policy source's background reload started in this test (after a load that met a locked
+    # table, say) ends within RETIRED_CHECK_S of its source's retirement, or once the load it is
+    # in finishes: before the next test writes. On SQLite's shared in-memory database, a read in
+    # another thread refuses a write at once ("database table is locked").
+    for thread in threading.enumerate():
+        if thread.name == "ratelimits-policy-reload":
+            thread.join(RELOAD_JOIN_S)
 
 
 @pytest.fixture

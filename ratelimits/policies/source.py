@@ -69,6 +69,10 @@ class PolicySource(Protocol):
 _MEMBERS = ("snapshot", "explain", "checks_for", "endpoint_rule", "observe", "invalidate", "ignored_settings")
 
 
+#: How often a background reload waiting out its backoff looks whether it is still wanted (seconds).
+RETIRED_CHECK_S = 0.05
+
+
 class SnapshotPolicySource(ABC):
     """A policy source that loads a :class:`PolicySnapshot` and resolves from it with the one resolver.
 
@@ -188,8 +192,7 @@ class SnapshotPolicySource(ABC):
         wait = delay if first_delay is None else first_delay
         attempts = 1
         try:
-            while self._snapshot is None and _source.current() is self:
-                time.sleep(wait)  # backoff between attempts, off the request path
+            while self._waited(wait):  # backoff between attempts, off the request path
                 wait = delay
                 attempts += 1
                 try:
@@ -208,6 +211,19 @@ class SnapshotPolicySource(ABC):
         finally:
             self._retrying = False
             self.finish_thread()
+
+    def _waited(self, seconds: float) -> bool:
+        """Wait ``seconds`` before another reload attempt; ``False`` as soon as none is wanted: a
+        request loaded the policies meanwhile, or this source retired (the settings changed, and
+        another source serves). Looked at every RETIRED_CHECK_S, so a retired source's thread
+        ends within that, and never loads again."""
+        until = time.monotonic() + seconds
+        while self._snapshot is None and _source.current() is self:
+            left = until - time.monotonic()
+            if left <= 0:
+                return True
+            time.sleep(min(left, RETIRED_CHECK_S))
+        return False
 
     def finish_thread(self) -> None:  # noqa: B027  (a hook; subclasses may leave it alone)
         """Called when the background retry's thread ends: a source may close what it opened there."""
