@@ -1,4 +1,10 @@
-"""The limiter: the store behind a circuit breaker, and each policy's fail mode when it cannot answer."""
+"""The limiter: the store behind a circuit breaker, and each policy's fail mode when it cannot answer.
+
+:class:`Limiter` asks the store for every decision. :class:`LocalLimiter` is one with this
+worker's memory in front (:mod:`.local`, ``LOCAL_PATH``): it answers what memory can (a remembered
+denial, tokens it leased), asks the store about the rest as :class:`Limiter` does, and teaches
+memory from the store's answers. :func:`build_limiter` makes the one the settings ask for.
+"""
 
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ from .breaker import NOT_A_PROBE, BreakerState, CircuitBreaker
 from .heartbeat import HEARTBEAT
 from .local import LEASE, LocalPath, call_weakly
 
-__all__ = ["Limiter", "build_limiter", "get_limiter"]
+__all__ = ["Limiter", "LocalLimiter", "build_limiter", "get_limiter"]
 
 logger = logging.getLogger("ratelimits")
 
@@ -49,6 +55,10 @@ WORKER_STATE_TTL_S = 30.0
 class Limiter:
     """A backend behind a circuit breaker, with per-policy fail modes when it cannot answer."""
 
+    #: What this worker answers without the store (a :class:`LocalLimiter`'s); ``None``: every
+    #: decision asks it.
+    local_path: LocalPath | None = None
+
     def __init__(
         self,
         backend: Backend,
@@ -56,20 +66,13 @@ class Limiter:
         *,
         local: Backend,
         local_share: float,
-        local_path: LocalPath | None = None,
         usage_every: float | None = None,
     ) -> None:
         self.backend = backend
         self.breaker = breaker
+        #: Where checks that fail locally are decided while the store cannot answer.
         self.local = local
         self.local_share = local_share
-        #: What this worker answers without the store (``LOCAL_PATH``); ``None``: every decision asks it.
-        self.local_path = local_path
-        if local_path is not None:
-            # Usage answered from memory reaches the store within a second even if no request
-            # follows (request_finished flushes too): the listener's thread does it.
-            flush = weakref.WeakMethod(self.flush_usage)
-            local_path.tick = lambda: call_weakly(flush)
         self.degraded_count = 0
         self._count_lock = threading.Lock()
         #: Usage of degraded decisions, per (minute, field), waiting for the store to come back.
@@ -90,27 +93,15 @@ class Limiter:
     def decide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
         """Decide ``checks`` in one backend round trip, or none; degrade by fail mode if the store fails.
 
-        With the local path (:mod:`.local`), a consuming decision may be answered from memory: a
-        remembered denial, or tokens this worker leased (a request partly covered by leases asks
-        the store about the rest). ``usage`` is counted by the backend in the same call (with
-        ``USAGE['FLUSH_EVERY']``, here); a decision degraded or answered from memory is counted
-        here, and what is counted here is added to the store's counters later (:meth:`flush_usage`).
+        ``usage`` is counted by the backend in the same call (with ``USAGE['FLUSH_EVERY']``,
+        here); a degraded decision is counted here, and what is counted here is added to the
+        store's counters later (:meth:`flush_usage`).
         """
-        local = self.local_path
-        if local is None or (consume and local.idle):  # memory has nothing to answer, pay or lease with
-            return self._held(self._asked(checks, consume=consume, usage=usage)) if checks else UNLIMITED
-        plan = self._plan(checks, consume, usage)
-        if isinstance(plan, Decision):
-            return plan
-        return self._held(self._settled(plan, self._asked(plan.checks, consume=consume, usage=usage, wants=plan.wants)))
+        return self._held(self._asked(checks, consume=consume, usage=usage)) if checks else UNLIMITED
 
     async def adecide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
         """:meth:`decide` for async code: the same decision, the store asked without blocking the event loop."""
-        plan = self._plan(checks, consume, usage)
-        if isinstance(plan, Decision):
-            return plan
-        decision = await self._aasked(plan.checks, consume=consume, usage=usage, wants=plan.wants)
-        return self._held(self._settled(plan, decision))
+        return self._held(await self._aasked(checks, consume=consume, usage=usage)) if checks else UNLIMITED
 
     def _held(self, decision: Decision) -> Decision:
         """``decision``, its slot renewed by the process's heartbeat until :meth:`release`."""
@@ -121,42 +112,6 @@ class Limiter:
     def _holder(self, decision: Decision) -> Backend:
         """The store a decision's slot is held in: this worker's memory for a degraded one."""
         return self.local if decision.degraded else self.backend
-
-    def _plan(self, checks: Sequence[Check], consume: bool, usage: Usage | None) -> Decision | _Ask:
-        """What memory answers (a decision), or what the store must be asked (and leased)."""
-        if not checks:
-            return UNLIMITED
-        local = self.local_path if consume else None
-        if local is None:
-            return _Ask(checks, None, None, local=False)
-        refusal = local.refuse(checks)
-        if refusal is not None:
-            self.count_local(usage, LIMITED)
-            return refusal
-        spent = local.spend(checks)
-        if spent is None:
-            return _Ask(checks, local.wants(checks), None, local=True)
-        paid, rest = spent
-        if not rest:
-            self.count_local(usage, ALLOWED)
-            return Decision(Verdict.ALLOW, local.admitted(paid), 0, time.time_ns() // 1000, local=LEASE)
-        # Decided with the store for the rest; the leased tokens are the request's only if it admits.
-        return _Ask(rest, local.wants(rest), paid, local=True)
-
-    def _settled(self, plan: _Ask, decision: Decision) -> Decision:
-        """The store's ``decision`` on what ``plan`` asked, with what the local path already paid for."""
-        local = self.local_path
-        if local is None:
-            return decision
-        if not plan.local:
-            # A peek: what is left, as a lease's responses say it (the store's and this worker's lease).
-            return local.with_leases(decision)
-        if plan.paid is None:
-            return decision
-        if not decision.allowed:
-            local.undo(plan.paid)
-            return decision
-        return replace(decision, results=decision.results + local.admitted(plan.paid))
 
     def _asked(
         self, checks: Sequence[Check], *, consume: bool, usage: Usage | None, wants: list[int] | None = None
@@ -269,9 +224,8 @@ class Limiter:
             logger.exception("ratelimits: the slots of a cancelled request could not be released (they expire)")
 
     def _sending(self, consume: bool) -> tuple[float, int] | None:
-        """What the local path learns an answer against: when the call was sent, and its memory's generation."""
-        local = self.local_path if consume else None
-        return (local.clock(), local.generation) if local is not None else None
+        """What an answer is learnt against once it comes (a :class:`LocalLimiter`'s memory): nothing here."""
+        return None
 
     def _counting(self, consume: bool, usage: Usage | None) -> tuple[Usage | None, Usage | None]:
         """Who counts a consuming call's ``usage``: ``(this worker's, the decide script's)``, one of them ``None``."""
@@ -287,17 +241,12 @@ class Limiter:
         ticket: int | None = None,
         worker_usage: Usage | None = None,
     ) -> Decision:
-        """The store answered (a decision, or a decision and its grants): the breaker and the local
-        path learn it, and this worker counts ``worker_usage`` as the script would have."""
+        """The store answered (a decision, or a decision and its grants): the breaker learns it, and
+        this worker counts ``worker_usage`` as the script would have."""
         self.breaker.record_success(ticket)
         decision: Decision = answer if wants is None else answer[0]
         if worker_usage is not None and decision.verdict in _COUNTED_AS:
             self.count_local(worker_usage, _COUNTED_AS[decision.verdict])
-        local = self.local_path
-        if sent is not None and local is not None:
-            local.learn(decision, *sent)
-            if wants is not None:
-                decision = local.install(decision, answer[1], *sent)
         return decision
 
     def _policy_failed(self, exc: PolicyFailed, ticket: int | None = None) -> None:
@@ -326,34 +275,12 @@ class Limiter:
         usage: Usage | None,
         stray_slot: tuple[str, tuple[str, ...]] | None = None,
     ) -> Decision:
-        """The store cannot answer: a denial remembered from it that has not ended, else each check's fail mode."""
-        local = self.local_path if consume else None
-        decision = local.refuse(checks, store_down=True) if local is not None else None
-        if decision is not None:
-            self.count_local(usage, LIMITED)
-        else:
-            decision = self._degraded(checks, consume=consume, usage=usage)
+        """The store cannot answer: each check's fail mode decides."""
+        decision = self._degraded(checks, consume=consume, usage=usage)
         return decision if stray_slot is None else replace(decision, stray_slot=stray_slot)
 
     def return_leases(self) -> None:
-        """Give the unused tokens of leases that ran out back to their buckets (best effort, off the request path)."""
-        local = self.local_path
-        if local is None:
-            return
-        unused = local.expired()
-        if not unused:
-            return
-        tokens = sum(n for _, n in unused)
-        if self.breaker.state is not BreakerState.CLOSED:
-            local.counts["tokens_unreturned"] += tokens  # the store is down: asked no more now
-            return
-        try:
-            self.backend.give_back(unused)
-        except (BackendUnavailable, PolicyFailed) as exc:
-            local.counts["tokens_unreturned"] += tokens
-            logger.info("ratelimits: leased tokens not given back: %s", exc)
-        else:
-            local.returned(unused)
+        """Give back the unused tokens of ended leases: none are taken here (a :class:`LocalLimiter` takes them)."""
 
     def publish_worker_state(self, state: Callable[[], Mapping[str, Any]]) -> None:
         """Publish this worker's shedder ``state()`` for the admin's fleet page, every
@@ -528,6 +455,139 @@ class Limiter:
         )
 
 
+class LocalLimiter(Limiter):
+    """A :class:`Limiter` with this worker's memory in front (:mod:`.local`, ``LOCAL_PATH``).
+
+    A consuming decision may be answered from memory: a denial remembered from the store that
+    has not ended, or tokens this worker leased (a request partly covered by leases asks the
+    store about the rest, and leases more of what it meets often). Each answer of the store
+    teaches memory its denials and installs what a leasing call took; while the store cannot
+    answer, a remembered denial refuses before any fail mode decides. What memory answers is
+    counted here, as a degraded decision is, and added to the store's counters within a second.
+    """
+
+    local_path: LocalPath
+
+    def __init__(
+        self,
+        backend: Backend,
+        breaker: CircuitBreaker,
+        local_path: LocalPath,
+        *,
+        local: Backend,
+        local_share: float,
+        usage_every: float | None = None,
+    ) -> None:
+        super().__init__(backend, breaker, local=local, local_share=local_share, usage_every=usage_every)
+        self.local_path = local_path
+        # Usage answered from memory reaches the store within a second even if no request
+        # follows (request_finished flushes too): the listener's thread does it.
+        flush = weakref.WeakMethod(self.flush_usage)
+        local_path.tick = lambda: call_weakly(flush)
+
+    def decide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
+        if consume and self.local_path.idle:  # memory has nothing to answer, pay or lease with
+            return super().decide(checks, consume=consume, usage=usage)
+        plan = self._plan(checks, consume, usage)
+        if isinstance(plan, Decision):
+            return plan
+        return self._held(self._settled(plan, self._asked(plan.checks, consume=consume, usage=usage, wants=plan.wants)))
+
+    async def adecide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
+        plan = self._plan(checks, consume, usage)
+        if isinstance(plan, Decision):
+            return plan
+        decision = await self._aasked(plan.checks, consume=consume, usage=usage, wants=plan.wants)
+        return self._held(self._settled(plan, decision))
+
+    def _plan(self, checks: Sequence[Check], consume: bool, usage: Usage | None) -> Decision | _Ask:
+        """What memory answers (a decision), or what the store must be asked (and leased)."""
+        if not checks:
+            return UNLIMITED
+        if not consume:
+            return _Ask(checks, None, None, local=False)
+        local = self.local_path
+        refusal = local.refuse(checks)
+        if refusal is not None:
+            self.count_local(usage, LIMITED)
+            return refusal
+        spent = local.spend(checks)
+        if spent is None:
+            return _Ask(checks, local.wants(checks), None, local=True)
+        paid, rest = spent
+        if not rest:
+            self.count_local(usage, ALLOWED)
+            return Decision(Verdict.ALLOW, local.admitted(paid), 0, time.time_ns() // 1000, local=LEASE)
+        # Decided with the store for the rest; the leased tokens are the request's only if it admits.
+        return _Ask(rest, local.wants(rest), paid, local=True)
+
+    def _settled(self, plan: _Ask, decision: Decision) -> Decision:
+        """The store's ``decision`` on what ``plan`` asked, with what memory already paid for."""
+        local = self.local_path
+        if not plan.local:
+            # A peek: what is left, as a lease's responses say it (the store's and this worker's lease).
+            return local.with_leases(decision)
+        if plan.paid is None:
+            return decision
+        if not decision.allowed:
+            local.undo(plan.paid)
+            return decision
+        return replace(decision, results=decision.results + local.admitted(plan.paid))
+
+    def _sending(self, consume: bool) -> tuple[float, int] | None:
+        """What memory learns a consuming call's answer against: when it was sent, and memory's generation."""
+        local = self.local_path
+        return (local.clock(), local.generation) if consume else None
+
+    def _answered(
+        self,
+        answer: Any,
+        sent: tuple[float, int] | None,
+        wants: list[int] | None,
+        ticket: int | None = None,
+        worker_usage: Usage | None = None,
+    ) -> Decision:
+        decision = super()._answered(answer, sent, wants, ticket, worker_usage)
+        if sent is not None:
+            self.local_path.learn(decision, *sent)
+            if wants is not None:
+                decision = self.local_path.install(decision, answer[1], *sent)
+        return decision
+
+    def _unanswered(
+        self,
+        checks: Sequence[Check],
+        *,
+        consume: bool,
+        usage: Usage | None,
+        stray_slot: tuple[str, tuple[str, ...]] | None = None,
+    ) -> Decision:
+        """The store cannot answer: a denial remembered from it that has not ended, else each check's fail mode."""
+        refusal = self.local_path.refuse(checks, store_down=True) if consume else None
+        if refusal is None:
+            return super()._unanswered(checks, consume=consume, usage=usage, stray_slot=stray_slot)
+        self.count_local(usage, LIMITED)
+        return refusal if stray_slot is None else replace(refusal, stray_slot=stray_slot)
+
+    def return_leases(self) -> None:
+        """Give the unused tokens of leases that ran out back to their buckets (best effort, off the request path)."""
+        local = self.local_path
+        unused = local.expired()
+        if not unused:
+            return
+        tokens = sum(n for _, n in unused)
+        if self.breaker.state is not BreakerState.CLOSED:
+            local.counts["tokens_unreturned"] += tokens  # the store is down: asked no more now
+            return
+        try:
+            self.backend.give_back(unused)
+        except (BackendUnavailable, PolicyFailed) as exc:
+            local.counts["tokens_unreturned"] += tokens
+            logger.info("ratelimits: leased tokens not given back: %s", exc)
+        else:
+            local.returned(unused)
+
+
 #: Shielded store calls of cancelled requests, until they end (the loop keeps tasks weakly).
 _finishing: set[asyncio.Future[Any]] = set()
 
@@ -576,16 +636,11 @@ def build_limiter(
     ``usage_cap`` is the fallback backend's (``USAGE['MAX_SUBJECTS']`` if ``None``); ``usage_every``
     ``USAGE['FLUSH_EVERY']``; ``clock`` the local path's (monotonic seconds).
     """
-    wanted = settings.denials or (settings.leases and backend.leases)
-    local_path = LocalPath(backend, breaker, settings, clock=clock) if backend.shared and wanted else None
-    return Limiter(
-        backend,
-        breaker,
-        local=MemoryBackend(usage_cap=usage_cap),
-        local_share=local_share,
-        local_path=local_path,
-        usage_every=usage_every,
-    )
+    local = MemoryBackend(usage_cap=usage_cap)
+    if backend.shared and (settings.denials or (settings.leases and backend.leases)):
+        local_path = LocalPath(backend, breaker, settings, clock=clock)
+        return LocalLimiter(backend, breaker, local_path, local=local, local_share=local_share, usage_every=usage_every)
+    return Limiter(backend, breaker, local=local, local_share=local_share, usage_every=usage_every)
 
 
 def _build() -> Limiter:
