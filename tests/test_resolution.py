@@ -297,10 +297,13 @@ def test_requests_that_resolve_alike_share_one_kept_list_of_checks(settings: Any
     assert again is not first and list(again) == [c for c in first if c.policy.name != "ip"]
 
 
-def test_a_kept_resolutions_usage_row_is_made_once_and_dated_per_request(settings: Any, rf: RequestFactory) -> None:
-    """The usage of a request whose checks the snapshot keeps is its row, made once, of the minute
-    it is made in: what the same checks made afresh give, and its caller's label is noted each time
-    (the labels forget what they wrote once an hour)."""
+def test_a_kept_resolutions_usage_row_is_made_once_and_dated_per_request(
+    settings: Any, rf: RequestFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The usage of a request whose checks the snapshot keeps is its row, made once, dated by the
+    minute each request is made in (the clock moved across a minute's end between two requests),
+    with its caller's label noted by each request (the labels forget what they wrote once an hour):
+    what the same checks made afresh give."""
     settings.RATELIMITS = {"BACKEND": "memory", "TIERS": TIERS, "POLICIES": {"DEFAULT_TIERS": DEFAULTS}}
     engine.reset()
     request = rf.get("/", REMOTE_ADDR="198.51.100.7")
@@ -308,14 +311,15 @@ def test_a_kept_resolutions_usage_row_is_made_once_and_dated_per_request(setting
     kept = engine.get_policy_source().checks_for(request, identity)
     assert type(kept) is KeptChecks
     labels = subject_labels()
-    for _ in range(2):
-        before = int(time.time() // 60)
-        usage = usage_of(identity, kept)
-        assert before <= usage.minute <= int(time.time() // 60)
-        assert usage._replace(minute=0) == usage_of(identity, list(kept))._replace(minute=0)
-        assert usage.field.startswith(caller_rows(identity.caller)) and '"basic"' in usage.field
-        assert identity.caller.digest in labels.pending
+    start = (int(time.time() // 60) + 1) * 60 - 0.5  # half a second before a minute ends
+    for minute_late in (0, 1):
+        monkeypatch.setattr(time, "time", lambda at=start + 60 * minute_late: at)
         labels.take()
+        usage = usage_of(identity, kept)
+        assert identity.caller.digest in labels.pending  # noted by this request, from its kept row
+        assert usage.minute == int(start // 60) + minute_late
+        assert usage == usage_of(identity, list(kept))  # what the checks made afresh give
+        assert usage.field.startswith(caller_rows(identity.caller)) and '"basic"' in usage.field
 
 
 @pytest.mark.parametrize(

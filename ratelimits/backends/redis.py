@@ -320,12 +320,13 @@ class RedisBackend(Backend):
         """
         # A resolution the policy snapshot keeps is one object (its id is enough); others are
         # known by their checks' ids.
-        key: int | tuple[int, ...] = id(checks) if type(checks) is KeptChecks else tuple(map(id, checks))
+        kept = checks if type(checks) is KeptChecks else None
+        key: int | tuple[int, ...] = id(kept) if kept is not None else tuple(map(id, checks))
         try:
             return self._compiled[key]
         except KeyError:
             pass
-        compiled = _Compiled.of(tuple(checks), self.prefix, checks)
+        compiled = _Compiled.of(tuple(checks), self.prefix, kept)
         if any(check.policy.is_shard for check in checks):
             return compiled
         return remember(self._compiled, key, compiled)
@@ -800,11 +801,12 @@ class _Compiled(NamedTuple):
     shares: tuple[str, ...]
     #: The keys a consuming call holds its slot under (empty: it takes none).
     held: tuple[str, ...]
-    #: The list of checks as it was given (a :class:`KeptChecks` is known by its id: held too).
-    given: Sequence[Check]
+    #: The resolution it was compiled from, if a policy snapshot keeps it (the memo knows it by its
+    #: id: held, so the id stays its own); ``None`` for a list known by its checks' ids.
+    kept: KeptChecks | None
 
     @classmethod
-    def of(cls, checks: tuple[Check, ...], prefix: str, given: Sequence[Check]) -> _Compiled:
+    def of(cls, checks: tuple[Check, ...], prefix: str, kept: KeptChecks | None) -> _Compiled:
         """``checks`` compiled for a backend whose keys start with ``prefix``."""
         keys = tuple(check.key(prefix) for check in checks)
         return cls(
@@ -813,7 +815,7 @@ class _Compiled(NamedTuple):
             b"".join(map(check_record, checks)),
             tuple(layout.share_key(key) for check, key in zip(checks, keys, strict=True) if check.policy.is_global),
             slot_keys(checks, keys),
-            given,
+            kept,
         )
 
 

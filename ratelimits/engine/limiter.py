@@ -191,9 +191,9 @@ class Limiter:
         wants: list[int] | None,
         worker_usage: Usage | None,
     ) -> None:
-        """A cancelled request's shielded store call ended: the breaker, the metrics and the local
-        path learn its outcome (reported with its ticket: it may come late), and the slots it took
-        are given back off the loop (nobody holds them)."""
+        """A cancelled request's shielded store call ended: the breaker, the metrics and (a
+        :class:`LocalLimiter`'s) memory learn its outcome (reported with its ticket: it may come
+        late), and the slots it took are given back off the loop (nobody holds them)."""
         _finishing.discard(call)
         if call.cancelled():
             # Its loop is closing: the call never reports, so a probe gives its turn back. (A slot
@@ -486,6 +486,10 @@ class LocalLimiter(Limiter):
         local_path.tick = lambda: call_weakly(flush)
 
     def decide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
+        """:meth:`Limiter.decide`, memory first: a consuming decision may be answered from it (a
+        remembered denial, or tokens this worker leased; a request partly covered by leases asks
+        the store about the rest), and is then counted here. A peek (``consume=False``) says what
+        is left as a lease's responses say it: the store's, and this worker's lease."""
         if consume and self.local_path.idle:  # memory has nothing to answer, pay or lease with
             return super().decide(checks, consume=consume, usage=usage)
         plan = self._plan(checks, consume, usage)
@@ -494,6 +498,9 @@ class LocalLimiter(Limiter):
         return self._held(self._settled(plan, self._asked(plan.checks, consume=consume, usage=usage, wants=plan.wants)))
 
     async def adecide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
+        """:meth:`decide` for async code: the store asked without blocking the event loop."""
+        if consume and self.local_path.idle:
+            return await super().adecide(checks, consume=consume, usage=usage)
         plan = self._plan(checks, consume, usage)
         if isinstance(plan, Decision):
             return plan

@@ -215,8 +215,9 @@ class SnapshotPolicySource(ABC):
     def _waited(self, seconds: float) -> bool:
         """Wait ``seconds`` before another reload attempt; ``False`` as soon as none is wanted: a
         request loaded the policies meanwhile, or this source retired (the settings changed, and
-        another source serves). Looked at every RETIRED_CHECK_S, so a retired source's thread
-        ends within that, and never loads again."""
+        another source serves). Looked at every RETIRED_CHECK_S, so a retired source's thread ends
+        within that of its retirement, or once the load it may be in (retired just as it began)
+        ends: it starts no other."""
         until = time.monotonic() + seconds
         while self._snapshot is None and _source.current() is self:
             left = until - time.monotonic()
