@@ -152,10 +152,30 @@ class AsyncRateLimitThrottle(RateLimitThrottle):
 
 def throttles_of(view: Any) -> tuple[type[RateLimitThrottle], ...]:
     """The ``RateLimitThrottle`` classes DRF runs for ``view``, in its order (``get_throttles()``,
-    which a view may override, else ``throttle_classes``)."""
+    which a view may override, else ``throttle_classes``).
+
+    A view that does not override ``get_throttles`` is read from its ``throttle_classes``, which
+    DRF's own ``get_throttles`` instantiates one of each: not a second set of throttles a request.
+    """
     get_throttles = getattr(view, "get_throttles", None)
-    found = [type(t) for t in get_throttles()] if callable(get_throttles) else getattr(view, "throttle_classes", ())
+    if not callable(get_throttles) or getattr(type(view), "get_throttles", None) is _drf_get_throttles():
+        found = getattr(view, "throttle_classes", ())
+    else:
+        found = [type(t) for t in get_throttles()]
     return tuple(c for c in found if isinstance(c, type) and issubclass(c, RateLimitThrottle))
+
+
+_plain_get_throttles: list[Any] = []
+
+
+def _drf_get_throttles() -> Any:
+    """DRF's ``APIView.get_throttles``. Imported on first use: ``rest_framework.views`` reads
+    ``DEFAULT_THROTTLE_CLASSES`` at import time, which imports this module."""
+    if not _plain_get_throttles:
+        from rest_framework.views import APIView
+
+        _plain_get_throttles.append(APIView.get_throttles)
+    return _plain_get_throttles[0]
 
 
 def _classes(request: Request, view: Any) -> tuple[type[RateLimitThrottle], ...]:

@@ -27,7 +27,7 @@ from ratelimits.checks import check_endpoints, check_settings, check_throttle_se
 from ratelimits.exceptions import ConfigurationError
 from ratelimits.policies.throttle_rates import drf_rate, throttle_rates
 from ratelimits.rates import Rate
-from ratelimits.throttles import RateLimitThrottle, class_policies
+from ratelimits.throttles import RateLimitThrottle, class_policies, throttles_of
 
 from .support.redis_server import RedisServer, script_calls
 from .support.settings import merged
@@ -401,6 +401,32 @@ class CountedPicks(Picky):
 
 
 urlpatterns += [path("twins", Twins.as_view(), name="twins"), path("counted", CountedPicks.as_view(), name="counted")]
+
+
+class CountedThrottle(RateLimitThrottle):
+    """``RateLimitThrottle``, counting how many are made."""
+
+    made = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        CountedThrottle.made += 1
+
+
+class Plain(APIView):
+    throttle_classes = [CountedThrottle, UserRateThrottle, SustainedThrottle]
+
+
+def test_a_view_that_picks_nothing_is_read_from_its_classes_without_making_throttles() -> None:
+    """A view that does not override ``get_throttles`` has DRF's: the classes are its
+    ``throttle_classes`` (ours among them, in order), read without a second set of throttles made
+    per request. One that overrides it is asked (``test_a_views_throttles_are_picked_once...``)."""
+    CountedThrottle.made = 0
+    assert throttles_of(Plain()) == (CountedThrottle, SustainedThrottle)
+    assert CountedThrottle.made == 0
+    picked = CountedPicks.picked
+    assert throttles_of(CountedPicks()) == (RateLimitThrottle, SustainedThrottle)
+    assert CountedPicks.picked == picked + 1
 
 
 def test_two_classes_of_one_scope_spend_its_one_bucket_once(drf_project: Any, settings: Any) -> None:
