@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from typing import Any, NamedTuple
@@ -165,17 +166,13 @@ def throttles_of(view: Any) -> tuple[type[RateLimitThrottle], ...]:
     return tuple(c for c in found if isinstance(c, type) and issubclass(c, RateLimitThrottle))
 
 
-_plain_get_throttles: list[Any] = []
-
-
+@functools.cache
 def _drf_get_throttles() -> Any:
     """DRF's ``APIView.get_throttles``. Imported on first use: ``rest_framework.views`` reads
     ``DEFAULT_THROTTLE_CLASSES`` at import time, which imports this module."""
-    if not _plain_get_throttles:
-        from rest_framework.views import APIView
+    from rest_framework.views import APIView
 
-        _plain_get_throttles.append(APIView.get_throttles)
-    return _plain_get_throttles[0]
+    return APIView.get_throttles
 
 
 def _classes(request: Request, view: Any) -> tuple[type[RateLimitThrottle], ...]:

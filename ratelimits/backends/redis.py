@@ -326,7 +326,8 @@ class RedisBackend(Backend):
             return self._compiled[key]
         except KeyError:
             pass
-        compiled = _Compiled.of(tuple(checks), self.prefix, kept)
+        # A kept resolution is held as itself, so its id stays its own while the entry lives.
+        compiled = _Compiled.of(kept if kept is not None else tuple(checks), self.prefix)
         if any(check.policy.is_shard for check in checks):
             return compiled
         return remember(self._compiled, key, compiled)
@@ -791,7 +792,7 @@ def deadline_of(args: Sequence[Any]) -> int:
 class _Compiled(NamedTuple):
     """What every decide call of one list of checks says: their keys, records and slot keys."""
 
-    #: The checks (held: the memo knows them by their ids).
+    #: The checks (held: the memo knows them by their ids, or a :class:`KeptChecks` by its own).
     checks: tuple[Check, ...]
     #: Each check's state key, in order (the script's KEYS after the version stamp).
     keys: tuple[str, ...]
@@ -801,12 +802,9 @@ class _Compiled(NamedTuple):
     shares: tuple[str, ...]
     #: The keys a consuming call holds its slot under (empty: it takes none).
     held: tuple[str, ...]
-    #: The resolution it was compiled from, if a policy snapshot keeps it (the memo knows it by its
-    #: id: held, so the id stays its own); ``None`` for a list known by its checks' ids.
-    kept: KeptChecks | None
 
     @classmethod
-    def of(cls, checks: tuple[Check, ...], prefix: str, kept: KeptChecks | None) -> _Compiled:
+    def of(cls, checks: tuple[Check, ...], prefix: str) -> _Compiled:
         """``checks`` compiled for a backend whose keys start with ``prefix``."""
         keys = tuple(check.key(prefix) for check in checks)
         return cls(
@@ -815,7 +813,6 @@ class _Compiled(NamedTuple):
             b"".join(map(check_record, checks)),
             tuple(layout.share_key(key) for check, key in zip(checks, keys, strict=True) if check.policy.is_global),
             slot_keys(checks, keys),
-            kept,
         )
 
 
