@@ -53,6 +53,9 @@ def ratelimits_settings(redis_url: str, *, dimensions: int) -> dict[str, Any]:
         "IDENTITY": {"ORGANIZATION_FUNC": "bench.settings.organization_of"},
         "DIMENSIONS": {},
         "ENDPOINTS": {},
+        # The rows time the decision the store makes, against the anchors' round trips: a caller
+        # asked over and over would otherwise be answered from its leases (bench.hot_keys times those).
+        "LOCAL_PATH": {"LEASES": False},
     }
     if dimensions == 4:
         config["DIMENSIONS"] = {"ip": UNREACHABLE, "org": UNREACHABLE}

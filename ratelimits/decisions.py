@@ -161,11 +161,12 @@ def admitted(
     policy_version: str | None = None,
     slot: str | None = None,
     slot_keys: tuple[str, ...] = (),
+    local: str | None = None,
 ) -> Decision:
-    """``Decision(Verdict.ALLOW, results, 0, now_us, False, policy_version, slot, slot_keys)``: the
-    store's admission, made once per request. A frozen dataclass's ``__init__`` sets each field
-    through ``object.__setattr__`` (about a microsecond for these ten); the slots' own
-    descriptors set them in half that."""
+    """``Decision(Verdict.ALLOW, results, 0, now_us, False, policy_version, slot, slot_keys, None,
+    local)``: an admission, the store's or memory's, made once per request. A frozen dataclass's
+    ``__init__`` sets each field through ``object.__setattr__`` (about a microsecond for these
+    ten); the slots' own descriptors set them in half that."""
     made = _new(Decision)
     _verdict(made, Verdict.ALLOW)
     _results(made, results)
@@ -176,7 +177,7 @@ def admitted(
     _slot(made, slot)
     _slot_keys(made, slot_keys)
     _stray_slot(made, None)
-    _local(made, None)
+    _local(made, local)
     return made
 
 

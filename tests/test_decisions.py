@@ -18,16 +18,17 @@ SHADOW = Check(Policy("s", parse_rate("1/s"), 1, shadow=True), Subject(SubjectKi
 @pytest.mark.parametrize(
     "made",
     [
-        lambda: ((Result(CHECK, True, 4, 200_000, 0),), 1_700_000_000_000_000, "7", "slot-1", ("k1", "k2")),
-        lambda: ((), 5, None, None, ()),
+        lambda: ((Result(CHECK, True, 4, 200_000, 0),), 1_700_000_000_000_000, "7", "slot-1", ("k1", "k2"), None),
+        lambda: ((), 5, None, None, (), None),
+        lambda: ((Result(CHECK, True, 9, 1_000, 0),), 6, None, None, (), "lease"),  # memory's, from a lease
     ],
 )
 def test_an_admission_made_without_the_dataclass_init_is_the_same_decision(made: object) -> None:
     """``admitted`` sets every field ``Decision``'s own ``__init__`` sets, to the same values: a
     field added to the class and not to it fails here (an unset slot cannot be read)."""
-    results, now_us, version, slot, keys = made()  # type: ignore[operator]
-    fast = admitted(results, now_us, version, slot, keys)
-    made_by_init = Decision(Verdict.ALLOW, results, 0, now_us, False, version, slot, keys)
+    results, now_us, version, slot, keys, local = made()  # type: ignore[operator]
+    fast = admitted(results, now_us, version, slot, keys, local)
+    made_by_init = Decision(Verdict.ALLOW, results, 0, now_us, False, version, slot, keys, None, local)
     assert type(fast) is Decision
     for field in dataclasses.fields(Decision):
         assert getattr(fast, field.name) == getattr(made_by_init, field.name), field.name

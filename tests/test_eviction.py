@@ -386,8 +386,13 @@ def test_a_full_noeviction_store_opens_the_breaker_and_then_degrades_every_decis
 def test_an_evicted_stamp_is_republished_at_most_once_per_interval(settings: Any, start: Any) -> None:
     """A stamp that keeps vanishing must not cost every decision a second script call (and a warning)."""
     server = start(*EVICTING)
-    # Every request to the store, its 429s too (a denial remembered would spare it the call).
-    limit_with(settings, server, POLICIES={"SOURCE": "database", "POLL_INTERVAL": "60s"}, LOCAL_PATH={"DENIALS": False})
+    # Every request to the store, its 429s too (a denial remembered, or a lease, would spare it the call).
+    limit_with(
+        settings,
+        server,
+        POLICIES={"SOURCE": "database", "POLL_INTERVAL": "60s"},
+        LOCAL_PATH={"DENIALS": False, "LEASES": False},
+    )
     PolicyVersion.advance()  # a policy change committed...
     bump_policy_version()  # ...and published: its version in the database and the store
     source = engine.get_policy_source()

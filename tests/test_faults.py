@@ -47,7 +47,9 @@ def configure(settings: Any, own_redis: RedisServer, *, timeout_s: float = SOCKE
                 "DEFAULT_TIERS": {"anonymous": "anon", "authenticated": "free"},
                 "TIER_FUNC": "project.payments.auth.tier_of",
             },
-            "LOCAL_PATH": {"HEADER": True},
+            # Every admission asks the store: these tests watch its faults (tokens leased before a
+            # fault are spent through it: test_local_path's).
+            "LOCAL_PATH": {"HEADER": True, "LEASES": False},
         },
         overrides,
     )

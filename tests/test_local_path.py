@@ -26,7 +26,7 @@ from ratelimits.backends.redis import RedisBackend, make_client
 from ratelimits.conf import LocalPathSettings
 from ratelimits.engine.breaker import CircuitBreaker
 from ratelimits.engine.limiter import Limiter, build_limiter
-from ratelimits.engine.local import DENIAL, LEASE
+from ratelimits.engine.local import DENIAL, LEASE, LEASE_AFTER, RETURN_BATCH_S
 from ratelimits.identity import Subject, SubjectKind
 from ratelimits.policies.values import Check, Policy
 from ratelimits.rates import parse_rate
@@ -58,7 +58,7 @@ def limiter_on(
     backend = RedisBackend(make_client(server.url, 2.0, 2.0), prefix=prefix, clock=clock)
     breaker = CircuitBreaker(window=20, min_calls=5, failure_rate=0.5, cooldown=1.0)
     seconds = (lambda: clock() / US) if clock is not None else time.monotonic
-    settings = local if local is not None else LocalPathSettings(denials=False)
+    settings = local if local is not None else LocalPathSettings(denials=False, leases=False)
     limiter = build_limiter(backend, breaker, settings, usage_cap=100, clock=seconds)
     if local is not None:
         assert limiter.local_path is not None and limiter.local_path.trusted(), "subscribed before the first request"
@@ -337,37 +337,139 @@ def test_leases_spend_tokens_taken_from_the_store_and_give_back_the_rest(own_red
     assert admitted <= 200 + 1000 * elapsed + 1
     # What a lease's response says is left: the bucket's remaining when it was taken, plus the lease's.
     assert all(0 <= d.results[0].remaining <= 200 for d in leased)
-    # Stop: the leases run out (0.5 s) and what is unused goes back to the bucket.
+    assert admitted == len(decisions)  # under its rate, nothing is refused
+    # Stop with tokens in hand (a lease may have run out with the last request: one more takes one).
+    while not any(lease.tokens for lease in path._expiring):
+        assert limiter.decide([hot]).allowed
+    # The leases run out (0.5 s) and what is unused goes back to the bucket.
     deadline = time.monotonic() + 3
     while path._expiring and time.monotonic() < deadline:
         limiter.return_leases()
         time.sleep(0.01)
     assert not path._expiring
-    assert admitted == len(decisions)  # under its rate, nothing is refused
-    assert path.counts["tokens_returned"] + path.counts["tokens_unreturned"] > 0
     counts = dict(path.counts)
+    assert counts["tokens_returned"] + counts.get("tokens_unreturned", 0) > 0, counts
+    # Every token leased was spent by a request answered from a lease, or given back.
+    assert counts["tokens_leased"] == counts["lease_hits"] + counts["tokens_returned"] + counts.get(
+        "tokens_unreturned", 0
+    )
     print(f"\nleases: {len(decisions)} decisions, {calls} script calls, {admitted} admitted; {counts}")
     client.close()
 
 
-def test_a_request_with_an_unleased_check_spends_its_lease_only_if_the_store_admits(
+def test_a_request_a_lease_does_not_cover_whole_is_the_stores_and_leaves_the_lease_as_it_is(
     own_redis: RedisServer,
 ) -> None:
+    """All or nothing, as the store decides: a request one check of which no lease covers goes to
+    the store whole (the store spends the leased check too), and its lease is neither spent nor
+    put back; a lease is taken for a request this worker makes often, not for each busy check."""
     limiter = limiter_on(own_redis, prefix="partial", local=LocalPathSettings(leases=True, lease_share=0.5))
     hot = check("hot", "1000/s", 100, Algorithm.TOKEN_BUCKET, "gina")
-    for _ in range(5):
-        limiter.decide([hot])  # leased now
+    for _ in range(LEASE_AFTER):
+        limiter.decide([hot])  # leased by the last of them
     path = limiter.local_path
-    assert path is not None and path.counts["leases"] >= 1
+    assert path is not None and path.counts["leases"] == 1
     lease = path._leases[hot.key("partial")]
     tokens = lease.tokens
+    assert tokens == LEASE_AFTER  # as many requests as this worker made of it so far
+    client = own_redis.client()
+    stored = client.get(hot.key("partial"))
     window = check("w", "1/h", 1, Algorithm.FIXED_WINDOW, "gina")
     first = limiter.decide([hot, window])
-    assert first.allowed and first.local is None  # the window asked the store; the lease paid for hot
-    assert lease.tokens == tokens - 1
+    assert first.allowed and first.local is None  # the window asked the store, for both checks
+    assert lease.tokens == tokens  # the lease was not spent: the store spent the bucket
+    assert client.get(hot.key("partial")) != stored
     second = limiter.decide([hot, window])
-    assert not second.allowed  # the window denies: the lease's token is put back
-    assert lease.tokens == tokens - 1
+    assert not second.allowed and second.local is None  # the window denies
+    assert lease.tokens == tokens
+    # A request of the hot check alone is still answered from its lease.
+    assert limiter.decide([hot]).local == LEASE and lease.tokens == tokens - 1
+    # Two requests of [hot, window] are not a request made often: nothing more was leased.
+    assert path.counts["leases"] == 1
+    client.close()
+
+
+def test_a_request_made_often_is_leased_whole_each_check_for_as_many_requests(own_redis: RedisServer) -> None:
+    """A lease follows the requests a worker makes of one resolution: none before the
+    ``LEASE_AFTER``-th in a lease-length; then each check that many requests' worth (its cost
+    each), so that they run out together, with one call; never a request with a check that cannot
+    be leased (a sliding window's count weighs on the next window)."""
+    clock = FakeClock()  # frozen: every request in one lease-length, no lease ends
+    limiter = limiter_on(own_redis, prefix="often", local=LocalPathSettings(leases=True, lease_share=0.25), clock=clock)
+    path = limiter.local_path
+    assert path is not None
+    tier = check("tier", "1000/s", 100, Algorithm.TOKEN_BUCKET, "ida")  # a lease pays for 25 requests at most
+    org = check("org", "5000/s", 400, Algorithm.TOKEN_BUCKET, "ida-org", cost=2)  # ... for 50
+    request = [tier, org]
+    for _ in range(LEASE_AFTER - 1):
+        assert limiter.decide(request).local is None
+    assert path.counts["leases"] == 0  # a request made rarely is not worth a lease
+    assert limiter.decide(request).local is None  # the LEASE_AFTER-th: decided by the store, and leased
+    leases = [path._leases[c.key("often")] for c in request]
+    assert [lease.tokens for lease in leases] == [LEASE_AFTER * 1, LEASE_AFTER * 2]
+    for _ in range(LEASE_AFTER):
+        assert limiter.decide(request).local == LEASE
+    assert [lease.tokens for lease in leases] == [0, 0]  # run out together
+    calls = script_calls(own_redis)
+    seen = 2 * LEASE_AFTER
+    assert limiter.decide(request).local is None  # one call for both, leasing more: as many as were made
+    assert script_calls(own_redis) == calls + 1
+    assert [path._leases[c.key("often")].tokens for c in request] == [seen + 1, 2 * (seen + 1)]
+    # The least roomy check bounds every check's lease: the tier's quarter of 100 is 25 requests.
+    sizes = set()
+    for _ in range(100):
+        clock.advance(2_000)  # 2 ms a request, half the tier's rate: its bucket never runs dry
+        if limiter.decide(request).local is None:
+            sizes.add(tuple(path._leases[c.key("often")].tokens for c in request))
+    assert max(sizes) == (25, 50) and all(org == 2 * tier for tier, org in sizes), sizes
+
+    sliding = check("s", "1000/s", 100, Algorithm.SLIDING_WINDOW, "ida")
+    leased = path.counts["leases"]
+    assert all(limiter.decide([tier, sliding]).local is None for _ in range(3 * LEASE_AFTER))
+    assert path.counts["leases"] == leased  # never leased: the request could never be answered whole
+
+
+def test_leases_that_end_together_go_back_in_one_call(own_redis: RedisServer) -> None:
+    """Unused tokens go back once the first lease to end has been over ``RETURN_BATCH_S``, with
+    every lease that ended meanwhile: one call, not one per lease."""
+    clock = FakeClock()
+    limiter = limiter_on(own_redis, prefix="batch", local=LocalPathSettings(leases=True, lease_share=0.25), clock=clock)
+    path = limiter.local_path
+    assert path is not None
+    warm = [check("w", "1000/s", 100, Algorithm.TOKEN_BUCKET, "lee")]
+    for _ in range(LEASE_AFTER):  # one lease made and given back first: the refund script is loaded
+        limiter.decide(warm)
+    clock.advance(int((0.5 + RETURN_BATCH_S) * US))
+    limiter.return_leases()
+    assert path.counts["tokens_returned"] == LEASE_AFTER
+    # Buckets that refill slowly (1 a second): what is given back shows in them.
+    first = [check("a", "1/s", 100, Algorithm.TOKEN_BUCKET, "jo")]
+    second = [check("b", "1/s", 100, Algorithm.TOKEN_BUCKET, "kim")]
+    # And one the same requests spend at the same moments, asking the store every time.
+    central = limiter_on(own_redis, prefix="batch", local=None, clock=clock)
+    reference = [check("a", "1/s", 100, Algorithm.TOKEN_BUCKET, "reference")]
+    for _ in range(LEASE_AFTER):
+        limiter.decide(first)
+        central.decide(reference)
+    clock.advance(50_000)  # the second lease is taken 50 ms later: it ends 50 ms later
+    for _ in range(LEASE_AFTER):
+        limiter.decide(second)
+    assert path.counts["leases"] == 3 and path.counts["tokens_leased"] == 3 * LEASE_AFTER
+    client = own_redis.client()
+    client.config_resetstat()
+    clock.advance(int((0.5 - 0.05 + RETURN_BATCH_S / 2) * US))  # the first ended RETURN_BATCH_S / 2 ago
+    limiter.return_leases()
+    assert path.counts["tokens_returned"] == LEASE_AFTER and len(path._expiring) == 2
+    clock.advance(int(RETURN_BATCH_S / 2 * US))  # ... RETURN_BATCH_S ago; the second 50 ms ago
+    limiter.return_leases()
+    assert path.counts["tokens_returned"] == 3 * LEASE_AFTER and not path._expiring
+    assert script_calls(own_redis) == 1  # both in one call
+    # Given back: the bucket holds what it would had the leased tokens never been taken (it is far
+    # from refilled: without them back, it would hold LEASE_AFTER fewer).
+    given_back = limiter.decide(first, consume=False).results[0]
+    spent_alike = central.decide(reference, consume=False).results[0]
+    assert given_back.remaining == spent_alike.remaining < 100 - 2
+    client.close()
 
 
 # -- faults ---------------------------------------------------------------------------------------

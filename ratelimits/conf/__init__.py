@@ -663,7 +663,10 @@ class LocalPath(Namespace):
         parse.boolean,
         id="ratelimits.E168",
         old=("LOCAL_PATH", "leases"),
-        doc="lease tokens of busy token buckets and fixed windows in the decide call and spend them locally",
+        doc=(
+            "lease tokens in the decide call for requests a worker makes often (every check a token bucket or "
+            "fixed window) and spend them locally"
+        ),
     )
     lease_ttl = Setting(
         "500ms",
@@ -684,7 +687,7 @@ class LocalPath(Namespace):
         parse.positive_int,
         id="ratelimits.E171",
         old=("LOCAL_PATH", "max_entries"),
-        doc="denials one worker remembers, and credentials and keys it counts for leases",
+        doc="denials one worker remembers, and credentials, and the resolutions it counts requests of for leases",
     )
     header = Setting(
         _LOCAL.header,

@@ -362,13 +362,13 @@ class LocalPathSettings(NamedTuple):
 
     #: Refuse from memory a check the store denied, until its wait has passed (exact).
     denials: bool = True
-    #: Lease tokens of busy token buckets in the decide call and spend them here.
-    leases: bool = False
+    #: Lease tokens in the decide call for requests a worker makes often, and spend them here.
+    leases: bool = True
     #: How long a lease is spent before its unused tokens go back (seconds, at most 1).
     lease_ttl: float = 0.5
     #: The most of a limit's capacity (a bucket's burst, a window's limit) one lease takes.
-    lease_share: float = 0.1
-    #: The most denials one worker remembers (and credentials, and keys whose rate it counts).
+    lease_share: float = 0.25
+    #: The most denials one worker remembers (and credentials, and resolutions it counts for leases).
     max_entries: int = 10_000
     #: Send ``X-RateLimit-Local`` on responses decided from memory (and log them at DEBUG).
     header: bool = False

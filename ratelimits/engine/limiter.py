@@ -28,7 +28,7 @@ from ..backends.memory import MemoryBackend
 from ..choices import FailMode
 from ..conf import LocalPathSettings, ProcessWide, conf
 from ..counters import ALLOWED, DEGRADED, EXTRA_TOKENS, LIMITED, SHED, Usage
-from ..decisions import UNLIMITED, Decision, Verdict
+from ..decisions import UNLIMITED, Decision, Verdict, admitted
 from ..exceptions import BackendUnavailable, PolicyFailed
 from ..metrics import get_recorder
 from ..policies.values import Check
@@ -459,8 +459,9 @@ class LocalLimiter(Limiter):
     """A :class:`Limiter` with this worker's memory in front (:mod:`.local`, ``LOCAL_PATH``).
 
     A consuming decision may be answered from memory: a denial remembered from the store that
-    has not ended, or tokens this worker leased (a request partly covered by leases asks the
-    store about the rest, and leases more of what it meets often). Each answer of the store
+    has not ended, or tokens this worker leased for each of its checks (a request some check of
+    which no lease covers is the store's, whole; one this worker makes often is leased in its
+    call). Each answer of the store
     teaches memory its denials and installs what a leasing call took; while the store cannot
     answer, a remembered denial refuses before any fail mode decides. What memory answers is
     counted here, as a degraded decision is, and added to the store's counters within a second.
@@ -487,9 +488,9 @@ class LocalLimiter(Limiter):
 
     def decide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
         """:meth:`Limiter.decide`, memory first: a consuming decision may be answered from it (a
-        remembered denial, or tokens this worker leased; a request partly covered by leases asks
-        the store about the rest), and is then counted here. A peek (``consume=False``) says what
-        is left as a lease's responses say it: the store's, and this worker's lease."""
+        remembered denial, or tokens this worker leased for each check), and is then counted here.
+        A peek (``consume=False``) says what is left as a lease's responses say it: the store's,
+        and this worker's lease."""
         if consume and self.local_path.idle:  # memory has nothing to answer, pay or lease with
             return super().decide(checks, consume=consume, usage=usage)
         plan = self._plan(checks, consume, usage)
@@ -512,34 +513,24 @@ class LocalLimiter(Limiter):
         if not checks:
             return UNLIMITED
         if not consume:
-            return _Ask(checks, None, None, local=False)
+            return _Ask(checks, None, local=False)
         local = self.local_path
         refusal = local.refuse(checks)
         if refusal is not None:
             self.count_local(usage, LIMITED)
             return refusal
-        spent = local.spend(checks)
-        if spent is None:
-            return _Ask(checks, local.wants(checks), None, local=True)
-        paid, rest = spent
-        if not rest:
-            self.count_local(usage, ALLOWED)
-            return Decision(Verdict.ALLOW, local.admitted(paid), 0, time.time_ns() // 1000, local=LEASE)
-        # Decided with the store for the rest; the leased tokens are the request's only if it admits.
-        return _Ask(rest, local.wants(rest), paid, local=True)
+        paid = local.spend(checks)
+        if paid is None:
+            return _Ask(checks, local.wants(checks), local=True)
+        self.count_local(usage, ALLOWED)
+        return admitted(paid, time.time_ns() // 1000, local=LEASE)
 
     def _settled(self, plan: _Ask, decision: Decision) -> Decision:
-        """The store's ``decision`` on what ``plan`` asked, with what memory already paid for."""
-        local = self.local_path
-        if not plan.local:
-            # A peek: what is left, as a lease's responses say it (the store's and this worker's lease).
-            return local.with_leases(decision)
-        if plan.paid is None:
+        """The store's ``decision`` on what ``plan`` asked: a peek's says what is left as a lease's responses do."""
+        if plan.local:
             return decision
-        if not decision.allowed:
-            local.undo(plan.paid)
-            return decision
-        return replace(decision, results=decision.results + local.admitted(plan.paid))
+        # A peek: what is left, as a lease's responses say it (the store's and this worker's lease).
+        return self.local_path.with_leases(decision)
 
     def _sending(self, consume: bool) -> tuple[float, int] | None:
         """What memory learns a consuming call's answer against: when it was sent, and memory's generation."""
@@ -600,12 +591,10 @@ _finishing: set[asyncio.Future[Any]] = set()
 
 
 class _Ask(NamedTuple):
-    """What a decision asks the store: ``checks``, leasing ``wants`` more tokens of each (``None``:
-    none), after the local path ``paid`` for the others."""
+    """What a decision asks the store: ``checks``, leasing ``wants`` more tokens of each (``None``: none)."""
 
     checks: Sequence[Check]
     wants: list[int] | None
-    paid: Any
     #: Whether the local path takes part (a consuming decision, with one): else it is a peek.
     local: bool
 

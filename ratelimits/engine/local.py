@@ -58,6 +58,13 @@ LEASE = "lease"
 #: The longest a denial is refused from memory before the store is asked again (seconds): a long
 #: one (a day's quota) is measured on this worker's clock, which need not keep Redis' rate for a day.
 MAX_DENIAL_S = 60.0
+#: The fewest requests of one resolution a worker makes in a lease-length before it leases them, and
+#: the fewest a lease pays for: fewer would mostly go back unspent, a call more, and the bookkeeping
+#: of many small leases costs a worker more than the calls they save (``bench.hot_keys``' long tail).
+LEASE_AFTER = 4
+#: How long after the first of them ended the leases that ended go back, together (seconds): a
+#: lease's unused tokens wait at most this long more, and a busy worker makes one call for many.
+RETURN_BATCH_S = 0.1
 #: The subjects every request presenting one credential on one endpoint has in common.
 CREDENTIAL_BOUND = frozenset({SubjectKind.API_KEY, SubjectKind.USER, SubjectKind.ENDPOINT})
 
@@ -133,6 +140,18 @@ class EarlyDenial:
     tokens: int
 
 
+@dataclass(slots=True)
+class _Rate:
+    """A resolution's requests in one lease-length window of this worker."""
+
+    checks: tuple[Check, ...]
+    #: This window's requests, and the window before's.
+    seen: int
+    before: int
+    #: The most requests one lease of each check may pay for (0: not leased; -1: not known yet).
+    most: int = -1
+
+
 class LocalPath:
     """What this worker answers from memory, and what it remembers of the store's answers."""
 
@@ -159,10 +178,10 @@ class LocalPath:
         #: State key -> the lease spent from now; and every lease not given back yet, by expiry.
         self._leases: dict[str, Lease] = {}
         self._expiring: deque[Lease] = deque()
-        #: State key -> requests this worker made of it in this window and the one before, windows
-        #: one lease long: the worker's rate per key, which a lease's size follows.
-        self._current: dict[str, int] = {}
-        self._previous: dict[str, int] = {}
+        #: The ids of a request's checks -> the requests this worker made of them in this window and the
+        #: one before, windows one lease long: the worker's rate per resolution, which leases follow.
+        self._current: dict[tuple[int, ...], _Rate] = {}
+        self._previous: dict[tuple[int, ...], _Rate] = {}
         self._window_start = -math.inf
         self._leasing = settings.leases and backend.leases
         #: When the last credential entry's denials end (monotonic): after it, they are all dropped.
@@ -243,49 +262,37 @@ class LocalPath:
 
     # -- leases --------------------------------------------------------------------------------
 
-    def spend(self, checks: Sequence[Check]) -> tuple[list[tuple[Lease, Check]], list[Check]] | None:
-        """Spend, from live leases, the cost of every check one covers; ``(spent, the rest)``, or ``None``.
+    def spend(self, checks: Sequence[Check]) -> tuple[Result, ...] | None:
+        """Admit a request from live leases if one covers the cost of each of its checks: its results, or ``None``.
 
-        The rest go to the store. What was spent is the request's only if the store admits the
-        rest too; otherwise :meth:`undo` puts it back.
+        All or nothing, as the store decides: a request some check of which no lease covers is
+        the store's to decide, whole, and its leases are left as they are (spending them for the
+        rest would take the request's tokens twice from buckets the store spends too, or need
+        putting back should the store refuse).
         """
         leases = self._leases
-        if not leases or not self.trusted():
+        prefix = self.prefix
+        # The common case first, before asking the channel: a request this worker holds no lease of.
+        if not leases or not checks or checks[0].key(prefix) not in leases or not self.trusted():
             return None
         now = self.clock()
-        prefix = self.prefix
-        spent: list[tuple[Lease, Check]] = []
-        rest: list[Check] = []
         with self._lock:
+            covered = []
             for check in checks:
                 lease = leases.get(check.key(prefix))
                 if (
-                    lease is not None
-                    and lease.expires > now
-                    and lease.tokens >= check.cost
-                    and (lease.grant.check.policy is check.policy or lease.grant.check.policy == check.policy)
+                    lease is None
+                    or lease.expires <= now
+                    or lease.tokens < check.cost
+                    or not (lease.grant.check.policy is check.policy or lease.grant.check.policy == check.policy)
                 ):
-                    lease.tokens -= check.cost
-                    spent.append((lease, check))
-                else:
-                    rest.append(check)
-            if spent and not rest:
-                self.counts["lease_hits"] += 1
-        for _, check in spent:
-            self._observe(check, now)  # a lease's requests count in the worker's rate as others do
-        return (spent, rest) if spent else None
-
-    def undo(self, spent: Sequence[tuple[Lease, Check]]) -> None:
-        """Put back what :meth:`spend` took, for a request the store did not admit."""
-        with self._lock:
-            for lease, check in spent:
-                if not lease.closed:
-                    lease.tokens += check.cost
-
-    def admitted(self, spent: Sequence[tuple[Lease, Check]]) -> tuple[Result, ...]:
-        """The results of the checks a request's leases paid for."""
-        now = self.clock()
-        return tuple(lease.result(check, now) for lease, check in spent)
+                    return None
+                covered.append(lease)
+            for lease, check in zip(covered, checks, strict=True):
+                lease.tokens -= check.cost
+            self.counts["lease_hits"] += 1
+        self._counted(checks)  # a lease's requests count in the worker's rate as others do
+        return tuple(lease.result(check, now) for lease, check in zip(covered, checks, strict=True))
 
     def with_leases(self, decision: Decision) -> Decision:
         """``decision`` (consuming nothing) with this worker's unspent lease tokens in what is remaining.
@@ -306,62 +313,94 @@ class LocalPath:
                 results[i] = result._replace(remaining=remaining)
         return replace(decision, results=tuple(results))
 
-    def wants(self, checks: Sequence[Check]) -> list[int] | None:
-        """How many tokens to lease from each check in the store call about to be made (``None``: none).
+    def _counted(self, checks: Sequence[Check]) -> _Rate | None:
+        """Count a consuming request of ``checks`` in this worker's rate, which leases follow; its count.
 
-        A token bucket or fixed window this worker met more than once in the last lease-length (or
-        in this one, so far) is leased as many tokens as it spent there, up to ``lease_share`` of
-        its capacity: a lease lasts about as long as it is worth, and one lease holds at most that
-        share. None while a live lease of the key holds enough, or for less than one request's cost.
+        Counted per resolution (the request's checks, as the policy snapshot keeps them: the same
+        objects for every request that resolves alike), one lease-length at a time; this window
+        and the one before are kept. ``None``: not counted (more resolutions than ``max_entries``
+        came this window).
         """
-        if not self._leasing or not self.trusted():
-            return None  # a lease nobody may spend would only keep its tokens from everyone
         now = self.clock()
-        wants: list[int] | None = None
-        leases, prefix = self._leases, self.prefix
-        for i, check in enumerate(checks):
-            want = self._observe(check, now)
-            if want < max(check.cost, 2):
-                continue  # not busy enough, or a lease too small to pay for one request
-            lease = leases.get(check.key(prefix))
-            if lease is not None and lease.expires > now and lease.tokens >= check.cost:
-                continue  # it still holds enough: another check sent the request here
-            if want >= 2:
-                if wants is None:
-                    wants = [0] * len(checks)
-                wants[i] = want
-        return wants
-
-    def _observe(self, check: Check, now: float) -> int:
-        """Count a request of ``check`` in this worker's rate; the lease it would take (0: none)."""
-        policy = check.policy
-        algorithm = policy.algorithm
-        if (
-            (algorithm is not Algorithm.TOKEN_BUCKET and algorithm is not Algorithm.FIXED_WINDOW)
-            or policy.shadow
-            or policy.role is Role.FAILED_AUTH
-            or policy.is_global
-        ):
-            # Only a bucket's tokens are leased, or a fixed window's (spent within the window): not a
-            # sliding window's, whose count weighs on the next window too. Nor the failed-
-            # authentication limit's: it must let exactly its burst of failures through, fleet-wide.
-            # Nor a global policy's: its region's share changes under it (docs/regions.md).
-            return 0
-        ttl = self.settings.lease_ttl
-        if now - self._window_start >= ttl:
-            # A new window: the one before is kept (one step per window, not per key), an older one dropped.
-            self._previous = self._current if now - self._window_start < 2 * ttl else {}
+        if now - self._window_start >= self.settings.lease_ttl:
+            # A new window: the one before is kept (one step per window, not per resolution), an older one dropped.
+            self._previous = self._current if now - self._window_start < 2 * self.settings.lease_ttl else {}
             self._current = {}
             self._window_start = now
-        key = check.key(self.prefix)
+        # The ids of the checks: each entry holds its checks (a copy: a caller's list may change),
+        # so no other object takes their ids while it lives.
+        key = tuple(map(id, checks))
         current = self._current
-        seen = current.get(key, 0) + 1
-        if seen > 1 or len(current) < self.max_entries:  # bounded: a new key beyond it is not counted
-            current[key] = seen
-        if seen < 2 and key not in self._previous:
-            return 0  # the common case of a cold key: met once, not before
-        # As many as this window or the last one saw: a lease grows at once with a rising rate.
-        return min(max(seen, self._previous.get(key, 0)) * check.cost, int(policy.capacity * self.settings.lease_share))
+        rate = current.get(key)
+        if rate is not None:
+            rate.seen += 1
+            return rate
+        before = self._previous.get(key)
+        if before is not None:
+            rate = current[key] = _Rate(before.checks, 1, before.seen, before.most)
+        elif len(current) < self.max_entries:  # bounded: a new resolution beyond it is not counted
+            rate = current[key] = _Rate(tuple(checks), 1, 0)
+        return rate
+
+    def wants(self, checks: Sequence[Check]) -> list[int] | None:
+        """Count this request; how many tokens to lease of each of ``checks`` in its store call (``None``: none).
+
+        A request this worker made at least ``LEASE_AFTER`` times in the last lease-length (or in
+        this one, so far), every check of which can be leased, is leased as many of its requests
+        as it made there, at most as many as ``lease_share`` of its least roomy check's capacity
+        pays for: each check that many times its cost, so that its leases run out together, with
+        the request's next call. Not a check whose live lease holds that much already (another
+        request sent it here). A rarer request is not worth it: its lease would go back mostly
+        unspent, one more call, and the bookkeeping would cost more than it saves.
+        """
+        if not self._leasing:
+            return None
+        rate = self._counted(checks)
+        if rate is None:
+            return None
+        seen = max(rate.seen, rate.before)
+        if seen < LEASE_AFTER:
+            return None
+        most = rate.most
+        if most < 0:
+            most = rate.most = self._requests_per_lease(checks)
+        requests = min(seen, most)
+        if requests < LEASE_AFTER or not self.trusted():
+            return None  # a lease nobody may spend would only keep its tokens from everyone
+        now = self.clock()
+        leases, prefix = self._leases, self.prefix
+        wants = [0] * len(checks)
+        for i, check in enumerate(checks):
+            want = requests * check.cost
+            lease = leases.get(check.key(prefix))
+            if lease is None or lease.expires <= now or lease.tokens < want:
+                wants[i] = want
+        return wants if any(wants) else None
+
+    def _requests_per_lease(self, checks: Sequence[Check]) -> int:
+        """The most requests of ``checks`` one lease of each may pay for: ``lease_share`` of the
+        least roomy check's capacity, in its costs; 0 if one of them cannot be leased."""
+        most = None
+        share = self.settings.lease_share
+        for check in checks:
+            policy = check.policy
+            algorithm = policy.algorithm
+            if (
+                (algorithm is not Algorithm.TOKEN_BUCKET and algorithm is not Algorithm.FIXED_WINDOW)
+                or policy.shadow
+                or policy.role is Role.FAILED_AUTH
+                or policy.is_global
+            ):
+                # Only a bucket's tokens are leased, or a fixed window's (spent within the window): not a
+                # sliding window's, whose count weighs on the next window too, nor a slot (counted live).
+                # Nor the failed-authentication limit's: it must let exactly its burst of failures through,
+                # fleet-wide. Nor a global policy's: its region's share changes under it (docs/regions.md).
+                # Nor a shadow policy's, which never spends.
+                return 0
+            requests = int(policy.capacity * share) // check.cost
+            if most is None or requests < most:
+                most = requests
+        return most or 0
 
     def install(self, decision: Decision, grants: Sequence[Grant], sent: float, generation: int) -> Decision:
         """Keep the leases a store call granted; ``decision`` with their tokens in what is remaining.
@@ -378,12 +417,12 @@ class LocalPath:
         arrived = self.clock()
         ttl = self.settings.lease_ttl
         prefix = self.prefix
-        by_check = {grant.check: grant for grant in grants}
         results = list(decision.results)
+        pending = iter(grants)  # in the order of the checks, as the results are
+        grant: Grant | None = next(pending)
         with self._lock:
             for i, result in enumerate(results):
-                grant = by_check.get(result.check)
-                if grant is None:
+                if grant is None or grant.check is not result.check:
                     continue
                 expires = sent + ttl
                 if result.check.policy.algorithm is Algorithm.FIXED_WINDOW:
@@ -395,14 +434,21 @@ class LocalPath:
                 self.counts["leases"] += 1
                 self.counts["tokens_leased"] += grant.tokens
                 results[i] = lease.result(result.check, arrived)
+                grant = next(pending, None)
         return replace(decision, results=tuple(results))
 
     def expired(self) -> list[tuple[Grant, int]]:
-        """Close the leases that have run out; their grants and unused tokens, to give back."""
+        """Close the leases that have run out; their grants and unused tokens, to give back.
+
+        Once the first of them has been over for ``RETURN_BATCH_S``: the leases that end within
+        that long of each other go back in one call, not one call each.
+        """
         expiring = self._expiring
         if not expiring:
             return []
         now = self.clock()
+        if expiring[0].expires > now - RETURN_BATCH_S:
+            return []
         unused = []
         with self._lock:
             while expiring and expiring[0].expires <= now:
