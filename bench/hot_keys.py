@@ -1,27 +1,35 @@
-"""``python -m bench.hot_keys``: what hot, flooded and cold keys cost, on the central path and the local one.
+"""``python -m bench.hot_keys``: what hot, flooded, cold and long-tail keys cost, on the central path and the local one.
 
 Four worker processes decide through a limiter each against a private ``redis-server`` (a free
-loopback port, stopped by PID) in three scenarios, each for a few seconds, once asking the store
-every time (``central``) and once with the local fast path (``local``: the exact denial cache and
-token leases, :mod:`ratelimits.engine.local`), side by side in one run:
+loopback port, stopped by PID) in five scenarios, each for a few seconds, once asking the store
+every time (``central``) and once with the local fast path as the package ships it (``default``:
+the exact denial cache and token leases, :mod:`ratelimits.engine.local`), side by side in one run:
 
 - ``flood``: one key limited to 100/s (burst 100), asked as fast as 4 processes x 2 threads can
   (far beyond 20x its limit);
 - ``hot``: one key limited to 1,000/s (burst 100), offered 90 % of its rate, paced;
-- ``cold``: 10,000 subjects, each asked about once a second, paced.
+- ``hot4``: one caller's requests of four dimensions (its tier at 1,000/s, burst 100, its user,
+  its organisation and the endpoint, each roomier), offered 90 % of the tier's rate, paced;
+- ``cold``: 10,000 subjects, each asked about once a second, paced;
+- ``tail``: a long tail, 2,000 requests a second of four dimensions from 10,000 callers (500
+  organisations, 4 endpoints), the k-th busiest caller making a share ∝ 1 / k^1.1 (Zipf), paced,
+  every limit roomy enough that nothing is refused: what leases cost and save where most callers
+  are cold.
 
-For each it prints the decisions made, those admitted against ``burst + rate x elapsed`` (Redis
-``TIME`` around the run; any excess is over-admission) and as a share of those offered, Redis
-script calls, Redis CPU and the workers' own CPU per decision, and the decision latency (p50/p99). Then the p50 of the
-decisions answered from memory against a bare PING measured in the same run. Targets of issue 12
-are printed beside the figures.
+For each it prints the decisions made, those admitted against ``burst + rate x elapsed`` of the
+callers' own limit (Redis ``TIME`` around the run; any excess is over-admission) and as a share of
+those offered, Redis script calls, Redis CPU and the workers' own CPU per decision, and the
+decision latency (p50/p99). Then the p50 of the decisions answered from memory against a bare PING
+measured in the same run. Targets of issues 12 and 28 are printed beside the figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import multiprocessing
 import os
+import random
 import sys
 import threading
 import time
@@ -48,47 +56,110 @@ from .stats import percentile  # noqa: E402
 
 PROCESSES = 4
 START_TIMEOUT_S = 60.0
-#: The local path as the bench runs it: denials remembered, and leases of up to a quarter of a burst.
-LOCAL = LocalPathSettings(leases=True, lease_share=0.25)
-MODES = ("central", "local")
+#: The modes each scenario runs in: every decision asked of the store (denials not remembered, no
+#: leases: the local path off), the exact denial cache alone (leases off: the default of 0.1), and
+#: the local path as the package ships it (``LocalPathSettings()``: the denial cache, and leases of
+#: requests a worker makes often).
+MODES = {
+    "central": LocalPathSettings(denials=False, leases=False),
+    "denials": LocalPathSettings(leases=False),
+    "default": LocalPathSettings(),
+}
+#: The long tail's skew: the k-th most active of its callers makes a share of requests ∝ 1 / k^1.1.
+ZIPF_S = 1.1
 
 
 @dataclass(frozen=True)
 class Scenario:
     name: str
-    policy: Policy
+    #: The policies every request meets, one check each: the first is the caller's own, on the
+    #: caller; the others' subjects are the caller's user, its organisation (one per ``orgs``
+    #: callers) and one of ``endpoints`` endpoints, in that order.
+    policies: tuple[Policy, ...]
     #: Threads per process, and each thread's pace (decisions a second; 0: as fast as it can).
     threads: int
     pace: float
     subjects: int
     #: Issue 12's ceiling on Redis script calls per decision for this scenario (None: no regression).
     calls_target: float | None
+    #: Callers drawn uniformly in turn (False), or by a Zipf law (True).
+    zipf: bool = False
+    orgs: int = 20
+    endpoints: int = 4
 
+
+def _policy(name: str, rate: str, burst: int) -> Policy:
+    return Policy(name, parse_rate(rate), burst)
+
+
+#: Four dimensions as a request of the demo meets them: the caller's tier on its API key, its
+#: user, its organisation and the endpoint, each roomier than the one before.
+FOUR = (
+    _policy("tier", "1000/s", 100),
+    _policy("user", "2000/s", 200),
+    _policy("org", "5000/s", 500),
+    _policy("endpoint", "100000/s", 10_000),
+)
+#: The long tail's: a caller's tier roomy enough that the busiest caller (about a sixth of all
+#: requests) is never refused, so that the rows compare leases, not denials.
+TAIL = (
+    _policy("tier", "1000/s", 1000),
+    _policy("user", "2000/s", 2000),
+    _policy("org", "5000/s", 5000),
+    _policy("endpoint", "100000/s", 10_000),
+)
 
 SCENARIOS = [
-    Scenario("flood", Policy("flooded", parse_rate("100/s"), 100), 2, 0.0, 1, 0.05),
-    Scenario("hot", Policy("hot", parse_rate("1000/s"), 100), 1, 900 / PROCESSES, 1, 0.10),
-    Scenario("cold", Policy("cold", parse_rate("10/s"), 10), 1, 10_000 / PROCESSES, 10_000, None),
+    Scenario("flood", (_policy("flooded", "100/s", 100),), 2, 0.0, 1, 0.05),
+    Scenario("hot", (_policy("hot", "1000/s", 100),), 1, 900 / PROCESSES, 1, 0.10),
+    Scenario("hot4", FOUR, 1, 900 / PROCESSES, 1, 0.10),
+    Scenario("cold", (_policy("cold", "10/s", 10),), 1, 10_000 / PROCESSES, 10_000, None),
+    Scenario("tail", TAIL, 1, 2_000 / PROCESSES, 10_000, None, zipf=True, orgs=500),
 ]
 
 
 def limiter_for(url: str, mode: str) -> Limiter:
-    """A worker's limiter, as ``ratelimits.engine.limiter`` builds one: with the local path, or without."""
+    """A worker's limiter, as ``ratelimits.engine.limiter`` builds one, with the local path of ``mode``."""
     breaker = CircuitBreaker(window=20, min_calls=5, failure_rate=0.5, cooldown=2.0)
-    settings = LOCAL if mode == "local" else LocalPathSettings(denials=False)
-    return build_limiter(RedisBackend(make_client(url, 1.0, 1.0)), breaker, settings, usage_cap=100)
+    return build_limiter(RedisBackend(make_client(url, 1.0, 1.0)), breaker, MODES[mode], usage_cap=100)
+
+
+def requests_of(scenario: Scenario) -> list[list[Check]]:
+    """Each caller's request: one check per policy of the scenario."""
+    requests = []
+    for i in range(scenario.subjects):
+        subjects = (
+            Subject(SubjectKind.API_KEY, f"{scenario.name}-{i}"),
+            Subject(SubjectKind.USER, f"{scenario.name}-u{i}"),
+            Subject(SubjectKind.ORG, f"{scenario.name}-o{i % scenario.orgs}"),
+            Subject(SubjectKind.ENDPOINT, f"{scenario.name}-e{i % scenario.endpoints}"),
+        )
+        requests.append([Check(policy, subject) for policy, subject in zip(scenario.policies, subjects, strict=False)])
+    return requests
+
+
+def order_of(scenario: Scenario, offset: int, count: int) -> list[int]:
+    """The callers a thread asks for, in order: in turn from ``offset``, or drawn by the Zipf law (seeded)."""
+    if not scenario.zipf:
+        return [(offset + n) % scenario.subjects for n in range(count)]
+    weights = [1 / (k + 1) ** ZIPF_S for k in range(scenario.subjects)]
+    return random.Random(offset).choices(
+        range(scenario.subjects), cum_weights=list(itertools.accumulate(weights)), k=count
+    )
 
 
 def _thread(
     scenario: Scenario,
     limiter: Limiter,
-    checks: list[Check],
+    requests: list[list[Check]],
     offset: int,
     seconds: float,
     go: Any,
     out: list[tuple[int, int, bool]],
 ) -> None:
-    limiter.backend.decide(checks[:1], consume=False)  # connected before the start line
+    # Drawn before the start line, as many as the thread can ask for (an unpaced one: generously).
+    order = order_of(scenario, offset, int((scenario.pace or 20_000) * (seconds + 1)))
+    limiter.backend.decide(requests[0][:1], consume=False)  # connected before the start line
     go.wait(START_TIMEOUT_S)
     clock = time.perf_counter
     began = clock()
@@ -102,9 +173,9 @@ def _thread(
             due = began + n * interval
             if due > now:
                 time.sleep(due - now)  # pacing the offered load (the bench's own schedule)
-        check = checks[(offset + n) % len(checks)]
+        checks = requests[order[n % len(order)]]
         t0 = time.perf_counter_ns()
-        decision = limiter.decide([check])
+        decision = limiter.decide(checks)
         out.append((time.perf_counter_ns() - t0, decision.allowed, decision.local is not None))
         limiter.return_leases()  # after the response, as request_finished does
         n += 1
@@ -112,13 +183,12 @@ def _thread(
 
 def process_main(scenario: Scenario, mode: str, url: str, index: int, seconds: float, go: Any, reports: Any) -> None:
     limiter = limiter_for(url, mode)
-    subjects = [Subject(SubjectKind.API_KEY, f"{scenario.name}-{i}") for i in range(scenario.subjects)]
-    checks = [Check(scenario.policy, subject) for subject in subjects]
+    requests = requests_of(scenario)
     outs: list[list[tuple[int, int, bool]]] = [[] for _ in range(scenario.threads)]
     threads = [
         threading.Thread(
             target=_thread,
-            args=(scenario, limiter, checks, (index * 7919 + t * 104729), seconds, go, outs[t]),
+            args=(scenario, limiter, requests, (index * 7919 + t * 104729), seconds, go, outs[t]),
         )
         for t in range(scenario.threads)
     ]
@@ -171,7 +241,7 @@ def run(scenario: Scenario, mode: str, server: RedisServer, seconds: float) -> d
         admin.close()
     decisions = len(samples)
     admitted = sum(allowed for _, allowed, _ in samples)
-    policy = scenario.policy
+    policy = scenario.policies[0]  # the bound of the callers' own limit (with one caller, the one that binds)
     bound = (
         scenario.subjects * policy.burst + scenario.subjects * elapsed_us * policy.rate.limit // policy.rate.period_us
     )
@@ -215,7 +285,7 @@ def ping_p50_us(server: RedisServer, count: int = 5000) -> float:
 
 def local_decisions_p50_us(server: RedisServer, count: int = 5000) -> dict[str, float]:
     """The p50 of a decision answered from memory, a denial and a lease, in this process alone (no other load)."""
-    limiter = limiter_for(server.url, "local")
+    limiter = limiter_for(server.url, "default")
     refused = Check(Policy("spent", parse_rate("1/h"), 1), Subject(SubjectKind.API_KEY, "p50-denial"))
     limiter.decide([refused])
     leased = Check(Policy("roomy", parse_rate("1000000/s"), 1_000_000), Subject(SubjectKind.API_KEY, "p50-lease"))
@@ -241,7 +311,7 @@ def bookkeeping_us(server: RedisServer, count: int = 10_000) -> float:
     is the overhead itself: looking for a denial and a lease, counting the key's rate, learning
     from the store's answer.
     """
-    limiter = limiter_for(server.url, "local")
+    limiter = limiter_for(server.url, "default")
     local = limiter.local_path
     assert local is not None
     checks = [
@@ -264,11 +334,18 @@ def bookkeeping_us(server: RedisServer, count: int = 10_000) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.hot_keys", description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=3.0, help="each scenario's length (default 3)")
+    names = [scenario.name for scenario in SCENARIOS]
+    parser.add_argument("--scenarios", nargs="+", choices=names, default=names, help="which to run (default: all)")
+    parser.add_argument(
+        "--modes", nargs="+", choices=list(MODES), default=list(MODES), help="in which modes (default: all)"
+    )
     args = parser.parse_args(argv)
     rows = []
     with RedisServer() as server:
         for scenario in SCENARIOS:
-            for mode in MODES:
+            if scenario.name not in args.scenarios:
+                continue
+            for mode in args.modes:
                 print(f"running {scenario.name} ({mode}) for {args.seconds:.0f} s", file=sys.stderr)
                 rows.append(run(scenario, mode, server, args.seconds))
         ping = ping_p50_us(server)
@@ -277,12 +354,12 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{'scenario':9} {'mode':8} {'decisions':>10} {'admitted':>9} {'share':>6} {'bound':>8} {'over':>5} "
         f"{'calls/dec':>10} {'redis µs':>9} {'client µs':>10} {'p50 µs':>7} {'p99 µs':>7} {'local':>6}  "
-        "issue-12 target"
+        "target (issues 12, 28)"
     )
     for row in rows:
         target = row["calls_target"]
         goal = f"≤ {target} calls/decision" if target is not None else "no regression"
-        if row["scenario"] == "hot":
+        if row["scenario"] in ("hot", "hot4"):
             goal += ", ≥ 95 % admitted"
         print(
             f"{row['scenario']:9} {row['mode']:8} {row['decisions']:>10,} {row['admitted']:>9,} "
@@ -291,6 +368,16 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['client_cpu_us_per_decision']:>10.1f} "
             f"{row['p50_us']:>7.1f} {row['p99_us']:>7.1f} {row['local_share']:>6.1%}  {goal}"
         )
+    central = {row["scenario"]: row for row in rows if row["mode"] == "central"}
+    print("\nthe local path as shipped (default) over the central path, per decision (issue 28: no worse on the tail):")
+    for row in rows:
+        base = central.get(row["scenario"])
+        if row["mode"] != "default" or base is None:
+            continue
+        worker = row["client_cpu_us_per_decision"] / base["client_cpu_us_per_decision"]
+        store = row["redis_cpu_us_per_decision"] / max(base["redis_cpu_us_per_decision"], 0.1)
+        calls = row["script_calls_per_decision"] / base["script_calls_per_decision"]
+        print(f"  {row['scenario']:6} worker CPU {worker:5.2f}x, Redis CPU {store:5.2f}x, script calls {calls:5.2f}x")
     print(
         f"\nthe local path's own steps for a decision it cannot answer (cold keys): {overhead:.2f} µs, "
         f"{overhead / ping:.3f}x a PING"
@@ -299,8 +386,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, p50 in quiet.items():
         print(f"  {name:7} p50 {p50:6.2f} µs = {p50 / ping:.3f}x a PING (target ≤ 0.3x)")
     for row in rows:
-        if row["mode"] == "local" and row["local_p50_us"] is not None:
-            print(f"  under the {row['scenario']} scenario's load (4 processes, 2 cores): p50 {row['local_p50_us']} µs")
+        if row["mode"] != "central" and row["local_p50_us"] is not None:
+            print(
+                f"  under the {row['scenario']} scenario's load ({row['mode']}; 4 processes, 2 cores): "
+                f"p50 {row['local_p50_us']} µs"
+            )
     return 0
 
 

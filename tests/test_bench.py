@@ -131,3 +131,24 @@ def test_the_observability_benchmark_reports_both_ways_and_the_added_steps() -> 
     assert "end to end without the round trip (the memory backend)" in out
     assert "the added steps alone: every policy's headers" in out and "the metrics' record" in out
     assert "a bare PING p50 in this run" in out
+
+
+@pytest.mark.slow
+def test_the_hot_keys_benchmark_compares_every_mode_on_the_long_tail() -> None:
+    """The four-dimension and long-tail scenarios run in every mode, each with its ratio to the central path."""
+    stdout = run_bench(
+        "bench.hot_keys",
+        "--seconds",
+        "0.5",
+        "--scenarios",
+        "hot4",
+        "tail",
+        "--modes",
+        "central",
+        "default",
+        timeout=300,
+    )
+    for scenario in ("hot4", "tail"):
+        for mode in ("central", "default"):
+            assert re.search(rf"^{scenario} +{mode} +[\d,]+ ", stdout, re.MULTILINE), (scenario, mode, stdout)
+        assert re.search(rf"^  {scenario} +worker CPU +[\d.]+x, Redis CPU +[\d.]+x, script calls", stdout, re.MULTILINE)
