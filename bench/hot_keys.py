@@ -308,7 +308,7 @@ def bookkeeping_us(server: RedisServer, count: int = 10_000) -> float:
     """What the local path adds to a decision it cannot answer (a cold key's), its own steps timed alone.
 
     The cold scenario's end-to-end figures are within this machine's noise of each other; this
-    is the overhead itself: looking for a denial and a lease, counting the key's rate, learning
+    is the overhead itself: looking for a denial and a lease, counting the request's resolution, learning
     from the store's answer.
     """
     limiter = limiter_for(server.url, "default")

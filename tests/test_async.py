@@ -748,7 +748,7 @@ def test_a_probe_given_up_by_its_request_still_reports(own_redis: RedisServer) -
     """The probe is shielded: cancelled, it runs on until the store answers or times out, and the
     breaker learns it (else every later request would probe again, and the breaker never learn)."""
     backend = RedisBackend(make_client(own_redis.url, 0.3, 0.3), prefix="aprobed")
-    limiter = build_limiter(backend, CircuitBreaker(cooldown=30.0), LocalPathSettings(denials=False))
+    limiter = build_limiter(backend, CircuitBreaker(cooldown=30.0), LocalPathSettings(denials=False, leases=False))
     rate = local_check("rate", "1000/s", 100, Algorithm.TOKEN_BUCKET, "noa")
     assert run(lambda: limiter.adecide([rate])).allowed  # the loop's client, connected
     breaker = limiter.breaker

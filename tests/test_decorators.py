@@ -771,7 +771,8 @@ def test_never_more_than_burst_plus_rate_times_elapsed_across_window_boundaries(
             {
                 "BACKEND": "tests.test_decorators.ClockedRedis",
                 "REDIS": {"URL": server.url, "CLOCK": "app"},
-                "LOCAL_PATH": {"DENIALS": False},  # a denial remembered runs on the real clock
+                # A denial remembered, or a lease, runs on the real clock.
+                "LOCAL_PATH": {"DENIALS": False, "LEASES": False},
             },
         )
     else:

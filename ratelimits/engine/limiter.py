@@ -2,8 +2,9 @@
 
 :class:`Limiter` asks the store for every decision. :class:`LocalLimiter` is one with this
 worker's memory in front (:mod:`.local`, ``LOCAL_PATH``): it answers what memory can (a remembered
-denial, tokens it leased), asks the store about the rest as :class:`Limiter` does, and teaches
-memory from the store's answers. :func:`build_limiter` makes the one the settings ask for.
+denial, tokens it leased for every check of a request), asks the store about any other request as
+:class:`Limiter` does, and teaches memory from the store's answers. :func:`build_limiter` makes the
+one the settings ask for.
 """
 
 from __future__ import annotations
@@ -481,10 +482,15 @@ class LocalLimiter(Limiter):
     ) -> None:
         super().__init__(backend, breaker, local=local, local_share=local_share, usage_every=usage_every)
         self.local_path = local_path
-        # Usage answered from memory reaches the store within a second even if no request
-        # follows (request_finished flushes too): the listener's thread does it.
-        flush = weakref.WeakMethod(self.flush_usage)
-        local_path.tick = lambda: call_weakly(flush)
+        # Usage answered from memory reaches the store, and ended leases' unused tokens go back,
+        # within a second even if no request follows (request_finished does both too): the
+        # listener's thread does it.
+        tick = weakref.WeakMethod(self._tick)
+        local_path.tick = lambda: call_weakly(tick)
+
+    def _tick(self) -> None:
+        self.flush_usage()
+        self.return_leases()
 
     def decide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
         """:meth:`Limiter.decide`, memory first: a consuming decision may be answered from it (a

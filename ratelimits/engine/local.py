@@ -277,7 +277,7 @@ class LocalPath:
             return None
         now = self.clock()
         with self._lock:
-            covered = []
+            covered: list[Lease] = []
             for check in checks:
                 lease = leases.get(check.key(prefix))
                 if (
@@ -286,10 +286,12 @@ class LocalPath:
                     or lease.tokens < check.cost
                     or not (lease.grant.check.policy is check.policy or lease.grant.check.policy == check.policy)
                 ):
+                    for taken, spent in zip(covered, checks, strict=False):
+                        taken.tokens += spent.cost  # put back: nothing is spent unless all is
                     return None
-                covered.append(lease)
-            for lease, check in zip(covered, checks, strict=True):
+                # Taken at once: two checks of one key (one bucket named twice) spend one lease.
                 lease.tokens -= check.cost
+                covered.append(lease)
             self.counts["lease_hits"] += 1
         self._counted(checks)  # a lease's requests count in the worker's rate as others do
         return tuple(lease.result(check, now) for lease, check in zip(covered, checks, strict=True))
@@ -322,23 +324,30 @@ class LocalPath:
         came this window).
         """
         now = self.clock()
-        if now - self._window_start >= self.settings.lease_ttl:
-            # A new window: the one before is kept (one step per window, not per resolution), an older one dropped.
-            self._previous = self._current if now - self._window_start < 2 * self.settings.lease_ttl else {}
-            self._current = {}
-            self._window_start = now
-        # The ids of the checks: each entry holds its checks (a copy: a caller's list may change),
-        # so no other object takes their ids while it lives.
+        ttl = self.settings.lease_ttl
+        if now - self._window_start >= ttl:
+            with self._lock:  # once per window: two threads must not both start one
+                start = self._window_start
+                if now - start >= ttl:
+                    # The window before is kept (one step per window, not per resolution), an older one dropped.
+                    self._previous = self._current if now - start < 2 * ttl else {}
+                    self._current = {}
+                    self._window_start = now
+        # Counted without the lock, on the request path: a count two threads race on may lose one,
+        # which only sizes a lease a little smaller. The ids of the checks are the key: each entry
+        # holds its checks (a copy: a caller's list may change), so no other object takes their ids.
         key = tuple(map(id, checks))
         current = self._current
         rate = current.get(key)
         if rate is not None:
             rate.seen += 1
             return rate
+        if len(current) >= self.max_entries:
+            return None  # bounded: a new resolution beyond it is not counted this window
         before = self._previous.get(key)
         if before is not None:
             rate = current[key] = _Rate(before.checks, 1, before.seen, before.most)
-        elif len(current) < self.max_entries:  # bounded: a new resolution beyond it is not counted
+        else:
             rate = current[key] = _Rate(tuple(checks), 1, 0)
         return rate
 
@@ -349,12 +358,13 @@ class LocalPath:
         this one, so far), every check of which can be leased, is leased as many of its requests
         as it made there, at most as many as ``lease_share`` of its least roomy check's capacity
         pays for: each check that many times its cost, so that its leases run out together, with
-        the request's next call. Not a check whose live lease holds that much already (another
-        request sent it here). A rarer request is not worth it: its lease would go back mostly
+        the request's next call. Not a check whose live lease can still pay for the request
+        (another request sent it here). A rarer request is not worth it: its lease would go back mostly
         unspent, one more call, and the bookkeeping would cost more than it saves.
         """
-        if not self._leasing:
-            return None
+        subscription = self._subscription
+        if not self._leasing or subscription is None or subscription.refused:
+            return None  # no lease could ever be spent: not worth counting for
         rate = self._counted(checks)
         if rate is None:
             return None
@@ -371,10 +381,12 @@ class LocalPath:
         leases, prefix = self._leases, self.prefix
         wants = [0] * len(checks)
         for i, check in enumerate(checks):
-            want = requests * check.cost
             lease = leases.get(check.key(prefix))
-            if lease is None or lease.expires <= now or lease.tokens < want:
-                wants[i] = want
+            # A lease that can still pay for this request is left to be spent (a lease replaced goes
+            # back only when it ends: what it holds meanwhile is kept from everyone, so no more than
+            # less than one request's cost is ever left in one).
+            if lease is None or lease.expires <= now or lease.tokens < check.cost:
+                wants[i] = requests * check.cost
         return wants if any(wants) else None
 
     def _requests_per_lease(self, checks: Sequence[Check]) -> int:
@@ -410,10 +422,6 @@ class LocalPath:
         """
         if not grants:
             return decision
-        if generation != self.generation:
-            with self._lock:
-                self.counts["tokens_dropped"] += sum(grant.tokens for grant in grants)
-            return decision
         arrived = self.clock()
         ttl = self.settings.lease_ttl
         prefix = self.prefix
@@ -421,6 +429,11 @@ class LocalPath:
         pending = iter(grants)  # in the order of the checks, as the results are
         grant: Grant | None = next(pending)
         with self._lock:
+            # Under the lock: a forget() on the listener's thread between a check and the lock would
+            # leave leases of a bucket reset meanwhile to be spent against the new one.
+            if generation != self.generation:
+                self.counts["tokens_dropped"] += sum(grant.tokens for grant in grants)
+                return decision
             for i, result in enumerate(results):
                 if grant is None or grant.check is not result.check:
                     continue
@@ -443,14 +456,14 @@ class LocalPath:
         Once the first of them has been over for ``RETURN_BATCH_S``: the leases that end within
         that long of each other go back in one call, not one call each.
         """
-        expiring = self._expiring
-        if not expiring:
+        if not self._expiring:
             return []
         now = self.clock()
-        if expiring[0].expires > now - RETURN_BATCH_S:
-            return []
         unused = []
         with self._lock:
+            expiring = self._expiring  # another thread may have emptied it meanwhile, or forget() cleared it
+            if not expiring or expiring[0].expires > now - RETURN_BATCH_S:
+                return []
             while expiring and expiring[0].expires <= now:
                 lease = expiring.popleft()
                 lease.closed = True
@@ -535,10 +548,12 @@ class LocalPath:
             wait = result.retry_us / US
             ends = sent + min(wait, MAX_DENIAL_S)
             denial = Denial(check, ends, arrived + wait, arrived + result.reset_us / US, result.remaining)
-            self._remember(check.key(prefix), denial, arrived)
+            self._remember(check.key(prefix), denial, arrived, generation)
 
-    def _remember(self, key: str, denial: Denial, now: float) -> None:
+    def _remember(self, key: str, denial: Denial, now: float, generation: int) -> None:
         with self._lock:
+            if generation != self.generation:
+                return  # emptied since the call was sent (a forget() on the listener's thread)
             denials = self._denials
             if key not in denials and len(denials) >= self.max_entries:
                 expired = [k for k, d in denials.items() if d.ends <= now]
