@@ -16,6 +16,10 @@ the exact denial cache and token leases, :mod:`ratelimits.engine.local`), side b
   every limit roomy enough that nothing is refused: what leases cost and save where most callers
   are cold.
 
+With ``--cluster`` the store is a private Redis Cluster (3 masters, 3 replicas) instead: a
+request's four dimensions are four slot groups there, one script call each when the store
+decides it, and the figures are summed over the masters.
+
 For each it prints the decisions made, those admitted against ``burst + rate x elapsed`` of the
 callers' own limit (Redis ``TIME`` around the run; any excess is over-admission) and as a share of
 those offered, Redis script calls, Redis CPU and the workers' own CPU per decision, and the
@@ -43,6 +47,7 @@ django.setup()
 
 import redis  # noqa: E402  (after django.setup)
 
+from ratelimits.backends.cluster import ClusterBackend  # noqa: E402
 from ratelimits.backends.redis import RedisBackend, make_client  # noqa: E402
 from ratelimits.conf import LocalPathSettings  # noqa: E402
 from ratelimits.engine.breaker import CircuitBreaker  # noqa: E402
@@ -50,6 +55,7 @@ from ratelimits.engine.limiter import Limiter, build_limiter  # noqa: E402
 from ratelimits.identity import Subject, SubjectKind  # noqa: E402
 from ratelimits.policies.values import Check, Policy  # noqa: E402
 from ratelimits.rates import parse_rate  # noqa: E402
+from tests.support.redis_cluster import Cluster  # noqa: E402
 from tests.support.redis_server import RedisServer  # noqa: E402
 
 from .stats import percentile  # noqa: E402
@@ -118,10 +124,47 @@ SCENARIOS = [
 ]
 
 
+class Store:
+    """What the workers decide against: one private ``redis-server``, or a private cluster (``cluster``)."""
+
+    def __init__(self, cluster: bool) -> None:
+        self._cluster = Cluster() if cluster else None
+        self._server = None if cluster else RedisServer()
+
+    def __enter__(self) -> Store:
+        if self._cluster is not None:
+            self._cluster.start()
+        else:
+            assert self._server is not None
+            self._server.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._cluster is not None:
+            self._cluster.stop()
+        elif self._server is not None:
+            self._server.stop()
+
+    @property
+    def url(self) -> str:
+        """The workers' URL: the server's, or the cluster's (``redis+cluster://``)."""
+        return self._cluster.url if self._cluster is not None else self.servers[0].url
+
+    @property
+    def servers(self) -> list[RedisServer]:
+        """The servers that decide: the one, or the cluster's masters (whose figures are summed)."""
+        if self._cluster is not None:
+            return self._cluster.masters()
+        assert self._server is not None
+        return [self._server]
+
+
 def limiter_for(url: str, mode: str) -> Limiter:
     """A worker's limiter, as ``ratelimits.engine.limiter`` builds one, with the local path of ``mode``."""
     breaker = CircuitBreaker(window=20, min_calls=5, failure_rate=0.5, cooldown=2.0)
-    return build_limiter(RedisBackend(make_client(url, 1.0, 1.0)), breaker, MODES[mode], usage_cap=100)
+    client = make_client(url, 1.0, 1.0)
+    backend = ClusterBackend(client) if url.startswith("redis+cluster://") else RedisBackend(client)  # type: ignore[arg-type]
+    return build_limiter(backend, breaker, MODES[mode], usage_cap=100)
 
 
 def requests_of(scenario: Scenario) -> list[list[Check]]:
@@ -205,40 +248,46 @@ def _redis_time_us(client: redis.Redis) -> int:
     return int(seconds) * 1_000_000 + int(micros)
 
 
-def _script_calls_and_cpu(client: redis.Redis) -> tuple[int, float]:
-    stats = client.info("commandstats")
-    calls = sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("fcall", "evalsha", "eval"))
-    cpu = client.info("cpu")
-    return calls, float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
+def _script_calls_and_cpu(clients: list[redis.Redis]) -> tuple[int, float]:
+    """Script calls run and CPU seconds used, summed over ``clients``' servers."""
+    calls, cpu_s = 0, 0.0
+    for client in clients:
+        stats = client.info("commandstats")
+        calls += sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("fcall", "evalsha", "eval"))
+        cpu = client.info("cpu")
+        cpu_s += float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
+    return calls, cpu_s
 
 
-def run(scenario: Scenario, mode: str, server: RedisServer, seconds: float) -> dict[str, Any]:
-    admin = server.client()
-    admin.flushall()
+def run(scenario: Scenario, mode: str, store: Store, seconds: float) -> dict[str, Any]:
+    admins = [server.client() for server in store.servers]
+    for admin in admins:
+        admin.flushall()
     ctx = multiprocessing.get_context("spawn")
     go = ctx.Barrier(PROCESSES * scenario.threads + 1)
     reports = ctx.Queue()
     children = [
-        ctx.Process(target=process_main, args=(scenario, mode, server.url, i, seconds, go, reports), daemon=True)
+        ctx.Process(target=process_main, args=(scenario, mode, store.url, i, seconds, go, reports), daemon=True)
         for i in range(PROCESSES)
     ]
     for child in children:
         child.start()
     try:
         go.wait(START_TIMEOUT_S)
-        began_us = _redis_time_us(admin)
-        calls_before, cpu_before = _script_calls_and_cpu(admin)
+        began_us = _redis_time_us(admins[0])
+        calls_before, cpu_before = _script_calls_and_cpu(admins)
         reported = [reports.get(timeout=START_TIMEOUT_S + seconds + 60) for _ in children]
         samples = [sample for _, part in reported for sample in part]
         client_cpu_s = sum(cpu for cpu, _ in reported)
-        calls_after, cpu_after = _script_calls_and_cpu(admin)
-        elapsed_us = _redis_time_us(admin) - began_us
+        calls_after, cpu_after = _script_calls_and_cpu(admins)
+        elapsed_us = _redis_time_us(admins[0]) - began_us
     finally:
         for child in children:
             child.join(30)
             if child.is_alive():
                 child.terminate()
-        admin.close()
+        for admin in admins:
+            admin.close()
     decisions = len(samples)
     admitted = sum(allowed for _, allowed, _ in samples)
     policy = scenario.policies[0]  # the bound of the callers' own limit (with one caller, the one that binds)
@@ -247,7 +296,8 @@ def run(scenario: Scenario, mode: str, server: RedisServer, seconds: float) -> d
     )
     latencies = sorted(ns for ns, _, _ in samples)
     local = sorted(ns for ns, _, answered in samples if answered)
-    calls = calls_after - calls_before - PROCESSES * scenario.threads  # less the warm-up peeks
+    # Less the warm-up peeks (one call each: a peek of the first check, on one node).
+    calls = calls_after - calls_before - PROCESSES * scenario.threads
     return {
         "scenario": scenario.name,
         "mode": mode,
@@ -268,9 +318,9 @@ def run(scenario: Scenario, mode: str, server: RedisServer, seconds: float) -> d
     }
 
 
-def ping_p50_us(server: RedisServer, count: int = 5000) -> float:
-    """A bare PING's round trip (p50), on one redis-py connection of this process."""
-    client = redis.Redis.from_url(server.url, single_connection_client=True)
+def ping_p50_us(store: Store, count: int = 5000) -> float:
+    """A bare PING's round trip (p50), on one redis-py connection of this process (to a master, on a cluster)."""
+    client = redis.Redis.from_url(store.servers[0].url, single_connection_client=True)
     try:
         client.ping()
         samples = []
@@ -283,9 +333,9 @@ def ping_p50_us(server: RedisServer, count: int = 5000) -> float:
     return percentile(sorted(samples), 50) / 1000
 
 
-def local_decisions_p50_us(server: RedisServer, count: int = 5000) -> dict[str, float]:
+def local_decisions_p50_us(store: Store, count: int = 5000) -> dict[str, float]:
     """The p50 of a decision answered from memory, a denial and a lease, in this process alone (no other load)."""
-    limiter = limiter_for(server.url, "default")
+    limiter = limiter_for(store.url, "default")
     refused = Check(Policy("spent", parse_rate("1/h"), 1), Subject(SubjectKind.API_KEY, "p50-denial"))
     limiter.decide([refused])
     leased = Check(Policy("roomy", parse_rate("1000000/s"), 1_000_000), Subject(SubjectKind.API_KEY, "p50-lease"))
@@ -304,14 +354,14 @@ def local_decisions_p50_us(server: RedisServer, count: int = 5000) -> dict[str, 
     return figures
 
 
-def bookkeeping_us(server: RedisServer, count: int = 10_000) -> float:
+def bookkeeping_us(store: Store, count: int = 10_000) -> float:
     """What the local path adds to a decision it cannot answer (a cold key's), its own steps timed alone.
 
     The cold scenario's end-to-end figures are within this machine's noise of each other; this
     is the overhead itself: looking for a denial and a lease, counting the request's resolution, learning
     from the store's answer.
     """
-    limiter = limiter_for(server.url, "default")
+    limiter = limiter_for(store.url, "default")
     local = limiter.local_path
     assert local is not None
     checks = [
@@ -339,18 +389,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--modes", nargs="+", choices=list(MODES), default=list(MODES), help="in which modes (default: all)"
     )
+    parser.add_argument(
+        "--cluster", action="store_true", help="decide on a private Redis Cluster (3 masters) instead of one Redis"
+    )
     args = parser.parse_args(argv)
     rows = []
-    with RedisServer() as server:
+    with Store(args.cluster) as store:
         for scenario in SCENARIOS:
             if scenario.name not in args.scenarios:
                 continue
             for mode in args.modes:
                 print(f"running {scenario.name} ({mode}) for {args.seconds:.0f} s", file=sys.stderr)
-                rows.append(run(scenario, mode, server, args.seconds))
-        ping = ping_p50_us(server)
-        quiet = local_decisions_p50_us(server)
-        overhead = bookkeeping_us(server)
+                rows.append(run(scenario, mode, store, args.seconds))
+        ping = ping_p50_us(store)
+        quiet = local_decisions_p50_us(store)
+        overhead = bookkeeping_us(store)
+    if args.cluster:
+        print("on a Redis Cluster of 3 masters: script calls and Redis CPU summed over the masters")
     print(
         f"{'scenario':9} {'mode':8} {'decisions':>10} {'admitted':>9} {'share':>6} {'bound':>8} {'over':>5} "
         f"{'calls/dec':>10} {'redis µs':>9} {'client µs':>10} {'p50 µs':>7} {'p99 µs':>7} {'local':>6}  "

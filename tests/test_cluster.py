@@ -24,11 +24,13 @@ from ratelimits.backends import get_backend, layout
 from ratelimits.backends.cluster import ClusterBackend
 from ratelimits.backends.memory import MemoryBackend
 from ratelimits.backends.redis import DECIDE, deadline_of, make_client, read_state, with_deadline
+from ratelimits.conf import LocalPathSettings
 from ratelimits.counters import Usage
 from ratelimits.decisions import Verdict
 from ratelimits.engine import get_limiter
 from ratelimits.engine.breaker import CircuitBreaker
-from ratelimits.engine.limiter import Limiter
+from ratelimits.engine.limiter import Limiter, build_limiter
+from ratelimits.engine.local import LEASE
 from ratelimits.exceptions import BackendUnavailable
 from ratelimits.identity import Subject
 from ratelimits.policies import Check, Policy
@@ -285,6 +287,81 @@ def test_a_refund_corrects_the_usage_the_caller_group_counted(redis_cluster: Clu
     key = layout.usage_key("rl", usage.minute, layout.slot_tag(layout.key_slot(checks[0].key("rl").encode())))
     counts = {k.decode(): int(v) for k, v in cluster_client.hgetall(key).items()}
     assert counts == {"#": 1, usage.field: 1, usage.field + "a": 1, usage.field + "l": 1, usage.field + "x": 2}
+
+
+# -- leases -------------------------------------------------------------------------------------
+
+
+def test_a_lease_takes_each_groups_tokens_and_gives_the_unused_back_per_slot(
+    redis_cluster: Cluster, cluster_client: Any
+) -> None:
+    """A leasing call over three slot groups takes every check's tokens in its own group; the
+    unused ones go back to each bucket, one refund call per slot group, and the buckets hold
+    exactly what they would had the lease never been taken."""
+    clock = FakeClock()
+    backend = cluster_backend(redis_cluster, clock)
+    assert backend.leases
+    subjects = spread(many_subjects(200), cluster_client)
+    checks = [Check(policy("10/m", name=f"leased-{n}"), subject) for n, subject in enumerate(subjects)]
+    decision, grants = backend.lease(checks, [4, 3, 2])
+    assert decision.allowed
+    assert sorted((g.check.policy.name, g.tokens) for g in grants) == [
+        ("leased-0", 4),
+        ("leased-1", 3),
+        ("leased-2", 2),
+    ]
+    peek = backend.decide(checks, consume=False).results
+    # A look says what would remain after one more request: 9 of an untouched bucket of 10.
+    assert [r.remaining for r in peek] == [9 - 1 - 4, 9 - 1 - 3, 9 - 1 - 2]
+    before = script_calls(redis_cluster)
+    assert backend.give_back([(grant, grant.tokens) for grant in grants]) == 3
+    assert script_calls(redis_cluster) - before == 3  # one refund per slot group
+    assert [r.remaining for r in backend.decide(checks, consume=False).results] == [9 - 1] * 3  # the request's own
+
+
+def test_a_lease_one_group_denies_gives_back_the_others_cost_and_leases(
+    redis_cluster: Cluster, cluster_client: Any
+) -> None:
+    """All or nothing across slots with leases too: a request one group denies takes nothing in
+    the others, neither its cost nor the tokens they took for the worker."""
+    clock = FakeClock()
+    backend = cluster_backend(redis_cluster, clock)
+    subjects = spread(many_subjects(200), cluster_client)
+    roomy = [
+        Check(policy("10/m", name="roomy"), subjects[0]),
+        Check(policy("20/m", name="window", algorithm=Algorithm.FIXED_WINDOW), subjects[1]),
+    ]
+    tight = Check(policy("1/m", name="tight"), subjects[2])
+    assert backend.decide([tight]).allowed
+    before = [r.remaining for r in backend.decide(roomy, consume=False).results]
+    for _ in range(3):
+        decision, grants = backend.lease([*roomy, tight], [5, 5, 0])
+        assert decision.verdict is Verdict.LIMITED and grants == []
+    assert [r.remaining for r in backend.decide(roomy, consume=False).results] == before == [9, 19]
+
+
+def test_leases_on_a_cluster_answer_a_hot_request_from_memory(redis_cluster: Cluster, cluster_client: Any) -> None:
+    """The local path leases on a cluster: a request made often is answered from its leases, and
+    every token a lease took is spent by a request or given back to its bucket."""
+    backend = cluster_backend(redis_cluster)
+    breaker = CircuitBreaker(window=20, min_calls=5, failure_rate=0.5, cooldown=1.0)
+    limiter = build_limiter(backend, breaker, LocalPathSettings(leases=True), usage_cap=100)
+    subjects = spread(many_subjects(200), cluster_client)
+    checks = [Check(policy("1/h", 40, name="hot"), subject) for subject in subjects]  # refills nothing meanwhile
+    answers = [limiter.decide(checks) for _ in range(60)]
+    admitted = sum(d.allowed for d in answers)
+    assert admitted <= 40  # the burst at most: what leases spent they took from the buckets
+    assert sum(d.local == LEASE for d in answers) >= 20, [d.local for d in answers]
+    path = limiter.local_path
+    assert path is not None
+    deadline = time.monotonic() + 10
+    while path._expiring and time.monotonic() < deadline:  # leases last half a second
+        limiter.return_leases()
+        time.sleep(0.05)
+    assert not path._expiring and not path.counts.get("tokens_unreturned"), path.counts
+    # What no request spent went back: each bucket is short of exactly the requests admitted.
+    left = backend.decide(checks, consume=False).results
+    assert [(r.allowed, r.remaining) for r in left] == [(admitted < 40, max(39 - admitted, 0))] * 3, admitted
 
 
 # -- refunds never create tokens ------------------------------------------------------------------

@@ -11,6 +11,11 @@ they consumed by ``lua/refund.lua``. A refund gives back only what the state sti
 request's own consumption, so it never creates a token; meanwhile a concurrent request may have
 been denied for want of it (a brief under-admission, never an over-admission).
 
+Token leases work as on one Redis, per slot group: a leasing call takes each group's tokens in
+that group's script, so a request one group denies gives back what the others took for it,
+leases and all, by the same refund; and a lease's unused tokens go back to their buckets with
+one refund call per slot group, the calls sent at once.
+
 Redirects: a ``MOVED`` reply (the slot moved, or a replica was promoted), an ``ASK`` reply (the
 slot is being migrated) and ``TRYAGAIN`` (a migration has moved some of the call's keys, not all)
 mean the script did not run: the call is sent again where the reply says (after a short pause for
@@ -41,8 +46,8 @@ from ..decisions import Decision, Result
 from ..exceptions import BackendUnavailable, PolicyFailed
 from ..policies.values import Check
 from . import layout
-from .base import StoreHealth, UsagePeek, new_slot, slot_keys
-from .codec import REFUND_CHECK, REFUND_NOW, REFUNDABLE
+from .base import Grant, StoreHealth, UsagePeek, new_slot, slot_keys
+from .codec import LEASE, REFUND_CHECK, REFUND_NOW, REFUNDABLE
 from .invalidation import version_message
 from .redis import (
     ADD_USAGE,
@@ -56,6 +61,7 @@ from .redis import (
     Script,
     deadline_of,
     decide_results,
+    give_back_call,
     load_function,
     make_client,
     policy_failed,
@@ -115,8 +121,6 @@ class _Call:
 class ClusterBackend(RedisBackend):
     """Shared state on a Redis Cluster: one script call per slot group, sent concurrently.
 
-    Takes no token leases (yet): a lease's tokens would have to be given back per slot group.
-
     ``client`` is a :class:`redis.RedisCluster`, or a function making one: the cluster is first
     reached when the limiter first needs it, so an unreachable cluster degrades requests by
     their fail modes instead of failing the process at start-up.
@@ -157,7 +161,6 @@ class ClusterBackend(RedisBackend):
             return cls(client, **options)
         return cls(lambda: make_client(url, socket_timeout, connect_timeout, redis_options), **options)  # type: ignore[arg-type, return-value]
 
-    leases = False
     _cluster: RedisCluster | None
     _connect: Callable[[], RedisCluster] | None
 
@@ -186,9 +189,20 @@ class ClusterBackend(RedisBackend):
     # -- decisions ---------------------------------------------------------------------------------
 
     def decide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
+        return self._decided(checks, consume=consume, usage=usage)[0]
+
+    def lease(
+        self, checks: Sequence[Check], wants: Sequence[int], *, usage: Usage | None = None
+    ) -> tuple[Decision, list[Grant]]:
+        return self._decided(checks, consume=True, usage=usage, wants=wants)
+
+    def _decided(
+        self, checks: Sequence[Check], *, consume: bool, usage: Usage | None, wants: Sequence[int] | None = None
+    ) -> tuple[Decision, list[Grant]]:
+        """One call per slot group, sent at once: the decision, and what a leasing call (``wants``) took."""
         slot = new_slot(checks) if consume else None
         sent = self.store_clock.now_us()
-        calls = self.decide_calls(checks, consume=consume, usage=usage, slot=slot)
+        calls = self.decide_calls(checks, consume=consume, usage=usage, slot=slot, wants=wants)
         self._run_calls(DECIDE, calls)
         for call in calls:
             if call.error is None:
@@ -235,8 +249,9 @@ class ClusterBackend(RedisBackend):
             recount = self._recount(calls, usage, "l" if denied_by_rate else "s")
             stray = self._refund(checks, admitted, usage=recount, slot=slot)
             decision = Decision.from_results(decided, now_us=now_us, policy_version=version)
-            return decision if stray is None else _with_stray(decision, stray)
-        return Decision.from_results(decided, now_us=now_us, policy_version=version, slot=slot, slot_keys=held)
+            return (decision if stray is None else _with_stray(decision, stray)), []
+        decision = Decision.from_results(decided, now_us=now_us, policy_version=version, slot=slot, slot_keys=held)
+        return decision, _grants(checks, calls) if wants is not None else []
 
     @staticmethod
     def _recount(calls: Sequence[_Call], usage: Usage | None, metric: str | None) -> _Recount | None:
@@ -264,10 +279,12 @@ class ClusterBackend(RedisBackend):
         usage: Usage | None,
         slot: str | None,
         refundable: bool | None = None,
+        wants: Sequence[int] | None = None,
     ) -> list[_Call]:
         """One decide script call per slot among ``checks``' keys; the first check's group counts ``usage``.
 
-        The calls report what a refund needs when there are several (``refundable``, if not said).
+        The calls report what a refund needs when there are several (``refundable``, if not said),
+        and when they lease (``wants``: per check, the tokens to take beyond its cost).
         """
         prefix = self.prefix
         groups: dict[int, list[int]] = {}
@@ -287,6 +304,7 @@ class ClusterBackend(RedisBackend):
                 slot=slot,
                 tag=layout.slot_tag(hash_slot),
                 refundable=refundable,
+                wants=None if wants is None else [wants[i] for i in indices],
                 deadline=deadline,
             )
             calls.append(_Call(hash_slot, keys, args, indices))
@@ -302,22 +320,23 @@ class ClusterBackend(RedisBackend):
     ) -> tuple[str, tuple[str, ...]] | None:
         """Give back what ``admitted`` consumed, and count the usage anew; the slot keys still held if a refund failed.
 
-        A refund that fails leaves tokens spent (under-admission only).
+        What a leasing call took for the worker goes back with the request's own cost. A refund
+        that fails leaves tokens spent (under-admission only).
         """
         refunds: dict[int, _Call] = {}  # by the decide call's slot
         for call in admitted:
             now_us = call.reply[0]
             records = [REFUND_NOW.pack(-1.0 if self.clock is None else self.clock())]
             keys = []
+            spent_all, taken = _refundable(call)
             for n, result in enumerate(call.results):
                 if not result.allowed:
                     continue  # a shadow check that would have denied wrote nothing
                 check = result.check
                 policy, rate = check.policy, check.policy.rate
-                spent = call.reply[-1][
-                    REFUNDABLE.size * n : REFUNDABLE.size * (n + 1)
-                ]  # as the decide call reported it
-                record = (policy.algorithm.code, rate.limit, rate.period_us, check.cost, now_us, policy.burst)
+                spent = spent_all[REFUNDABLE.size * n : REFUNDABLE.size * (n + 1)]  # as the decide call reported it
+                tokens = check.cost + (LEASE.unpack_from(taken, LEASE.size * n)[0] if taken else 0)
+                record = (policy.algorithm.code, rate.limit, rate.period_us, tokens, now_us, policy.burst)
                 records.append(REFUND_CHECK.pack(*record) + spent)
                 keys.append(check.key(self.prefix))
             refunds[call.slot] = _Call(call.slot, keys, [b"".join(records), slot or "", "", "", "", 1, ""])
@@ -524,6 +543,23 @@ class ClusterBackend(RedisBackend):
                 raise call.error
         return sum(int(call.reply) for call in calls)
 
+    def give_back(self, grants: Sequence[tuple[Grant, int]]) -> int:
+        """As a single Redis's, one refund call per hash slot the grants' buckets are in, sent at once.
+
+        If one fails, the others' tokens went back all the same; its error is raised.
+        """
+        by_slot: dict[int, list[tuple[Grant, int]]] = {}
+        for grant in grants:
+            by_slot.setdefault(layout.key_slot(grant[0].check.key(self.prefix).encode()), []).append(grant)
+        calls = [
+            _Call(hash_slot, *give_back_call(group, self.prefix, self.clock)) for hash_slot, group in by_slot.items()
+        ]
+        self._run_calls(REFUND, calls)
+        for call in calls:
+            if call.error is not None:
+                raise call.error
+        return sum(int(call.reply) for call in calls)
+
     def clear(self, checks: Sequence[Check]) -> None:
         with self._store():
             for group in _by_slot([check.key(self.prefix) for check in checks]).values():
@@ -648,6 +684,27 @@ def _held(checks: Sequence[Check], calls: Sequence[_Call]) -> tuple[str, ...]:
         for call in calls
         for key in slot_keys([checks[i] for i in call.indices], call.keys[1 : len(call.indices) + 1])
     )
+
+
+def _refundable(call: _Call) -> tuple[bytes, bytes]:
+    """What a refundable decide call's reply says a refund needs (``REFUNDABLE`` per check), and
+    what a leasing one took beyond each check's cost (``LEASE`` per check; empty if it did not lease)."""
+    at = 2 + 3 * len(call.indices)  # after the clock, the stamp and each check's three numbers
+    reply = call.reply
+    return reply[at], (reply[at + 1] if len(reply) > at + 1 else b"")
+
+
+def _grants(checks: Sequence[Check], calls: Sequence[_Call]) -> list[Grant]:
+    """A leasing decision's grants: what each group's call took beyond its checks' costs."""
+    grants = []
+    for call in calls:
+        spent, taken = _refundable(call)
+        for n, i in enumerate(call.indices):
+            (tokens,) = LEASE.unpack_from(taken, LEASE.size * n)
+            if tokens > 0:
+                spent_tat, given_back = REFUNDABLE.unpack_from(spent, REFUNDABLE.size * n)
+                grants.append(Grant(checks[i], int(tokens), call.reply[0], spent_tat, given_back))
+    return grants
 
 
 def _by_slot(keys: Sequence[str]) -> dict[int, list[str]]:

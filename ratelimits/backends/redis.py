@@ -437,15 +437,8 @@ class RedisBackend(Backend):
         """Give ``(grant, unused tokens)`` back to their buckets with ``lua/refund.lua``: no more than time has
         not yet refilled of them (so a bucket never holds more than it would had they never been taken).
         """
-        records = [REFUND_NOW.pack(-1.0 if self.clock is None else self.clock())]
-        keys = []
-        for grant, unused in grants:
-            policy = grant.check.policy
-            rate = policy.rate
-            record = (policy.algorithm.code, rate.limit, rate.period_us, unused, grant.taken_us, policy.burst)
-            records.append(REFUND_CHECK.pack(*record) + REFUNDABLE.pack(grant.spent_tat, grant.given_back))
-            keys.append(grant.check.key(self.prefix))
-        return int(self._run(REFUND, keys, [b"".join(records), "", ""]))
+        keys, args = give_back_call(grants, self.prefix, self.clock)
+        return int(self._run(REFUND, keys, args))
 
     def claim_usage(self, before_minute: int) -> list[tuple[str, int]]:
         live, draining = layout.usage_prefix(self.prefix), layout.drain_prefix(self.prefix)
@@ -764,6 +757,21 @@ def renew_call(
         keys += held_under
         slots += [slot] * len(held_under)
     return keys, [-1 if clock is None else clock(), lease_us, *slots]
+
+
+def give_back_call(
+    grants: Sequence[tuple[Grant, int]], prefix: str, clock: Callable[[], int] | None
+) -> tuple[list[str], list[Any]]:
+    """``lua/refund.lua``'s KEYS and ARGV giving ``(grant, unused tokens)`` back to their buckets."""
+    records = [REFUND_NOW.pack(-1.0 if clock is None else clock())]
+    keys = []
+    for grant, unused in grants:
+        policy = grant.check.policy
+        rate = policy.rate
+        record = (policy.algorithm.code, rate.limit, rate.period_us, unused, grant.taken_us, policy.burst)
+        records.append(REFUND_CHECK.pack(*record) + REFUNDABLE.pack(grant.spent_tat, grant.given_back))
+        keys.append(grant.check.key(prefix))
+    return keys, [b"".join(records), "", ""]
 
 
 #: What means the store could not answer: Redis' errors (timeouts, refused connections, a read-only
