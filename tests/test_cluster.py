@@ -302,21 +302,22 @@ def test_a_lease_takes_each_groups_tokens_and_gives_the_unused_back_per_slot(
     backend = cluster_backend(redis_cluster, clock)
     assert backend.leases
     subjects = spread(many_subjects(200), cluster_client)
+    # The function of the refund script loaded on every master (a first call loads it, then runs again).
+    warm = [Check(policy("10/m", name="warm"), subject) for subject in subjects]
+    backend.give_back([(grant, grant.tokens) for grant in backend.lease(warm, [1, 1, 1])[1]])
     checks = [Check(policy("10/m", name=f"leased-{n}"), subject) for n, subject in enumerate(subjects)]
-    decision, grants = backend.lease(checks, [4, 3, 2])
+    checks.append(Check(policy("20/m", name="leased-3"), subjects[0]))  # the first check's slot group
+    decision, grants = backend.lease(checks, [4, 3, 2, 5])
     assert decision.allowed
-    assert sorted((g.check.policy.name, g.tokens) for g in grants) == [
-        ("leased-0", 4),
-        ("leased-1", 3),
-        ("leased-2", 2),
-    ]
+    # In the order of the checks, as one Redis gives them, though the first group holds the last.
+    assert [(g.check, g.tokens) for g in grants] == list(zip(checks, [4, 3, 2, 5], strict=True))
     peek = backend.decide(checks, consume=False).results
     # A look says what would remain after one more request: 9 of an untouched bucket of 10.
-    assert [r.remaining for r in peek] == [9 - 1 - 4, 9 - 1 - 3, 9 - 1 - 2]
+    assert [r.remaining for r in peek] == [9 - 1 - 4, 9 - 1 - 3, 9 - 1 - 2, 19 - 1 - 5]
     before = script_calls(redis_cluster)
-    assert backend.give_back([(grant, grant.tokens) for grant in grants]) == 3
+    assert backend.give_back([(grant, grant.tokens) for grant in grants]) == 4
     assert script_calls(redis_cluster) - before == 3  # one refund per slot group
-    assert [r.remaining for r in backend.decide(checks, consume=False).results] == [9 - 1] * 3  # the request's own
+    assert [r.remaining for r in backend.decide(checks, consume=False).results] == [8, 8, 8, 18]  # the request's own
 
 
 def test_a_lease_one_group_denies_gives_back_the_others_cost_and_leases(
@@ -362,6 +363,75 @@ def test_leases_on_a_cluster_answer_a_hot_request_from_memory(redis_cluster: Clu
     # What no request spent went back: each bucket is short of exactly the requests admitted.
     left = backend.decide(checks, consume=False).results
     assert [(r.allowed, r.remaining) for r in left] == [(admitted < 40, max(39 - admitted, 0))] * 3, admitted
+
+
+def shared_limiter(cluster: Cluster) -> Limiter:
+    """A worker's limiter on ``cluster``, its leases lasting long enough for a test's requests."""
+    backend = cluster_backend(cluster)
+    breaker = CircuitBreaker(window=20, min_calls=5, failure_rate=0.5, cooldown=1.0)
+    return build_limiter(backend, breaker, LocalPathSettings(leases=True, lease_ttl=5.0), usage_cap=100)
+
+
+def callers_apart_from(client: redis.RedisCluster, subject: Subject, n: int) -> list[Subject]:
+    """``n`` callers whose keys are on another master than ``subject``'s."""
+    node = node_of(client, Check(policy("1/h"), subject).key("rl"))
+    return [s for s in many_subjects(400) if node_of(client, Check(policy("1/h"), s).key("rl")) != node][:n]
+
+
+def test_a_shared_bucket_asked_about_often_is_leased_and_its_call_left_out(
+    redis_cluster: Cluster, cluster_client: Any
+) -> None:
+    """Many callers, each asking once, share an organisation's bucket in a slot of its own: once
+    this worker asked about it often, it is leased, and the callers' requests are decided with
+    one call (their own slot's), the organisation's part paid from the lease; every token the
+    lease took is spent by a request or given back."""
+    limiter = shared_limiter(redis_cluster)
+    org = policy("1/h", 1000, name="org")
+    own = policy("1/h", 5, name="caller")
+    requests = [[Check(own, caller), Check(org, ORG)] for caller in callers_apart_from(cluster_client, ORG, 40)]
+    before = script_calls(redis_cluster)
+    answers = [limiter.decide(checks) for checks in requests]
+    calls = script_calls(redis_cluster) - before
+    assert all(d.allowed for d in answers)
+    path = limiter.local_path
+    assert path is not None
+    # The first LEASE_AFTER requests ask both slots (the last of them leases the organisation's
+    # bucket); from then on one call each, while the lease lasts.
+    assert path.counts["groups_spared"] >= 30, path.counts
+    assert calls <= 2 * 5 + (len(requests) - 5) + 2, (calls, path.counts)
+    assert [d.results[1].check for d in answers] == [checks[1] for checks in requests]  # every check's result
+    # All spent or given back: the organisation's bucket is short of exactly the requests admitted.
+    for lease in path._expiring:
+        lease.expires = 0.0  # ended
+    limiter.return_leases()
+    assert not path._expiring and not path.counts.get("tokens_unreturned"), path.counts
+    left = limiter.backend.decide([requests[0][1]], consume=False).results[0].remaining
+    assert left == 1000 - len(requests) - 1  # a look says what one more request would leave
+
+
+def test_a_request_the_store_refuses_puts_back_what_the_leases_paid(
+    redis_cluster: Cluster, cluster_client: Any
+) -> None:
+    """All or nothing with a group paid from leases: when the caller's own slot refuses the
+    request, the organisation's tokens go back into the lease (no call), and nothing is kept."""
+    limiter = shared_limiter(redis_cluster)
+    org = policy("1/h", 1000, name="org")
+    own = policy("1/h", 1, name="caller")
+    callers = callers_apart_from(cluster_client, ORG, 6)
+    for caller in callers[:5]:
+        assert limiter.decide([Check(own, caller), Check(org, ORG)]).allowed
+    path = limiter.local_path
+    assert path is not None
+    lease = path._leases[Check(org, ORG).key("rl")]
+    held = lease.tokens
+    assert held > 0
+    spent = Check(own, callers[5])
+    assert limiter.backend.decide([spent]).allowed  # spent by another worker: this one remembers no denial
+    denied = limiter.decide([spent, Check(org, ORG)])
+    assert denied.verdict is Verdict.LIMITED and denied.local is None
+    assert [r.allowed for r in denied.results] == [False, True]
+    # The fifth request was paid from the lease (the fourth took it), and so was the refused one, then put back.
+    assert lease.tokens == held and path.counts["groups_spared"] == 2, path.counts
 
 
 # -- refunds never create tokens ------------------------------------------------------------------

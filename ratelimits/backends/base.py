@@ -266,13 +266,20 @@ class Backend(ABC):
         self, checks: Sequence[Check], wants: Sequence[int], *, usage: Usage | None = None
     ) -> tuple[Decision, list[Grant]]:
         """Decide and consume as :meth:`decide` does, and in the same call take up to ``wants[i]`` more tokens
-        from check ``i`` (token buckets only) for the worker to spend itself; what each check gave.
+        from check ``i`` (token buckets only) for the worker to spend itself; what each check gave,
+        in the order of the checks.
         """
         raise NotImplementedError(f"{type(self).__name__} takes no leases")
 
     def give_back(self, grants: Sequence[tuple[Grant, int]]) -> int:
         """Give unused leased tokens back, ``(grant, tokens)`` each; how many buckets took something back."""
         raise NotImplementedError(f"{type(self).__name__} takes no leases")
+
+    def call_groups(self, checks: Sequence[Check]) -> list[list[int]] | None:
+        """Which of ``checks`` (their indices) one decision asks together, call by call, when it
+        makes several: a Redis Cluster's slot groups, the first check's group first. ``None``: one call.
+        """
+        return None
 
     def subscribe(
         self,

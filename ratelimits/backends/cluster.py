@@ -286,10 +286,7 @@ class ClusterBackend(RedisBackend):
         The calls report what a refund needs when there are several (``refundable``, if not said),
         and when they lease (``wants``: per check, the tokens to take beyond its cost).
         """
-        prefix = self.prefix
-        groups: dict[int, list[int]] = {}
-        for i, check in enumerate(checks):
-            groups.setdefault(layout.key_slot(check.key(prefix).encode()), []).append(i)
+        groups = self._slot_groups(checks)
         calls = []
         if refundable is None:
             refundable = len(groups) > 1  # what a group consumed may have to be given back
@@ -309,6 +306,18 @@ class ClusterBackend(RedisBackend):
             )
             calls.append(_Call(hash_slot, keys, args, indices))
         return calls
+
+    def call_groups(self, checks: Sequence[Check]) -> list[list[int]] | None:
+        groups = list(self._slot_groups(checks).values())
+        return groups if len(groups) > 1 else None
+
+    def _slot_groups(self, checks: Sequence[Check]) -> dict[int, list[int]]:
+        """``checks``' indices by the hash slot of their keys, in the order of their first check."""
+        prefix = self.prefix
+        groups: dict[int, list[int]] = {}
+        for i, check in enumerate(checks):
+            groups.setdefault(layout.key_slot(check.key(prefix).encode()), []).append(i)
+        return groups
 
     def _refund(
         self,
@@ -695,7 +704,8 @@ def _refundable(call: _Call) -> tuple[bytes, bytes]:
 
 
 def _grants(checks: Sequence[Check], calls: Sequence[_Call]) -> list[Grant]:
-    """A leasing decision's grants: what each group's call took beyond its checks' costs."""
+    """A leasing decision's grants, in the order of their checks (as a single Redis's are): what
+    each group's call took beyond its checks' costs."""
     grants = []
     for call in calls:
         spent, taken = _refundable(call)
@@ -703,8 +713,8 @@ def _grants(checks: Sequence[Check], calls: Sequence[_Call]) -> list[Grant]:
             (tokens,) = LEASE.unpack_from(taken, LEASE.size * n)
             if tokens > 0:
                 spent_tat, given_back = REFUNDABLE.unpack_from(spent, REFUNDABLE.size * n)
-                grants.append(Grant(checks[i], int(tokens), call.reply[0], spent_tat, given_back))
-    return grants
+                grants.append((i, Grant(checks[i], int(tokens), call.reply[0], spent_tat, given_back)))
+    return [grant for _, grant in sorted(grants, key=lambda pair: pair[0])]
 
 
 def _by_slot(keys: Sequence[str]) -> dict[int, list[str]]:

@@ -35,7 +35,7 @@ from ..metrics import get_recorder
 from ..policies.values import Check
 from .breaker import NOT_A_PROBE, BreakerState, CircuitBreaker
 from .heartbeat import HEARTBEAT
-from .local import LEASE, LocalPath, call_weakly
+from .local import LEASE, LocalPath, Spared, call_weakly
 
 __all__ = ["Limiter", "LocalLimiter", "build_limiter", "get_limiter"]
 
@@ -502,7 +502,12 @@ class LocalLimiter(Limiter):
         plan = self._plan(checks, consume, usage)
         if isinstance(plan, Decision):
             return plan
-        return self._held(self._settled(plan, self._asked(plan.checks, consume=consume, usage=usage, wants=plan.wants)))
+        try:
+            decision = self._asked(plan.checks, consume=consume, usage=usage, wants=plan.wants)
+        except BaseException:
+            self._unsettled(plan)
+            raise
+        return self._held(self._settled(plan, decision))
 
     async def adecide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
         """:meth:`decide` for async code: the store asked without blocking the event loop."""
@@ -511,7 +516,11 @@ class LocalLimiter(Limiter):
         plan = self._plan(checks, consume, usage)
         if isinstance(plan, Decision):
             return plan
-        decision = await self._aasked(plan.checks, consume=consume, usage=usage, wants=plan.wants)
+        try:
+            decision = await self._aasked(plan.checks, consume=consume, usage=usage, wants=plan.wants)
+        except BaseException:
+            self._unsettled(plan)
+            raise
         return self._held(self._settled(plan, decision))
 
     def _plan(self, checks: Sequence[Check], consume: bool, usage: Usage | None) -> Decision | _Ask:
@@ -527,16 +536,22 @@ class LocalLimiter(Limiter):
             return refusal
         paid = local.spend(checks)
         if paid is None:
-            return _Ask(checks, local.wants(checks), local=True)
+            return _Ask(*local.ask(checks), local=True)
         self.count_local(usage, ALLOWED)
         return admitted(paid, time.time_ns() // 1000, local=LEASE)
 
     def _settled(self, plan: _Ask, decision: Decision) -> Decision:
-        """The store's ``decision`` on what ``plan`` asked: a peek's says what is left as a lease's responses do."""
+        """The store's ``decision`` on what ``plan`` asked: the whole request's, where leases paid
+        part of it; a peek's says what is left as a lease's responses do."""
         if plan.local:
-            return decision
+            return decision if plan.spared is None else self.local_path.settle(plan.spared, decision)
         # A peek: what is left, as a lease's responses say it (the store's and this worker's lease).
         return self.local_path.with_leases(decision)
+
+    def _unsettled(self, plan: _Ask) -> None:
+        """The store call of ``plan`` raised: what leases paid of the request goes back into them."""
+        if plan.spared is not None:
+            self.local_path.put_back(plan.spared)
 
     def _sending(self, consume: bool) -> tuple[float, int] | None:
         """What memory learns a consuming call's answer against: when it was sent, and memory's generation."""
@@ -601,8 +616,10 @@ class _Ask(NamedTuple):
 
     checks: Sequence[Check]
     wants: list[int] | None
+    #: The request's checks leases paid instead (on a store that asks them in calls of their own).
+    spared: Spared | None = None
     #: Whether the local path takes part (a consuming decision, with one): else it is a peek.
-    local: bool
+    local: bool = False
 
 
 def _count_error(exc: BackendUnavailable) -> None:

@@ -150,6 +150,23 @@ class _Rate:
     before: int
     #: The most requests one lease of each check may pay for (0: not leased; -1: not known yet).
     most: int = -1
+    #: The groups of checks (indices) the store decides in calls of their own besides the first
+    #: group's (a Redis Cluster's slot groups) whose every check can be leased: each may be paid
+    #: from leases instead of a call. ``None``: not known yet.
+    apart: tuple[tuple[int, ...], ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Spared:
+    """Groups of a request's checks paid from leases, for a store that would ask each in a call of
+    its own: the store decides the rest. Their results are the request's once the store admits it;
+    if it refuses, the tokens go back into the leases."""
+
+    #: The request's checks, and the indices of those paid here.
+    checks: Sequence[Check]
+    paid: tuple[int, ...]
+    leases: tuple[Lease, ...]
+    results: tuple[Result, ...]
 
 
 class LocalPath:
@@ -182,6 +199,10 @@ class LocalPath:
         #: one before, windows one lease long: the worker's rate per resolution, which leases follow.
         self._current: dict[tuple[int, ...], _Rate] = {}
         self._previous: dict[tuple[int, ...], _Rate] = {}
+        #: State key -> requests this worker asked the store about it in a call of its own, this
+        #: window and the one before (on a store that makes several calls a decision only).
+        self._keys_current: dict[str, int] = {}
+        self._keys_previous: dict[str, int] = {}
         self._window_start = -math.inf
         self._leasing = settings.leases and backend.leases
         #: When the last credential entry's denials end (monotonic): after it, they are all dropped.
@@ -255,6 +276,7 @@ class LocalPath:
         spends those) and listener thread are not the child's. Start afresh, subscribing in the background.
         """
         self._denials, self._early, self._leases, self._current, self._previous = {}, {}, {}, {}, {}
+        self._keys_current, self._keys_previous = {}, {}
         self._expiring, self.counts = deque(), Counter()
         self._lock = threading.Lock()
         self.generation += 1
@@ -330,8 +352,12 @@ class LocalPath:
                 start = self._window_start
                 if now - start >= ttl:
                     # The window before is kept (one step per window, not per resolution), an older one dropped.
-                    self._previous = self._current if now - start < 2 * ttl else {}
+                    fresh = now - start < 2 * ttl
+                    self._previous = self._current if fresh else {}
                     self._current = {}
+                    if self._keys_current or self._keys_previous:
+                        self._keys_previous = self._keys_current if fresh else {}
+                        self._keys_current = {}
                     self._window_start = now
         # Counted without the lock, on the request path: a count two threads race on may lose one,
         # which only sizes a lease a little smaller. The ids of the checks are the key: each entry
@@ -346,10 +372,151 @@ class LocalPath:
             return None  # bounded: a new resolution beyond it is not counted this window
         before = self._previous.get(key)
         if before is not None:
-            rate = current[key] = _Rate(before.checks, 1, before.seen, before.most)
+            rate = current[key] = _Rate(before.checks, 1, before.seen, before.most, before.apart)
         else:
             rate = current[key] = _Rate(tuple(checks), 1, 0)
         return rate
+
+    def ask(self, checks: Sequence[Check]) -> tuple[Sequence[Check], list[int] | None, Spared | None]:
+        """What to ask the store of a request no lease answers whole: its checks, how many tokens to
+        lease of each (:meth:`wants`), and the groups of them paid from leases instead (``Spared``).
+
+        Only on a store that decides a request in several calls (a Redis Cluster's slot groups):
+        a group apart from the first (the caller's own, which counts usage) whose every check a live
+        lease covers is paid here, and the store asked about the rest, one call fewer. A group this
+        worker asks about at least ``LEASE_AFTER`` times in a lease-length (an organisation's, an
+        endpoint's, shared by many callers) is leased in the call, whatever the request's own rate.
+        """
+        rate = self._counted_for_leases(checks)
+        if rate is None:
+            return checks, None, None
+        wants = self._wants(checks, rate)
+        apart = rate.apart
+        if apart is None:
+            apart = rate.apart = self._apart(checks) if len(checks) > 1 else ()
+        if not apart or not self.trusted():
+            return checks, wants, None
+        spared = self._spare(checks, apart)
+        paid = spared.paid if spared is not None else ()
+        wants = self._shared_wants(checks, apart, paid, wants)
+        if spared is None:
+            return checks, wants, None
+        asked = [i for i in range(len(checks)) if i not in paid]
+        subset = [checks[i] for i in asked]
+        sliced = [wants[i] for i in asked] if wants is not None else None
+        return subset, sliced if sliced is not None and any(sliced) else None, spared
+
+    def _apart(self, checks: Sequence[Check]) -> tuple[tuple[int, ...], ...]:
+        """The groups of ``checks`` the store decides apart from the first, each of checks that can be leased."""
+        groups = self.backend.call_groups(checks)
+        if not groups:
+            return ()
+        return tuple(tuple(group) for group in groups[1:] if all(_leasable(checks[i]) for i in group))
+
+    def _spare(self, checks: Sequence[Check], apart: tuple[tuple[int, ...], ...]) -> Spared | None:
+        """Pay each group of ``apart`` that live leases cover whole from them: ``None`` if none is."""
+        leases, prefix = self._leases, self.prefix
+        if not leases:
+            return None
+        now = self.clock()
+        paid: list[int] = []
+        taken: list[Lease] = []
+        with self._lock:
+            for group in apart:
+                covered: list[Lease] = []
+                for i in group:
+                    check = checks[i]
+                    lease = leases.get(check.key(prefix))
+                    if (
+                        lease is None
+                        or lease.expires <= now
+                        or lease.tokens < check.cost
+                        or not (lease.grant.check.policy is check.policy or lease.grant.check.policy == check.policy)
+                    ):
+                        for back, i_back in zip(covered, group, strict=False):
+                            back.tokens += checks[i_back].cost  # put back: a group is paid whole or not at all
+                        covered = []
+                        break
+                    lease.tokens -= check.cost  # at once: two checks of one key spend one lease
+                    covered.append(lease)
+                if covered:
+                    paid += group
+                    taken += covered
+            if not paid:
+                return None
+            self.counts["groups_spared"] += 1
+        results = tuple(lease.result(checks[i], now) for lease, i in zip(taken, paid, strict=True))
+        return Spared(checks, tuple(paid), tuple(taken), results)
+
+    def _shared_wants(
+        self,
+        checks: Sequence[Check],
+        apart: tuple[tuple[int, ...], ...],
+        paid: tuple[int, ...],
+        wants: list[int] | None,
+    ) -> list[int] | None:
+        """``wants`` with a lease for each group of ``apart`` asked about often enough (and not paid here).
+
+        Counted per state key, not per request: a shared bucket (an organisation's, an endpoint's)
+        is met by many resolutions, each of which may be rare. A group is leased for as many of its
+        requests as the least asked of its checks saw in a lease-length, at most what ``lease_share``
+        of each check's capacity pays for (bounded by what the bucket holds: the store grants no more).
+        """
+        counts, before = self._keys_current, self._keys_previous
+        leases, prefix = self._leases, self.prefix
+        share = self.settings.lease_share
+        now = self.clock()
+        for group in apart:
+            seen = -1
+            for i in group:
+                key = checks[i].key(prefix)
+                n = counts.get(key)
+                if n is None:
+                    if len(counts) >= self.max_entries:
+                        continue  # bounded: a new key beyond it is not counted this window
+                    n = 0
+                n = counts[key] = n + 1
+                n = max(n, before.get(key, 0))
+                seen = n if seen < 0 else min(seen, n)
+            if seen < LEASE_AFTER or group[0] in paid:
+                continue  # rare, or paid from leases (not in the call)
+            for i in group:
+                check = checks[i]
+                lease = leases.get(check.key(prefix))
+                if lease is not None and lease.expires > now and lease.tokens >= check.cost:
+                    continue  # still pays for this group's next request
+                requests = min(seen, int(check.policy.capacity * share) // check.cost)
+                if requests >= LEASE_AFTER:
+                    if wants is None:
+                        wants = [0] * len(checks)
+                    wants[i] = max(wants[i], requests * check.cost)
+        return wants
+
+    def settle(self, spared: Spared, decision: Decision) -> Decision:
+        """The store's ``decision`` on the rest of a request ``spared`` paid part of: the whole request's.
+
+        Refused, what the leases paid goes back into them (a lease given back meanwhile keeps its
+        tokens from everyone until it would have ended: under-admission only).
+        """
+        if not decision.allowed:
+            self.put_back(spared)
+        results: list[Result] = []
+        asked = iter(decision.results)
+        spent = dict(zip(spared.paid, spared.results, strict=True))
+        for i in range(len(spared.checks)):
+            result = spent.get(i)
+            results.append(result if result is not None else next(asked))
+        return replace(decision, results=tuple(results))
+
+    def put_back(self, spared: Spared) -> None:
+        """The tokens ``spared`` paid, back into their leases: the store refused the request."""
+        with self._lock:
+            for lease, i in zip(spared.leases, spared.paid, strict=True):
+                cost = spared.checks[i].cost
+                if lease.closed:
+                    self.counts["tokens_dropped"] += cost
+                else:
+                    lease.tokens += cost
 
     def wants(self, checks: Sequence[Check]) -> list[int] | None:
         """Count this request; how many tokens to lease of each of ``checks`` in its store call (``None``: none).
@@ -362,12 +529,18 @@ class LocalPath:
         (another request sent it here). A rarer request is not worth it: its lease would go back mostly
         unspent, one more call, and the bookkeeping would cost more than it saves.
         """
+        rate = self._counted_for_leases(checks)
+        return None if rate is None else self._wants(checks, rate)
+
+    def _counted_for_leases(self, checks: Sequence[Check]) -> _Rate | None:
+        """:meth:`_counted`, where a lease could ever be spent; ``None`` where none could, or not counted."""
         subscription = self._subscription
         if not self._leasing or subscription is None or subscription.refused:
             return None  # no lease could ever be spent: not worth counting for
-        rate = self._counted(checks)
-        if rate is None:
-            return None
+        return self._counted(checks)
+
+    def _wants(self, checks: Sequence[Check], rate: _Rate) -> list[int] | None:
+        """:meth:`wants` of a request counted in ``rate``."""
         seen = max(rate.seen, rate.before)
         if seen < LEASE_AFTER:
             return None
@@ -395,21 +568,9 @@ class LocalPath:
         most = None
         share = self.settings.lease_share
         for check in checks:
-            policy = check.policy
-            algorithm = policy.algorithm
-            if (
-                (algorithm is not Algorithm.TOKEN_BUCKET and algorithm is not Algorithm.FIXED_WINDOW)
-                or policy.shadow
-                or policy.role is Role.FAILED_AUTH
-                or policy.is_global
-            ):
-                # Only a bucket's tokens are leased, or a fixed window's (spent within the window): not a
-                # sliding window's, whose count weighs on the next window too, nor a slot (counted live).
-                # Nor the failed-authentication limit's: it must let exactly its burst of failures through,
-                # fleet-wide. Nor a global policy's: its region's share changes under it (docs/regions.md).
-                # Nor a shadow policy's, which never spends.
+            if not _leasable(check):
                 return 0
-            requests = int(policy.capacity * share) // check.cost
+            requests = int(check.policy.capacity * share) // check.cost
             if most is None or requests < most:
                 most = requests
         return most or 0
@@ -649,6 +810,25 @@ class LocalPath:
         if not live or not self.trusted():
             return None
         return self._refusal(live, now), early
+
+
+def _leasable(check: Check) -> bool:
+    """Whether a lease may pay for ``check``.
+
+    Only a bucket's tokens are leased, or a fixed window's (spent within the window): not a sliding
+    window's, whose count weighs on the next window too, nor a slot (counted live). Nor the
+    failed-authentication limit's: it must let exactly its burst of failures through, fleet-wide.
+    Nor a global policy's: its region's share changes under it (docs/regions.md). Nor a shadow
+    policy's, which never spends.
+    """
+    policy = check.policy
+    algorithm = policy.algorithm
+    return (
+        (algorithm is Algorithm.TOKEN_BUCKET or algorithm is Algorithm.FIXED_WINDOW)
+        and not policy.shadow
+        and policy.role is not Role.FAILED_AUTH
+        and not policy.is_global
+    )
 
 
 def parse_version(message: bytes | None) -> int | None:
