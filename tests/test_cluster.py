@@ -24,12 +24,13 @@ from ratelimits.backends import get_backend, layout
 from ratelimits.backends.cluster import ClusterBackend
 from ratelimits.backends.memory import MemoryBackend
 from ratelimits.backends.redis import DECIDE, deadline_of, make_client, read_state, with_deadline
+from ratelimits.choices import FailMode
 from ratelimits.conf import LocalPathSettings
 from ratelimits.counters import Usage
 from ratelimits.decisions import Verdict
 from ratelimits.engine import get_limiter
-from ratelimits.engine.breaker import CircuitBreaker
-from ratelimits.engine.limiter import Limiter, build_limiter
+from ratelimits.engine.breaker import BreakerState, CircuitBreaker
+from ratelimits.engine.limiter import Limiter, LocalLimiter, build_limiter
 from ratelimits.engine.local import LEASE
 from ratelimits.exceptions import BackendUnavailable
 from ratelimits.identity import Subject
@@ -344,32 +345,37 @@ def test_a_lease_one_group_denies_gives_back_the_others_cost_and_leases(
 def test_leases_on_a_cluster_answer_a_hot_request_from_memory(redis_cluster: Cluster, cluster_client: Any) -> None:
     """The local path leases on a cluster: a request made often is answered from its leases, and
     every token a lease took is spent by a request or given back to its bucket."""
-    backend = cluster_backend(redis_cluster)
-    breaker = CircuitBreaker(window=20, min_calls=5, failure_rate=0.5, cooldown=1.0)
-    limiter = build_limiter(backend, breaker, LocalPathSettings(leases=True), usage_cap=100)
+    limiter = shared_limiter(redis_cluster)
+    path = limiter.local_path
     subjects = spread(many_subjects(200), cluster_client)
     checks = [Check(policy("1/h", 40, name="hot"), subject) for subject in subjects]  # refills nothing meanwhile
     answers = [limiter.decide(checks) for _ in range(60)]
     admitted = sum(d.allowed for d in answers)
     assert admitted <= 40  # the burst at most: what leases spent they took from the buckets
     assert sum(d.local == LEASE for d in answers) >= 20, [d.local for d in answers]
-    path = limiter.local_path
-    assert path is not None
-    deadline = time.monotonic() + 10
-    while path._expiring and time.monotonic() < deadline:  # leases last half a second
-        limiter.return_leases()
-        time.sleep(0.05)
+    end_leases(limiter)
     assert not path._expiring and not path.counts.get("tokens_unreturned"), path.counts
     # What no request spent went back: each bucket is short of exactly the requests admitted.
-    left = backend.decide(checks, consume=False).results
+    left = limiter.backend.decide(checks, consume=False).results
     assert [(r.allowed, r.remaining) for r in left] == [(admitted < 40, max(39 - admitted, 0))] * 3, admitted
 
 
-def shared_limiter(cluster: Cluster) -> Limiter:
-    """A worker's limiter on ``cluster``, its leases lasting long enough for a test's requests."""
+def shared_limiter(cluster: Cluster) -> LocalLimiter:
+    """A worker's limiter on ``cluster``, its leases lasting longer than a test's requests take on a
+    busy machine, and given back only when the test says (the listener's tick does not)."""
     backend = cluster_backend(cluster)
-    breaker = CircuitBreaker(window=20, min_calls=5, failure_rate=0.5, cooldown=1.0)
-    return build_limiter(backend, breaker, LocalPathSettings(leases=True, lease_ttl=5.0), usage_cap=100)
+    breaker = CircuitBreaker(window=20, min_calls=5, failure_rate=0.5, cooldown=60.0)
+    limiter = build_limiter(backend, breaker, LocalPathSettings(leases=True, lease_ttl=5.0), usage_cap=100)
+    assert isinstance(limiter, LocalLimiter)
+    limiter.local_path.tick = None
+    return limiter
+
+
+def end_leases(limiter: LocalLimiter) -> None:
+    """End every lease of ``limiter`` now, and give back what they hold."""
+    for lease in limiter.local_path._expiring:
+        lease.expires = 0.0
+    limiter.return_leases()
 
 
 def callers_apart_from(client: redis.RedisCluster, subject: Subject, n: int) -> list[Subject]:
@@ -382,28 +388,28 @@ def test_a_shared_bucket_asked_about_often_is_leased_and_its_call_left_out(
     redis_cluster: Cluster, cluster_client: Any
 ) -> None:
     """Many callers, each asking once, share an organisation's bucket in a slot of its own: once
-    this worker asked about it often, it is leased, and the callers' requests are decided with
-    one call (their own slot's), the organisation's part paid from the lease; every token the
-    lease took is spent by a request or given back."""
+    this worker asked about it often, it is leased, and the callers' requests whose organisation's
+    part a lease pays are decided with one call (their own slot's); every token the leases took is
+    spent by a request or given back."""
     limiter = shared_limiter(redis_cluster)
     org = policy("1/h", 1000, name="org")
     own = policy("1/h", 5, name="caller")
     requests = [[Check(own, caller), Check(org, ORG)] for caller in callers_apart_from(cluster_client, ORG, 40)]
+    for checks in requests:
+        limiter.backend.decide(checks, consume=False)  # the script's function loaded on each master
     before = script_calls(redis_cluster)
     answers = [limiter.decide(checks) for checks in requests]
     calls = script_calls(redis_cluster) - before
     assert all(d.allowed for d in answers)
     path = limiter.local_path
-    assert path is not None
-    # The first LEASE_AFTER requests ask both slots (the last of them leases the organisation's
-    # bucket); from then on one call each, while the lease lasts.
-    assert path.counts["groups_spared"] >= 30, path.counts
-    assert calls <= 2 * 5 + (len(requests) - 5) + 2, (calls, path.counts)
+    # The fourth request leases the organisation's bucket for as many requests as it met (4), the
+    # ninth for 9, the nineteenth for 19, the thirty-ninth for 39: 33 of the 40 paid from a lease.
+    spared = path.counts["groups_spared"]
+    assert spared >= 30, path.counts
+    assert calls == len(requests) + (len(requests) - spared), (calls, path.counts)  # the caller's slot, and the rest
     assert [d.results[1].check for d in answers] == [checks[1] for checks in requests]  # every check's result
     # All spent or given back: the organisation's bucket is short of exactly the requests admitted.
-    for lease in path._expiring:
-        lease.expires = 0.0  # ended
-    limiter.return_leases()
+    end_leases(limiter)
     assert not path._expiring and not path.counts.get("tokens_unreturned"), path.counts
     left = limiter.backend.decide([requests[0][1]], consume=False).results[0].remaining
     assert left == 1000 - len(requests) - 1  # a look says what one more request would leave
@@ -421,7 +427,6 @@ def test_a_request_the_store_refuses_puts_back_what_the_leases_paid(
     for caller in callers[:5]:
         assert limiter.decide([Check(own, caller), Check(org, ORG)]).allowed
     path = limiter.local_path
-    assert path is not None
     lease = path._leases[Check(org, ORG).key("rl")]
     held = lease.tokens
     assert held > 0
@@ -432,6 +437,33 @@ def test_a_request_the_store_refuses_puts_back_what_the_leases_paid(
     assert [r.allowed for r in denied.results] == [False, True]
     # The fifth request was paid from the lease (the fourth took it), and so was the refused one, then put back.
     assert lease.tokens == held and path.counts["groups_spared"] == 2, path.counts
+
+
+@pytest.mark.parametrize("fail_mode", [FailMode.OPEN, FailMode.CLOSED, FailMode.LOCAL])
+def test_a_request_decided_without_the_store_keeps_what_the_leases_paid_only_if_admitted(
+    redis_cluster: Cluster, cluster_client: Any, fail_mode: FailMode
+) -> None:
+    """The breaker open, the rest of a request a lease paid part of is decided by its fail mode:
+    admitted (open, local), the lease's tokens stay spent; refused (closed), they go back into it.
+    Every check is reported either way."""
+    limiter = shared_limiter(redis_cluster)
+    org = policy("1/h", 1000, name="org")
+    own = Policy("caller", parse_rate("1/h"), 5, fail_mode=fail_mode)
+    callers = callers_apart_from(cluster_client, ORG, 6)
+    for caller in callers[:5]:
+        assert limiter.decide([Check(own, caller), Check(org, ORG)]).allowed
+    lease = limiter.local_path._leases[Check(org, ORG).key("rl")]
+    held = lease.tokens
+    assert held > 0
+    for _ in range(5):
+        limiter.breaker.record_failure()
+    assert limiter.breaker.state is BreakerState.OPEN
+    decision = limiter.decide([Check(own, callers[5]), Check(org, ORG)])
+    assert decision.degraded
+    admitted = fail_mode is not FailMode.CLOSED
+    assert decision.allowed is admitted
+    assert lease.tokens == (held - 1 if admitted else held)
+    assert Check(org, ORG) in [r.check for r in decision.results]
 
 
 # -- refunds never create tokens ------------------------------------------------------------------

@@ -266,7 +266,7 @@ class Backend(ABC):
         self, checks: Sequence[Check], wants: Sequence[int], *, usage: Usage | None = None
     ) -> tuple[Decision, list[Grant]]:
         """Decide and consume as :meth:`decide` does, and in the same call take up to ``wants[i]`` more tokens
-        from check ``i`` (token buckets only) for the worker to spend itself; what each check gave,
+        from check ``i`` (token buckets and fixed windows only) for the worker to spend itself; what each check gave,
         in the order of the checks.
         """
         raise NotImplementedError(f"{type(self).__name__} takes no leases")

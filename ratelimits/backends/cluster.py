@@ -337,7 +337,7 @@ class ClusterBackend(RedisBackend):
             now_us = call.reply[0]
             records = [REFUND_NOW.pack(-1.0 if self.clock is None else self.clock())]
             keys = []
-            spent_all, taken = _refundable(call)
+            spent_all, taken = _reply_tail(call)
             for n, result in enumerate(call.results):
                 if not result.allowed:
                     continue  # a shadow check that would have denied wrote nothing
@@ -555,7 +555,8 @@ class ClusterBackend(RedisBackend):
     def give_back(self, grants: Sequence[tuple[Grant, int]]) -> int:
         """As a single Redis's, one refund call per hash slot the grants' buckets are in, sent at once.
 
-        If one fails, the others' tokens went back all the same; its error is raised.
+        If one fails, its error is raised, though the others' tokens went back all the same (the
+        local path then counts every token unreturned: a figure, not a loss).
         """
         by_slot: dict[int, list[tuple[Grant, int]]] = {}
         for grant in grants:
@@ -695,7 +696,7 @@ def _held(checks: Sequence[Check], calls: Sequence[_Call]) -> tuple[str, ...]:
     )
 
 
-def _refundable(call: _Call) -> tuple[bytes, bytes]:
+def _reply_tail(call: _Call) -> tuple[bytes, bytes]:
     """What a refundable decide call's reply says a refund needs (``REFUNDABLE`` per check), and
     what a leasing one took beyond each check's cost (``LEASE`` per check; empty if it did not lease)."""
     at = 2 + 3 * len(call.indices)  # after the clock, the stamp and each check's three numbers
@@ -708,7 +709,7 @@ def _grants(checks: Sequence[Check], calls: Sequence[_Call]) -> list[Grant]:
     each group's call took beyond its checks' costs."""
     grants = []
     for call in calls:
-        spent, taken = _refundable(call)
+        spent, taken = _reply_tail(call)
         for n, i in enumerate(call.indices):
             (tokens,) = LEASE.unpack_from(taken, LEASE.size * n)
             if tokens > 0:

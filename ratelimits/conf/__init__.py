@@ -687,7 +687,10 @@ class LocalPath(Namespace):
         parse.positive_int,
         id="ratelimits.E171",
         old=("LOCAL_PATH", "max_entries"),
-        doc="denials one worker remembers, and credentials, and the resolutions it counts requests of for leases",
+        doc=(
+            "denials one worker remembers, and credentials, and the resolutions it counts requests of for leases"
+            " (on a Redis Cluster, the state keys too)"
+        ),
     )
     header = Setting(
         _LOCAL.header,

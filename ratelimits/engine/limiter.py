@@ -503,11 +503,11 @@ class LocalLimiter(Limiter):
         if isinstance(plan, Decision):
             return plan
         try:
-            decision = self._asked(plan.checks, consume=consume, usage=usage, wants=plan.wants)
+            decision = self._settled(plan, self._asked(plan.checks, consume=consume, usage=usage, wants=plan.wants))
         except BaseException:
             self._unsettled(plan)
             raise
-        return self._held(self._settled(plan, decision))
+        return self._held(decision)
 
     async def adecide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
         """:meth:`decide` for async code: the store asked without blocking the event loop."""
@@ -517,11 +517,13 @@ class LocalLimiter(Limiter):
         if isinstance(plan, Decision):
             return plan
         try:
-            decision = await self._aasked(plan.checks, consume=consume, usage=usage, wants=plan.wants)
+            decision = self._settled(
+                plan, await self._aasked(plan.checks, consume=consume, usage=usage, wants=plan.wants)
+            )
         except BaseException:
             self._unsettled(plan)
             raise
-        return self._held(self._settled(plan, decision))
+        return self._held(decision)
 
     def _plan(self, checks: Sequence[Check], consume: bool, usage: Usage | None) -> Decision | _Ask:
         """What memory answers (a decision), or what the store must be asked (and leased)."""
@@ -549,7 +551,9 @@ class LocalLimiter(Limiter):
         return self.local_path.with_leases(decision)
 
     def _unsettled(self, plan: _Ask) -> None:
-        """The store call of ``plan`` raised: what leases paid of the request goes back into them."""
+        """Deciding ``plan`` raised (a bug, a worker timeout, a request given up): what leases paid
+        of the request goes back into them. The store may still have consumed the rest (a call
+        given up runs on): under-admission only, as any call given up is."""
         if plan.spared is not None:
             self.local_path.put_back(plan.spared)
 

@@ -167,6 +167,8 @@ class Spared:
     paid: tuple[int, ...]
     leases: tuple[Lease, ...]
     results: tuple[Result, ...]
+    #: Memory's generation when they were paid (:attr:`LocalPath.generation`).
+    generation: int
 
 
 class LocalPath:
@@ -199,8 +201,9 @@ class LocalPath:
         #: one before, windows one lease long: the worker's rate per resolution, which leases follow.
         self._current: dict[tuple[int, ...], _Rate] = {}
         self._previous: dict[tuple[int, ...], _Rate] = {}
-        #: State key -> requests this worker asked the store about it in a call of its own, this
-        #: window and the one before (on a store that makes several calls a decision only).
+        #: State key -> how often this worker met it in a group the store decides in a call of its
+        #: own (asked about it, or paid it from a lease), this window and the one before (on a store
+        #: that makes several calls a decision only).
         self._keys_current: dict[str, int] = {}
         self._keys_previous: dict[str, int] = {}
         self._window_start = -math.inf
@@ -445,8 +448,9 @@ class LocalPath:
             if not paid:
                 return None
             self.counts["groups_spared"] += 1
+            generation = self.generation
         results = tuple(lease.result(checks[i], now) for lease, i in zip(taken, paid, strict=True))
-        return Spared(checks, tuple(paid), tuple(taken), results)
+        return Spared(checks, tuple(paid), tuple(taken), results, generation)
 
     def _shared_wants(
         self,
@@ -495,28 +499,42 @@ class LocalPath:
     def settle(self, spared: Spared, decision: Decision) -> Decision:
         """The store's ``decision`` on the rest of a request ``spared`` paid part of: the whole request's.
 
-        Refused, what the leases paid goes back into them (a lease given back meanwhile keeps its
-        tokens from everyone until it would have ended: under-admission only).
+        Admitted (by the store, or by the fail modes while it cannot answer), the leases' tokens
+        stay spent; refused, they go back into the leases. The results are the store's and the
+        leases', in the request's order where the store's answer covers every check it was asked
+        about; a decision made without the store (a fail mode's, a denial from memory) may report
+        fewer checks, and the leases' results follow it.
         """
         if not decision.allowed:
             self.put_back(spared)
+        paid = spared.paid
+        asked = len(spared.checks) - len(paid)
+        if len(decision.results) != asked:
+            return replace(decision, results=(*decision.results, *spared.results))
         results: list[Result] = []
-        asked = iter(decision.results)
-        spent = dict(zip(spared.paid, spared.results, strict=True))
+        answered = iter(decision.results)
+        spent = iter(spared.results)
         for i in range(len(spared.checks)):
-            result = spent.get(i)
-            results.append(result if result is not None else next(asked))
+            results.append(next(spent) if i in paid else next(answered))
         return replace(decision, results=tuple(results))
 
     def put_back(self, spared: Spared) -> None:
-        """The tokens ``spared`` paid, back into their leases: the store refused the request."""
+        """The tokens ``spared`` paid, back into their leases: the request was refused, or never decided.
+
+        A lease closed meanwhile (it ended, and went back or is going back) gets them back as a
+        lease of their own that has ended: they go back to the bucket with the next ended leases.
+        Not if memory was emptied since (a policy change, a reset): the bucket may be new.
+        """
         with self._lock:
             for lease, i in zip(spared.leases, spared.paid, strict=True):
                 cost = spared.checks[i].cost
-                if lease.closed:
+                if not lease.closed:
+                    lease.tokens += cost
+                elif spared.generation != self.generation:
                     self.counts["tokens_dropped"] += cost
                 else:
-                    lease.tokens += cost
+                    # At the front: ended now, no later than any lease still to end.
+                    self._expiring.appendleft(Lease(lease.grant, cost, self.clock(), lease.remaining, lease.reset))
 
     def wants(self, checks: Sequence[Check]) -> list[int] | None:
         """Count this request; how many tokens to lease of each of ``checks`` in its store call (``None``: none).
