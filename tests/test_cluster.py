@@ -439,6 +439,28 @@ def test_a_request_the_store_refuses_puts_back_what_the_leases_paid(
     assert lease.tokens == held and path.counts["groups_spared"] == 2, path.counts
 
 
+def test_tokens_put_back_into_a_lease_that_ended_go_back_to_the_bucket(
+    redis_cluster: Cluster, cluster_client: Any
+) -> None:
+    """A lease that ended while a request it paid part of was with the store: what the request
+    paid goes back to the bucket with the next ended leases, not lost."""
+    limiter = shared_limiter(redis_cluster)
+    org = policy("1/h", 1000, name="org")
+    own = policy("1/h", 5, name="caller")
+    callers = callers_apart_from(cluster_client, ORG, 6)
+    for caller in callers[:5]:  # the fourth leases 4 tokens, the fifth spends one of them
+        assert limiter.decide([Check(own, caller), Check(org, ORG)]).allowed
+    path = limiter.local_path
+    spared = path._spare([Check(own, callers[5]), Check(org, ORG)], ((1,),))
+    assert spared is not None and spared.paid == (1,)
+    end_leases(limiter)  # the lease ends: the 2 tokens it still holds go back
+    path.put_back(spared)  # the store refused: the one it paid comes back after it
+    end_leases(limiter)
+    assert not path._expiring and path.counts["tokens_returned"] == 3, path.counts
+    # 5 requests spent, nothing else: a look says what one more would leave.
+    assert limiter.backend.decide([Check(org, ORG)], consume=False).results[0].remaining == 1000 - 5 - 1
+
+
 @pytest.mark.parametrize("fail_mode", [FailMode.OPEN, FailMode.CLOSED, FailMode.LOCAL])
 def test_a_request_decided_without_the_store_keeps_what_the_leases_paid_only_if_admitted(
     redis_cluster: Cluster, cluster_client: Any, fail_mode: FailMode
