@@ -462,10 +462,11 @@ class LocalLimiter(Limiter):
     A consuming decision may be answered from memory: a denial remembered from the store that
     has not ended, or tokens this worker leased for each of its checks (a request some check of
     which no lease covers is the store's, whole; one this worker makes often is leased in its
-    call). Each answer of the store
-    teaches memory its denials and installs what a leasing call took; while the store cannot
-    answer, a remembered denial refuses before any fail mode decides. What memory answers is
-    counted here, as a degraded decision is, and added to the store's counters within a second.
+    call; on a store that decides a request in several calls, a group of its checks leases
+    cover may be paid from them and left out). Each answer of the store teaches memory its
+    denials and installs what a leasing call took; while the store cannot answer, a remembered
+    denial refuses before any fail mode decides. What memory answers is counted here, as a
+    degraded decision is, and added to the store's counters within a second.
     """
 
     local_path: LocalPath
