@@ -25,7 +25,7 @@ from collections.abc import Callable, MutableMapping
 from functools import lru_cache
 from typing import NamedTuple
 
-from .conf import ProcessWide
+from ._process import ProcessWide
 from .identity import Subject
 
 __all__ = [

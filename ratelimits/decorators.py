@@ -26,13 +26,14 @@ from asgiref.sync import iscoroutinefunction
 from django.http import HttpResponse
 from django.utils.module_loading import import_string
 
+from ._memo import remember
 from .choices import FailMode
 from .conf import conf
 from .decisions import Decision, Result, Verdict, peek
 from .engine.bodies import BodyNotReceived
 from .engine.evaluation import adecide_checks, aevaluate, decide_checks, evaluate
 from .exceptions import ConfigurationError
-from .identity import Subject, SubjectKind, client_ip, remember, subject_of
+from .identity import Subject, SubjectKind, client_ip, subject_of
 from .middleware import _auser, _is_drf_view, _set_headers, throttling
 from .policies.values import Check, Policy, check_for
 from .problems import body_timeout_response, problem_response

@@ -9,6 +9,7 @@ from rest_framework import exceptions
 from rest_framework.request import Request
 
 from .decisions import Decision
+from .headers import retry_after_seconds
 from .problems import body_timeout_response
 from .problems import problem_response as decision_response
 
@@ -37,7 +38,8 @@ class RateLimitUnavailable(exceptions.APIException):
     def __init__(self, decision: Decision) -> None:
         super().__init__()
         self.decision = decision
-        self.wait = max(-(-decision.retry_after_us // 1_000_000), 1)
+        # Retry-After as DRF's own exception handler writes it: by the rule every writer follows.
+        self.wait = retry_after_seconds(decision)
 
 
 def problem_response(exc: Exception, context: dict[str, Any]) -> HttpResponse | None:

@@ -9,10 +9,11 @@ from collections.abc import Sequence
 from fractions import Fraction
 from typing import NamedTuple
 
+from ._memo import remember
+from ._numbers import ceil_div
 from .algorithms import Algorithm
 from .conf import conf
 from .decisions import Decision, Result
-from .identity import remember
 from .policies.values import Check, Policy, whole_subject
 
 __all__ = ["quota_and_window", "rate_limit_headers", "retry_after_seconds"]
@@ -67,11 +68,11 @@ def rate_limit_headers(decision: Decision) -> dict[str, str]:
         if policy.holds_slots:
             headers["RateLimit"] = f"{static.quoted};r={remaining}{key}"
         else:
-            headers["RateLimit"] = f"{static.quoted};r={remaining};t={-(-reset_us // US)}{key}"
+            headers["RateLimit"] = f"{static.quoted};r={remaining};t={ceil_div(reset_us, US)}{key}"
     if style != "ietf":  # "github" or "both"
         headers["X-RateLimit-Limit"] = static.limit
         headers["X-RateLimit-Remaining"] = str(remaining)
-        headers["X-RateLimit-Reset"] = str(-(-(decision.now_us + reset_us) // US))
+        headers["X-RateLimit-Reset"] = str(ceil_div(decision.now_us + reset_us, US))
         headers["X-RateLimit-Used"] = str(max(policy.capacity - remaining, 0))
         headers["X-RateLimit-Resource"] = policy.name
     return headers
@@ -165,8 +166,8 @@ def quota_and_window(policy: Policy) -> tuple[int, int]:
     rate = Fraction(policy.rate.limit * US, policy.rate.period_us)  # per second
     shortest = max(math.ceil(policy.capacity / rate), 1)
     step = rate.denominator  # the rate grants whole requests over multiples of it
-    window = -(-shortest // step) * step
-    bound = 2 * max(shortest, -(-policy.rate.period_us // US), EXACT_WINDOW_FLOOR_S)
+    window = ceil_div(shortest, step) * step
+    bound = 2 * max(shortest, ceil_div(policy.rate.period_us, US), EXACT_WINDOW_FLOOR_S)
     if window <= bound:
         quota = rate.numerator * (window // step)
     else:
@@ -199,8 +200,10 @@ def _partition_key(check: Check) -> str:
 def retry_after_seconds(decision: Decision) -> int:
     """``Retry-After`` in whole seconds: the exact wait plus optional jitter, rounded up, at least 1.
 
-    Jitter only ever adds, so a client that obeys the header is never early.
+    The one rule for the header: the problem responses write it, and a 503 raised to DRF's own
+    exception handler carries it (``ratelimits.drf.RateLimitUnavailable.wait``). Jitter only ever
+    adds, so a client that obeys the header is never early.
     """
     jitter = conf.headers.retry_after_jitter_us
     wait_us = decision.retry_after_us + (random.randint(0, jitter) if jitter else 0)
-    return max(math.ceil(wait_us / US), 1)
+    return max(ceil_div(wait_us, US), 1)

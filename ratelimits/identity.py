@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import base64
-import functools
 import hashlib
 import ipaddress
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
+from ._memo import memoize, remember
 from .conf import conf
 
 if TYPE_CHECKING:
@@ -25,33 +25,14 @@ __all__ = [
     "django_request",
     "identify",
     "normalize_ip",
-    "remember",
     "request_method",
     "subject_of",
 ]
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
-
-#: Entries kept by each hot-path memo before it starts over; bounds memory under address churn.
-MEMO_SIZE = 65_536
-K = TypeVar("K")
-
-
-def remember(memo: dict[K, T], key: K, value: T) -> T:
-    """Keep ``value`` under ``key`` in a hot-path memo, which is emptied first when full.
-
-    Dropping the whole memo when full is cheaper on the hot path than keeping LRU order, and the
-    callers that matter come back at once.
-    """
-    if len(memo) >= MEMO_SIZE:
-        memo.clear()
-    memo[key] = value
-    return value
 
 
 def django_request(request: Any) -> HttpRequest:
@@ -75,25 +56,7 @@ def request_method(request: Any) -> str:
     return method or "GET"
 
 
-def _memoize(func: Callable[..., T]) -> Callable[..., T]:
-    """Cache a pure function of hashable arguments; the cache is dropped whole when full.
-
-    Hashing identities and parsing addresses cost more than the rest of a decision's Python;
-    the same callers come back again and again.
-    """
-    cache: dict[tuple[Any, ...], T] = {}
-
-    @functools.wraps(func)
-    def wrapper(*args: Any) -> T:
-        try:
-            return cache[args]
-        except KeyError:
-            return remember(cache, args, func(*args))
-
-    return wrapper
-
-
-@_memoize
+@memoize
 def _digest(key: bytes, kind: str, value: str) -> str:
     raw = hashlib.blake2b(f"{kind}\x00{value}".encode("utf-8", "surrogatepass"), digest_size=12, key=key).digest()
     return base64.urlsafe_b64encode(raw).decode("ascii")
@@ -324,7 +287,7 @@ def client_ip(request: HttpRequest) -> str:
     return _aggregate(client, prefix)
 
 
-@_memoize
+@memoize
 def _subject_of(remote_addr: str, prefix: int) -> str:
     address = normalize_ip(remote_addr)
     return "unknown" if address is None else _aggregate(address, prefix)
@@ -339,7 +302,7 @@ def normalize_ip(raw: str) -> Address | None:
     return _parse_address(text)
 
 
-@_memoize
+@memoize
 def _parse_address(text: str) -> Address | None:
     if text.startswith("["):
         end = text.find("]")

@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any, cast
 from django.http import HttpRequest, HttpResponse
 from django.views.decorators.http import require_safe
 
-from .conf import MetricsSettings, ProcessWide, conf
+from ._process import ProcessWide
+from .conf import MetricsSettings, conf
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry

@@ -7,6 +7,7 @@ from typing import Any
 
 from django.http import HttpResponse
 
+from ._numbers import ceil_div
 from .decisions import Decision, Verdict
 from .headers import rate_limit_headers, retry_after_seconds
 
@@ -64,7 +65,7 @@ def problem_body(decision: Decision) -> dict[str, Any]:
                 "limit": r.limit,
                 "remaining": r.remaining,
                 "window_seconds": r.check.policy.window_seconds,
-                "retry_after_ms": -(-r.retry_us // 1000),
+                "retry_after_ms": ceil_div(r.retry_us, 1000),
             }
             for r in violated
         ],

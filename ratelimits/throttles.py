@@ -11,7 +11,8 @@ from django.core.exceptions import ImproperlyConfigured
 from rest_framework.request import Request
 from rest_framework.throttling import BaseThrottle
 
-from .conf import ProcessWide, conf, require_app
+from ._process import ProcessWide
+from .conf import conf, require_app
 from .decisions import Decision, Verdict
 from .drf import RateLimitUnavailable, RequestBodyTimeout, endpoint_name
 from .engine import evaluate

@@ -48,6 +48,15 @@ def test_unavailable_becomes_a_503_problem_with_whole_seconds() -> None:
     assert json.loads(response.content)["type"].endswith("#temporary-reduced-capacity")
 
 
+def test_a_503_for_drfs_own_handler_follows_the_retry_after_rule_jitter_and_all(settings: Any) -> None:
+    """DRF's default exception handler writes ``Retry-After`` from ``wait``: by the same rule as the
+    problem responses (``headers.retry_after_seconds``), so the jitter the settings ask for is in it."""
+    settings.RATELIMITS = {"HEADERS": {"RETRY_AFTER_JITTER": "3s"}}
+    decision = Decision(Verdict.UNAVAILABLE, (), retry_after_us=1_200_000, degraded=True)
+    waits = {RateLimitUnavailable(decision).wait for _ in range(300)}
+    assert waits <= {2, 3, 4, 5} and len(waits) > 1  # never under the exact wait, and spread
+
+
 def test_other_throttles_and_errors_are_left_to_drf() -> None:
     theirs = exception_handler(exceptions.Throttled(wait=3), context())  # no ratelimits decision
     assert theirs is not None and theirs.status_code == 429 and theirs["Content-Type"] != CONTENT_TYPE

@@ -7,7 +7,8 @@ importer is inside them already, when they have run before it).
 
 The layers, from the bottom (a module may import its own layer and those below):
 
-0. foundation: settings, exceptions, the named choices, rates, the documentation's addresses; and the
+0. foundation: settings, exceptions, the named choices, rates, the documentation's addresses, the
+   private helpers every layer uses (bounded memos, process-wide values, integer arithmetic); and the
    HTTP client (``client``), which imports nothing else of the package (tests/test_client.py checks it
    loads no other module)
 1. values: algorithms, identity, decisions, counters, the adaptive capacity, the metrics' recorder;
@@ -35,6 +36,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "ratelimits"
 LAYERS: dict[str, int] = {
     "ratelimits": 0,
     "ratelimits.exceptions": 0,
+    "ratelimits._memo": 0,
+    "ratelimits._numbers": 0,
+    "ratelimits._process": 0,
     "ratelimits.choices": 0,
     "ratelimits.rates": 0,
     "ratelimits.conf": 0,

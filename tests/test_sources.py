@@ -18,8 +18,8 @@ from rest_framework.test import APIClient
 
 from project.payments.models import ApiKey
 from ratelimits import engine
+from ratelimits._process import ProcessWide
 from ratelimits.backends.memory import MemoryBackend
-from ratelimits.conf import ProcessWide
 from ratelimits.decisions import Decision, Verdict
 from ratelimits.identity import identify
 from ratelimits.models import Override, PolicyVersion, Tier

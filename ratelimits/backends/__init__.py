@@ -12,7 +12,8 @@ from contextlib import contextmanager
 import redis
 from django.utils.module_loading import import_string
 
-from ..conf import ProcessWide, conf
+from .._process import ProcessWide
+from ..conf import conf
 from ..exceptions import ConfigurationError
 from ..redis_url import parse_redis_url
 from .base import Backend, StoreHealth

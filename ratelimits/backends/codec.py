@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import struct
 
+from .._memo import remember
 from ..algorithms import Algorithm, State
-from ..identity import remember
 from ..policies.values import Check
 
 __all__ = [

@@ -20,11 +20,11 @@ from typing import Any, NamedTuple, cast
 import redis
 from redis.cluster import RedisCluster
 
+from .._memo import remember
 from ..conf import conf
 from ..counters import Usage, overflow_of
 from ..decisions import Decision, Result, admitted
 from ..exceptions import BackendUnavailable, PolicyFailed
-from ..identity import remember
 from ..policies.values import Check, KeptChecks
 from ..shares import ShareRecord
 from . import layout

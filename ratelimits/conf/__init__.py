@@ -28,11 +28,8 @@ the checks then build the configured policy source, which checks the contents of
 from __future__ import annotations
 
 import os
-import threading
-import weakref
-from collections.abc import Callable
 from functools import cached_property
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, cast
 
 from django.apps import apps
 from django.conf import settings as django_settings
@@ -40,6 +37,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 
 from .. import documentation
+from .._process import ProcessWide
 from ..exceptions import ConfigurationError
 from ..redis_url import target_of_cache
 from . import parsers as parse
@@ -73,7 +71,6 @@ __all__ = [
     "LocalPathSettings",
     "MetricsSettings",
     "Namespace",
-    "ProcessWide",
     "ReconcileSettings",
     "Setting",
     "Settings",
@@ -83,8 +80,6 @@ __all__ = [
     "reference",
     "require_app",
 ]
-
-T = TypeVar("T")
 
 
 def _root(namespace: Namespace) -> Settings:
@@ -925,48 +920,6 @@ def require_app() -> None:
             "ratelimits is not in INSTALLED_APPS: add 'ratelimits' there (after 'rest_framework'), then run "
             "manage.py migrate and manage.py check"
         )
-
-
-class ProcessWide(Generic[T]):
-    """One value per process built from the settings on first use, and built again after they change.
-
-    The backend, the policy source, the limiter and the worker shedder are each one of these:
-    shared by every thread of the process, cheap to read, and rebuilt on the next use after a
-    ``setting_changed`` signal for ``RATELIMITS`` (``override_settings`` in tests).
-    """
-
-    _all: weakref.WeakSet[ProcessWide[Any]] = weakref.WeakSet()
-
-    def __init__(self, build: Callable[[], T]) -> None:
-        self._build = build
-        #: ``(value,)`` once built: a value of ``None`` (no worker shedder) is still built.
-        self._built: tuple[T] | None = None
-        self._lock = threading.Lock()
-        ProcessWide._all.add(self)
-
-    def get(self) -> T:
-        built = self._built  # one read: a reset between two reads cannot hand out nothing
-        if built is None:
-            with self._lock:
-                built = self._built
-                if built is None:
-                    built = self._built = (self._build(),)
-        return built[0]
-
-    def current(self) -> T | None:
-        """The value if it was built, without building it."""
-        built = self._built
-        return None if built is None else built[0]
-
-    def reset(self) -> None:
-        """Forget the value: the next :meth:`get` builds it again."""
-        with self._lock:
-            self._built = None
-
-    @classmethod
-    def reset_all(cls) -> None:
-        for value in list(cls._all):
-            value.reset()
 
 
 def _reset(*, setting: str, **kwargs: Any) -> None:

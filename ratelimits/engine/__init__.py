@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from ..conf import ProcessWide
+from .._process import ProcessWide
 from ..policies.source import get_policy_source
 from .breaker import BreakerState, CircuitBreaker
 from .evaluation import after_response, evaluate, usage_of

@@ -22,12 +22,14 @@ from django.core.exceptions import SynchronousOnlyOperation
 from django.core.signals import request_finished, request_started
 
 from .. import documentation
+from .._memo import remember
+from .._process import ProcessWide
 from ..algorithms import SLOT_RETRY_US
 from ..backends.base import in_thread
-from ..conf import ProcessWide, conf
+from ..conf import conf
 from ..counters import LIMITED, Usage, UsageRow, usage_row
 from ..decisions import UNLIMITED, Decision, Result, Verdict
-from ..identity import Identity, SubjectKind, django_request, identify, remember, request_method, subject_of
+from ..identity import Identity, SubjectKind, django_request, identify, request_method, subject_of
 from ..metrics import Recorder, get_recorder
 from ..policies.snapshot import PolicySnapshot
 from ..policies.source import PolicySource, get_policy_source

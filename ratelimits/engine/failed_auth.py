@@ -23,9 +23,10 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from .._process import ProcessWide
 from ..algorithms import Algorithm
 from ..choices import FailMode
-from ..conf import FailedAuthLimit, ProcessWide, conf
+from ..conf import FailedAuthLimit, conf
 from ..decisions import Decision, Result
 from ..identity import Subject, SubjectKind, client_ip
 from ..policies.values import Check, Policy, Role

@@ -23,11 +23,12 @@ from typing import Any, NamedTuple
 
 import redis
 
+from .._process import ProcessWide
 from ..backends import Backend, get_backend
 from ..backends.base import store_threads, takes_slots
 from ..backends.memory import MemoryBackend
 from ..choices import FailMode
-from ..conf import LocalPathSettings, ProcessWide, conf
+from ..conf import LocalPathSettings, conf
 from ..counters import ALLOWED, DEGRADED, EXTRA_TOKENS, LIMITED, SHED, Usage
 from ..decisions import UNLIMITED, Decision, Verdict, admitted
 from ..exceptions import BackendUnavailable, PolicyFailed

@@ -16,9 +16,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from .._process import ProcessWide
 from ..adaptive import CapacityController, Move
 from ..choices import Priority
-from ..conf import AdaptiveSettings, ProcessWide, conf
+from ..conf import AdaptiveSettings, conf
 from ..metrics import get_recorder
 
 __all__ = ["WorkerShedder", "get_worker_shedder", "worker_name"]

@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING
 
 from django.utils import timezone
 
+from .._memo import remember
 from ..conf import Policies, conf
 from ..exceptions import ConfigurationError
-from ..identity import Identity, Subject, SubjectKind, remember, request_method
+from ..identity import Identity, Subject, SubjectKind, request_method
 from .snapshot import Assignment, PolicySnapshot, Resolution
 from .values import (
     Check,

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from django.utils.module_loading import import_string
 
-from ..conf import Policies, ProcessWide, conf, require_app
+from .._process import ProcessWide
+from ..conf import Policies, conf, require_app
 from ..exceptions import ConfigurationError
 from .resolver import default_assignment, explain, resolve_checks
 from .snapshot import PolicySnapshot

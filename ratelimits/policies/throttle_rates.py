@@ -25,8 +25,8 @@ from typing import Any, NamedTuple
 
 from django.conf import settings
 
+from .._process import ProcessWide
 from ..choices import FailMode
-from ..conf import ProcessWide
 from ..exceptions import ConfigurationError
 from ..rates import Rate
 from .snapshot import Assignment, PolicySnapshot, endpoint_key, endpoint_rule, tier_policies

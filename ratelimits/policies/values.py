@@ -9,11 +9,13 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, NamedTuple
 
+from .._memo import remember
+from .._numbers import ceil_div
 from ..algorithms import RATE_ALGORITHMS, Algorithm
 from ..choices import SHEDDABLE, FailMode, Priority
 from ..conf import Shedding, conf
 from ..exceptions import ConfigurationError
-from ..identity import Subject, SubjectKind, remember, subject_of
+from ..identity import Subject, SubjectKind, subject_of
 from ..rates import MAX_LIMIT, MAX_PERIOD_US, Rate, check_burst, parse_rate
 
 __all__ = [
@@ -196,7 +198,7 @@ class Policy:
         """
         period = self.rate.period_us
         if self.algorithm is Algorithm.TOKEN_BUCKET:
-            span = -(-self.burst * period // self.rate.limit)
+            span = ceil_div(self.burst * period, self.rate.limit)
             if self.scope is Scope.GLOBAL:
                 # A region's bucket refills at its share of the rate, at worst the reconciler's
                 # floor: kept until even that has refilled it (then it reads as full, as it is).
@@ -205,14 +207,14 @@ class Policy:
             span = 2 * period
         else:
             span = period
-        return -(-span // 1000) + 1000
+        return ceil_div(span, 1000) + 1000
 
     @property
     def window_seconds(self) -> int:
         """Seconds over which ``capacity`` is granted (refill time of a full bucket), rounded up."""
         if self.algorithm is Algorithm.TOKEN_BUCKET:
-            return max(-(-self.burst * self.rate.period_us // (self.rate.limit * 1_000_000)), 1)
-        return max(-(-self.rate.period_us // 1_000_000), 1)
+            return max(ceil_div(self.burst * self.rate.period_us, self.rate.limit * 1_000_000), 1)
+        return max(ceil_div(self.rate.period_us, 1_000_000), 1)
 
     def describe(self) -> str:
         text = self._describe()

@@ -12,9 +12,10 @@ from typing import Any, TypeVar, cast
 from asgiref.sync import iscoroutinefunction
 from django.test import override_settings
 
+from .._process import ProcessWide
 from ..backends import standing_in
 from ..backends.memory import MemoryBackend
-from ..conf import ProcessWide, conf
+from ..conf import conf
 
 __all__ = ["FakeClock", "IsolatedLimiter", "disabled", "limiter"]
 
