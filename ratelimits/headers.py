@@ -16,7 +16,7 @@ from .conf import conf
 from .decisions import Decision, Result
 from .policies.values import Check, Policy, whole_subject
 
-__all__ = ["quota_and_window", "rate_limit_headers", "retry_after_seconds"]
+__all__ = ["advised_wait_us", "quota_and_window", "rate_limit_headers", "retry_after_seconds"]
 
 US = 1_000_000
 #: The largest Integer an RFC 9651 structured field can carry.
@@ -201,9 +201,15 @@ def retry_after_seconds(decision: Decision) -> int:
     """``Retry-After`` in whole seconds: the exact wait plus optional jitter, rounded up, at least 1.
 
     The one rule for the header: the problem responses write it, and a 503 raised to DRF's own
-    exception handler carries it (``ratelimits.drf.RateLimitUnavailable.wait``). Jitter only ever
-    adds, so a client that obeys the header is never early.
+    exception handler carries it (``ratelimits.drf.RateLimitUnavailable.wait``); a 429 that
+    handler writes rounds up the throttle's ``wait()``, :func:`advised_wait_us` in seconds, which
+    comes to the same. Jitter only ever adds, so a client that obeys the header is never early.
     """
+    return max(ceil_div(advised_wait_us(decision), US), 1)
+
+
+def advised_wait_us(decision: Decision) -> int:
+    """The wait a denied caller is told (us): the exact wait, plus a random jitter of up to
+    ``HEADERS['RETRY_AFTER_JITTER']`` if set, so that refused clients do not all come back at once."""
     jitter = conf.headers.retry_after_jitter_us
-    wait_us = decision.retry_after_us + (random.randint(0, jitter) if jitter else 0)
-    return max(ceil_div(wait_us, US), 1)
+    return decision.retry_after_us + (random.randint(0, jitter) if jitter else 0)

@@ -19,7 +19,7 @@ from .engine import evaluate
 from .engine.bodies import BodyNotReceived
 from .engine.evaluation import aevaluate
 from .exceptions import ConfigurationError
-from .headers import rate_limit_headers
+from .headers import advised_wait_us, rate_limit_headers
 from .policies.source import PolicySource
 from .policies.throttle_rates import drf_rate, rate_config
 from .policies.values import Policy, policy_from_config
@@ -118,10 +118,12 @@ class RateLimitThrottle(BaseThrottle):
         return decision
 
     def wait(self) -> float | None:
-        """Seconds until the request would be admitted (exact, not rounded); ``None`` if allowed."""
+        """Seconds until the request would be admitted (exact, not rounded, plus the jitter the
+        settings ask for: ``headers.advised_wait_us``); ``None`` if allowed. DRF's own exception
+        handler writes ``Retry-After`` from it, rounded up, as ours does."""
         if self.decision is None or self.decision.allowed:
             return None
-        return self.decision.retry_after_us / 1_000_000
+        return advised_wait_us(self.decision) / 1_000_000
 
 
 #: The classes of a view throttled by ``RateLimitThrottle`` alone, the usual case.

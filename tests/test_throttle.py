@@ -150,6 +150,32 @@ def test_wait_is_exact_and_never_none_when_denied(limits: Any, rf: Any) -> None:
     assert wait == denied.decision.retry_after_us / 1_000_000  # type: ignore[union-attr]
 
 
+def test_drfs_own_handler_writes_the_same_retry_after_jitter_and_all(limits: Any, settings: Any, rf: Any) -> None:
+    """A project on DRF's default exception handler gets ``Retry-After`` from the throttle's
+    ``wait()``, rounded up: with jitter asked for, it is in there too, never under the exact wait."""
+    from rest_framework.request import Request
+
+    from tests.views import Ping
+
+    settings.RATELIMITS = merged(limits, {"HEADERS": {"RETRY_AFTER_JITTER": "3s"}})
+    view = Ping()
+    view.headers = {}
+
+    def request() -> Request:
+        made = Request(rf.get("/t/ping", REMOTE_ADDR="198.51.100.2"))
+        made.auth, made.user = None, None
+        return made
+
+    assert RateLimitThrottle().allow_request(request(), view)
+    assert RateLimitThrottle().allow_request(request(), view)
+    denied = RateLimitThrottle()
+    assert not denied.allow_request(request(), view)
+    exact = denied.decision.retry_after_us / 1_000_000  # type: ignore[union-attr]
+    waits = [denied.wait() for _ in range(300)]
+    assert all(w is not None and exact <= w <= exact + 3 for w in waits)
+    assert len({math.ceil(w) for w in waits if w is not None}) > 1  # the header DRF writes varies
+
+
 def test_anonymous_callers_are_limited_per_ip(limits: Any) -> None:
     one, two = APIClient(REMOTE_ADDR="198.51.100.7"), APIClient(REMOTE_ADDR="198.51.100.8")
     assert [one.get("/t/ping").status_code for _ in range(3)] == [200, 200, 429]
