@@ -38,8 +38,8 @@ from typing import Any
 from tests.support.http import serving
 from tests.support.redis_server import RedisServer, free_port
 
-from . import shedding
-from .shedding import (
+from . import load
+from .load import (
     CLOSED_FLOODS,
     WORKERS,
     Phase,
@@ -52,8 +52,8 @@ from .shedding import (
     warm_up,
 )
 
-RESULTS = shedding.RESULTS
-THREADS = shedding.THREADS
+RESULTS = load.RESULTS
+THREADS = load.THREADS
 #: The downstream: connections per worker, and what each kind of call holds one for (seconds).
 CONNECTIONS = 4
 EXPORT_SECONDS = 0.05
@@ -166,7 +166,7 @@ def run_configuration(
             raise RuntimeError(f"{name}: gunicorn took too long to start: no time left before the step")
         unloaded = Phase(f"{name}-unloaded", port, duration=unloaded_s, settle=0.0, flood=None)
         unloaded.run()
-        shedding.sleep_until(flood_t0 - 0.05)
+        load.sleep_until(flood_t0 - 0.05)
         log(f"{name}: flood, {durations.healthy:g} s healthy, {durations.slow:g} s {STEP_FACTOR:g}x slower")
         flood = Phase(
             f"{name}-flood", port, duration=durations.healthy + durations.slow, settle=durations.settle, flood=FLOOD
@@ -199,7 +199,7 @@ def run_configuration(
             "step_offset_s": round(step_at - start, 2),
         },
         "capacity_moves": capacity_moves(text, step_wall),
-        "log": shedding.log_counts(text),
+        "log": load.log_counts(text),
     }
 
 
@@ -256,21 +256,21 @@ def run(quick: bool, json_path: Path | None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="ratelimits-adaptive-"))
     redis_server = RedisServer()
     try:
-        if redis_server.port == shedding.SHARED_REDIS_PORT:
+        if redis_server.port == load.SHARED_REDIS_PORT:
             raise RuntimeError("refusing to use port 6379 (the shared Redis)")
         redis_server.start()
         log(f"private redis-server pid {redis_server.pid} on 127.0.0.1:{redis_server.port}")
         base_env = {
             **os.environ,
-            "DJANGO_SETTINGS_MODULE": shedding.SETTINGS_MODULE,
+            "DJANGO_SETTINGS_MODULE": load.SETTINGS_MODULE,
             "BENCH_SHEDDING_DB": str(workdir / "db.sqlite3"),
             "BENCH_SHEDDING_REDIS_URL": redis_server.url,
             "BENCH_SHEDDING_FLEET_CAPACITY": "",
             "PYTHONUNBUFFERED": "1",
         }
         subprocess.run(
-            [sys.executable, "-c", "from bench.shedding import setup_database; setup_database()"],
-            cwd=shedding.ROOT,
+            [sys.executable, "-c", "from bench.load import setup_database; setup_database()"],
+            cwd=load.ROOT,
             env=base_env,
             check=True,
             timeout=120,
@@ -301,8 +301,8 @@ def run(quick: bool, json_path: Path | None) -> int:
                 "step_factor": STEP_FACTOR,
             },
             "flood": f"32 connections x {FLOOD_RATE:g} exports/s (low priority)",
-            "charges_per_s": shedding.CHARGE_RATE,
-            "thresholds_percent": shedding.SHED_THRESHOLDS,
+            "charges_per_s": load.CHARGE_RATE,
+            "thresholds_percent": load.SHED_THRESHOLDS,
             "adaptive": "SHEDDING['ADAPTIVE'] defaults, SHEDDING['WORKER_CAPACITY'] 8 as its ceiling",
             "durations_s": durations.__dict__,
         },
