@@ -20,8 +20,9 @@ from .conf import require_app
 from .decisions import Decision
 from .engine import evaluate
 from .engine.bodies import BodyNotReceived
-from .engine.evaluation import aevaluate, early_refusals, endpoint_of, note_response, refuse_early
+from .engine.evaluation import aevaluate, early_refusals, endpoint_of, refuse_early
 from .engine.failed_auth import get_failed_authentication
+from .engine.holding import note_response
 from .headers import rate_limit_headers
 from .problems import body_timeout_response, problem_response
 

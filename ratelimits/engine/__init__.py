@@ -12,7 +12,8 @@ from __future__ import annotations
 from .._process import ProcessWide
 from ..policies.source import get_policy_source
 from .breaker import BreakerState, CircuitBreaker
-from .evaluation import after_response, evaluate, usage_of
+from .evaluation import evaluate, usage_of
+from .holding import after_response
 from .limiter import Limiter, get_limiter
 from .shedding import WorkerShedder, get_worker_shedder
 

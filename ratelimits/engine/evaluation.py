@@ -1,25 +1,20 @@
 """One request through the engine: identify it, resolve its checks, decide them, hold what it takes.
 
 A consuming decision that admits a request holds its slots (and this worker's in-flight count)
-until its response is closed (:func:`_hold`); after it, :func:`after_response` catches up on what
-an outage left behind.
+until its response is closed: :mod:`.holding` keeps and gives them back, and catches up after
+each response on what an outage left behind.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import queue
-import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from asgiref.sync import SyncToAsync, sync_to_async
+from asgiref.sync import sync_to_async
 from django.core.exceptions import SynchronousOnlyOperation
-from django.core.signals import request_finished, request_started
 
 from .. import documentation
 from .._memo import remember
@@ -36,7 +31,9 @@ from ..policies.source import PolicySource, get_policy_source
 from ..policies.values import Check, KeptChecks, Policy, check_for
 from .bodies import receive_body
 from .failed_auth import presented_authorization
+from .holding import Held, hold, holds_anything
 from .limiter import Limiter, current_limiter, get_limiter
+from .local import LocalPath
 from .shedding import WorkerShedder, get_worker_shedder
 
 if TYPE_CHECKING:
@@ -45,12 +42,10 @@ if TYPE_CHECKING:
 __all__ = [
     "adecide_checks",
     "aevaluate",
-    "after_response",
     "decide_checks",
     "early_refusals",
     "endpoint_of",
     "evaluate",
-    "note_response",
     "presented_credential",
     "refuse_early",
     "usage_of",
@@ -59,27 +54,8 @@ __all__ = [
 logger = logging.getLogger("ratelimits")
 
 
-@dataclass(slots=True)
-class _Held:
-    """What an admitted request holds until it finishes: its slots, and its place in the worker shedder."""
-
-    limiter: Limiter
-    decision: Decision
-    shedder: WorkerShedder | None = None
-    #: For the adaptive capacity: the endpoint, when its decision ended (monotonic: the view's
-    #: latency starts there), and its response's status and time once a middleware saw it (else
-    #: the time it is released is used).
-    endpoint: str | None = None
-    admitted_at: float = 0.0
-    status: int | None = None
-    answered_at: float | None = None
-
-
 #: ``(source, method) -> policies`` a caller adds on the request's caller (:func:`evaluate`).
 CallerPolicies = Callable[[PolicySource, str], Sequence[Policy]]
-
-#: The request attribute that keeps the list of what it holds.
-HELD_ATTRIBUTE = "_ratelimit_held"
 
 
 def evaluate(
@@ -105,7 +81,7 @@ def evaluate(
     dimensions, endpoint rule and fleet limit, which apply to every request.
 
     A consuming decision that admits the request holds its slots (and this worker's in-flight
-    count) until its response is closed; see :func:`_hold`. With ``RATELIMITS['ENABLED']`` off,
+    count) until its response is closed; see :func:`.holding.hold`. With ``RATELIMITS['ENABLED']`` off,
     every request is :data:`~ratelimits.decisions.UNLIMITED`: no policy is loaded, nothing is
     counted, the store is not asked.
     """
@@ -234,7 +210,7 @@ def _abandon(prepared: tuple[Identity, _Pending | Decision]) -> None:
         pending.abandon()
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class _Pending:
     """A request between its checks and its decision: what concluding it needs."""
 
@@ -314,18 +290,18 @@ def _prepare(
             shedder.finish()  # counted in above, and nothing is held to count it out
         raise
     return identity, _Pending(
-        identity,
-        endpoint,
-        consume,
-        source,
-        limiter,
-        shedder,
-        recorder,
-        checks,
-        usage,
-        generation,
-        snapshot,
-        time.perf_counter() if recorder is not None else 0.0,  # what the metrics time the decision from
+        identity=identity,
+        endpoint=endpoint,
+        consume=consume,
+        source=source,
+        limiter=limiter,
+        shedder=shedder,
+        recorder=recorder,
+        checks=checks,
+        usage=usage,
+        generation=generation,
+        snapshot=snapshot,
+        started=time.perf_counter() if recorder is not None else 0.0,  # what the metrics time the decision from
     )
 
 
@@ -348,70 +324,104 @@ def _with_caller_policies(
 def _prepare_checks(checks: Sequence[Check], endpoint: str, consume: bool) -> _Pending:
     """``checks`` alone, ready to decide: no identity, shedder or usage (:func:`decide_checks`)."""
     return _Pending(
-        None,
-        endpoint,
-        consume,
-        get_policy_source(),
-        get_limiter(),
-        None,
-        get_recorder() if consume else None,
-        list(checks),
-        None,
-        0,
-        None,
-        time.perf_counter(),
+        identity=None,
+        endpoint=endpoint,
+        consume=consume,
+        source=get_policy_source(),
+        limiter=get_limiter(),
+        shedder=None,
+        recorder=get_recorder() if consume else None,
+        checks=list(checks),
+        usage=None,
+        generation=0,
+        snapshot=None,
+        started=time.perf_counter(),
     )
 
 
 def _conclude(request: HttpRequest, pending: _Pending, decision: Decision) -> Decision:
-    """Hold what the decision took, count it, and tell the policy source and the local path of it."""
-    endpoint, consume, shedder, limiter = pending.endpoint, pending.consume, pending.shedder, pending.limiter
-    if decision.allowed and consume:
-        if _holds_anything(decision, shedder):  # else nothing is made for it (the usual request)
-            # The adaptive capacity times the view, not the store: a slow Redis is the breaker's
-            # business, and must not read as every endpoint slowing down.
-            _hold(request, _Held(limiter, decision, shedder, endpoint, time.monotonic()))
-    else:
-        if shedder is not None:
-            shedder.finish()  # refused by the limiter: the view never ran, so nothing to learn from
-        if decision.stray_slot is not None:
-            _hold(request, _Held(limiter, decision))
+    """The steps after a decision, in this order: hold what it took (or let its shedder's place
+    go), record it in the metrics, tell the policy source, log what shadow policies would deny,
+    and teach the local path a refused credential."""
+    _hold_what_it_took(request, pending, decision)
     shadow = decision.shadow_violated
     if pending.recorder is not None:
-        _record(pending.recorder, request, endpoint, decision, time.perf_counter() - pending.started, shadow)
+        _record(pending.recorder, request, pending.endpoint, decision, time.perf_counter() - pending.started, shadow)
     # After holding: if observing fails, closing the response still releases what this request holds.
     pending.source.observe(decision)
-    identity = pending.identity
     if shadow:
-        logger.info(
-            "ratelimits: shadow policies would deny %s: %s",
-            identity.caller if identity is not None else f"a request to {endpoint}",
-            ", ".join(r.policy_name for r in shadow),
-        )
-    local = limiter.local_path
+        _log_shadow(pending, shadow)
+    local = pending.limiter.local_path
     if local is not None:
-        if decision.local is not None and conf.local_path.header:
-            logger.debug(
-                "ratelimits: %s answered from memory (%s)",
-                identity.caller if identity is not None else f"a request to {endpoint}",
-                decision.local,
-                extra={"ratelimit_local": decision.local},
-            )
-        if decision.verdict is Verdict.LIMITED and identity is not None and identity.api_key is not None and consume:
-            credential = presented_credential(request)
-            if credential is not None:
-                usage = pending.usage
-                local.note_credential(
-                    credential,
-                    endpoint,
-                    request.method or "GET",
-                    decision,
-                    snapshot=pending.snapshot,
-                    generation=pending.generation,
-                    usage_field=usage.field if usage is not None else "",
-                    tokens=usage.tokens if usage is not None else 1,
-                )
+        _teach_local_path(local, request, pending, decision)
     return decision
+
+
+def _hold_what_it_took(request: HttpRequest, pending: _Pending, decision: Decision) -> None:
+    """An admitted request holds its slots and its shedder's place until its response closes; a
+    refused one lets the shedder's place go now (the view never ran), and holds only a slot a
+    store call may still have taken (``stray_slot``), to give it back."""
+    shedder = pending.shedder
+    if decision.allowed and pending.consume:
+        if holds_anything(decision, shedder):  # else nothing is made for it (the usual request)
+            # The adaptive capacity times the view, not the store: a slow Redis is the breaker's
+            # business, and must not read as every endpoint slowing down.
+            hold(
+                request,
+                Held(
+                    limiter=pending.limiter,
+                    decision=decision,
+                    shedder=shedder,
+                    endpoint=pending.endpoint,
+                    admitted_at=time.monotonic(),
+                ),
+            )
+        return
+    if shedder is not None:
+        shedder.finish()  # refused by the limiter: the view never ran, so nothing to learn from
+    if decision.stray_slot is not None:
+        hold(request, Held(limiter=pending.limiter, decision=decision))
+
+
+def _log_shadow(pending: _Pending, shadow: Sequence[Result]) -> None:
+    identity = pending.identity
+    logger.info(
+        "ratelimits: shadow policies would deny %s: %s",
+        identity.caller if identity is not None else f"a request to {pending.endpoint}",
+        ", ".join(r.policy_name for r in shadow),
+    )
+
+
+def _teach_local_path(local: LocalPath, request: HttpRequest, pending: _Pending, decision: Decision) -> None:
+    """Log an answer from memory (``LOCAL_PATH['HEADER']``), and remember a refused API key's
+    credential so that its next requests are refused before authentication."""
+    identity = pending.identity
+    if decision.local is not None and conf.local_path.header:
+        logger.debug(
+            "ratelimits: %s answered from memory (%s)",
+            identity.caller if identity is not None else f"a request to {pending.endpoint}",
+            decision.local,
+            extra={"ratelimit_local": decision.local},
+        )
+    if (
+        decision.verdict is Verdict.LIMITED
+        and identity is not None
+        and identity.api_key is not None
+        and pending.consume
+    ):
+        credential = presented_credential(request)
+        if credential is not None:
+            usage = pending.usage
+            local.note_credential(
+                credential,
+                pending.endpoint,
+                request.method or "GET",
+                decision,
+                snapshot=pending.snapshot,
+                generation=pending.generation,
+                usage_field=usage.field if usage is not None else "",
+                tokens=usage.tokens if usage is not None else 1,
+            )
 
 
 def _record(
@@ -526,217 +536,3 @@ def _row_of(identity: Identity, checks: Sequence[Check]) -> UsageRow:
 
 #: (identity id, kept checks id) -> (identity, checks, their row): each entry holds what its key is the ids of.
 _rows: dict[tuple[int, int], tuple[Identity, KeptChecks, UsageRow]] = {}
-
-
-def _holds_anything(decision: Decision, shedder: WorkerShedder | None) -> bool:
-    """Whether a request so decided has anything to give back when it finishes: slots, or its place in the shedder."""
-    return decision.slot is not None or decision.stray_slot is not None or shedder is not None
-
-
-def _hold(request: HttpRequest, item: _Held) -> None:
-    """Keep ``item`` (which holds something: :func:`_holds_anything`) until the request's response
-    is closed, or the request is over.
-
-    The list is kept on the request, and the request's ``close`` releases it: Django calls it when
-    it closes the response, under WSGI and ASGI alike, sync or async, after a streaming body too.
-    (Not a context variable: Django 5.2's ASGI handler decides a request in a task of its own,
-    with a copy of its context, and closes the response from its own context.)
-
-    When no response is closed, because the client went away under ASGI and Django cancelled the
-    view, Django still sends ``request_finished``, within the request's ``ThreadSensitiveContext``:
-    :func:`after_response` releases the list it finds kept under that context. Whatever is left
-    after that (work the view left in a thread of its own, an outer context shared by several
-    requests) is released when the request is collected.
-    """
-    http_request: Any = getattr(request, "_request", request)  # DRF's Request wraps Django's
-    held: list[_Held] | None = getattr(http_request, HELD_ATTRIBUTE, None)
-    if held is None:
-        held = []
-        setattr(http_request, HELD_ATTRIBUTE, held)
-        _release_on_close(http_request, held)
-        weakref.finalize(http_request, _release_abandoned, held).atexit = False
-        if _releaser is None:
-            _start_releaser()
-        context = _request_context()
-        if context is not None:
-            _held_in[context] = (held, weakref.ref(http_request))
-    held.append(item)
-
-
-#: The context variable asgiref keeps the current ``ThreadSensitiveContext`` in. Django's ASGI
-#: handler opens one per request, around all of it (an asgiref detail, read defensively).
-_THREAD_SENSITIVE: Any = getattr(SyncToAsync, "thread_sensitive_context", None)
-#: How many requests each such context saw start: one, or it is not one request's own (an outer
-#: one, opened around a server), and what is kept under it cannot be told apart.
-_started_in: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
-_started_lock = threading.Lock()
-#: Request context -> the list of what its request holds, and the request.
-_held_in: weakref.WeakKeyDictionary[Any, tuple[list[_Held], weakref.ref[Any]]] = weakref.WeakKeyDictionary()
-
-
-def _thread_sensitive_context() -> Any:
-    """The current ``ThreadSensitiveContext``, if any."""
-    return _THREAD_SENSITIVE.get(None) if _THREAD_SENSITIVE is not None else None
-
-
-def _request_context() -> Any:
-    """The current ``ThreadSensitiveContext`` if it is one ASGI request's own, else ``None``."""
-    context = _thread_sensitive_context()
-    return context if context is not None and _started_in.get(context) == 1 else None
-
-
-def _request_started(**kwargs: Any) -> None:
-    """Count the request in its ``ThreadSensitiveContext`` (connected to ``request_started``)."""
-    context = _thread_sensitive_context()
-    if context is not None:
-        with _started_lock:
-            _started_in[context] = _started_in.get(context, 0) + 1
-
-
-def _release_on_close(request: Any, held: list[_Held]) -> None:
-    """Make ``request.close`` release ``held`` first.
-
-    The wrapper holds the request: the response's closers then keep it alive until the body is
-    sent, as Django's own ``request.close`` does, so the finalizer cannot release early. The cycle
-    it makes is undone once it has run; a request no response closes waits for the collector.
-    """
-    close = request.close
-
-    def release_then_close() -> None:
-        try:
-            _release(held)
-        finally:
-            if request.__dict__.get("close") is release_then_close:
-                del request.close
-            close()
-
-    release_then_close.releases_held = True  # type: ignore[attr-defined]
-    request.close = release_then_close
-
-
-def _release_abandoned(held: list[_Held]) -> None:
-    """Release what a request no response closed still holds, once it is collected.
-
-    A finalizer runs wherever a collection starts, maybe with a lock held or on an event loop:
-    it only hands the list to the releasing thread (``SimpleQueue.put`` is safe there)."""
-    if held:
-        _abandoned.put(held)
-
-
-#: Lists of collected requests, for :func:`_releasing` to release.
-_abandoned: queue.SimpleQueue[list[_Held]] = queue.SimpleQueue()
-_releaser: threading.Thread | None = None
-_releaser_lock = threading.Lock()
-
-
-def _start_releaser() -> None:
-    """Start the thread that releases collected requests' lists, once per process."""
-    global _releaser
-    with _releaser_lock:
-        if _releaser is None:
-            _releaser = threading.Thread(target=_releasing, name="ratelimits-release", daemon=True)
-            _releaser.start()
-
-
-def _releasing() -> None:
-    while True:
-        held = _abandoned.get()
-        try:
-            _release(held)
-        except Exception:  # _release logs its own; this thread must outlive anything
-            logger.exception("ratelimits: a collected request's holdings could not be released")
-
-
-def _after_fork() -> None:
-    """A forked child has none of the parent's threads, and the parent's lists are the parent's."""
-    global _releaser, _releaser_lock, _abandoned, _started_lock
-    _releaser, _releaser_lock, _abandoned, _started_lock = None, threading.Lock(), queue.SimpleQueue(), threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork)
-
-
-def _held_by(request: HttpRequest) -> list[_Held] | None:
-    held: list[_Held] | None = getattr(getattr(request, "_request", request), HELD_ATTRIBUTE, None)
-    return held
-
-
-def note_response(request: HttpRequest, status: int, *, streaming: bool = False) -> None:
-    """Tell the adaptive capacity how the request's view answered: its status, and now.
-
-    Called by :class:`~ratelimits.middleware.EarlyRejectionMiddleware` on the way out. A request
-    this app refused in the end (a later decision, after the shedder admitted it) never ran its
-    view: it teaches nothing. A streaming response is timed to its release, when its body
-    has been made.
-    """
-    held = _held_by(request)
-    if not held:
-        return
-    refused = getattr(request, "ratelimit", None)
-    view_ran = not (isinstance(refused, Decision) and not refused.allowed)
-    now = None if streaming else time.monotonic()
-    for item in held:
-        if item.shedder is None or item.status is not None or item.endpoint is None:
-            continue
-        if view_ran:
-            item.status, item.answered_at = status, now
-        else:
-            item.endpoint = None
-
-
-def after_response(**kwargs: Any) -> None:
-    """After a response (connected to ``request_finished``), off the decision path: catch up on
-    what an outage left behind.
-
-    Releases that could not reach the store are retried (the slot's expiry is the last resort),
-    ended leases give their unused tokens back, usage counted during an outage or answered from
-    memory is added to the store's counters, and an adaptive capacity is published for the admin.
-    First, what the request still holds is released: under ASGI, when its client went away and
-    no response was closed (see :func:`_hold`).
-    """
-    # Only a handler's: a response a view made and closed itself sends the signal too (sender None).
-    context = _request_context() if kwargs.get("sender") is not None else None
-    kept = _held_in.pop(context, None) if context is not None else None
-    if kept is not None:
-        held, request = kept
-        if held:
-            _release(held)
-        alive = request()
-        if alive is not None and getattr(alive.__dict__.get("close"), "releases_held", False):
-            del alive.close  # our wrapper, which keeps the request in a cycle
-    current = current_limiter()
-    if current is not None:
-        current.retry_releases()
-        current.return_leases()
-        current.flush_usage()
-        shedder = get_worker_shedder()
-        if shedder is not None and shedder.controller is not None:
-            current.publish_worker_state(shedder.state)
-
-
-def _release(held: list[_Held]) -> None:
-    """Give back what ``held`` holds, once: emptied in place, as the request's ``close`` and its
-    finalizer share the list. One item's failure is logged; the others are released all the same."""
-    items = []
-    try:
-        while True:
-            items.append(held.pop())  # each pop atomic: two callers never release one item twice
-    except IndexError:
-        pass
-    now = time.monotonic()
-    for item in reversed(items):
-        try:
-            if item.shedder is not None:
-                latency = (item.answered_at or now) - item.admitted_at
-                error = item.status is not None and item.status >= 500
-                item.shedder.finish(item.endpoint, latency, error=error, admitted_at=item.admitted_at)
-        except Exception:
-            logger.exception("ratelimits: the worker shedder could not count a request out")
-        try:
-            item.limiter.release(item.decision)  # whatever the shedder did
-        except Exception:
-            logger.exception("ratelimits: a request's slots could not be released (they expire)")
-
-
-request_started.connect(_request_started, dispatch_uid="ratelimits.engine.request_started")
-request_finished.connect(after_response, dispatch_uid="ratelimits.engine.after_response")

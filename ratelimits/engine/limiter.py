@@ -99,30 +99,30 @@ class Limiter:
         here); a degraded decision is counted here, and what is counted here is added to the
         store's counters later (:meth:`flush_usage`).
         """
-        return self._held(self._asked(checks, consume=consume, usage=usage)) if checks else UNLIMITED
+        return self._keep_slot(self._ask_store(checks, consume=consume, usage=usage)) if checks else UNLIMITED
 
     async def adecide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
         """:meth:`decide` for async code: the same decision, the store asked without blocking the event loop."""
-        return self._held(await self._aasked(checks, consume=consume, usage=usage)) if checks else UNLIMITED
+        return self._keep_slot(await self._aask_store(checks, consume=consume, usage=usage)) if checks else UNLIMITED
 
-    def _held(self, decision: Decision) -> Decision:
+    def _keep_slot(self, decision: Decision) -> Decision:
         """``decision``, its slot renewed by the process's heartbeat until :meth:`release`."""
         if decision.slot is not None:
-            HEARTBEAT.hold(self._holder(decision), decision.slot, decision.slot_keys)
+            HEARTBEAT.hold(self._slot_store(decision), decision.slot, decision.slot_keys)
         return decision
 
-    def _holder(self, decision: Decision) -> Backend:
+    def _slot_store(self, decision: Decision) -> Backend:
         """The store a decision's slot is held in: this worker's memory for a degraded one."""
         return self.local if decision.degraded else self.backend
 
-    def _asked(
+    def _ask_store(
         self, checks: Sequence[Check], *, consume: bool, usage: Usage | None, wants: list[int] | None = None
     ) -> Decision:
         """Decide ``checks`` with the store (leasing ``wants`` tokens); without it if it cannot answer."""
         if not self.breaker.allow():
-            return self._unanswered(checks, consume=consume, usage=usage)
-        sent = self._sending(consume)
-        worker_usage, script_usage = self._counting(consume, usage)
+            return self._decide_without_store(checks, consume=consume, usage=usage)
+        sent = self._note_send(consume)
+        worker_usage, script_usage = self._split_usage(consume, usage)
         try:
             if wants is None:
                 answer: Any = self.backend.decide(checks, consume=consume, usage=script_usage)
@@ -130,25 +130,25 @@ class Limiter:
                 answer = self.backend.lease(checks, wants, usage=script_usage)
         except PolicyFailed as exc:
             self._policy_failed(exc)
-            return self._without(exc, checks, consume=consume, usage=usage)
+            return self._decide_without_failed(exc, checks, consume=consume, usage=usage)
         except BackendUnavailable as exc:
-            return self._unreachable(exc, checks, consume=consume, usage=usage)
+            return self._decide_unreachable(exc, checks, consume=consume, usage=usage)
         except BaseException:
             # Anything else (a bug, a worker timeout) must still report: a half-open breaker
             # whose probe never reports would turn every later call away for good.
             self.breaker.record_failure()
             raise
-        return self._answered(answer, sent, wants, worker_usage=worker_usage)
+        return self._read_answer(answer, sent, wants, worker_usage=worker_usage)
 
-    async def _aasked(
+    async def _aask_store(
         self, checks: Sequence[Check], *, consume: bool, usage: Usage | None, wants: list[int] | None = None
     ) -> Decision:
-        """:meth:`_asked`, awaiting the store."""
+        """:meth:`_ask_store`, awaiting the store."""
         ticket = self.breaker.admit()
         if ticket is None:
-            return self._unanswered(checks, consume=consume, usage=usage)
-        sent = self._sending(consume)
-        worker_usage, script_usage = self._counting(consume, usage)
+            return self._decide_without_store(checks, consume=consume, usage=usage)
+        sent = self._note_send(consume)
+        worker_usage, script_usage = self._split_usage(consume, usage)
         asked = (
             self.backend.adecide(checks, consume=consume, usage=script_usage)
             if wants is None
@@ -165,12 +165,12 @@ class Limiter:
             answer = await (asked if call is None else asyncio.shield(call))
         except PolicyFailed as exc:
             self._policy_failed(exc)
-            fallback, rest = self._fallback(exc, checks, consume=consume, usage=usage)
+            fallback, rest = self._decide_failed_by_mode(exc, checks, consume=consume, usage=usage)
             if rest is None:
                 return fallback
             return self._with_fallback(await self.adecide(rest, consume=consume, usage=usage), fallback)
         except BackendUnavailable as exc:
-            return self._unreachable(exc, checks, consume=consume, usage=usage)
+            return self._decide_unreachable(exc, checks, consume=consume, usage=usage)
         except asyncio.CancelledError:
             if call is None:
                 self.breaker.abandon(ticket)  # cancelled with its request: it never reports
@@ -178,14 +178,14 @@ class Limiter:
             else:
                 _finishing.add(call)  # a task the loop holds only weakly
                 # (Run soon if the call is done already: its answer and the cancellation crossed.)
-                call.add_done_callback(lambda done: self._abandoned(done, ticket, sent, wants, worker_usage))
+                call.add_done_callback(lambda done: self._finish_abandoned(done, ticket, sent, wants, worker_usage))
             raise
         except BaseException:
-            self.breaker.record_failure()  # as in _asked: a probe always reports
+            self.breaker.record_failure()  # as in _ask_store: a probe always reports
             raise
-        return self._answered(answer, sent, wants, worker_usage=worker_usage)
+        return self._read_answer(answer, sent, wants, worker_usage=worker_usage)
 
-    def _abandoned(
+    def _finish_abandoned(
         self,
         call: asyncio.Future[Any],
         ticket: int,
@@ -215,7 +215,7 @@ class Limiter:
             self.breaker.record_failure(ticket)
             return
         # Leases it was granted are kept for others.
-        decision = self._answered(call.result(), sent, wants, ticket, worker_usage)
+        decision = self._read_answer(call.result(), sent, wants, ticket, worker_usage)
         if decision.slot is not None or decision.stray_slot is not None:
             store_threads().submit(self._release_logged, decision)
 
@@ -225,17 +225,17 @@ class Limiter:
         except Exception:
             logger.exception("ratelimits: the slots of a cancelled request could not be released (they expire)")
 
-    def _sending(self, consume: bool) -> tuple[float, int] | None:
+    def _note_send(self, consume: bool) -> tuple[float, int] | None:
         """What an answer is learnt against once it comes (a :class:`LocalLimiter`'s memory): nothing here."""
         return None
 
-    def _counting(self, consume: bool, usage: Usage | None) -> tuple[Usage | None, Usage | None]:
+    def _split_usage(self, consume: bool, usage: Usage | None) -> tuple[Usage | None, Usage | None]:
         """Who counts a consuming call's ``usage``: ``(this worker's, the decide script's)``, one of them ``None``."""
         if usage is None or not consume or self.usage_every is None:
             return None, usage
         return usage, None
 
-    def _answered(
+    def _read_answer(
         self,
         answer: Any,
         sent: tuple[float, int] | None,
@@ -257,11 +257,11 @@ class Limiter:
         self.breaker.record_success(ticket)
         _count_error(exc)
 
-    def _unreachable(
+    def _decide_unreachable(
         self, exc: BackendUnavailable, checks: Sequence[Check], *, consume: bool, usage: Usage | None
     ) -> Decision:
         self._store_failed(exc, "degrading")
-        return self._unanswered(checks, consume=consume, usage=usage, stray_slot=exc.stray_slot)
+        return self._decide_without_store(checks, consume=consume, usage=usage, stray_slot=exc.stray_slot)
 
     def _store_failed(self, exc: BackendUnavailable, then: str, ticket: int | None = None) -> None:
         """The store could not answer: the breaker, the metrics and the log hear of it."""
@@ -269,7 +269,7 @@ class Limiter:
         _count_error(exc)
         logger.warning("ratelimits: backend unavailable, %s: %s", then, exc)
 
-    def _unanswered(
+    def _decide_without_store(
         self,
         checks: Sequence[Check],
         *,
@@ -344,7 +344,7 @@ class Limiter:
         held = []
         if decision.slot is not None:
             HEARTBEAT.drop(decision.slot)
-            held.append((self._holder(decision), decision.slot, decision.slot_keys))
+            held.append((self._slot_store(decision), decision.slot, decision.slot_keys))
             recorder = get_recorder()
             if recorder is not None:
                 recorder.count("ratelimits_slots_released")
@@ -368,7 +368,7 @@ class Limiter:
                 self._unreleased.appendleft((backend, slot, keys))
                 return
 
-    def _without(
+    def _decide_without_failed(
         self, failure: PolicyFailed, checks: Sequence[Check], *, consume: bool, usage: Usage | None
     ) -> Decision:
         """Decide ``checks`` again without those the store could not decide; those go by their fail modes.
@@ -377,12 +377,12 @@ class Limiter:
         request (503); one that fails locally is decided in-process first; one that fails open is
         left out. The rest are decided by the store as usual, in a second round trip.
         """
-        fallback, rest = self._fallback(failure, checks, consume=consume, usage=usage)
+        fallback, rest = self._decide_failed_by_mode(failure, checks, consume=consume, usage=usage)
         if rest is None:
             return fallback
         return self._with_fallback(self.decide(rest, consume=consume, usage=usage), fallback)
 
-    def _fallback(
+    def _decide_failed_by_mode(
         self, failure: PolicyFailed, checks: Sequence[Check], *, consume: bool, usage: Usage | None
     ) -> tuple[Decision, list[Check] | None]:
         """The failed checks decided by their fail modes, and the rest to ask the store (``None``: nothing to ask)."""
@@ -501,33 +501,35 @@ class LocalLimiter(Limiter):
         and this worker's lease."""
         if consume and self.local_path.idle:  # memory has nothing to answer, pay or lease with
             return super().decide(checks, consume=consume, usage=usage)
-        plan = self._plan(checks, consume, usage)
+        plan = self._plan_from_memory(checks, consume, usage)
         if isinstance(plan, Decision):
             return plan
         try:
-            decision = self._settled(plan, self._asked(plan.checks, consume=consume, usage=usage, wants=plan.wants))
+            decision = self._settle_plan(
+                plan, self._ask_store(plan.checks, consume=consume, usage=usage, wants=plan.wants)
+            )
         except BaseException:
-            self._unsettled(plan)
+            self._put_back_plan(plan)
             raise
-        return self._held(decision)
+        return self._keep_slot(decision)
 
     async def adecide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
         """:meth:`decide` for async code: the store asked without blocking the event loop."""
         if consume and self.local_path.idle:
             return await super().adecide(checks, consume=consume, usage=usage)
-        plan = self._plan(checks, consume, usage)
+        plan = self._plan_from_memory(checks, consume, usage)
         if isinstance(plan, Decision):
             return plan
         try:
-            decision = self._settled(
-                plan, await self._aasked(plan.checks, consume=consume, usage=usage, wants=plan.wants)
+            decision = self._settle_plan(
+                plan, await self._aask_store(plan.checks, consume=consume, usage=usage, wants=plan.wants)
             )
         except BaseException:
-            self._unsettled(plan)
+            self._put_back_plan(plan)
             raise
-        return self._held(decision)
+        return self._keep_slot(decision)
 
-    def _plan(self, checks: Sequence[Check], consume: bool, usage: Usage | None) -> Decision | _Ask:
+    def _plan_from_memory(self, checks: Sequence[Check], consume: bool, usage: Usage | None) -> Decision | _Ask:
         """What memory answers (a decision), or what the store must be asked (and leased)."""
         if not checks:
             return UNLIMITED
@@ -544,7 +546,7 @@ class LocalLimiter(Limiter):
         self.count_local(usage, ALLOWED)
         return admitted(paid, time.time_ns() // 1000, local=LEASE)
 
-    def _settled(self, plan: _Ask, decision: Decision) -> Decision:
+    def _settle_plan(self, plan: _Ask, decision: Decision) -> Decision:
         """The store's ``decision`` on what ``plan`` asked: the whole request's, where leases paid
         part of it; a peek's says what is left as a lease's responses do."""
         if plan.local:
@@ -552,19 +554,19 @@ class LocalLimiter(Limiter):
         # A peek: what is left, as a lease's responses say it (the store's and this worker's lease).
         return self.local_path.with_leases(decision)
 
-    def _unsettled(self, plan: _Ask) -> None:
+    def _put_back_plan(self, plan: _Ask) -> None:
         """Deciding ``plan`` raised (a bug, a worker timeout, a request given up): what leases paid
         of the request goes back into them. The store may still have consumed the rest (a call
         given up runs on): under-admission only, as any call given up is."""
         if plan.spared is not None:
             self.local_path.put_back(plan.spared)
 
-    def _sending(self, consume: bool) -> tuple[float, int] | None:
+    def _note_send(self, consume: bool) -> tuple[float, int] | None:
         """What memory learns a consuming call's answer against: when it was sent, and memory's generation."""
         local = self.local_path
         return (local.clock(), local.generation) if consume else None
 
-    def _answered(
+    def _read_answer(
         self,
         answer: Any,
         sent: tuple[float, int] | None,
@@ -572,14 +574,14 @@ class LocalLimiter(Limiter):
         ticket: int | None = None,
         worker_usage: Usage | None = None,
     ) -> Decision:
-        decision = super()._answered(answer, sent, wants, ticket, worker_usage)
+        decision = super()._read_answer(answer, sent, wants, ticket, worker_usage)
         if sent is not None:
             self.local_path.learn(decision, *sent)
             if wants is not None:
                 decision = self.local_path.install(decision, answer[1], *sent)
         return decision
 
-    def _unanswered(
+    def _decide_without_store(
         self,
         checks: Sequence[Check],
         *,
@@ -590,7 +592,7 @@ class LocalLimiter(Limiter):
         """The store cannot answer: a denial remembered from it that has not ended, else each check's fail mode."""
         refusal = self.local_path.refuse(checks, store_down=True) if consume else None
         if refusal is None:
-            return super()._unanswered(checks, consume=consume, usage=usage, stray_slot=stray_slot)
+            return super()._decide_without_store(checks, consume=consume, usage=usage, stray_slot=stray_slot)
         self.count_local(usage, LIMITED)
         return refusal if stray_slot is None else replace(refusal, stray_slot=stray_slot)
 
