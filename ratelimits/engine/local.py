@@ -302,24 +302,35 @@ class LocalPath:
             return None
         now = self.clock()
         with self._lock:
-            covered: list[Lease] = []
-            for check in checks:
-                lease = leases.get(check.key(prefix))
-                if (
-                    lease is None
-                    or lease.expires <= now
-                    or lease.tokens < check.cost
-                    or not (lease.grant.check.policy is check.policy or lease.grant.check.policy == check.policy)
-                ):
-                    for taken, spent in zip(covered, checks, strict=False):
-                        taken.tokens += spent.cost  # put back: nothing is spent unless all is
-                    return None
-                # Taken at once: two checks of one key (one bucket named twice) spend one lease.
-                lease.tokens -= check.cost
-                covered.append(lease)
+            covered = self._take(checks, now)
+            if covered is None:
+                return None
             self.counts["lease_hits"] += 1
         self._counted(checks)  # a lease's requests count in the worker's rate as others do
         return tuple(lease.result(check, now) for lease, check in zip(covered, checks, strict=True))
+
+    def _take(self, checks: Sequence[Check], now: float) -> list[Lease] | None:
+        """Spend each of ``checks``' cost from its live lease, under the lock: the leases spent, in
+        their order, or ``None`` and nothing spent if one cannot pay.
+
+        Each is taken at once, so two checks of one key (one bucket named twice) spend one lease.
+        """
+        leases, prefix = self._leases, self.prefix
+        covered: list[Lease] = []
+        for check in checks:
+            lease = leases.get(check.key(prefix))
+            if (
+                lease is None
+                or lease.expires <= now
+                or lease.tokens < check.cost
+                or not (lease.grant.check.policy is check.policy or lease.grant.check.policy == check.policy)
+            ):
+                for spent, paid in zip(covered, checks, strict=False):
+                    spent.tokens += paid.cost  # put back: all are paid, or none
+                return None
+            lease.tokens -= check.cost
+            covered.append(lease)
+        return covered
 
     def with_leases(self, decision: Decision) -> Decision:
         """``decision`` (consuming nothing) with this worker's unspent lease tokens in what is remaining.
@@ -418,31 +429,15 @@ class LocalPath:
 
     def _spare(self, checks: Sequence[Check], apart: tuple[tuple[int, ...], ...]) -> Spared | None:
         """Pay each group of ``apart`` that live leases cover whole from them: ``None`` if none is."""
-        leases, prefix = self._leases, self.prefix
-        if not leases:
+        if not self._leases:
             return None
         now = self.clock()
         paid: list[int] = []
         taken: list[Lease] = []
         with self._lock:
             for group in apart:
-                covered: list[Lease] = []
-                for i in group:
-                    check = checks[i]
-                    lease = leases.get(check.key(prefix))
-                    if (
-                        lease is None
-                        or lease.expires <= now
-                        or lease.tokens < check.cost
-                        or not (lease.grant.check.policy is check.policy or lease.grant.check.policy == check.policy)
-                    ):
-                        for back, i_back in zip(covered, group, strict=False):
-                            back.tokens += checks[i_back].cost  # put back: a group is paid whole or not at all
-                        covered = []
-                        break
-                    lease.tokens -= check.cost  # at once: two checks of one key spend one lease
-                    covered.append(lease)
-                if covered:
+                covered = self._take([checks[i] for i in group], now)
+                if covered is not None:
                     paid += group
                     taken += covered
             if not paid:
