@@ -32,9 +32,9 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 from redis.cluster import RedisCluster
@@ -73,6 +73,8 @@ from .redis import (
 from .transport import read, send
 
 __all__ = ["REFUND", "ClusterBackend"]
+
+T = TypeVar("T")
 
 #: How many copies of the version stamp one round of :meth:`ClusterBackend.publish_version` writes.
 PUBLISH_BATCH = 2048
@@ -314,10 +316,7 @@ class ClusterBackend(RedisBackend):
     def _slot_groups(self, checks: Sequence[Check]) -> dict[int, list[int]]:
         """``checks``' indices by the hash slot of their keys, in the order of their first check."""
         prefix = self.prefix
-        groups: dict[int, list[int]] = {}
-        for i, check in enumerate(checks):
-            groups.setdefault(layout.key_slot(check.key(prefix).encode()), []).append(i)
-        return groups
+        return _by_slot(range(len(checks)), lambda i: checks[i].key(prefix))
 
     def _refund(
         self,
@@ -532,12 +531,9 @@ class ClusterBackend(RedisBackend):
     # -- everything else ---------------------------------------------------------------------------
 
     def release(self, slot: str, keys: Sequence[str]) -> int:
-        calls = [_Call(hash_slot, list(group), [slot]) for hash_slot, group in _by_slot(keys).items()]
-        self._run_calls(RELEASE, calls)
-        for call in calls:
-            if call.error is not None:
-                raise call.error
-        return sum(int(call.reply) for call in calls)
+        return self._run_counted(
+            RELEASE, [_Call(hash_slot, group, [slot]) for hash_slot, group in _by_slot(keys).items()]
+        )
 
     def renew(self, held: Mapping[str, Sequence[str]], lease_us: int) -> int:
         """As a single Redis's, one script per hash slot the keys are in."""
@@ -546,11 +542,7 @@ class ClusterBackend(RedisBackend):
         for hash_slot, group in _by_slot(list(owners)).items():
             keys, args = renew_call({owners[key]: [key] for key in group}, lease_us, self.clock)
             calls.append(_Call(hash_slot, keys, args))
-        self._run_calls(RENEW, calls)
-        for call in calls:
-            if call.error is not None:
-                raise call.error
-        return sum(int(call.reply) for call in calls)
+        return self._run_counted(RENEW, calls)
 
     def give_back(self, grants: Sequence[tuple[Grant, int]]) -> int:
         """As a single Redis's, one refund call per hash slot the grants' buckets are in, sent at once.
@@ -558,13 +550,15 @@ class ClusterBackend(RedisBackend):
         If one fails, its error is raised, though the others' tokens went back all the same (the
         local path then counts every token unreturned: a figure, not a loss).
         """
-        by_slot: dict[int, list[tuple[Grant, int]]] = {}
-        for grant in grants:
-            by_slot.setdefault(layout.key_slot(grant[0].check.key(self.prefix).encode()), []).append(grant)
-        calls = [
-            _Call(hash_slot, *give_back_call(group, self.prefix, self.clock)) for hash_slot, group in by_slot.items()
-        ]
-        self._run_calls(REFUND, calls)
+        prefix = self.prefix
+        groups = _by_slot(grants, lambda grant: grant[0].check.key(prefix))
+        calls = [_Call(hash_slot, *give_back_call(group, prefix, self.clock)) for hash_slot, group in groups.items()]
+        return self._run_counted(REFUND, calls)
+
+    def _run_counted(self, script: Script, calls: Sequence[_Call]) -> int:
+        """Run ``script``'s ``calls``, each on its slot's master, all sent at once: the sum of their
+        replies (what each counted); the first call's error if one failed (the others ran all the same)."""
+        self._run_calls(script, calls)
         for call in calls:
             if call.error is not None:
                 raise call.error
@@ -718,10 +712,12 @@ def _grants(checks: Sequence[Check], calls: Sequence[_Call]) -> list[Grant]:
     return [grant for _, grant in sorted(grants, key=lambda pair: pair[0])]
 
 
-def _by_slot(keys: Sequence[str]) -> dict[int, list[str]]:
-    groups: dict[int, list[str]] = {}
-    for key in keys:
-        groups.setdefault(layout.key_slot(key.encode()), []).append(key)
+def _by_slot(items: Iterable[T], key: Callable[[T], str] = str) -> dict[int, list[T]]:
+    """``items`` by the hash slot of their keys (``key(item)``; the item itself by default), in
+    the order of each slot's first item."""
+    groups: dict[int, list[T]] = {}
+    for item in items:
+        groups.setdefault(layout.key_slot(key(item).encode()), []).append(item)
     return groups
 
 
