@@ -55,6 +55,7 @@ from ratelimits.engine.limiter import Limiter, build_limiter  # noqa: E402
 from ratelimits.identity import Subject, SubjectKind  # noqa: E402
 from ratelimits.policies.values import Check, Policy  # noqa: E402
 from ratelimits.rates import parse_rate  # noqa: E402
+from ratelimits.redis_url import parse_redis_url  # noqa: E402
 from tests.support.redis_cluster import Cluster  # noqa: E402
 from tests.support.redis_server import RedisServer  # noqa: E402
 
@@ -163,7 +164,7 @@ def limiter_for(url: str, mode: str) -> Limiter:
     """A worker's limiter, as ``ratelimits.engine.limiter`` builds one, with the local path of ``mode``."""
     breaker = CircuitBreaker(window=20, min_calls=5, failure_rate=0.5, cooldown=2.0)
     client = make_client(url, 1.0, 1.0)
-    backend = ClusterBackend(client) if url.startswith("redis+cluster://") else RedisBackend(client)  # type: ignore[arg-type]
+    backend = ClusterBackend(client) if parse_redis_url(url).cluster else RedisBackend(client)  # type: ignore[arg-type]
     return build_limiter(backend, breaker, MODES[mode], usage_cap=100)
 
 

@@ -7,6 +7,7 @@ import math
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -127,7 +128,8 @@ def test_header_style_setting(limits: Any, settings: Any, style: str, present: l
         assert not response.has_header(name)
 
 
-def test_wait_is_exact_and_never_none_when_denied(limits: Any, rf: Any) -> None:
+def ping_and_requests(rf: Any, address: str) -> tuple[Any, Callable[[], Any]]:
+    """The test project's ``Ping`` view, and a maker of anonymous DRF requests to it from ``address``."""
     from rest_framework.request import Request
 
     from tests.views import Ping
@@ -136,9 +138,15 @@ def test_wait_is_exact_and_never_none_when_denied(limits: Any, rf: Any) -> None:
     view.headers = {}
 
     def request() -> Request:
-        made = Request(rf.get("/t/ping", REMOTE_ADDR="198.51.100.1"))
+        made = Request(rf.get("/t/ping", REMOTE_ADDR=address))
         made.auth, made.user = None, None
         return made
+
+    return view, request
+
+
+def test_wait_is_exact_and_never_none_when_denied(limits: Any, rf: Any) -> None:
+    view, request = ping_and_requests(rf, "198.51.100.1")
 
     throttle = RateLimitThrottle()
     assert throttle.allow_request(request(), view) and throttle.wait() is None
@@ -153,18 +161,8 @@ def test_wait_is_exact_and_never_none_when_denied(limits: Any, rf: Any) -> None:
 def test_drfs_own_handler_writes_the_same_retry_after_jitter_and_all(limits: Any, settings: Any, rf: Any) -> None:
     """A project on DRF's default exception handler gets ``Retry-After`` from the throttle's
     ``wait()``, rounded up: with jitter asked for, it is in there too, never under the exact wait."""
-    from rest_framework.request import Request
-
-    from tests.views import Ping
-
     settings.RATELIMITS = merged(limits, {"HEADERS": {"RETRY_AFTER_JITTER": "3s"}})
-    view = Ping()
-    view.headers = {}
-
-    def request() -> Request:
-        made = Request(rf.get("/t/ping", REMOTE_ADDR="198.51.100.2"))
-        made.auth, made.user = None, None
-        return made
+    view, request = ping_and_requests(rf, "198.51.100.2")
 
     assert RateLimitThrottle().allow_request(request(), view)
     assert RateLimitThrottle().allow_request(request(), view)
