@@ -25,10 +25,9 @@ from typing import Any
 
 import redis
 
-from tests.support.redis_server import RedisServer
+from .support.redis_server import RedisServer
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SHARED_REDIS_PORT = 6379
 #: Network round trips (µs) for the modelled DRF/ratelimits ratio (same host, same AZ, cross-AZ).
 MODEL_RTTS_US = (100, 250, 500)
 
@@ -146,9 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which("redis-server") is None:
         log("redis-server is not on PATH; install Redis 7 to run the benchmark")
         return 2
-    server = RedisServer()
-    if server.port == SHARED_REDIS_PORT:
-        raise RuntimeError("refusing to use port 6379 (the shared Redis)")
+    server = RedisServer()  # never on port 6379, the shared Redis
     try:
         server.start()
         pid = server.pid
@@ -161,9 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         return run(args, server, started)
     finally:
         # RedisServer.stop signals only the process (group) it started: SIGTERM, then SIGKILL after 10 s.
-        stopped = server.process.pid if server.process is not None else None
+        stopped = server.pid if server.running else None
         server.stop()
-        shutil.rmtree(server.dir, ignore_errors=True)
         if stopped is not None:
             log(f"stopped redis-server pid {stopped}")
 

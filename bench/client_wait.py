@@ -5,7 +5,7 @@
 .venv/bin/python -m bench.client_wait --rounds 100
 ```
 
-The demo runs under gunicorn on a private Redis and PostgreSQL database (``tests.support.demo``).
+The demo runs under gunicorn on a private Redis and a temporary SQLite file (``bench.support.demo``).
 Acme's key on ``GET /v1/customers`` (an override of 2/s, burst 5) is spent, then a client made by
 ``ratelimits.client.session()`` with its default options (but a retry budget it cannot
 exhaust) sends the next request: the server
@@ -24,7 +24,8 @@ import sys
 import time
 
 from ratelimits.client import session
-from tests.support.demo import demo_server
+
+from .support.demo import demo_server
 
 #: The demo's seeded free key (project/payments/management/commands/seed_demo.py, the README).
 ACME = "sk_free_demo_acme_0000000000"

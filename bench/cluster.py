@@ -1,7 +1,7 @@
 """``python -m bench.cluster``: a decision on a Redis Cluster beside one on a single Redis, and how it spreads.
 
 Starts a private ``redis-server`` with a replica (as a Sentinel deployment has) and a private
-six-node cluster (3 masters, 3 replicas; see ``tests/support/redis_cluster.py``) on free loopback
+six-node cluster (3 masters, 3 replicas; see ``bench/support/redis_cluster.py``) on free loopback
 ports, and stops them all by PID. In interleaved rounds it times, one decision at a time on one
 thread:
 
@@ -35,7 +35,7 @@ from typing import Any
 
 import django
 
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "bench.support.django_settings")
 django.setup()
 
 import redis  # noqa: E402  (after django.setup)
@@ -46,10 +46,10 @@ from ratelimits.backends.redis import RedisBackend, make_client  # noqa: E402
 from ratelimits.identity import Subject, SubjectKind  # noqa: E402
 from ratelimits.policies.values import Check, Policy, check_for  # noqa: E402
 from ratelimits.rates import parse_rate  # noqa: E402
-from tests.support.redis_cluster import Cluster  # noqa: E402
-from tests.support.redis_server import RedisServer  # noqa: E402
 
 from .stats import percentile  # noqa: E402
+from .support.redis_cluster import Cluster  # noqa: E402
+from .support.redis_server import RedisServer  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CALLERS, IPS, ORGS, ENDPOINTS = 10_000, 2_000, 500, 4
@@ -192,9 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     population = requests(1 << 14)  # a power of two: the calls index it with a mask
-    with RedisServer() as single, Cluster() as cluster:
-        replica = RedisServer(config=("--replicaof", "127.0.0.1", str(single.port)))
-        replica.start()
+    with (
+        RedisServer() as single,
+        Cluster() as cluster,
+        RedisServer(config=("--replicaof", "127.0.0.1", str(single.port))) as replica,
+    ):
         _wait_in_sync(replica)
         if args.cpu >= 0:
             for pid in [single.pid, replica.pid, *(s.pid for s in cluster.servers), 0]:
@@ -241,7 +243,6 @@ def main(argv: list[str] | None = None) -> int:
         }
         for client in (single_admin, *masters):
             client.close()
-        replica.stop()
     print(f"{'row':48} {'p50 µs':>8} {'p99 µs':>8} {'redis cpu µs':>13}  per node")
     for label, s in summaries.items():
         per_node = " ".join(f"{v:5.1f}" for v in s["redis_cpu_us_per_decision_per_node"])

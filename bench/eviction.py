@@ -17,14 +17,15 @@ from dataclasses import dataclass
 
 import django
 
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "bench.support.django_settings")
 django.setup()
 
 from ratelimits.backends.redis import RedisBackend, make_client  # noqa: E402  (after django.setup)
 from ratelimits.identity import Subject, SubjectKind  # noqa: E402
 from ratelimits.policies.values import Check, Policy  # noqa: E402
 from ratelimits.rates import parse_rate  # noqa: E402
-from tests.support.redis_server import RedisServer  # noqa: E402
+
+from .support.redis_server import RedisServer  # noqa: E402
 
 SECONDS = 5.0
 ASKED_PER_SECOND = 200

@@ -42,7 +42,7 @@ from typing import Any
 
 import django
 
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "bench.support.django_settings")
 django.setup()
 
 import redis  # noqa: E402  (after django.setup)
@@ -56,10 +56,10 @@ from ratelimits.identity import Subject, SubjectKind  # noqa: E402
 from ratelimits.policies.values import Check, Policy  # noqa: E402
 from ratelimits.rates import parse_rate  # noqa: E402
 from ratelimits.redis_url import parse_redis_url  # noqa: E402
-from tests.support.redis_cluster import Cluster  # noqa: E402
-from tests.support.redis_server import RedisServer  # noqa: E402
 
 from .stats import percentile  # noqa: E402
+from .support.redis_cluster import Cluster  # noqa: E402
+from .support.redis_server import RedisServer  # noqa: E402
 
 PROCESSES = 4
 START_TIMEOUT_S = 60.0

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from ratelimits.backends import codec
-from tests.support.redis_server import RedisServer
+
+from .support.redis_server import RedisServer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: Decisions each block counts over, after as many untimed ones as the bench's subjects and more.
@@ -151,7 +152,6 @@ def main(argv: list[str] | None = None) -> int:
         return run(args, server, Callgrind(server, out))
     finally:
         server.stop()
-        shutil.rmtree(server.dir, ignore_errors=True)
 
 
 def scenarios_backend() -> Any:

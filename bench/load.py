@@ -24,15 +24,14 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from tests.support.processes import Service, gunicorn
-from tests.support.redis_server import RedisServer
-
 from .stats import percentile
+from .support.http import request
+from .support.processes import Service, gunicorn
+from .support.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 SETTINGS_MODULE = "bench.shedding_settings"
-SHARED_REDIS_PORT = 6379
 
 # -- the server --------------------------------------------------------------------------------
 WORKERS = 2
@@ -128,25 +127,6 @@ def tier_of(raw: str) -> str:
 # -- the load generator ------------------------------------------------------------------------
 
 
-def http_request(
-    port: int, method: str, path: str, *, key: str | None = None, body: bytes | None = None, timeout: float
-) -> tuple[int, http.client.HTTPResponse]:
-    """One request on a fresh connection (``Connection: close``); the body is read and discarded."""
-    headers = {"Connection": "close"}
-    if key is not None:
-        headers["Authorization"] = f"Bearer {key}"
-    if body is not None:
-        headers["Content-Type"] = "application/json"
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.request(method, path, body=body, headers=headers)
-        response = conn.getresponse()
-        response.read()
-        return response.status, response
-    finally:
-        conn.close()
-
-
 def kept_alive_request(
     conn: http.client.HTTPConnection, method: str, path: str, *, key: str, body: bytes | None
 ) -> tuple[int, http.client.HTTPResponse]:
@@ -204,7 +184,7 @@ def attempt(
     sent = time.monotonic()
     try:
         if connection is None:
-            status, response = http_request(port, method, path, key=key, body=body, timeout=CLIENT_TIMEOUT)
+            status, response = request(port, method, path, key=key, body=body, timeout=CLIENT_TIMEOUT)
         else:
             status, response = kept_alive_request(connection, method, path, key=key, body=body)
     except (OSError, http.client.HTTPException) as exc:
@@ -496,7 +476,7 @@ def run_phase(
 
 def demo_server(name: str, port: int, workdir: Path) -> Service:
     """The demo under gunicorn as every phase runs it: gthread, WORKERS x THREADS, logs in ``workdir``."""
-    return gunicorn(name, port=port, logs=workdir, workers=WORKERS, threads=THREADS, timeout=60, worker_class="gthread")
+    return gunicorn(name, port=port, logs=workdir, workers=WORKERS, threads=THREADS, timeout=60)
 
 
 def warm_up(port: int, seconds: float) -> None:

@@ -26,8 +26,7 @@ import time
 import timeit
 from typing import Any
 
-from tests.support.redis_server import RedisServer
-from tests.support.settings import merged
+from .support.redis_server import RedisServer
 
 TARGET_US = 5.0
 
@@ -68,7 +67,6 @@ def main(argv: list[str] | None = None) -> int:
         return run(args, server)
     finally:
         server.stop()
-        shutil.rmtree(server.dir, ignore_errors=True)
         shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -120,11 +118,15 @@ def run(args: argparse.Namespace, server: RedisServer) -> int:
 def variants(base: dict[str, Any], *, split: bool = False) -> dict[str, dict[str, Any]]:
     """RATELIMITS as before issue 15 (first: what the others are compared with) and observed;
     with ``split``, also each of the two changes alone."""
-    configs = {"before": merged(base, {"HEADERS": {"POLICIES": "closest"}, "METRICS": False})}
+
+    def setting(policies: str, metrics: bool) -> dict[str, Any]:
+        return {**base, "HEADERS": {**base.get("HEADERS", {}), "POLICIES": policies}, "METRICS": metrics}
+
+    configs = {"before": setting("closest", False)}
     if split:
-        configs["metrics"] = merged(base, {"HEADERS": {"POLICIES": "closest"}, "METRICS": True})
-        configs["headers"] = merged(base, {"HEADERS": {"POLICIES": "all"}, "METRICS": False})
-    configs["observed"] = merged(base, {"HEADERS": {"POLICIES": "all"}, "METRICS": True})
+        configs["metrics"] = setting("closest", True)
+        configs["headers"] = setting("all", False)
+    configs["observed"] = setting("all", True)
     return configs
 
 

@@ -16,14 +16,14 @@ import random
 
 import django
 
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "bench.support.django_settings")
 django.setup()
 
 from ratelimits.backends.memory import MemoryBackend  # noqa: E402  (after django.setup)
 from ratelimits.identity import Subject, SubjectKind  # noqa: E402
 from ratelimits.policies.values import Policy, check_for  # noqa: E402
 from ratelimits.rates import parse_rate  # noqa: E402
-from tests.support.clock import FakeClock  # noqa: E402
+from ratelimits.testing import FakeClock  # noqa: E402
 
 #: The policy every run splits: an endpoint-wide 1,000/s, with a burst of one second's worth, and
 #: of a tenth of that (where a shard's burst of 6 absorbs little of the arrivals' randomness).

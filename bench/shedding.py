@@ -33,10 +33,6 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from tests.support.http import serving
-from tests.support.processes import Service
-from tests.support.redis_server import RedisServer, free_port
-
 from .load import (
     CHARGE_KEYS,
     CHARGE_RATE,
@@ -50,7 +46,6 @@ from .load import (
     RESULTS,
     ROOT,
     SETTINGS_MODULE,
-    SHARED_REDIS_PORT,
     SHED_THRESHOLDS,
     START_TIMEOUT,
     THREADS,
@@ -69,6 +64,9 @@ from .load import (
     source_version,
     warm_up,
 )
+from .support.http import serving
+from .support.processes import Service
+from .support.redis_server import RedisServer, free_port
 
 # -- the run -----------------------------------------------------------------------------------
 
@@ -115,11 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
     started = time.monotonic()
     workdir = Path(tempfile.mkdtemp(prefix="ratelimits-shedding-"))
-    redis_server = RedisServer()
+    redis_server = RedisServer()  # never on port 6379, the shared Redis
     servers: list[Service] = []
     try:
-        if redis_server.port == SHARED_REDIS_PORT:
-            raise RuntimeError("refusing to use port 6379 (the shared Redis)")
         redis_server.start()
         log(f"private redis-server pid {redis_server.pid} on 127.0.0.1:{redis_server.port}")
         report = run(args, redis_server, workdir, servers)
@@ -127,13 +123,12 @@ def main(argv: list[str] | None = None) -> int:
         report["wall_s"] = round(time.monotonic() - started, 1)
     finally:
         for server in servers:
-            pid = server.process.pid if server.running and server.process is not None else None
+            pid = server.pid if server.running else None
             server.stop(grace=15)
             if pid is not None:
                 log(f"stopped gunicorn master pid {pid} and its workers")
-        redis_pid = redis_server.process.pid if redis_server.process is not None else None
+        redis_pid = redis_server.pid if redis_server.running else None
         redis_server.stop()
-        shutil.rmtree(redis_server.dir, ignore_errors=True)
         if redis_pid is not None:
             log(f"stopped redis-server pid {redis_pid}")
         shutil.rmtree(workdir, ignore_errors=True)

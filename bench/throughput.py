@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.support.redis_server import RedisServer
+from .support.redis_server import RedisServer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: The rows, by the main bench's scenario keys: PING first, then ours, then the anchors.
