@@ -1,4 +1,4 @@
-"""What ``bench.shedding`` and ``bench.adaptive`` share: the demo under gunicorn, and a load generator.
+"""What every scenario of ``bench.shedding`` shares: the demo under gunicorn, and a load generator.
 
 The demo API is served by gunicorn (gthread) on a free loopback port, against a private
 ``redis-server`` and a temporary SQLite database, with the settings of
@@ -101,6 +101,17 @@ def setup_database() -> None:
         for raw, org in all_keys()
     )
     assert ApiKey.objects.filter(key_hash__in=[hash_key(k) for k in keys]).count() == len(keys)
+
+
+def prepare_database(env: dict[str, str]) -> None:
+    """:func:`setup_database` in a child process with ``env``: the servers' settings module and SQLite file."""
+    subprocess.run(
+        [sys.executable, "-c", "from bench.load import setup_database; setup_database()"],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        timeout=120,
+    )
 
 
 def charge_keys() -> list[str]:

@@ -26,8 +26,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -35,8 +33,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from . import load
-from .load import (
+from .. import load
+from ..load import (
     CLOSED_FLOODS,
     WORKERS,
     Phase,
@@ -45,11 +43,12 @@ from .load import (
     latency_summary,
     log,
     machine,
+    prepare_database,
     source_version,
     warm_up,
 )
-from .support.http import serving
-from .support.redis_server import RedisServer, free_port
+from ..support.http import serving
+from ..support.redis_server import RedisServer, free_port
 
 RESULTS = load.RESULTS
 THREADS = load.THREADS
@@ -265,13 +264,7 @@ def run(quick: bool, json_path: Path | None) -> int:
             "BENCH_SHEDDING_FLEET_CAPACITY": "",
             "PYTHONUNBUFFERED": "1",
         }
-        subprocess.run(
-            [sys.executable, "-c", "from bench.load import setup_database; setup_database()"],
-            cwd=load.ROOT,
-            env=base_env,
-            check=True,
-            timeout=120,
-        )
+        prepare_database(base_env)
         runs = {}
         for capacity in (*FIXED, None):
             result = run_configuration(
