@@ -14,6 +14,13 @@ PIP_INSTALL := $(BIN)/pip install --disable-pip-version-check -q
 MKDOCS_BUILD := $(BIN)/mkdocs build --strict --site-dir site
 # The browser tests drive Debian's Chromium (never a browser download of Playwright's own).
 CHROMIUM := /usr/bin/chromium
+# The client distribution, its virtualenv for `make test-client`, and the files its wheel is built from.
+CLIENT := clients/python
+CLIENT_VENV := .venv-client
+CLIENT_STAMP := $(CLIENT_VENV)/.installed
+CLIENT_PIP := $(CLIENT_VENV)/bin/pip -q --disable-pip-version-check
+CLIENT_FILES := $(shell find $(CLIENT) -type f -not -path '$(CLIENT)/tests/*' -not -path '*/__pycache__/*' \
+	-not -path '*.egg-info/*' -not -path '$(CLIENT)/build/*')
 HOST ?= 127.0.0.1
 PORT ?= 8000
 # The test suite's PostgreSQL (trust auth on this machine kind); SQLite runs the same tests too.
@@ -24,7 +31,7 @@ DJANGO_NEXT ?= 6.0.10 6.1.3
 PYTHON_NEXT ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12; do \
 	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { echo "$$p"; break; }; done)
 
-.PHONY: demo docs test browser test-django-next lint bench clean settings-reference flake-check
+.PHONY: demo docs test browser test-client test-django-next lint bench clean settings-reference flake-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,7 +40,8 @@ $(DEMO_STAMP): requirements/base.txt requirements/docs.txt pyproject.toml | $(BI
 	$(PIP_INSTALL) -r requirements/base.txt -r requirements/docs.txt
 	touch $@
 
-$(CI_STAMP): requirements/base.txt requirements/docs.txt requirements/ci.txt pyproject.toml | $(BIN)/python
+# requirements/ci.txt installs the client distribution (clients/python) editable: its metadata too.
+$(CI_STAMP): requirements/base.txt requirements/docs.txt requirements/ci.txt pyproject.toml $(CLIENT)/pyproject.toml | $(BIN)/python
 	$(PIP_INSTALL) -r requirements/ci.txt
 	touch $@
 
@@ -47,8 +55,9 @@ demo: docs
 
 test: $(CI_STAMP) browser
 	$(MKDOCS_BUILD)
-	$(BIN)/ruff check ratelimits project tests bench
+	$(BIN)/ruff check ratelimits project tests bench clients
 	$(BIN)/mypy
+	$(MAKE) --no-print-directory test-client
 	DATABASE_URL=$(TEST_DATABASE_URL) $(BIN)/pytest
 	DATABASE_URL=sqlite:///:memory: $(BIN)/pytest -m django_db
 	$(MAKE) --no-print-directory test-django-next
@@ -66,6 +75,30 @@ browser:
 	$$sudo env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 update -qq; \
 	$$sudo env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq chromium; \
 	test -x $(CHROMIUM)
+
+# The client distribution (clients/python) as an integrator installs it: its wheel, built from a
+# copy of clients/python (setuptools leaves build/ and *.egg-info behind), alone in a virtualenv of
+# its own, installed with --no-index (it needs nothing); then its two extras and the test tools of
+# $(CLIENT)/requirements-test.txt. Django and redis-py must be absent, and its tests run against the
+# installed wheel (a src layout: the checkout's package is not on the path). The virtualenv is made
+# again when a file the wheel is built from changes.
+$(CLIENT_STAMP): $(CLIENT_FILES)
+	rm -rf $(CLIENT_VENV)
+	$(PYTHON) -m venv $(CLIENT_VENV)
+	@set -e; work=$$(mktemp -d); trap 'rm -rf "$$work"' EXIT; \
+	cp -R $(CLIENT) "$$work/source"; rm -rf "$$work/source/build" "$$work"/source/src/*.egg-info; \
+	set -x; \
+	$(CLIENT_PIP) wheel --no-deps -w "$$work" "$$work/source"; \
+	$(CLIENT_PIP) install --no-index "$$work"/ratelimits_client-*.whl; \
+	$(CLIENT_PIP) install -r $(CLIENT)/requirements-test.txt "$$(echo "$$work"/ratelimits_client-*.whl)[requests,httpx]"
+	touch $@
+
+test-client: $(CLIENT_STAMP)
+	@$(CLIENT_VENV)/bin/python -c 'import importlib.metadata as m, importlib.util as u, sys; \
+		found = [name for name in ("django", "rest_framework", "redis") if u.find_spec(name)]; \
+		sys.exit(f"the client venv holds {found}") if found else None; \
+		print("$(CLIENT_VENV):", " ".join(sorted(d.metadata["Name"] for d in m.distributions())))'
+	cd $(CLIENT) && ../../$(CLIENT_VENV)/bin/pytest -q -n 4
 
 # Every suite but the slow multi-process ones, on SQLite, once per newer Django release.
 test-django-next:
@@ -92,21 +125,23 @@ bench: $(CI_STAMP)
 #   test_regions.py          a round waits for just after its second's end, and reads that second
 #   test_regions_celery.py   a share follows demand within 2 s under a real beat (2.15 s in CI once)
 #   test_policy_lock.py      requests' p99 while a policy table is locked, against a baseline's p99
-#   test_client_herd.py      1,000 jittered retries spread flat, and a herd without jitter spikes
+#   clients/python/tests/test_herd.py     1,000 jittered retries spread flat, a herd without jitter spikes
 #   test_local_path.py       paced lease traffic (800/s); decisions on leases never wait on a dead store
 #   test_async.py            paced leases on the async path; the demo under uvicorn outruns its refill
 #   test_faults.py           a paused Redis: the breaker keeps latency down, recovery within its bound
 #   test_policy_loading.py   a locked policy table answered from the snapshot in hand, at once
 #   test_throttle.py         a retry at the advised moment is admitted, one clearly earlier is not
-#   test_client.py           the client's backoff and advised waits, measured between arrivals
+#   clients/python/tests/test_retries.py  the client's backoff and advised waits, between arrivals
+#   test_client.py           a retry after this app's own 429 waits at least the advice, and passes
 #   test_cluster.py          a decision over three paused masters waits one pause, not three
 #   test_eviction.py         a stalled or absent Redis never hangs the system checks
 #   test_slow_bodies.py      a trickled body's 408 after BODY_TIMEOUT; the others served meanwhile
 #   test_dead_workers.py     a killed worker's slots back within a lease of gunicorn's respawn
 FLAKE_SUITES ?= tests/test_regions.py tests/test_regions_celery.py tests/test_policy_lock.py \
-	tests/test_client_herd.py tests/test_local_path.py tests/test_async.py tests/test_faults.py \
-	tests/test_policy_loading.py tests/test_throttle.py tests/test_client.py tests/test_cluster.py \
-	tests/test_eviction.py tests/test_slow_bodies.py tests/test_dead_workers.py
+	clients/python/tests/test_herd.py tests/test_local_path.py tests/test_async.py tests/test_faults.py \
+	tests/test_policy_loading.py tests/test_throttle.py clients/python/tests/test_retries.py \
+	tests/test_client.py tests/test_cluster.py tests/test_eviction.py tests/test_slow_bodies.py \
+	tests/test_dead_workers.py
 FLAKE_RUNS ?= 10
 # Bounds: a test is stopped after FLAKE_TEST_TIMEOUT s (pytest-timeout), a whole run after
 # FLAKE_RUN_TIMEOUT s (SIGINT, so that its fixtures stop what they started; SIGKILL a minute later).
@@ -142,7 +177,7 @@ flake-check: $(CI_STAMP)
 	test $$green -eq $(FLAKE_RUNS)
 
 clean:
-	rm -rf $(VENV) .venv-django-* demo.sqlite3 site
+	rm -rf $(VENV) .venv-django-* $(CLIENT_VENV) demo.sqlite3 site
 
 # docs/configuration.md's tables of every setting, written again from ratelimits.conf's declarations.
 settings-reference: $(DEMO_STAMP)

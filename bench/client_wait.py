@@ -7,7 +7,7 @@
 
 The demo runs under gunicorn on a private Redis and a temporary SQLite file (``bench.support.demo``).
 Acme's key on ``GET /v1/customers`` (an override of 2/s, burst 5) is spent, then a client made by
-``ratelimits.client.session()`` with its default options (but a retry budget it cannot
+``ratelimits_client.session()`` with its default options (but a retry budget it cannot
 exhaust) sends the next request: the server
 refuses it with its exact wait (``retry_after_ms``; ``Retry-After`` is that rounded up to whole
 seconds), the client sleeps and retries. Each retry's DEBUG line gives the advice it read and the
@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 
-from ratelimits.client import session
+from ratelimits_client import session
 
 from .support.demo import demo_server
 

@@ -177,6 +177,8 @@ def project(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[t
     frozen = run([str(python), "-m", "pip", "freeze"]).splitlines()
     installed = {re.split(r"==| @ ", line)[0].lower() for line in frozen if line.strip()}
     assert "django-ratelimits" in installed and installed <= RUNTIME, installed
+    # The wheel carries the client's package too: its name, and the deprecated one, import.
+    run([str(python), "-W", "ignore::DeprecationWarning", "-c", "import ratelimits_client, ratelimits.client"])
     site = root / "site"
     site.mkdir()
     run([str(root / "venv" / "bin" / "django-admin"), "startproject", "mysite", str(site)], cwd=root)

@@ -9,8 +9,9 @@ The layers, from the bottom (a module may import its own layer and those below):
 
 0. foundation: settings, exceptions, the named choices, rates, the documentation's addresses, the
    private helpers every layer uses (bounded memos, process-wide values, integer arithmetic); and the
-   HTTP client (``client``), which imports nothing else of the package (tests/test_client.py checks it
-   loads no other module)
+   deprecated ``client``, which re-exports the client distribution (``ratelimits_client``, outside the
+   package: clients/python) and imports nothing else (tests/test_client.py checks it loads no other
+   module)
 1. values: algorithms, identity, decisions, counters, the adaptive capacity, the metrics' recorder;
    policies and the settings source
 2. stores: the backends
@@ -117,9 +118,6 @@ FUNCTION_LEVEL = {
     ("ratelimits.apps", "ratelimits.policies.audit"),
     ("ratelimits.apps", "ratelimits.usage"),
     ("ratelimits.apps", "ratelimits.usage.subjects"),
-    # The client's optional libraries: importing ratelimits.client needs neither requests nor httpx.
-    ("ratelimits.client", "ratelimits.client._requests"),
-    ("ratelimits.client", "ratelimits.client._httpx"),
 }
 
 

@@ -1,4 +1,4 @@
-"""The wheel: the package and every file it loads at run time, nothing of the demo, tests or docs."""
+"""The wheel: the package, every file it loads at run time, and the client's package; no demo, tests or docs."""
 
 from __future__ import annotations
 
@@ -43,8 +43,19 @@ def test_the_wheel_holds_the_package_and_its_data_only(tmp_path: Path) -> None:
         for path in package.rglob("*")
         if path.is_file() and "__pycache__" not in path.parts
     }
+    # And the client distribution's package, as its own wheel holds it (CONTRIBUTING.md: "The client
+    # distribution"), so that the deprecated ratelimits.client, which re-exports it, imports.
+    client = REPO / "clients" / "python" / "src"
+    expected |= {
+        path.relative_to(client).as_posix()
+        for path in (client / "ratelimits_client").rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts
+    }
     assert {name for name in names if not name.startswith("django_ratelimits-")} == expected
-    assert {"ratelimits/lua/decide.lua", "ratelimits/py.typed"} <= expected
+    assert {"ratelimits/lua/decide.lua", "ratelimits/py.typed", "ratelimits_client/py.typed"} <= expected
+    assert {"ratelimits/client/__init__.py", "ratelimits_client/__init__.py"} <= expected
+    # Nothing else of the client distribution: its tests, its pyproject, its README.
+    assert not any(name.startswith(("clients/", "tests/")) for name in names)
 
     urls = dict(value.split(", ", 1) for value in headers.get_all("Project-URL", []))
     assert sorted(urls) == ["Changelog", "Documentation", "Homepage", "Issues", "Source"]

@@ -6,8 +6,8 @@ records the arrival of every retry (and whose it is) on the system-wide monotoni
 retries with 200. Each client is an ``httpx.AsyncClient`` with its own ``async_httpx_transport()``
 (its own budget and randomness, as independent callers have) and default options, but for a spread
 of the whole advice (``advice_spread=1.0``; the default is half of it): a herd spread over 3 s. The
-clients' own DEBUG line per retry (``ratelimits.client``: "retrying in X s") says when each started
-waiting and for how long: the moment it chose.
+clients' own DEBUG line per retry (logger ``ratelimits.client``: "retrying in X s") says when each
+started waiting and for how long: the moment it chose.
 
 **The statistic.** With ``advice_spread`` 1.0, a client told to wait F retries after F + U, U
 uniform on [0, S) with S = F: spread evenly over S, the herd puts ``MEAN = N x 100 ms / S = 33.3``
@@ -64,8 +64,7 @@ from multiprocessing.connection import Connection
 
 import httpx
 import pytest
-
-from ratelimits.client import async_httpx_transport
+from ratelimits_client import async_httpx_transport
 
 pytestmark = pytest.mark.slow
 
@@ -139,7 +138,7 @@ async def _serve(conn: Connection) -> None:
 
 
 class Chosen(logging.Handler):
-    """Each retry's DEBUG line from ``ratelimits.client``: by path, when it was logged and the delay it names."""
+    """Each retry's DEBUG line (logger ``ratelimits.client``): by path, when it was logged and the delay it names."""
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)

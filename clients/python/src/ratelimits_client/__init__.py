@@ -1,15 +1,16 @@
-"""Clients that retry this app's 429 and 503 the way its contract asks: no earlier than advised, jittered, budgeted.
+"""Clients that retry 429 and 503 as django-ratelimits' contract asks: no earlier than advised, jittered, budgeted.
 
-Plain Python: nothing here imports Django or the rest of ``ratelimits``. requests and httpx are
-optional (the ``client`` extra) and each is imported only when its client is asked for, so either
-works without the other. docs/client.md has the rules.
+The ``ratelimits-client`` distribution: plain Python, it depends on nothing (no Django, no
+redis-py). requests and httpx are optional (the ``requests`` and ``httpx`` extras) and each is
+imported only when its client is asked for, so either works without the other. The project's
+docs/client.md has the rules.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ratelimits.client.policy import (
+from ratelimits_client.policy import (
     IDEMPOTENCY_KEY,
     IDEMPOTENT_METHODS,
     AdaptiveThrottle,
@@ -31,8 +32,10 @@ if TYPE_CHECKING:
     import httpx
     import requests
 
-    from ratelimits.client._httpx import AsyncRetryTransport, RetryTransport
-    from ratelimits.client._requests import RetryAdapter
+    from ratelimits_client._httpx import AsyncRetryTransport, RetryTransport
+    from ratelimits_client._requests import RetryAdapter
+
+__version__ = "0.1.0"
 
 __all__ = [
     "IDEMPOTENCY_KEY",
@@ -62,7 +65,7 @@ __all__ = [
 def session(options: RetryOptions | None = None, /, **overrides: Any) -> requests.Session:
     """A ``requests.Session`` that retries 429 and 503 (``overrides`` are :class:`RetryOptions` fields)."""
     # Optional dependency: only this client needs requests.
-    from ratelimits.client._requests import session as make
+    from ratelimits_client._requests import session as make
 
     return make(options, **overrides)
 
@@ -72,7 +75,7 @@ def httpx_transport(
 ) -> RetryTransport:
     """A sync httpx transport that retries 429 and 503, wrapping ``transport`` (an ``HTTPTransport``)."""
     # Optional dependency: only the httpx clients need httpx.
-    from ratelimits.client._httpx import httpx_transport as make
+    from ratelimits_client._httpx import httpx_transport as make
 
     return make(options, transport=transport, **overrides)
 
@@ -82,7 +85,7 @@ def async_httpx_transport(
 ) -> AsyncRetryTransport:
     """An async httpx transport that retries 429 and 503, wrapping ``transport`` (an ``AsyncHTTPTransport``)."""
     # Optional dependency: only the httpx clients need httpx.
-    from ratelimits.client._httpx import async_httpx_transport as make
+    from ratelimits_client._httpx import async_httpx_transport as make
 
     return make(options, transport=transport, **overrides)
 
@@ -91,12 +94,12 @@ def __getattr__(name: str) -> Any:
     """The adapter classes, imported when first named (each needs its own optional library)."""
     if name == "RetryAdapter":
         # Optional dependency: requests.
-        from ratelimits.client._requests import RetryAdapter
+        from ratelimits_client._requests import RetryAdapter
 
         return RetryAdapter
     if name in ("RetryTransport", "AsyncRetryTransport"):
         # Optional dependency: httpx.
-        from ratelimits.client import _httpx
+        from ratelimits_client import _httpx
 
         return getattr(_httpx, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

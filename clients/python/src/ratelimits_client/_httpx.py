@@ -8,7 +8,7 @@ from typing import Any
 import anyio
 import httpx
 
-from ratelimits.client.policy import IDEMPOTENCY_KEY, Retrier, RetryOptions, Verdict
+from ratelimits_client.policy import IDEMPOTENCY_KEY, Retrier, RetryOptions, Verdict
 
 __all__ = ["AsyncRetryTransport", "RetryTransport", "async_httpx_transport", "httpx_transport"]
 

@@ -9,7 +9,7 @@ from typing import Any
 import requests
 from requests.adapters import HTTPAdapter
 
-from ratelimits.client.policy import IDEMPOTENCY_KEY, Retrier, RetryOptions
+from ratelimits_client.policy import IDEMPOTENCY_KEY, Retrier, RetryOptions
 
 __all__ = ["RetryAdapter", "session"]
 

@@ -40,6 +40,8 @@ __all__ = [
     "read_advice",
 ]
 
+# Named as when the client was ratelimits.client, a module of django-ratelimits: a logging set-up
+# written for it (or for the "ratelimits" logger above it) keeps receiving the retries.
 logger = logging.getLogger("ratelimits.client")
 
 #: Methods RFC 9110 defines as idempotent: sending one twice has the effect of sending it once.
@@ -162,7 +164,7 @@ def _statuses(value: object) -> frozenset[int]:
 
 
 class ClientError(Exception):
-    """Base of the errors ``ratelimits.client`` raises."""
+    """Base of the errors ``ratelimits_client`` raises."""
 
 
 class ThrottledLocally(ClientError):
