@@ -31,7 +31,7 @@ DJANGO_NEXT ?= 6.0.10 6.1.3
 PYTHON_NEXT ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12; do \
 	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { echo "$$p"; break; }; done)
 
-.PHONY: demo docs test browser test-client test-django-next lint bench clean settings-reference flake-check
+.PHONY: demo docs test browser test-client test-django-next lint bench clean settings-reference module-map flake-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -182,3 +182,7 @@ clean:
 # docs/configuration.md's tables of every setting, written again from ratelimits.conf's declarations.
 settings-reference: $(DEMO_STAMP)
 	$(BIN)/python -m tests.support.reference
+
+# docs/architecture.md's module map, written from the modules (tests/test_layers.py checks it).
+module-map: $(DEMO_STAMP)
+	$(BIN)/python -m tests.support.module_map

@@ -42,12 +42,9 @@ from ratelimits.policies.values import Check, Policy  # noqa: E402
 from ratelimits.rates import parse_rate  # noqa: E402
 from ratelimits.reconciler import reconcile  # noqa: E402
 
-# Shared with tests/test_regions_celery.py, so that the test and this bench drive and measure the
-# same traffic: the one import bench makes from the tests (tests/test_bench_layout.py).
-from tests.support.regions import PREFIX, global_check, region_settings, run_moving_demand  # noqa: E402
-
 from .runner import server_cpu_s  # noqa: E402
 from .support.redis_server import RedisServer  # noqa: E402
+from .support.regions import PREFIX, global_check, region_settings, run_moving_demand  # noqa: E402
 
 RATE, BURST = 200, 200
 

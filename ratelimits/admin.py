@@ -1,6 +1,6 @@
 """The Django admin for policies: tiers, assignments, endpoints, overrides, fleet settings, audit.
 
-Every save, delete and action runs inside :func:`~ratelimits.policies.audit.audit_context`, so the audit
+Every save, delete and action runs inside :func:`~ratelimits.store.audit.audit_context`, so the audit
 trail knows who did it and why; every committed change reaches every worker on its next request.
 """
 
@@ -19,7 +19,7 @@ from django.urls import path, reverse
 from django.utils import timezone
 
 from .autocomplete import subject_suggestions_view
-from .backends import StoreHealth, get_backend
+from .backends import HealthSupport, RegionSupport, StoreHealth, get_backend
 from .choices import HTTP_METHODS
 from .conf import conf
 from .exceptions import BackendUnavailable
@@ -37,12 +37,12 @@ from .models import (
     expired,
     validate_endpoint,
 )
-from .policies.audit import audit_context, record_reset
-from .policies.database import DatabasePolicySource
 from .policies.source import get_policy_source
 from .policies.values import every_shard
+from .reports.report import usage_report_view
 from .status import Caller, RegionShare, effective_limits, stand_in
-from .usage.report import usage_report_view
+from .store.audit import audit_context, record_reset
+from .store.database import DatabasePolicySource
 
 
 class RevisionedForm(forms.ModelForm):  # type: ignore[type-arg]
@@ -302,7 +302,8 @@ class FleetSettingsAdmin(AuditedAdmin):
     def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
         """The fleet's page also says whether the limiter's store evicts its keys, and how many it has."""
         try:
-            store: StoreHealth | None = get_backend().store_health()
+            backend = get_backend()
+            store: StoreHealth | None = backend.store_health() if isinstance(backend, HealthSupport) else None
             store_error = ""
         except BackendUnavailable as exc:
             store, store_error = None, str(exc)
@@ -544,7 +545,8 @@ def _region_note(share: RegionShare) -> str:
 def _reconciliation_note() -> str:
     """The last reconciliation round this region's store heard of, in words."""
     try:
-        status = get_backend().last_reconciliation()
+        backend = get_backend()
+        status = backend.last_reconciliation() if isinstance(backend, RegionSupport) else None
     except BackendUnavailable:
         return "The last reconciliation round is not known: the store could not be read."
     if not status:

@@ -13,7 +13,7 @@ class RateLimitsConfig(AppConfig):
         # this module (checks registers the system checks; the audit trail connects its signals;
         # the usage subjects' labels are written after each response).
         from . import checks  # noqa: F401
-        from .policies import audit
+        from .store import audit
         from .usage import subjects
 
         audit.connect()

@@ -26,15 +26,42 @@ from django.utils.module_loading import import_string
 from rest_framework.views import APIView
 
 from . import documentation, drf, periodic
-from .backends import backend_class, get_backend
+from .backends import (
+    CAPABILITIES,
+    Backend,
+    BulletinSupport,
+    HealthSupport,
+    LeaseSupport,
+    RegionSupport,
+    UsageSupport,
+    backend_class,
+    get_backend,
+)
 from .backends.redis import RedisBackend
-from .conf import MULTIPROC_ENV, SETTINGS, Adaptive, Finding, Identity, Metrics, Policies, Redis, Settings, conf, id_of
+from .conf import (
+    MULTIPROC_ENV,
+    RETIRED_POLICY_SOURCES,
+    SETTINGS,
+    Adaptive,
+    Finding,
+    Identity,
+    LocalPath,
+    Metrics,
+    Policies,
+    Redis,
+    Regions,
+    Settings,
+    Usage,
+    conf,
+    id_of,
+)
 from .endpoints import DrfRoute, drf_routes, route_endpoints
 from .exceptions import BackendUnavailable, ConfigurationError
 from .policies.settings import SettingsPolicySource, dimensions_from_settings
 from .policies.source import get_policy_source
 from .policies.throttle_rates import SETTING as DRF_RATES
 from .policies.throttle_rates import throttle_rates
+from .store.database import DatabasePolicySource
 from .throttles import RateLimitThrottle, class_policies
 from .usage.live import stale_since
 
@@ -46,6 +73,7 @@ __all__ = [
     "E006",
     "E007",
     "E008",
+    "E183",
     "I001",
     "I002",
     "SETTING_IDS",
@@ -69,6 +97,8 @@ __all__ = [
     "W018",
     "W020",
     "W021",
+    "W022",
+    "check_capabilities",
     "check_database",
     "check_deployment",
     "check_django_ratelimit_settings",
@@ -101,6 +131,8 @@ I002 = "ratelimits.I002"  # the limiter's Redis did not answer the checks (reque
 W015 = "ratelimits.W015"  # a setting given under both its name and the name 0.1 gave it (the new one is read)
 W020 = "ratelimits.W020"  # a django-ratelimit setting (RATELIMIT_...), which nothing here reads
 W021 = "ratelimits.W021"  # in DEBUG: usage counted minutes ago is still undrained, and no beat schedule drains it
+E183 = "ratelimits.E183"  # a setting needs a capability (leases, usage, the bulletin, regions) the backend lacks
+W022 = "ratelimits.W022"  # POLICIES['SOURCE'] names a path 0.1 documented (read as the new one until 0.3)
 #: The id of each setting's invalid value (declared with the setting, in ratelimits.conf).
 SETTING_IDS: dict[str, str] = {name: setting.id for name, setting in SETTINGS.items()}
 
@@ -182,6 +214,16 @@ def check_deployment(app_configs: Any = None, **kwargs: Any) -> list[CheckMessag
                 hint=f"Remove {Settings.backend.field} (the 'redis' backend follows from {Redis.field()}), or remove "
                 f"{Redis.field()}.",
                 id=W009,
+            )
+        )
+    given = conf.given(Policies.source)
+    if given is not None and given[0] in RETIRED_POLICY_SOURCES:
+        messages.append(
+            Warning(
+                f"{Policies.source.field} is {given[0]!r}, the path 0.1 documented: it is read as "
+                f"{RETIRED_POLICY_SOURCES[given[0]]!r} until 0.3, then refused.",
+                hint=f"Set {Policies.source.field} to 'database'.",
+                id=W022,
             )
         )
     messages.extend(_exception_handler())
@@ -391,6 +433,48 @@ def _drain_scheduled() -> bool:
 
 
 @register(Tags.compatibility)
+def check_capabilities(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Refuse a setting that needs a capability the configured backend lacks, naming both.
+
+    A backend implements the core contract, and adds capabilities as it can
+    (:mod:`ratelimits.backends.base`): the engine leaves out what the backend lacks, so a setting
+    that needs it would do nothing, silently.
+    """
+    try:
+        backend = backend_class(conf.backend)
+        needs = _capabilities_needed(backend)
+    except ConfigurationError:
+        return []  # check_settings reports it
+    return [
+        Error(
+            f"{setting} {why}, which needs {CAPABILITIES[capability]} ({capability.__module__.rpartition('.')[0]}."
+            f"{capability.__name__}): {Settings.backend.field} {conf.backend!r} has none.",
+            hint=f"Add {capability.__name__} to {backend.__name__}'s bases and implement it "
+            f"({documentation.page('backends', 'capabilities')}), or {remedy}.",
+            id=E183,
+        )
+        for capability, setting, why, remedy in needs
+        if not issubclass(backend, capability)
+    ]
+
+
+def _capabilities_needed(backend: type[Backend]) -> list[tuple[type[object], str, str, str]]:
+    """What the project's settings need of a backend: (capability, setting, what it is set to, the way out)."""
+    needs: list[tuple[type[object], str, str, str]] = []
+    if conf.usage.enabled:
+        needs.append((UsageSupport, Usage.field(), "is on (as by default)", f"set {Usage.field()} to False"))
+    if isinstance(get_policy_source(), DatabasePolicySource):
+        needs.append(
+            (BulletinSupport, Policies.source.field, "is the database", f"set {Policies.source.field} to 'settings'")
+        )
+    if backend.shared and conf.is_set(LocalPath.leases) and conf.local_path.leases:
+        needs.append((LeaseSupport, LocalPath.leases.field, "is True", f"remove {LocalPath.leases.field}"))
+    if conf.regions.stores:
+        needs.append((RegionSupport, Regions.stores.field, "names regions", f"remove {Regions.field()}"))
+    return needs
+
+
+@register(Tags.compatibility)
 def check_store(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """Warn when the limiter's Redis may evict its keys: an evicted bucket restarts full, unseen.
 
@@ -401,7 +485,8 @@ def check_store(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     try:
         if not issubclass(backend_class(conf.backend), RedisBackend):
             return []
-        health = get_backend().store_health()
+        backend = get_backend()
+        health = backend.store_health() if isinstance(backend, HealthSupport) else None
     except ConfigurationError:
         return []  # check_settings reports it
     except BackendUnavailable as exc:

@@ -2,7 +2,7 @@
 
 Every change is audited in the same transaction and, once committed, bumps the policy version
 stamp in Redis so every worker reloads its in-process copy on its next request
-(see :mod:`ratelimits.policies.audit` and :mod:`ratelimits.policies.database`).
+(see :mod:`ratelimits.store.audit` and :mod:`ratelimits.store.database`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ _SCOPE_HELP = "Global: one limit for every region together, each enforcing its s
 SUBJECT_KINDS = [(kind.value, kind.label) for kind in ASSIGNABLE_KINDS]
 
 #: Sent by a policy queryset's ``update()`` with the rows as they were (``before``) and the
-#: ``changes``: the audit trail records them (:mod:`ratelimits.policies.audit`).
+#: ``changes``: the audit trail records them (:mod:`ratelimits.store.audit`).
 rows_updated = Signal()
 # Not starting with "/": that is a URL path, which never matches an endpoint name.
 #: The longest endpoint name (the columns that hold one are this wide).

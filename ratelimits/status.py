@@ -27,6 +27,7 @@ from django.db.models import Model
 from django.http import HttpRequest
 from rest_framework.request import Request
 
+from .backends import RegionSupport
 from .choices import FailMode
 from .conf import conf
 from .decisions import UNLIMITED, US, Decision, Peek, peek
@@ -121,6 +122,8 @@ def _region_shares(checks: list[Check], now_us: int) -> dict[Check, RegionShare]
     if not checks:
         return {}
     backend = get_limiter().backend
+    if not isinstance(backend, RegionSupport):
+        return {}  # no reconciler writes to it: every region keeps the even split
     try:
         records = backend.shares(checks)
     except BackendUnavailable:

@@ -12,9 +12,9 @@ from typing import Any
 from celery import shared_task
 
 from . import usage
-from .policies.expiry import expire_policies as _expire_policies
 from .reconciler import reconcile
-from .usage.digest import send_digest
+from .reports.digest import send_digest
+from .store.expiry import expire_policies as _expire_policies
 
 __all__ = ["drain_usage", "expire_policies", "maintain_usage", "near_limit_digest", "reconcile_regions"]
 

@@ -79,9 +79,7 @@ def make_override(**fields: Any) -> Override:
 
 @pytest.fixture
 def db_source(settings: Any) -> None:
-    settings.RATELIMITS = merged(
-        settings.RATELIMITS, {"POLICIES": {"SOURCE": "ratelimits.sources.DatabasePolicySource"}}
-    )
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"POLICIES": {"SOURCE": "database"}})
 
 
 @pytest.fixture

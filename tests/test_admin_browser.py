@@ -27,9 +27,7 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(900)]
 
 @pytest.fixture
 def policies(settings: Any) -> dict[str, Any]:
-    settings.RATELIMITS = merged(
-        settings.RATELIMITS, {"POLICIES": {"SOURCE": "ratelimits.sources.DatabasePolicySource"}}
-    )
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"POLICIES": {"SOURCE": "database"}})
     # Own tiers: an earlier transactional test may have flushed the ones the migrations seed.
     partner = Tier.objects.create(name="browser-partner", rate="100/s", burst=200)
     contract = Tier.objects.create(name="browser-contract", rate="1000/s", burst=2000)

@@ -45,7 +45,7 @@ from ratelimits.exceptions import BackendUnavailable
 from ratelimits.identity import Subject, SubjectKind
 from ratelimits.models import UsageRecord
 from ratelimits.policies import Check, concurrency_policy
-from ratelimits.sources import DatabasePolicySource
+from ratelimits.store.database import DatabasePolicySource
 
 from .factories import ApiKeyFactory
 from .support.aio import CALL_TIMEOUT_S, EventLoopThread, asgi_get, event_loop_thread

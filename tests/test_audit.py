@@ -16,10 +16,10 @@ from django.db import transaction
 from ratelimits import engine
 from ratelimits.backends.memory import MemoryBackend
 from ratelimits.models import AuditEntry, ConcurrentEdit, FleetSettings, Override, Tier
-from ratelimits.policies import audit
-from ratelimits.policies.audit import audit_context, snapshot
-from ratelimits.policies.database import DatabasePolicySource
-from ratelimits.policies.versioning import bump_policy_version
+from ratelimits.store import audit
+from ratelimits.store.audit import audit_context, snapshot
+from ratelimits.store.database import DatabasePolicySource
+from ratelimits.store.versioning import bump_policy_version
 
 from .factories import (
     AuditEntryFactory,
@@ -310,9 +310,7 @@ def test_bump_reaches_redis_after_commit(use_redis: Any, redis_client: redis.Red
 
 
 def test_bump_drops_this_process_snapshot(settings: Any, django_capture_on_commit_callbacks: CaptureCallbacks) -> None:
-    settings.RATELIMITS = merged(
-        settings.RATELIMITS, {"POLICIES": {"SOURCE": "ratelimits.sources.DatabasePolicySource"}}
-    )
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"POLICIES": {"SOURCE": "database"}})
     source = engine.get_policy_source()
     assert isinstance(source, DatabasePolicySource)
     before = source.snapshot()

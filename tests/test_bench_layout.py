@@ -14,11 +14,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 
-#: What bench may still take from the tests, and why. ``tests/support/regions.py`` drives the same
-#: demand-moving traffic for ``tests/test_regions_celery.py`` and ``python -m bench.regions``, so that
-#: both measure one thing; it stays in one place rather than being copied.
-SHARED_WITH_TESTS = {("bench.regions", "tests.support.regions")}
-
 
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
@@ -63,7 +58,7 @@ def test_no_bench_module_imports_the_tests() -> None:
         for target in imported(name)
         if target == "tests" or target.startswith("tests.")
     }
-    assert found <= SHARED_WITH_TESTS
+    assert found == set()
 
 
 def test_no_bench_module_runs_under_the_tests_settings() -> None:

@@ -34,10 +34,10 @@ from ratelimits.choices import FailMode
 from ratelimits.exceptions import ConfigurationError
 from ratelimits.identity import Subject, SubjectKind
 from ratelimits.models import Override, Tier
-from ratelimits.policies.portability import PolicyImportError, export_policies, import_policies
 from ratelimits.policies.snapshot import OverrideRule, Window
 from ratelimits.policies.values import Check, Origin, OriginKind, Policy, concurrency_policy, policy_from_config
 from ratelimits.rates import MAX_BURST, MAX_LIMIT, MAX_PERIOD_US, MAX_REFILL_US, Rate, check_burst
+from ratelimits.store.portability import PolicyImportError, export_policies, import_policies
 
 from .factories import ApiKeyFactory
 from .support.clients import client_for

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any
 
 import pytest
@@ -22,8 +23,9 @@ from ratelimits.checks import (
 )
 from ratelimits.conf import NAMESPACES, POLICY_SOURCES, SETTINGS, Settings, conf, field_of
 from ratelimits.drf import exception_handler
-from ratelimits.policies.database import DatabasePolicySource
+from ratelimits.policies import get_policy_source
 from ratelimits.redis_url import target_of_cache
+from ratelimits.store.database import DatabasePolicySource
 
 from .support.redis_server import script_calls
 
@@ -364,6 +366,31 @@ def test_a_redis_the_memory_backend_never_uses_is_a_warning(settings: Any) -> No
     )
     settings.RATELIMITS = {"REDIS": {"URL": "redis://127.0.0.1:6379/0"}}
     assert check_deployment() == []
+
+
+@pytest.mark.django_db
+def test_the_policy_source_path_01_documented_still_loads_and_is_a_warning(settings: Any) -> None:
+    settings.RATELIMITS = {"BACKEND": "redis", "POLICIES": {"SOURCE": "ratelimits.sources.DatabasePolicySource"}}
+    assert conf.policies.source == "ratelimits.store.database.DatabasePolicySource"
+    assert check_settings() == []
+    assert isinstance(get_policy_source(), DatabasePolicySource)
+    messages = check_deployment()
+    assert ids(messages) == ["ratelimits.W022"]
+    assert messages[0].msg == (
+        "RATELIMITS['POLICIES']['SOURCE'] is 'ratelimits.sources.DatabasePolicySource', the path 0.1 documented: "
+        "it is read as 'ratelimits.store.database.DatabasePolicySource' until 0.3, then refused."
+    )
+    settings.RATELIMITS = {"BACKEND": "redis", "POLICIES": {"SOURCE": "database"}}
+    assert check_deployment() == []
+
+
+def test_importing_the_01_module_of_the_database_source_warns() -> None:
+    sys.modules.pop("ratelimits.sources", None)
+    with pytest.warns(
+        DeprecationWarning, match=r"ratelimits\.sources is deprecated .* POLICIES\['SOURCE'\] = 'database'"
+    ):
+        from ratelimits.sources import DatabasePolicySource as Retired
+    assert Retired is DatabasePolicySource
 
 
 def test_a_cache_and_a_url_are_not_both_the_limiters_redis(settings: Any) -> None:

@@ -29,8 +29,8 @@ from ratelimits.models import (
     Tier,
     validate_subject,
 )
-from ratelimits.policies.audit import audit_context
-from ratelimits.policies.portability import (
+from ratelimits.store.audit import audit_context
+from ratelimits.store.portability import (
     MAX_DEPTH,
     PolicyImportError,
     export_policies,
@@ -55,9 +55,7 @@ def run(*args: Any, **options: Any) -> str:
 @pytest.fixture
 def db_source(settings: Any, use_redis: Any) -> None:
     """The admin-managed policies, decided on the private Redis."""
-    settings.RATELIMITS = merged(
-        settings.RATELIMITS, {"POLICIES": {"SOURCE": "ratelimits.sources.DatabasePolicySource"}}
-    )
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"POLICIES": {"SOURCE": "database"}})
 
 
 def wipe() -> None:
@@ -180,7 +178,7 @@ def test_effective_shows_degraded_when_the_store_is_unreachable(settings: Any) -
     settings.RATELIMITS = merged(
         settings.RATELIMITS,
         {
-            "POLICIES": {"SOURCE": "ratelimits.sources.DatabasePolicySource"},
+            "POLICIES": {"SOURCE": "database"},
             "BACKEND": "redis",
             "REDIS": {"URL": "redis://127.0.0.1:1/0"},
         },
@@ -532,7 +530,7 @@ def test_import_command_errors(tmp_path: Path) -> None:
 def test_import_names_the_actor_and_bumps_the_version_on_commit(
     use_redis: Any, django_user_model: Any, django_capture_on_commit_callbacks: Any
 ) -> None:
-    from ratelimits.policies.versioning import bump_policy_version
+    from ratelimits.store.versioning import bump_policy_version
 
     admin = django_user_model.objects.create(username="ops")
     document = export_policies()

@@ -1,5 +1,6 @@
 """One contract, every backend: memory, Redis and Redis Cluster must decide identically, on the sync
-path and on the async one (``adecide``, ``redis.asyncio`` on one Redis)."""
+path and on the async one (``adecide``, ``redis.asyncio`` on one Redis); and so must the backend
+docs/backends.md shows, which implements the core contract only (``custom``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import pytest
 
 from ratelimits.algorithms import RATE_ALGORITHMS, Algorithm
+from ratelimits.backends import CAPABILITIES, Backend
 from ratelimits.backends.cluster import ClusterBackend
 from ratelimits.backends.memory import MemoryBackend
 from ratelimits.backends.redis import RedisBackend, make_client
@@ -23,6 +25,7 @@ from ratelimits.rates import parse_rate
 
 from .support.aio import AsyncDriven, event_loop_thread
 from .support.clock import FakeClock
+from .support.documented_backend import DictBackend
 from .support.redis_cluster import Cluster
 from .support.redis_server import RedisServer
 
@@ -40,12 +43,22 @@ def policy(
 ALGORITHMS = list(RATE_ALGORITHMS)
 
 
-@pytest.fixture(params=["memory", "redis", "cluster", "memory-async", "redis-async", "cluster-async"])
+def test_the_documented_backend_implements_the_core_only() -> None:
+    """What the custom variant stands for: a Backend with none of the capabilities."""
+    assert issubclass(DictBackend, Backend)
+    assert [capability for capability in CAPABILITIES if issubclass(DictBackend, capability)] == []
+
+
+@pytest.fixture(
+    params=["memory", "redis", "cluster", "custom", "memory-async", "redis-async", "cluster-async", "custom-async"]
+)
 def backend(request: pytest.FixtureRequest, clock: FakeClock) -> Iterator[Any]:
     """Each backend (the suite's fixture of that name), its decisions made sync or awaited on one event loop."""
     store, _, mode = request.param.partition("-")
     if store == "memory":
         sync: Any = MemoryBackend(clock=clock)
+    elif store == "custom":
+        sync = DictBackend(clock=clock)
     elif store == "cluster":
         cluster: Cluster = request.getfixturevalue("redis_cluster")
         request.getfixturevalue("cluster_client")  # flushed

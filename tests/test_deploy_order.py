@@ -23,8 +23,8 @@ from rest_framework.test import APIClient
 from ratelimits import engine
 from ratelimits.checks import check_database, unapplied_migrations
 from ratelimits.models import EndpointPolicy, FleetSettings, Override, SubjectAssignment, Tier
-from ratelimits.policies.audit import audit_context
-from ratelimits.policies.database import DatabasePolicySource, bounded_waits
+from ratelimits.store.audit import audit_context
+from ratelimits.store.database import DatabasePolicySource, bounded_waits
 from ratelimits.usage import subjects
 
 from .support.bursts import close_thread_connections

@@ -11,8 +11,8 @@ from django.core import mail
 from django.utils import timezone
 
 from ratelimits.models import AuditEntry, Override, UsageRecord
-from ratelimits.policies.expiry import expire_policies
-from ratelimits.usage.digest import near_limit_digest, send_digest
+from ratelimits.reports.digest import near_limit_digest, send_digest
+from ratelimits.store.expiry import expire_policies
 
 from .factories import OverrideFactory, SubjectAssignmentFactory
 

@@ -1,9 +1,13 @@
 """The package's layers point one way, and its imports form no circle.
 
 Every import the package's modules make is read with ``ast``, at any depth (inside functions
-too); imports under ``if TYPE_CHECKING:`` are left out, since they never run. Importing
-``a.b.c`` also runs the packages ``a`` and ``a.b``: those count as imported too (unless the
-importer is inside them already, when they have run before it).
+too), and imports under ``if TYPE_CHECKING:`` count as well: they never run, but a module that
+names a type of a layer above depends on it all the same. Importing ``a.b.c`` also runs the
+packages ``a`` and ``a.b``: those count as imported too (unless the importer is inside them
+already, when they have run before it).
+
+Each folder (subpackage) lies in one layer, whole (``FOLDERS``); the modules at the package's top
+each have their own (``TOP_LEVEL``).
 
 The layers, from the bottom (a module may import its own layer and those below):
 
@@ -33,8 +37,24 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ratelimits"
 
-#: Module (or package prefix, ending in ".") -> layer. The longest matching entry wins.
-LAYERS: dict[str, int] = {
+#: Each folder (subpackage) of the package and its layer: every module in it lies in that layer.
+FOLDERS: dict[str, int] = {
+    "ratelimits.conf": 0,
+    "ratelimits.client": 0,
+    "ratelimits.policies": 1,
+    "ratelimits.backends": 2,
+    "ratelimits.store": 3,
+    "ratelimits.usage": 3,
+    "ratelimits.migrations": 3,
+    "ratelimits.engine": 4,
+    "ratelimits.testing": 5,
+    "ratelimits.reports": 6,
+    "ratelimits.templatetags": 6,
+    "ratelimits.management": 6,
+}
+
+#: The modules at the package's top, each in its own layer (a folder's modules are never listed here).
+TOP_LEVEL: dict[str, int] = {
     "ratelimits": 0,
     "ratelimits.exceptions": 0,
     "ratelimits._memo": 0,
@@ -42,12 +62,8 @@ LAYERS: dict[str, int] = {
     "ratelimits._process": 0,
     "ratelimits.choices": 0,
     "ratelimits.rates": 0,
-    "ratelimits.conf": 0,
-    "ratelimits.conf.": 0,
     "ratelimits.documentation": 0,
     "ratelimits.redis_url": 0,
-    "ratelimits.client": 0,
-    "ratelimits.client.": 0,
     "ratelimits.algorithms": 1,
     "ratelimits.identity": 1,
     "ratelimits.decisions": 1,
@@ -55,32 +71,9 @@ LAYERS: dict[str, int] = {
     "ratelimits.shares": 1,
     "ratelimits.adaptive": 1,
     "ratelimits.metrics": 1,
-    "ratelimits.policies": 1,
-    "ratelimits.policies.values": 1,
-    "ratelimits.policies.snapshot": 1,
-    "ratelimits.policies.resolver": 1,
-    "ratelimits.policies.source": 1,
-    "ratelimits.policies.settings": 1,
-    "ratelimits.policies.throttle_rates": 1,
-    "ratelimits.backends.": 2,
-    "ratelimits.backends": 2,
     "ratelimits.models": 3,
-    "ratelimits.migrations.": 3,
-    "ratelimits.migrations": 3,
-    "ratelimits.policies.database": 3,
-    "ratelimits.policies.versioning": 3,
-    "ratelimits.policies.audit": 3,
-    "ratelimits.policies.portability": 3,
-    "ratelimits.policies.expiry": 3,
     "ratelimits.sources": 3,
-    "ratelimits.usage": 3,
     "ratelimits.reconciler": 3,
-    "ratelimits.usage.records": 3,
-    "ratelimits.usage.readers": 3,
-    "ratelimits.usage.live": 3,
-    "ratelimits.usage.subjects": 3,
-    "ratelimits.engine.": 4,
-    "ratelimits.engine": 4,
     "ratelimits.throttles": 5,
     "ratelimits.drf": 5,
     "ratelimits.middleware": 5,
@@ -91,31 +84,20 @@ LAYERS: dict[str, int] = {
     "ratelimits.endpoints": 5,
     "ratelimits.status": 5,
     "ratelimits.openapi": 5,
-    "ratelimits.testing": 5,
-    "ratelimits.testing.": 5,
-    "ratelimits.usage.queries": 6,
-    "ratelimits.usage.text": 6,
-    "ratelimits.usage.chart": 6,
-    "ratelimits.usage.report": 6,
-    "ratelimits.usage.digest": 6,
     "ratelimits.admin": 6,
-    "ratelimits.templatetags": 6,
-    "ratelimits.templatetags.": 6,
     "ratelimits.autocomplete": 6,
     "ratelimits.checks": 6,
     "ratelimits.apps": 6,
     "ratelimits.tasks": 6,
     "ratelimits.periodic": 6,
-    "ratelimits.management.": 6,
-    "ratelimits.management": 6,
 }
 
 #: The only imports of the package's own modules allowed inside a function: those Django's app
 #: loading demands (the models are not importable yet when the importing module is).
 FUNCTION_LEVEL = {
     ("ratelimits.apps", "ratelimits.checks"),
-    ("ratelimits.apps", "ratelimits.policies"),
-    ("ratelimits.apps", "ratelimits.policies.audit"),
+    ("ratelimits.apps", "ratelimits.store"),
+    ("ratelimits.apps", "ratelimits.store.audit"),
     ("ratelimits.apps", "ratelimits.usage"),
     ("ratelimits.apps", "ratelimits.usage.subjects"),
 }
@@ -127,6 +109,8 @@ class Import:
     target: str
     line: int
     in_function: bool
+    #: Under ``if TYPE_CHECKING:``: an annotation's dependency, never run.
+    type_only: bool
     #: The source lines around the import (for the comment a function-level import needs).
     context: str
 
@@ -166,24 +150,36 @@ def imports_of(name: str) -> list[Import]:
     lines = source.splitlines()
     found: list[Import] = []
 
-    def visit(node: ast.AST, in_function: bool) -> None:
+    def visit(node: ast.AST, in_function: bool, type_only: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            if is_type_checking(child):
-                continue
             if isinstance(child, (ast.Import, ast.ImportFrom)):
                 context = "\n".join(lines[max(child.lineno - 3, 0) : child.lineno])
                 for target in resolve(name, child):
-                    found.append(Import(name, target, child.lineno, in_function, context))
-            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+                    found.append(Import(name, target, child.lineno, in_function, type_only, context))
+            visit(
+                child,
+                in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)),
+                type_only or is_type_checking(child),
+            )
 
-    visit(ast.parse(source), False)
+    visit(ast.parse(source), False, False)
     return found
 
 
+def folder_of(name: str) -> str | None:
+    """The subpackage of the package that holds ``name`` (or is ``name``), if any."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if len(parts) >= 2 and ".".join(parts[:2]) in FOLDERS else None
+
+
 def layer(name: str) -> int:
-    matches = [key for key in LAYERS if name == key or (key.endswith(".") and name.startswith(key))]
-    assert matches, f"{name} has no layer: add it to LAYERS in {Path(__file__).name}"
-    return LAYERS[max(matches, key=len)]
+    folder = folder_of(name)
+    if folder is not None:
+        return FOLDERS[folder]
+    assert name in TOP_LEVEL, (
+        f"{name} has no layer: add it to TOP_LEVEL (or its folder to FOLDERS) in {Path(__file__).name}"
+    )
+    return TOP_LEVEL[name]
 
 
 def ancestors(name: str) -> list[str]:
@@ -206,6 +202,25 @@ def edges() -> dict[str, set[str]]:
 def test_every_module_has_a_layer() -> None:
     for name in MODULES:
         layer(name)
+
+
+def test_every_module_lies_in_its_folders_layer() -> None:
+    """No module of a folder is given a layer of its own, and every folder has one layer for all."""
+    folders = {module_name(path.parent / "__init__.py") for path in PACKAGE.glob("*/__init__.py")}
+    assert folders == set(FOLDERS), "each folder of the package is listed in FOLDERS, and only those"
+    assert [name for name in TOP_LEVEL if folder_of(name) is not None or name not in MODULES] == []
+    for name in MODULES:
+        folder = folder_of(name)
+        assert folder is not None or name.count(".") <= 1, name
+        if folder is not None:
+            assert layer(name) == FOLDERS[folder]
+
+
+def test_type_checking_imports_are_read() -> None:
+    """The walk sees an import only annotations use, as a dependency like any other."""
+    typed = {found.target for found in imports_of("ratelimits.backends.base") if found.type_only}
+    assert "ratelimits.decisions" in typed
+    assert "ratelimits.decisions" in edges()["ratelimits.backends.base"]
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
@@ -242,7 +257,7 @@ def test_the_imports_form_no_circle() -> None:
 
 
 def test_own_imports_inside_functions_are_the_few_app_loading_needs() -> None:
-    inside = [found for name in MODULES for found in imports_of(name) if found.in_function]
+    inside = [found for name in MODULES for found in imports_of(name) if found.in_function and not found.type_only]
     assert {(found.importer, found.target) for found in inside} == FUNCTION_LEVEL
     for found in inside:
         assert "#" in found.context, f"{found.importer}:{found.line} must say why it imports inside a function"
@@ -256,3 +271,12 @@ def test_the_graph_is_read_at_all() -> None:
     ]
     assert "ratelimits.engine" in graph["ratelimits.throttles"]
     assert "ratelimits.policies" in graph["ratelimits.backends.redis"]  # the package runs before its module
+
+
+def test_the_architecture_pages_module_map_lists_every_module_in_its_layer() -> None:
+    """docs/architecture.md's map (``make module-map``) names each module with the layer it is in."""
+    from .support.module_map import PAGE, listed, rows
+
+    on_page = listed(PAGE.read_text(encoding="utf-8"))
+    expected = {module: str(number) for number, _, module, _, _ in rows()}
+    assert on_page == expected, "docs/architecture.md's module map is out of date: run `make module-map`"

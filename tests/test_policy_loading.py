@@ -20,7 +20,7 @@ from django.db import connection, transaction
 
 from ratelimits import engine
 from ratelimits.models import Tier
-from ratelimits.policies.database import DatabasePolicySource, bounded_waits
+from ratelimits.store.database import DatabasePolicySource, bounded_waits
 
 from .support.polling import wait_until
 from .support.settings import merged

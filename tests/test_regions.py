@@ -34,6 +34,7 @@ from django.test import override_settings
 from django.utils import timezone
 from rest_framework.test import APIClient
 
+from bench.support.regions import PREFIX, global_check, region_settings, share_in
 from ratelimits import engine
 from ratelimits.algorithms import Algorithm, global_bucket
 from ratelimits.backends import layout
@@ -47,16 +48,15 @@ from ratelimits.decisions import peek
 from ratelimits.exceptions import ConfigurationError
 from ratelimits.identity import Subject, SubjectKind
 from ratelimits.models import Override, Tier
-from ratelimits.policies.database import load_snapshot
 from ratelimits.policies.snapshot import tier_policies
 from ratelimits.policies.values import Check, Policy, Scope
 from ratelimits.rates import parse_rate
 from ratelimits.reconciler import CATCH_UP_S, ON_TIME_S, READ_AFTER_S, _lock_id, reconcile, rounds_due
 from ratelimits.shares import ShareRecord, target_shares
+from ratelimits.store.database import load_snapshot
 
 from .support.redis_cluster import Cluster
 from .support.redis_server import RedisServer
-from .support.regions import PREFIX, global_check, region_settings, share_in
 from .support.settings import merged
 
 US = 1_000_000

@@ -31,11 +31,12 @@ from dataclasses import dataclass
 
 import pytest
 
+from bench.support.regions import PREFIX, MovingDemand, global_check, region_settings, run_moving_demand, share_in
+
 from .support.celery_app import BROKER_URL, broker_reachable, celery_env, celery_processes
 from .support.postgres import throwaway_database
 from .support.processes import Service, manage
 from .support.redis_server import RedisServer
-from .support.regions import PREFIX, MovingDemand, global_check, region_settings, run_moving_demand, share_in
 
 pytestmark = pytest.mark.slow
 

@@ -23,10 +23,8 @@ from django.test import Client
 from django.urls import reverse
 
 from ratelimits.models import UsageRecord
-from ratelimits.usage import rollup
-from ratelimits.usage.chart import MAX_BARS, MIN_PERIODS, chart_periods, render_chart
-from ratelimits.usage.live import LiveRow
-from ratelimits.usage.queries import (
+from ratelimits.reports.chart import MAX_BARS, MIN_PERIODS, chart_periods, render_chart
+from ratelimits.reports.queries import (
     TABLE_LIMIT,
     TABLES,
     Caveats,
@@ -41,6 +39,8 @@ from ratelimits.usage.queries import (
     time_series,
     top_consumers,
 )
+from ratelimits.usage import rollup
+from ratelimits.usage.live import LiveRow
 
 from .support.settings import merged
 

@@ -20,10 +20,10 @@ from ratelimits.counters import caller_rows, subject_labels
 from ratelimits.engine.evaluation import usage_of
 from ratelimits.identity import identify
 from ratelimits.models import EndpointPolicy, FleetSettings, Override, SubjectAssignment, Tier
-from ratelimits.policies.audit import audit_context
 from ratelimits.policies.resolver import resolve
 from ratelimits.policies.values import KeptChecks
 from ratelimits.rates import MAX_LIMIT
+from ratelimits.store.audit import audit_context
 
 from .support.settings import merged
 

@@ -148,7 +148,7 @@ def test_a_16_shard_endpoint_wide_limit_under_the_storm_admits_no_more_than_the_
 @pytest.mark.django_db
 def test_the_admin_shards_an_endpoints_all_callers_limit(settings: Any) -> None:
     from ratelimits.models import EndpointPolicy
-    from ratelimits.policies.database import load_snapshot
+    from ratelimits.store.database import load_snapshot
 
     EndpointPolicy.objects.create(endpoint="search", endpoint_rate="1600/s", endpoint_shards=16)
     rule = load_snapshot().endpoint_rule("search", "GET")

@@ -25,8 +25,8 @@ from ratelimits.identity import identify
 from ratelimits.models import Override, PolicyVersion, Tier
 from ratelimits.policies import Explained
 from ratelimits.policies import source as policy_source
-from ratelimits.policies.database import DatabasePolicySource
-from ratelimits.policies.versioning import bump_policy_version
+from ratelimits.store.database import DatabasePolicySource
+from ratelimits.store.versioning import bump_policy_version
 
 from .factories import (
     ApiKeyFactory,
@@ -42,7 +42,7 @@ from .support.settings import merged
 
 pytestmark = pytest.mark.django_db
 
-DB_SOURCE = "ratelimits.sources.DatabasePolicySource"
+DB_SOURCE = "database"
 CaptureCallbacks = Callable[..., Any]
 Configure = Callable[..., DatabasePolicySource]
 

@@ -4,7 +4,7 @@ The finding: ``GET /v1/usage?granularity=hour`` (and ``day``) answered ``count: 
 while the admin report showed 50 requests: the report summed finer rows and the minutes not
 drained yet, the customer API read stored rows of the one granularity only; and
 ``/v1/rate_limit``'s ``today`` lagged by up to a drain. Now each reads
-:mod:`ratelimits.usage.queries`: the rolled-up rows, the finer rows not rolled up yet, and the
+:mod:`ratelimits.reports.queries`: the rolled-up rows, the finer rows not rolled up yet, and the
 live minutes from the store. Checked for one caller right after traffic (everything live), after
 a drain (rows and live minutes mixed) and after a roll-up, on the memory backend and on Redis.
 """

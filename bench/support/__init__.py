@@ -8,6 +8,8 @@
 - ``demo``: the seeded demo under gunicorn, on a private Redis and a temporary SQLite file.
 - ``django_settings``: the Django settings of the scripts that decide in-process (sharding,
   eviction, hot keys, cluster, regions).
+- ``regions``: two regions' stores, global shares in them, and demand that moves between them
+  (``tests/test_regions_celery.py`` drives the same traffic with it).
 
 Nothing here imports any other part of bench (``tests/test_bench_layout.py``).
 """

@@ -16,9 +16,34 @@ from .._process import ProcessWide
 from ..conf import conf
 from ..exceptions import ConfigurationError
 from ..redis_url import parse_redis_url
-from .base import Backend, StoreHealth
+from .base import (
+    CAPABILITIES,
+    Backend,
+    BulletinSupport,
+    HealthSupport,
+    LeaseSupport,
+    PolicyFailed,
+    RegionSupport,
+    StoreHealth,
+    UsageSupport,
+)
 
-__all__ = ["ALIASES", "Backend", "StoreHealth", "backend_class", "get_backend", "load_backend", "standing_in"]
+__all__ = [
+    "ALIASES",
+    "CAPABILITIES",
+    "Backend",
+    "BulletinSupport",
+    "HealthSupport",
+    "LeaseSupport",
+    "PolicyFailed",
+    "RegionSupport",
+    "StoreHealth",
+    "UsageSupport",
+    "backend_class",
+    "get_backend",
+    "load_backend",
+    "standing_in",
+]
 
 ALIASES = {
     "memory": "ratelimits.backends.memory.MemoryBackend",

@@ -1,4 +1,4 @@
-"""The interface every backend implements."""
+"""The contract every backend implements: a small core, and capabilities a backend may add."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from asgiref.sync import sync_to_async
+
+from ..exceptions import BackendUnavailable
 
 if TYPE_CHECKING:
     from ..counters import Usage
@@ -97,6 +99,21 @@ class _Handoff:
         self.result: Any = None
 
 
+class PolicyFailed(BackendUnavailable):
+    """The store is up, but could not decide some checks: their policy or their state is at fault.
+
+    A key of another type where a check keeps its state, or (around the bounds every policy is
+    checked against) arguments the decide script cannot use. Nothing was consumed. The limiter
+    degrades only ``checks`` by their fail modes and leaves the circuit breaker alone: one bad
+    policy is not an outage. Any other caller may treat it as the store error it subclasses.
+    """
+
+    def __init__(self, message: str, checks: tuple[Check, ...]) -> None:
+        super().__init__(message)
+        #: The checks that failed; every check of the call when the store could not say which.
+        self.checks = checks
+
+
 @dataclass(frozen=True, slots=True)
 class StoreHealth:
     """What a shared store says about keeping the limiter's keys; ``None`` where it would not say.
@@ -142,12 +159,20 @@ class UsagePeek:
 
 
 class Backend(ABC):
-    """Stores limiter state and decides checks atomically."""
+    """The core contract: decide checks atomically, give a request's slot back, forget a subject's state.
+
+    That is all a backend must implement (``from_settings``, :meth:`decide`, :meth:`release`,
+    :meth:`renew`, :meth:`clear`; :meth:`adecide` runs :meth:`decide` in a thread unless
+    overridden). Everything else a store may do is a capability, an abstract subclass of its
+    own that a backend class adds to its bases (``class MyBackend(UsageSupport, BulletinSupport)``):
+    :class:`LeaseSupport`, :class:`UsageSupport`, :class:`BulletinSupport`,
+    :class:`RegionSupport` and :class:`HealthSupport`. The engine uses a capability only where
+    the backend has it, and ``manage.py check`` refuses a setting that needs one it lacks
+    (``ratelimits.E183``, naming both). ``tests/test_contract.py`` is the contract's suite.
+    """
 
     #: Whether state is shared between processes (``memory`` is not).
     shared: bool = True
-    #: Whether :meth:`lease` and :meth:`give_back` work (token leases of the local fast path).
-    leases: bool = False
     #: What every key this backend writes starts with (``REDIS['KEY_PREFIX']``).
     prefix: str
 
@@ -160,8 +185,13 @@ class Backend(ABC):
     def decide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
         """Decide every check at once: consume from all of them only if all allow.
 
+        A check that holds slots (concurrency, the fleet) takes one under a fresh slot id for
+        ``check.policy.rate.period_us`` (the slot's lease, renewed by :meth:`renew` while its
+        worker lives); the decision names the slot and its keys.
+
         With ``usage``, a consuming decision also counts itself (allowed, limited or shed, and
-        the tokens spent) in that minute's usage counters, in the same call.
+        the tokens spent) in that minute's usage counters, in the same call; a backend without
+        :class:`UsageSupport` is never handed one.
 
         With ``consume=False`` nothing is written: the decision reports what a request of
         these costs would get now. Raises :class:`~ratelimits.exceptions.BackendUnavailable`
@@ -176,15 +206,21 @@ class Backend(ABC):
             lambda: self.decide(checks, consume=consume, usage=usage), self._unheld, executor=STORE_THREADS
         )
 
-    async def alease(
-        self, checks: Sequence[Check], wants: Sequence[int], *, usage: Usage | None = None
-    ) -> tuple[Decision, list[Grant]]:
-        """:meth:`lease` for async code (as :meth:`adecide` is :meth:`decide`'s)."""
-        return await in_thread(
-            lambda: self.lease(checks, wants, usage=usage),
-            lambda answer: self._unheld(answer[0]),
-            executor=STORE_THREADS,
-        )
+    @abstractmethod
+    def release(self, slot: str, keys: Sequence[str]) -> int:
+        """Give back a request's slot under ``keys``; idempotent. Returns how many were held."""
+
+    @abstractmethod
+    def renew(self, held: Mapping[str, Sequence[str]], lease_us: int) -> int:
+        """Extend the slots ``held`` (slot id -> its keys) to ``lease_us`` from now: their worker lives.
+
+        A slot that expired or was released stays gone. Returns how many were renewed. (Part of
+        the core: a slot's lease is seconds long, so without renewal a long request would lose it.)
+        """
+
+    @abstractmethod
+    def clear(self, checks: Sequence[Check]) -> None:
+        """Forget the state of these checks' keys (an admin's reset)."""
 
     def _unheld(self, decision: Decision) -> None:
         """``decision`` will be held by nobody: its slot given back."""
@@ -198,6 +234,66 @@ class Backend(ABC):
             self.release(slot, keys)
         except Exception as exc:
             logger.info("ratelimits: the slot of a cancelled decision was not given back (it expires): %s", exc)
+
+    def publish_worker(self, worker: str, state: Mapping[str, Any], ttl_s: float) -> None:
+        """Publish one worker's shedder state (JSON-able) for the admin, kept for ``ttl_s`` seconds.
+
+        In this process by default (the admin then lists this process's workers only); a shared
+        store shares it with every process."""
+        self._workers[worker] = (time.time() + ttl_s, dict(state))
+
+    def workers(self) -> list[dict[str, Any]]:
+        """Every worker's last published shedder state that has not expired, by worker name."""
+        now = time.time()
+        return [state for _, (expires, state) in sorted(self._workers.items()) if expires > now]
+
+    @cached_property
+    def _workers(self) -> dict[str, tuple[float, dict[str, Any]]]:
+        return {}
+
+
+class LeaseSupport(Backend):
+    """Capability: token leases, tokens taken in a decide call for a worker to spend itself.
+
+    What the local path's leases need (``LOCAL_PATH['LEASES']``, :mod:`ratelimits.engine.local`).
+    """
+
+    @abstractmethod
+    def lease(
+        self, checks: Sequence[Check], wants: Sequence[int], *, usage: Usage | None = None
+    ) -> tuple[Decision, list[Grant]]:
+        """Decide and consume as :meth:`Backend.decide` does, and in the same call take up to ``wants[i]`` more
+        tokens from check ``i`` (token buckets and fixed windows only) for the worker to spend itself; what each
+        check gave, in the order of the checks.
+        """
+
+    async def alease(
+        self, checks: Sequence[Check], wants: Sequence[int], *, usage: Usage | None = None
+    ) -> tuple[Decision, list[Grant]]:
+        """:meth:`lease` for async code (as :meth:`Backend.adecide` is :meth:`Backend.decide`'s)."""
+        return await in_thread(
+            lambda: self.lease(checks, wants, usage=usage),
+            lambda answer: self._unheld(answer[0]),
+            executor=STORE_THREADS,
+        )
+
+    @abstractmethod
+    def give_back(self, grants: Sequence[tuple[Grant, int]]) -> int:
+        """Give unused leased tokens back, ``(grant, tokens)`` each; how many buckets took something back."""
+
+    def call_groups(self, checks: Sequence[Check]) -> list[list[int]] | None:
+        """Which of ``checks`` (their indices) one decision asks together, call by call, when it
+        makes several: a Redis Cluster's slot groups, the first check's group first. ``None``: one call.
+        """
+        return None
+
+
+class UsageSupport(Backend):
+    """Capability: the per-minute usage counters decisions count into, drained into the database.
+
+    What ``USAGE`` needs (on by default): the usage report, ``GET /v1/usage`` and the digest read
+    what is drained (:mod:`ratelimits.usage`).
+    """
 
     @abstractmethod
     def add_usage(self, counts: Mapping[tuple[int, str], int]) -> None:
@@ -227,6 +323,7 @@ class Backend(ABC):
     def finish_usage(self, batch: str) -> None:
         """Forget a claimed batch, and its lease, once its counts are safely in the database."""
 
+    @abstractmethod
     def peek_usage(self, minutes: Sequence[int], max_fields: int, *, row_prefix: str = "") -> UsagePeek:
         """The counters of ``minutes`` still in the live set, read without claiming or changing them.
 
@@ -238,22 +335,15 @@ class Backend(ABC):
         bounded read, and the rest is reported unread. Batches a drain has claimed are not read:
         they are in the database, or about to be.
         """
-        raise NotImplementedError(f"{type(self).__name__} cannot read usage counters without draining them")
 
-    @abstractmethod
-    def release(self, slot: str, keys: Sequence[str]) -> int:
-        """Give back a request's slot under ``keys``; idempotent. Returns how many were held."""
 
-    @abstractmethod
-    def renew(self, held: Mapping[str, Sequence[str]], lease_us: int) -> int:
-        """Extend the slots ``held`` (slot id -> its keys) to ``lease_us`` from now: their worker lives.
+class BulletinSupport(Backend):
+    """Capability: the policy version every decision brings back, and the channel that announces changes.
 
-        A slot that expired or was released stays gone. Returns how many were renewed.
-        """
-
-    @abstractmethod
-    def clear(self, checks: Sequence[Check]) -> None:
-        """Forget the state of these checks' keys (an admin's reset)."""
+    What the database policy source needs (``POLICIES['SOURCE'] = "database"``): a committed
+    change raises the version, and each worker learns of it on its next decision, at no extra
+    round trip (:mod:`ratelimits.store.versioning`).
+    """
 
     @abstractmethod
     def publish_version(self, version: int) -> str:
@@ -261,25 +351,6 @@ class Backend(ABC):
 
         Never lowers it (two publishers may race); returns the stamp now stored.
         """
-
-    def lease(
-        self, checks: Sequence[Check], wants: Sequence[int], *, usage: Usage | None = None
-    ) -> tuple[Decision, list[Grant]]:
-        """Decide and consume as :meth:`decide` does, and in the same call take up to ``wants[i]`` more tokens
-        from check ``i`` (token buckets and fixed windows only) for the worker to spend itself; what each check gave,
-        in the order of the checks.
-        """
-        raise NotImplementedError(f"{type(self).__name__} takes no leases")
-
-    def give_back(self, grants: Sequence[tuple[Grant, int]]) -> int:
-        """Give unused leased tokens back, ``(grant, tokens)`` each; how many buckets took something back."""
-        raise NotImplementedError(f"{type(self).__name__} takes no leases")
-
-    def call_groups(self, checks: Sequence[Check]) -> list[list[int]] | None:
-        """Which of ``checks`` (their indices) one decision asks together, call by call, when it
-        makes several: a Redis Cluster's slot groups, the first check's group first. ``None``: one call.
-        """
-        return None
 
     def subscribe(
         self,
@@ -298,40 +369,48 @@ class Backend(ABC):
         """
         return None
 
+
+class RegionSupport(Backend):
+    """Capability: a region's share of each global policy, as the reconciler writes it into this store.
+
+    What ``REGIONS`` needs ([regions](regions.md)).
+    """
+
+    @abstractmethod
     def shares(self, checks: Sequence[Check]) -> dict[str, ShareRecord]:
         """The share records of these checks' global policies in this region's store, by state key.
 
-        A check without one holds the even split. A store no reconciler writes to (``memory``) has none.
+        A check without one holds the even split.
         """
-        return {}
 
+    @abstractmethod
     def last_reconciliation(self) -> dict[str, Any] | None:
         """What the reconciler's last round did, as it wrote it into this region's store (``None``: none yet)."""
-        return None
 
-    def publish_worker(self, worker: str, state: Mapping[str, Any], ttl_s: float) -> None:
-        """Publish one worker's shedder state (JSON-able) for the admin, kept for ``ttl_s`` seconds."""
-        self._workers[worker] = (time.time() + ttl_s, dict(state))
 
-    def workers(self) -> list[dict[str, Any]]:
-        """Every worker's last published shedder state that has not expired, by worker name.
+class HealthSupport(Backend):
+    """Capability: what a shared store says about keeping the limiter's keys (its eviction policy, its memory).
 
-        In-process by default (``memory``: this process's only); shared by every process on Redis.
-        """
-        now = time.time()
-        return [state for _, (expires, state) in sorted(self._workers.items()) if expires > now]
+    Nothing needs it: the admin's store page and ``manage.py check`` (``ratelimits.W004``) report it where a
+    backend has it.
+    """
 
-    @cached_property
-    def _workers(self) -> dict[str, tuple[float, dict[str, Any]]]:
-        return {}
-
+    @abstractmethod
     def store_health(self) -> StoreHealth | None:
         """Whether the store may evict the limiter's keys, and how many it has; ``None``: nothing to report.
 
-        A backend whose state lives in the process (``memory``) evicts nothing. One that cannot
-        reach its store raises :class:`~ratelimits.exceptions.BackendUnavailable`.
+        One that cannot reach its store raises :class:`~ratelimits.exceptions.BackendUnavailable`.
         """
-        return None
+
+
+#: Every capability a backend may have, and what it is called in messages.
+CAPABILITIES: dict[type[object], str] = {
+    LeaseSupport: "token leases",
+    UsageSupport: "usage counters",
+    BulletinSupport: "the policy version bulletin",
+    RegionSupport: "region shares",
+    HealthSupport: "store health",
+}
 
 
 def takes_slots(checks: Sequence[Check]) -> bool:

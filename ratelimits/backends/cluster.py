@@ -43,10 +43,10 @@ from ..algorithms import Algorithm
 from ..conf import conf
 from ..counters import Usage
 from ..decisions import Decision, Result
-from ..exceptions import BackendUnavailable, PolicyFailed
+from ..exceptions import BackendUnavailable
 from ..policies.values import Check
 from . import layout
-from .base import Grant, StoreHealth, UsagePeek, new_slot, slot_keys
+from .base import Grant, PolicyFailed, StoreHealth, UsagePeek, new_slot, slot_keys
 from .codec import LEASE, REFUND_CHECK, REFUND_NOW, REFUNDABLE
 from .invalidation import version_message
 from .redis import (

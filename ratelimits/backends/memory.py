@@ -14,7 +14,7 @@ from ..conf import conf
 from ..counters import ALLOWED, EXTRA_TOKENS, LIMITED, SHED, Usage, count, overflow_of
 from ..decisions import Decision, Result, Verdict
 from ..policies.values import Check
-from .base import Backend, UsagePeek, new_slot, slot_keys
+from .base import BulletinSupport, UsagePeek, UsageSupport, new_slot, slot_keys
 
 __all__ = ["MemoryBackend"]
 
@@ -23,7 +23,7 @@ def _wall_clock_us() -> int:
     return time.time_ns() // 1000
 
 
-class MemoryBackend(Backend):
+class MemoryBackend(UsageSupport, BulletinSupport):
     """Same semantics as the Redis backend, with state in a dict guarded by a lock.
 
     State is per process: with several workers each enforces the limits on its own, which is

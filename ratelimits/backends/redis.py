@@ -24,12 +24,25 @@ from .._memo import remember
 from ..conf import conf
 from ..counters import Usage, overflow_of
 from ..decisions import Decision, Result, admitted
-from ..exceptions import BackendUnavailable, PolicyFailed
+from ..exceptions import BackendUnavailable
 from ..policies.values import Check, KeptChecks
 from ..shares import ShareRecord
 from . import layout
 from .aio import AsyncClients, async_pool_factory
-from .base import Backend, Grant, StoreHealth, UsagePeek, new_slot, slot_keys, store_threads
+from .base import (
+    BulletinSupport,
+    Grant,
+    HealthSupport,
+    LeaseSupport,
+    PolicyFailed,
+    RegionSupport,
+    StoreHealth,
+    UsagePeek,
+    UsageSupport,
+    new_slot,
+    slot_keys,
+    store_threads,
+)
 from .codec import (
     DEADLINE,
     LEASE,
@@ -166,7 +179,7 @@ def _glob_escaped(text: str) -> str:
     return re.sub(r"([\\*?\[\]])", r"\\\1", text)
 
 
-class RedisBackend(Backend):
+class RedisBackend(LeaseSupport, UsageSupport, BulletinSupport, RegionSupport, HealthSupport):
     """Shared state in Redis, one round trip per decision.
 
     The client has tight timeouts and no retries: redis-py would otherwise resend a command
@@ -175,8 +188,6 @@ class RedisBackend(Backend):
     lost it (restart, failover, ``FUNCTION FLUSH``) costs one ``FUNCTION LOAD`` first. Other
     scripts go by ``EVALSHA``: a lost script cache (``SCRIPT FLUSH`` too) costs one ``EVAL`` instead.
     """
-
-    leases = True
 
     def __init__(
         self,

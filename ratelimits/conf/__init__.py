@@ -48,6 +48,7 @@ from .parsers import (
     HEADER_STYLES,
     MULTIPROC_ENV,
     POLICY_SOURCES,
+    RETIRED_POLICY_SOURCES,
     SIZE_UNITS,
     AdaptiveSettings,
     FailedAuthLimit,
@@ -62,6 +63,7 @@ __all__ = [
     "MULTIPROC_ENV",
     "NAMESPACES",
     "POLICY_SOURCES",
+    "RETIRED_POLICY_SOURCES",
     "SETTINGS",
     "SIZE_UNITS",
     "AdaptiveSettings",
@@ -210,7 +212,7 @@ class Policies(Namespace):
         doc='`"settings"` (`TIERS`, `ENDPOINTS` and DRF\'s throttle rates) or `"database"` for '
         "[admin-managed policies](admin.md), or a dotted path to a class implementing "
         "`ratelimits.policies.PolicySource`. The short names stand for `ratelimits.policies.SettingsPolicySource` "
-        "and `ratelimits.policies.database.DatabasePolicySource`",
+        "and `ratelimits.store.database.DatabasePolicySource`",
     )
     default_tiers = Setting(
         {"anonymous": "anonymous", "authenticated": "authenticated"},

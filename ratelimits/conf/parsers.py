@@ -31,7 +31,12 @@ HEADER_POLICY_CHOICES = ("all", "closest")
 #: Short names for ``POLICIES['SOURCE']``, like ``BACKEND``'s ``"memory"`` and ``"redis"``.
 POLICY_SOURCES = {
     "settings": "ratelimits.policies.SettingsPolicySource",
-    "database": "ratelimits.policies.database.DatabasePolicySource",
+    "database": "ratelimits.store.database.DatabasePolicySource",
+}
+#: Paths of a policy source that earlier releases documented -> where the class lives now. Read as
+#: the new path until 0.3 (``ratelimits.W022`` says so), so no module of the old path is imported.
+RETIRED_POLICY_SOURCES = {
+    "ratelimits.sources.DatabasePolicySource": POLICY_SOURCES["database"],
 }
 #: The subject kinds ``DIMENSIONS`` may limit.
 DIMENSION_KINDS = ("ip", "user", "api_key", "org")
@@ -152,7 +157,7 @@ def key_prefix(value: object, field: str) -> str:
 
 def policy_source(value: object, field: str) -> str:
     name = text(value, field)
-    return POLICY_SOURCES.get(name, name)
+    return POLICY_SOURCES.get(name) or RETIRED_POLICY_SOURCES.get(name, name)
 
 
 def positive_int(value: object, field: str) -> int:

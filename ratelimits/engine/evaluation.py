@@ -282,7 +282,7 @@ def _prepare(
             if not rule.exempt:
                 checks = _with_caller_policies(checks, caller_policies(source, method), identity, rule.cost)
         # The request's usage is its own checks' (their cost), whatever else is decided with them.
-        usage = usage_of(identity, checks) if consume and conf.usage.enabled else None
+        usage = usage_of(identity, checks) if consume and limiter.counts_usage else None
         if extra:
             checks = [*extra, *checks]
     except BaseException:

@@ -24,14 +24,14 @@ from typing import Any, NamedTuple
 import redis
 
 from .._process import ProcessWide
-from ..backends import Backend, get_backend
-from ..backends.base import store_threads, takes_slots
+from ..backends import Backend, PolicyFailed, get_backend
+from ..backends.base import LeaseSupport, UsageSupport, store_threads, takes_slots
 from ..backends.memory import MemoryBackend
 from ..choices import FailMode
 from ..conf import LocalPathSettings, conf
 from ..counters import ALLOWED, DEGRADED, EXTRA_TOKENS, LIMITED, SHED, Usage
 from ..decisions import UNLIMITED, Decision, Verdict, admitted
-from ..exceptions import BackendUnavailable, PolicyFailed
+from ..exceptions import BackendUnavailable
 from ..metrics import get_recorder
 from ..policies.values import Check
 from .breaker import NOT_A_PROBE, BreakerState, CircuitBreaker
@@ -71,6 +71,10 @@ class Limiter:
         usage_every: float | None = None,
     ) -> None:
         self.backend = backend
+        #: The backend's capabilities this limiter uses, ``None`` where it lacks them
+        #: (:mod:`ratelimits.backends.base`): usage is counted only where it can be added to.
+        self.usage_store: UsageSupport | None = backend if isinstance(backend, UsageSupport) else None
+        self.leaser: LeaseSupport | None = backend if isinstance(backend, LeaseSupport) else None
         self.breaker = breaker
         #: Where checks that fail locally are decided while the store cannot answer.
         self.local = local
@@ -127,7 +131,7 @@ class Limiter:
             if wants is None:
                 answer: Any = self.backend.decide(checks, consume=consume, usage=script_usage)
             else:
-                answer = self.backend.lease(checks, wants, usage=script_usage)
+                answer = self._leases().lease(checks, wants, usage=script_usage)
         except PolicyFailed as exc:
             self._policy_failed(exc)
             return self._decide_without_failed(exc, checks, consume=consume, usage=usage)
@@ -152,7 +156,7 @@ class Limiter:
         asked = (
             self.backend.adecide(checks, consume=consume, usage=script_usage)
             if wants is None
-            else self.backend.alease(checks, wants, usage=script_usage)
+            else self._leases().alease(checks, wants, usage=script_usage)
         )
         # The breaker's probe, and a call that takes slots, are shielded when they go out to the
         # store: a request given up (its client went away) leaves them to finish, so that the
@@ -224,6 +228,16 @@ class Limiter:
             self.release(decision)
         except Exception:
             logger.exception("ratelimits: the slots of a cancelled request could not be released (they expire)")
+
+    @property
+    def counts_usage(self) -> bool:
+        """Whether decisions are counted in the usage counters: ``USAGE`` on, and a backend that keeps them."""
+        return self.usage_store is not None and conf.usage.enabled
+
+    def _leases(self) -> LeaseSupport:
+        """The backend, as it takes leases: asked for only where it does (the local path leases only then)."""
+        assert self.leaser is not None, f"{type(self.backend).__name__} takes no leases"
+        return self.leaser
 
     def _note_send(self, consume: bool) -> tuple[float, int] | None:
         """What an answer is learnt against once it comes (a :class:`LocalLimiter`'s memory): nothing here."""
@@ -333,8 +347,10 @@ class Limiter:
         with self._count_lock:
             counts: Counter[tuple[int, str]] = getattr(self, name)
             setattr(self, name, Counter())
+        if self.usage_store is None:
+            return  # nothing to add to (the engine counts no usage then: see counts_usage)
         try:
-            self.backend.add_usage(counts)
+            self.usage_store.add_usage(counts)
         except BackendUnavailable:
             with self._count_lock:
                 getattr(self, name).update(counts)
@@ -607,7 +623,7 @@ class LocalLimiter(Limiter):
             local.counts["tokens_unreturned"] += tokens  # the store is down: asked no more now
             return
         try:
-            self.backend.give_back(unused)
+            self._leases().give_back(unused)
         except (BackendUnavailable, PolicyFailed) as exc:
             local.counts["tokens_unreturned"] += tokens
             logger.info("ratelimits: leased tokens not given back: %s", exc)
@@ -664,7 +680,7 @@ def build_limiter(
     ``USAGE['FLUSH_EVERY']``; ``clock`` the local path's (monotonic seconds).
     """
     local = MemoryBackend(usage_cap=usage_cap)
-    if backend.shared and (settings.denials or (settings.leases and backend.leases)):
+    if backend.shared and (settings.denials or (settings.leases and isinstance(backend, LeaseSupport))):
         local_path = LocalPath(backend, breaker, settings, clock=clock)
         return LocalLimiter(backend, breaker, local_path, local=local, local_share=local_share, usage_every=usage_every)
     return Limiter(backend, breaker, local=local, local_share=local_share, usage_every=usage_every)

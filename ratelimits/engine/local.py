@@ -38,8 +38,8 @@ from django.utils import timezone
 
 from ..algorithms import Algorithm
 from ..backends import Backend
-from ..backends.base import Grant
-from ..backends.invalidation import RESET
+from ..backends.base import BulletinSupport, Grant, LeaseSupport
+from ..backends.invalidation import RESET, Subscription
 from ..conf import LocalPathSettings
 from ..decisions import Decision, Result, Verdict
 from ..identity import SubjectKind
@@ -207,7 +207,9 @@ class LocalPath:
         self._keys_current: dict[str, int] = {}
         self._keys_previous: dict[str, int] = {}
         self._window_start = -math.inf
-        self._leasing = settings.leases and backend.leases
+        #: The backend as it takes leases (``None``: it takes none, and nothing is leased here).
+        self._leaser = backend if isinstance(backend, LeaseSupport) else None
+        self._leasing = settings.leases and self._leaser is not None
         #: When the last credential entry's denials end (monotonic): after it, they are all dropped.
         self._early_ends = -math.inf
         #: Raised by every :meth:`forget`: a store answer to a call sent before it is not learned.
@@ -218,11 +220,17 @@ class LocalPath:
         self.counts: Counter[str] = Counter()
         #: Background work the listener's thread does every second (the limiter's usage flush).
         self.tick: Callable[[], None] | None = None
-        self._subscription = backend.subscribe(self.on_message, on_tick=self.on_tick)
+        self._subscription = self._subscribe(wait=True)
         after_fork = weakref.WeakMethod(self._after_fork)
         os.register_at_fork(after_in_child=lambda: call_weakly(after_fork))
 
     # -- trust ---------------------------------------------------------------------------------
+
+    def _subscribe(self, *, wait: bool) -> Subscription | None:
+        """Hear the store's invalidations; ``None`` (memory is then never trusted) from a store with no channel."""
+        if not isinstance(self.backend, BulletinSupport):
+            return None
+        return self.backend.subscribe(self.on_message, wait=wait, on_tick=self.on_tick)
 
     @property
     def idle(self) -> bool:
@@ -283,7 +291,7 @@ class LocalPath:
         self._expiring, self.counts = deque(), Counter()
         self._lock = threading.Lock()
         self.generation += 1
-        self._subscription = self.backend.subscribe(self.on_message, wait=False, on_tick=self.on_tick)
+        self._subscription = self._subscribe(wait=False)
 
     # -- leases --------------------------------------------------------------------------------
 
@@ -422,7 +430,7 @@ class LocalPath:
 
     def _apart(self, checks: Sequence[Check]) -> tuple[tuple[int, ...], ...]:
         """The groups of ``checks`` the store decides apart from the first, each of checks that can be leased."""
-        groups = self.backend.call_groups(checks)
+        groups = self._leaser.call_groups(checks) if self._leaser is not None else None
         if not groups:
             return ()
         return tuple(tuple(group) for group in groups[1:] if all(_leasable(checks[i]) for i in group))

@@ -3,8 +3,8 @@
 Nothing imported here touches the database: policies and checks, the snapshot both sources
 load, the resolver, the ``PolicySource`` protocol and the settings source. (The process's source,
 ``get_policy_source()``, is whichever class ``POLICIES['SOURCE']`` names, imported when first asked
-for.) The admin-managed source, the policy version, the audit trail and import/export read the
-database: they are the modules ``database``, ``versioning``, ``audit`` and ``portability``.
+for.) The admin-managed source, the policy version, the audit trail, import/export and expiry read the
+database: they are :mod:`ratelimits.store`, a layer above (this package imports nothing of it).
 """
 
 from .settings import SettingsPolicySource

@@ -23,12 +23,35 @@ from .values import Check, EndpointRule, Explained
 if TYPE_CHECKING:
     from django.http import HttpRequest
 
-    from ..decisions import Decision
     from ..identity import Identity
 
-__all__ = ["PolicySource", "SnapshotPolicySource", "get_policy_source", "in_event_loop"]
+__all__ = ["ObservedDecision", "PolicySource", "SnapshotPolicySource", "get_policy_source", "in_event_loop"]
 
 logger = logging.getLogger("ratelimits")
+
+
+class ObservedDecision(Protocol):
+    """What a source may read of a decision it observes (:class:`ratelimits.decisions.Decision` is one).
+
+    Named here, by what the source reads, so that policies need nothing of the decisions, which
+    are built from policies' checks.
+    """
+
+    @property
+    def degraded(self) -> bool:
+        """True when a fail mode decided, the store unreachable."""
+
+    @property
+    def results(self) -> tuple[object, ...]:
+        """One result per check decided (none: an exempt endpoint)."""
+
+    @property
+    def local(self) -> str | None:
+        """How the worker answered without the store; ``None`` when the store decided."""
+
+    @property
+    def policy_version(self) -> str | None:
+        """The store's policy version stamp, brought back by the decision."""
 
 
 @runtime_checkable
@@ -56,7 +79,7 @@ class PolicySource(Protocol):
     def endpoint_rule(self, endpoint: str, method: str) -> EndpointRule:
         """The rule for an endpoint and HTTP method (a default rule if none is configured)."""
 
-    def observe(self, decision: Decision) -> None:
+    def observe(self, decision: ObservedDecision) -> None:
         """Called with every decision: a source that caches can notice a new policy version."""
 
     def invalidate(self) -> None:
@@ -246,7 +269,7 @@ class SnapshotPolicySource(ABC):
         assignment = default_assignment(self.snapshot(), request, identity)
         return assignment.tier if assignment is not None else None
 
-    def observe(self, decision: Decision) -> None:  # noqa: B027  (a hook; subclasses may leave it alone)
+    def observe(self, decision: ObservedDecision) -> None:  # noqa: B027  (a hook; subclasses may leave it alone)
         """Nothing to notice by default: the snapshot stands until :meth:`invalidate`."""
 
 

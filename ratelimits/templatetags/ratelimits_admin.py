@@ -14,9 +14,9 @@ from django import template
 
 from ..conf import Policies, conf
 from ..exceptions import ConfigurationError
-from ..policies.database import DatabasePolicySource
 from ..policies.settings import SettingsPolicySource
 from ..policies.source import get_policy_source
+from ..store.database import DatabasePolicySource
 
 register = template.Library()
 

@@ -1,15 +1,14 @@
-"""Usage: what callers did, drained from the decisions' own counters into the database, and reported.
+"""Usage: what callers did, drained from the decisions' own counters into the database.
 
 - :mod:`.records`: the exactly-once drain into ``UsageRecord`` rows, roll-ups and retention.
 - :mod:`.subjects`: the labels of the digests the counters name subjects by, written by the workers.
 - :mod:`.live` and :mod:`.readers`: the minutes not drained yet, and the one reading of usage
   every reader shares (the admin's report, ``GET /v1/usage``, ``today``).
-- :mod:`.digest`: the daily "near limit" digest mailed to the site's admins.
-- :mod:`.queries`, :mod:`.chart` and :mod:`.report`: the admin's usage report.
 
 What a decision counts, and how the counters' fields are named, is :mod:`ratelimits.counters`:
 the store's side, which needs no database. How often the drain and the upkeep run is
-:mod:`ratelimits.periodic`.
+:mod:`ratelimits.periodic`; what reads usage for people (the admin's report, the daily digest) is
+:mod:`ratelimits.reports`, a layer above.
 """
 
 from typing import Any

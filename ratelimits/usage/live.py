@@ -2,8 +2,8 @@
 
 The drain takes a minute only once it has closed (and :data:`~.records.GRACE_S` after), so the
 current minute, and any minute the drain has not reached, are in the store's counters only. The
-report reads those of its last :data:`LIVE_MINUTES` minutes with :meth:`Backend.peek_usage
-<ratelimits.backends.base.Backend.peek_usage>`, which claims nothing: the drain still moves them,
+report reads those of its last :data:`LIVE_MINUTES` minutes with :meth:`UsageSupport.peek_usage
+<ratelimits.backends.base.UsageSupport.peek_usage>`, which claims nothing: the drain still moves them,
 exactly once. Nothing is counted twice: the drain renames a minute's hash out of the live set
 before it applies it, so a count is either still in the live set or in the database (or, for the
 second or so a batch is applied, in neither). A report reads at most :data:`MAX_FIELDS` counters,
@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from ..backends import Backend, get_backend
+from ..backends import UsageSupport, get_backend
 from ..conf import conf
 from ..counters import caller_rows
 from ..exceptions import BackendUnavailable
@@ -87,7 +87,7 @@ def read_live(
     end: datetime,
     *,
     caller: Subject | None = None,
-    backend: Backend | None = None,
+    backend: UsageSupport | None = None,
     now: float | None = None,
 ) -> Live:
     """The counters of the minutes starting in ``[start, end)`` that the store still holds, as rows.
@@ -102,12 +102,15 @@ def read_live(
     if not conf.enabled:  # switched off, nothing is counted, and the store is not asked
         return Live(minutes=tuple(datetime.fromtimestamp(m * 60, tz=UTC) for m in reversed(minutes)))
     starts = tuple(datetime.fromtimestamp(minute * 60, tz=UTC) for minute in reversed(minutes))
+    store = backend or get_backend()
+    if not isinstance(store, UsageSupport):
+        return Live(minutes=starts, error=f"{type(store).__name__} keeps no usage counters")
     try:
         prefix = caller_rows(caller) if caller is not None else ""
-        peek = (backend or get_backend()).peek_usage(minutes, MAX_FIELDS, row_prefix=prefix)
+        peek = store.peek_usage(minutes, MAX_FIELDS, row_prefix=prefix)
     except BackendUnavailable as exc:
         return Live(minutes=starts, error=f"the limiter's store could not be read ({exc})")
-    except NotImplementedError as exc:
+    except NotImplementedError as exc:  # a read the store does not make (a cluster's, for one caller)
         return Live(minutes=starts, error=str(exc))
     rows: list[LiveRow] = []
     for minute in reversed(minutes):
@@ -122,7 +125,7 @@ def read_live(
     return Live(tuple(rows), starts, truncated=peek.truncated)
 
 
-def stale_since(*, backend: Backend | None = None, now: float | None = None) -> datetime | None:
+def stale_since(*, backend: UsageSupport | None = None, now: float | None = None) -> datetime | None:
     """Where the oldest minute the store still holds, of those that closed :data:`STALE_S` ago or more, starts.
 
     ``None`` when there is none among the last :data:`LIVE_MINUTES`: the drain keeps up (or there
@@ -132,7 +135,8 @@ def stale_since(*, backend: Backend | None = None, now: float | None = None) -> 
     current = int(now // 60)
     newest = int((now - STALE_S) // 60) - 1  # minute m closed at (m + 1) * 60
     minutes = list(range(current - LIVE_MINUTES + 1, newest + 1))
-    if not minutes:
+    store = backend or get_backend()
+    if not minutes or not isinstance(store, UsageSupport):
         return None
-    found = [minute for minute, fields in (backend or get_backend()).peek_usage(minutes, 1).counts.items() if fields]
+    found = [minute for minute, fields in store.peek_usage(minutes, 1).counts.items() if fields]
     return datetime.fromtimestamp(min(found) * 60, tz=UTC) if found else None

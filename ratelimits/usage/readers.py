@@ -6,7 +6,7 @@ and summed from the finer rows until then (:func:`coverage`), so the hour under 
 The minutes not drained yet come from the store (:mod:`.live`): every reader takes them as
 ``live`` rows and counts them in, marked live. :func:`time_series` (totals per period) and
 :func:`endpoint_series` (per period, endpoint and tier) are those rows summed; the admin's report
-(:mod:`.queries`), the customer API (:class:`ratelimits.views.UsageView`) and ``/v1/rate_limit``'s
+(:mod:`ratelimits.reports.queries`), the customer API (:class:`ratelimits.views.UsageView`) and ``/v1/rate_limit``'s
 ``today`` (:func:`today_usage`) read them, so each tells the same counts for the same range.
 Times are UTC throughout.
 """

@@ -19,7 +19,7 @@ from django.db import IntegrityError, NotSupportedError, connection, transaction
 from django.db.models import Sum
 from django.db.models.functions import Trunc
 
-from ..backends import Backend, get_backend
+from ..backends import UsageSupport, get_backend
 from ..counters import METRICS, OVERFLOW, parse_row
 from ..metrics import get_recorder
 from ..models import UsageBatch, UsageRecord
@@ -56,7 +56,7 @@ _KEY = ("granularity", "period_start", "subject_kind", "subject_id", "endpoint")
 _COUNTS = tuple(METRICS.values())
 
 
-def drain(backend: Backend | None = None, *, now: float | None = None) -> int:
+def drain(backend: UsageSupport | None = None, *, now: float | None = None) -> int:
     """Move every closed minute's counters into ``UsageRecord`` rows, exactly once; return batches applied.
 
     Each batch is claimed atomically from the store, leased (no other drain is handed it while
@@ -66,8 +66,15 @@ def drain(backend: Backend | None = None, *, now: float | None = None) -> int:
     database already has is simply forgotten again; a batch whose drain died is taken by another
     once its lease runs out; and should two drains still apply the same batch at once, the second
     fails on ``UsageBatch`` and rolls back.
+
+    A backend without usage counters (no :class:`~ratelimits.backends.UsageSupport`) has nothing
+    to drain: 0 (``manage.py check`` refuses ``USAGE`` on with it, ``ratelimits.E183``).
     """
-    backend = backend or get_backend()
+    if backend is None:
+        configured = get_backend()
+        if not isinstance(configured, UsageSupport):
+            return 0
+        backend = configured
     now = time.time() if now is None else now
     closed_before = int((now - GRACE_S) // 60)
     applied = 0

@@ -24,7 +24,7 @@ from ..backends import layout
 from ..conf import conf
 from ..counters import SubjectLabels, subject_labels
 from ..models import UsageSubject
-from ..policies.database import bounded_waits, migrate_hint
+from ..store.database import bounded_waits, migrate_hint
 
 __all__ = ["KEEP_FOR", "chunks", "connect", "max_params", "purge", "resolve", "write_due", "write_pending"]
 

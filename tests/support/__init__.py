@@ -1,4 +1,4 @@
-"""What the tests and the benchmarks start and drive: real servers, processes, clients and clocks.
+"""What the tests start and drive: real servers, processes, clients and clocks (bench/ has its own, bench/support).
 
 - ``processes``: one supervisor for every server process (gunicorn, Celery, redis-server).
 - ``redis_server``: a private redis-server on a free port.

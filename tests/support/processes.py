@@ -1,4 +1,4 @@
-"""One process supervisor for every server a test or a benchmark starts (gunicorn, Celery, redis-server).
+"""One process supervisor for every server a test starts (gunicorn, Celery, redis-server).
 
 Each process runs in a session of its own, its output in a log file. It is stopped by the PID it
 got and its process group (so its children go with it), never by name: SIGTERM first, SIGKILL

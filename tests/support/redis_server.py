@@ -1,4 +1,4 @@
-"""A private redis-server on a free loopback port, for tests and benchmarks that need one of their own."""
+"""A private redis-server on a free loopback port, for tests that need one of their own."""
 
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ from django.db import connections
 from ...conf import conf
 from ...exceptions import ConfigurationError
 from ...periodic import DRAIN_TASK, JOBS, Job
-from ...policies.expiry import expire_policies
 from ...rates import parse_duration
+from ...store.expiry import expire_policies
 from ...usage import drain, maintain
 
 logger = logging.getLogger("ratelimits")

@@ -7,7 +7,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from ...policies.portability import SECTIONS, export_policies
+from ...store.portability import SECTIONS, export_policies
 
 
 class Command(BaseCommand):

@@ -8,7 +8,7 @@ from typing import Any
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from ...policies.portability import SECTIONS, ImportReport, PolicyImportError, import_policies, load_document
+from ...store.portability import SECTIONS, ImportReport, PolicyImportError, import_policies, load_document
 
 
 class Command(BaseCommand):

@@ -13,7 +13,7 @@ from django.utils import timezone
 from project.payments.models import ApiKey, Customer, hash_key
 from ratelimits.conf import conf
 from ratelimits.models import EndpointPolicy, FleetSettings, Override, Tier
-from ratelimits.policies.audit import audit_context
+from ratelimits.store.audit import audit_context
 
 # Fixed secrets so the README's curl lines work on every machine. Demo only.
 DEMO_KEYS = [

@@ -1,8 +1,8 @@
 """The usage report's queries: totals per period, top consumers, the most throttled, as bounded tables.
 
-Every query reads the rows :mod:`.readers` says stand for each moment (the rolled-up periods,
+Every query reads the rows :mod:`ratelimits.usage.readers` says stand for each moment (the rolled-up periods,
 those still summed from finer rows) and the live minutes, as every other reader of usage does.
-Every query is a plain function of :class:`~.readers.ReportFilters`; every table is bounded
+Every query is a plain function of :class:`~ratelimits.usage.readers.ReportFilters`; every table is bounded
 (:data:`TABLE_LIMIT` rows). Times are UTC throughout.
 """
 
@@ -20,8 +20,8 @@ from django.urls import reverse
 
 from ..identity import SubjectKind
 from ..models import UsageRecord
-from .live import LiveRow
-from .readers import (
+from ..usage.live import LiveRow
+from ..usage.readers import (
     OUTCOMES,
     STEPS,
     SUMS,
@@ -36,8 +36,8 @@ from .readers import (
     time_series,
     usage_records,
 )
-from .records import MAX_RANGE, OVERFLOW, UNRESOLVED
-from .subjects import chunks, max_params
+from ..usage.records import MAX_RANGE, OVERFLOW, UNRESOLVED
+from ..usage.subjects import chunks, max_params
 from .text import csv_text, display_text
 
 __all__ = [

@@ -11,10 +11,10 @@ import logging
 
 from django.db import transaction
 
-from ..backends import get_backend
+from ..backends import BulletinSupport, get_backend
 from ..exceptions import BackendUnavailable
 from ..models import PolicyVersion
-from .source import get_policy_source
+from ..policies.source import get_policy_source
 
 __all__ = ["advance_on_commit", "bump_policy_version", "committed_version", "publish_version", "stamp_version"]
 
@@ -47,9 +47,16 @@ def bump_policy_version() -> None:
 
 
 def publish_version(version: int) -> None:
-    """Raise the store's copy of the version to ``version``; if the store is down, workers poll."""
+    """Raise the store's copy of the version to ``version``; if the store is down, workers poll.
+
+    A backend without the bulletin (no :class:`~ratelimits.backends.BulletinSupport`) has no copy:
+    workers learn of the change at their next recheck (``manage.py check`` refuses the database
+    source with it, ``ratelimits.E183``)."""
+    backend = get_backend()
+    if not isinstance(backend, BulletinSupport):
+        return
     try:
-        get_backend().publish_version(version)
+        backend.publish_version(version)
     except BackendUnavailable as exc:
         logger.warning(
             "ratelimits: could not publish policy version %s (%s); workers poll until the store returns", version, exc

@@ -16,7 +16,7 @@ from datetime import datetime
 from django.utils.html import escape
 from django.utils.safestring import SafeString, mark_safe
 
-from .readers import OUTCOMES, STEPS, Period
+from ..usage.readers import OUTCOMES, STEPS, Period
 
 __all__ = ["MAX_BARS", "MIN_PERIODS", "chart_periods", "render_chart"]
 

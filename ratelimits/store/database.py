@@ -18,7 +18,6 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from datetime import datetime
-from typing import TYPE_CHECKING
 
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, transaction
 from django.db.models import F
@@ -29,9 +28,8 @@ from ..conf import Policies, conf
 from ..exceptions import ConfigurationError
 from ..identity import SubjectKind
 from ..models import EndpointPolicy, FleetSettings, Override, SubjectAssignment, Tier
-from ..rates import MAX_LIMIT, check_burst, parse_rate
-from .settings import SettingsPolicySource, dimensions_from_settings, exempt_rules_from_settings
-from .snapshot import (
+from ..policies.settings import SettingsPolicySource, dimensions_from_settings, exempt_rules_from_settings
+from ..policies.snapshot import (
     Assignment,
     OverrideRule,
     PolicySnapshot,
@@ -40,13 +38,11 @@ from .snapshot import (
     endpoint_rule,
     tier_policies,
 )
-from .source import SnapshotPolicySource, in_event_loop
-from .throttle_rates import add_scope_rates, drf_default_tiers, replaced_tiers, throttle_rates
-from .values import EndpointRule, Origin, OriginKind, Policy, Scope, fleet_checks, fleet_share_policy
+from ..policies.source import ObservedDecision, SnapshotPolicySource, in_event_loop
+from ..policies.throttle_rates import add_scope_rates, drf_default_tiers, replaced_tiers, throttle_rates
+from ..policies.values import EndpointRule, Origin, OriginKind, Policy, Scope, fleet_checks, fleet_share_policy
+from ..rates import MAX_LIMIT, check_burst, parse_rate
 from .versioning import committed_version, publish_version, stamp_version
-
-if TYPE_CHECKING:
-    from ..decisions import Decision
 
 __all__ = [
     "DatabasePolicySource",
@@ -91,7 +87,7 @@ class DatabasePolicySource(SnapshotPolicySource):
     def finish_thread(self) -> None:
         connections.close_all()  # the background retry's own connections, not a request's
 
-    def observe(self, decision: Decision) -> None:
+    def observe(self, decision: ObservedDecision) -> None:
         """Reload when the store's version stamp is ahead of the snapshot; repair it when behind.
 
         While the store is unreachable, reload every ``POLICIES['POLL_INTERVAL']``. And every

@@ -11,7 +11,7 @@ from django.db.models import Sum
 from ..models import UsageRecord
 from ..policies.source import build_policy_source
 from ..policies.values import Role
-from .records import OVERFLOW, UNRESOLVED
+from ..usage.records import OVERFLOW, UNRESOLVED
 
 __all__ = ["Digest", "near_limit_digest", "send_digest"]
 

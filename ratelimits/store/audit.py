@@ -21,7 +21,7 @@ from django.forms.models import model_to_dict
 
 from ..identity import Subject
 from ..models import AuditEntry, EndpointPolicy, FleetSettings, Override, SubjectAssignment, Tier, rows_updated
-from .values import Check
+from ..policies.values import Check
 from .versioning import advance_on_commit
 
 __all__ = ["AUDITED", "audit_context", "connect", "record", "record_bulk_update", "record_reset", "snapshot"]

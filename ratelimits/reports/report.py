@@ -1,7 +1,7 @@
 """The admin's usage report page: the form that picks the range and filters, the page, its CSV files.
 
 Asked for with no range, the report fits the data (:meth:`UsageReportForm.defaults`). The
-minutes not drained yet are read from the store once per page or file (:mod:`.live`) and counted
+minutes not drained yet are read from the store once per page or file (:mod:`ratelimits.usage.live`) and counted
 in everything it shows, marked live in the time series.
 """
 
@@ -24,8 +24,9 @@ from django.utils.dateparse import parse_datetime
 from ..conf import conf
 from ..exceptions import BackendUnavailable
 from ..models import UsageBatch, validate_endpoint
+from ..usage.live import MAX_FIELDS, Live, read_live, stale_since
+from ..usage.readers import STEPS, TOTALS, Period, ReportFilters, floor_period, period_bounds, time_series
 from .chart import MAX_BARS, chart_periods, render_chart
-from .live import MAX_FIELDS, Live, read_live, stale_since
 from .queries import (
     CALLER_KINDS,
     DEFAULT_RANGE,
@@ -38,7 +39,6 @@ from .queries import (
     series_table,
     young,
 )
-from .readers import STEPS, TOTALS, Period, ReportFilters, floor_period, period_bounds, time_series
 from .text import display_text, format_moment
 
 if TYPE_CHECKING:

@@ -1,7 +1,9 @@
 """Two regions on private redis-servers, global policies' shares in them, and demand that moves between them.
 
-Used by ``tests/test_regions*.py`` and ``python -m bench.regions``: the same traffic, measured the
-same way, whether the reconciler runs under Celery beat (the tests) or in a thread (the bench).
+Used by ``python -m bench.regions`` and ``tests/test_regions*.py``: the same traffic, measured the
+same way, whether the reconciler runs in a thread (the bench) or under Celery beat (the tests).
+Here, in bench, because bench imports nothing of the tests; the tests may import bench. A server is
+anything with a loopback ``port`` and a ``url`` (bench's redis-server, or the tests').
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import redis
 from redis.backoff import NoBackoff
@@ -25,7 +27,16 @@ from ratelimits.policies.values import Check, Policy, Scope
 from ratelimits.rates import parse_rate
 from ratelimits.shares import ShareRecord
 
-from .redis_server import RedisServer
+
+class RedisServer(Protocol):
+    """A redis-server on loopback, as this module needs to know it."""
+
+    @property
+    def port(self) -> int: ...
+
+    @property
+    def url(self) -> str: ...
+
 
 __all__ = ["MovingDemand", "global_check", "region_settings", "run_moving_demand", "share_in"]
 
