@@ -4,7 +4,7 @@ Two private ``redis-server`` processes (free loopback ports, stopped by PID) are
 ``b``. Three parts, in one run:
 
 1. ``moving``: the demand-moving run of ``tests/test_regions_celery.py``, with the same traffic and
-   figures (``tests/support/regions.py``): one global subject, 200/s with burst 200, offered twice
+   figures (``bench/support/regions.py``): one global subject, 200/s with burst 200, offered twice
    its rate in the busy region and 5 % of it in the other, the demand moving a -> b -> a. The
    reconciler runs here in a thread every second (the test runs it under Celery beat). Printed:
    admissions summed over both regions against ``burst + rate x elapsed``, the largest sum of the

@@ -6,6 +6,7 @@ setting, never the first request. Ids are never reused: one retired is kept here
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import dis
 import functools
@@ -132,7 +133,8 @@ W015 = "ratelimits.W015"  # a setting given under both its name and the name 0.1
 W020 = "ratelimits.W020"  # a django-ratelimit setting (RATELIMIT_...), which nothing here reads
 W021 = "ratelimits.W021"  # in DEBUG: usage counted minutes ago is still undrained, and no beat schedule drains it
 E183 = "ratelimits.E183"  # a setting needs a capability (leases, usage, the bulletin, regions) the backend lacks
-W022 = "ratelimits.W022"  # POLICIES['SOURCE'] names a path 0.1 documented (read as the new one until 0.3)
+W023 = "ratelimits.W023"  # a backend class with a capability's methods but not the capability among its bases
+W022 = "ratelimits.W022"  # POLICIES['SOURCE'] names where the database source used to be (read until 0.3)
 #: The id of each setting's invalid value (declared with the setting, in ratelimits.conf).
 SETTING_IDS: dict[str, str] = {name: setting.id for name, setting in SETTINGS.items()}
 
@@ -220,7 +222,7 @@ def check_deployment(app_configs: Any = None, **kwargs: Any) -> list[CheckMessag
     if given is not None and given[0] in RETIRED_POLICY_SOURCES:
         messages.append(
             Warning(
-                f"{Policies.source.field} is {given[0]!r}, the path 0.1 documented: it is read as "
+                f"{Policies.source.field} is {given[0]!r}, where the class used to be: it is read as "
                 f"{RETIRED_POLICY_SOURCES[given[0]]!r} until 0.3, then refused.",
                 hint=f"Set {Policies.source.field} to 'database'.",
                 id=W022,
@@ -438,39 +440,72 @@ def check_capabilities(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
 
     A backend implements the core contract, and adds capabilities as it can
     (:mod:`ratelimits.backends.base`): the engine leaves out what the backend lacks, so a setting
-    that needs it would do nothing, silently.
+    that needs it would do nothing, silently. And a backend class that has a capability's methods
+    without the capability among its bases (one written for 0.1) is told that they go unused.
+    With the limiter off (``ENABLED`` False) nothing is asked of the backend, and nothing is said.
     """
     try:
+        if not conf.enabled:
+            return []
         backend = backend_class(conf.backend)
-        needs = _capabilities_needed(backend)
     except ConfigurationError:
         return []  # check_settings reports it
-    return [
+    messages: list[CheckMessage] = [
         Error(
-            f"{setting} {why}, which needs {CAPABILITIES[capability]} ({capability.__module__.rpartition('.')[0]}."
-            f"{capability.__name__}): {Settings.backend.field} {conf.backend!r} has none.",
+            f"{setting} {why}, which needs {CAPABILITIES[capability]} ({_qualified(capability)}): "
+            f"{Settings.backend.field} {conf.backend!r} has none.",
             hint=f"Add {capability.__name__} to {backend.__name__}'s bases and implement it "
             f"({documentation.page('backends', 'capabilities')}), or {remedy}.",
             id=E183,
         )
-        for capability, setting, why, remedy in needs
+        for capability, setting, why, remedy in _capabilities_needed(backend)
         if not issubclass(backend, capability)
     ]
+    for capability in CAPABILITIES:
+        methods = sorted(capability.__abstractmethods__ - Backend.__abstractmethods__)  # type: ignore[attr-defined]
+        if not issubclass(backend, capability) and methods and all(hasattr(backend, m) for m in methods):
+            messages.append(
+                Warning(
+                    f"{Settings.backend.field} {conf.backend!r} has {' and '.join(methods)}, but not "
+                    f"{_qualified(capability)} among its bases: the engine never uses them.",
+                    hint=f"Add {capability.__name__} to {backend.__name__}'s bases "
+                    f"({documentation.page('backends', 'capabilities')}).",
+                    id=W023,
+                )
+            )
+    return messages
+
+
+def _qualified(capability: type[object]) -> str:
+    return f"ratelimits.backends.{capability.__name__}"
 
 
 def _capabilities_needed(backend: type[Backend]) -> list[tuple[type[object], str, str, str]]:
-    """What the project's settings need of a backend: (capability, setting, what it is set to, the way out)."""
+    """What the project's settings need of a backend: (capability, setting, what it is set to, the way out).
+
+    Each is read on its own: a setting that cannot be read is check_settings' to report, and leaves
+    the others to be said.
+    """
     needs: list[tuple[type[object], str, str, str]] = []
-    if conf.usage.enabled:
-        needs.append((UsageSupport, Usage.field(), "is on (as by default)", f"set {Usage.field()} to False"))
-    if isinstance(get_policy_source(), DatabasePolicySource):
-        needs.append(
-            (BulletinSupport, Policies.source.field, "is the database", f"set {Policies.source.field} to 'settings'")
-        )
-    if backend.shared and conf.is_set(LocalPath.leases) and conf.local_path.leases:
-        needs.append((LeaseSupport, LocalPath.leases.field, "is True", f"remove {LocalPath.leases.field}"))
-    if conf.regions.stores:
-        needs.append((RegionSupport, Regions.stores.field, "names regions", f"remove {Regions.field()}"))
+    with contextlib.suppress(ConfigurationError):
+        if conf.usage.enabled:
+            needs.append((UsageSupport, Usage.field(), "is on (as by default)", f"set {Usage.field()} to False"))
+    with contextlib.suppress(ConfigurationError, ImportError):
+        if issubclass(import_string(conf.policies.source), DatabasePolicySource):
+            needs.append(
+                (
+                    BulletinSupport,
+                    Policies.source.field,
+                    "is the database",
+                    f"set {Policies.source.field} to 'settings'",
+                )
+            )
+    with contextlib.suppress(ConfigurationError):
+        if backend.shared and conf.is_set(LocalPath.leases) and conf.local_path.leases:
+            needs.append((LeaseSupport, LocalPath.leases.field, "is True", f"remove {LocalPath.leases.field}"))
+    with contextlib.suppress(ConfigurationError):
+        if conf.regions.stores:
+            needs.append((RegionSupport, Regions.stores.field, "names regions", f"remove {Regions.field()}"))
     return needs
 
 

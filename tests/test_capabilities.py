@@ -18,7 +18,7 @@ from django.utils import timezone
 from ratelimits.backends import CAPABILITIES, BulletinSupport, LeaseSupport, RegionSupport, UsageSupport
 from ratelimits.backends.memory import MemoryBackend
 from ratelimits.backends.redis import RedisBackend
-from ratelimits.checks import E183, check_capabilities
+from ratelimits.checks import E183, W023, check_capabilities
 from ratelimits.engine import get_limiter
 from ratelimits.usage import drain
 from ratelimits.usage.live import read_live
@@ -131,9 +131,41 @@ def test_the_shipped_backends_have_what_their_settings_need(settings: Any) -> No
     }
     assert messages_of(settings, {**everything, "BACKEND": "redis"}) == []
     assert issubclass(RedisBackend, tuple(CAPABILITIES))
-    # The memory backend keeps usage and the version, but no region's share (and it is never shared).
-    assert messages_of(settings, {**everything, "BACKEND": "memory"}) == [
-        "RATELIMITS['REGIONS']['STORES'] names regions, which needs region shares (ratelimits.backends.RegionSupport): "
-        "RATELIMITS['BACKEND'] 'memory' has none."
+    # Memory keeps usage, the version and (the even split) regions' shares; it is never shared, so
+    # leases are not asked of it.
+    assert messages_of(settings, {**everything, "BACKEND": "memory"}) == []
+    assert not issubclass(MemoryBackend, LeaseSupport)
+
+
+def test_nothing_is_asked_of_the_backend_while_the_limiter_is_off(settings: Any) -> None:
+    """docs/testing.md's recipe for a project's own tests: the limiter off, on the memory backend."""
+    assert messages_of(settings, {**BASE, "USAGE": True, "ENABLED": False}) == []
+
+
+def test_each_need_is_read_on_its_own(settings: Any) -> None:
+    """A source that cannot be imported is check_settings' to report: the usage finding still stands."""
+    found = messages_of(settings, {**BASE, "USAGE": True, "POLICIES": {"SOURCE": "myproject.nowhere.Source"}})
+    assert [message.split(",")[0] for message in found] == ["RATELIMITS['USAGE'] is on (as by default)"]
+
+
+class LeasesWithoutTheCapability(SharedDictBackend):  # type: ignore[misc,valid-type]
+    """A backend written for 0.1: it has the lease methods, but not LeaseSupport among its bases."""
+
+    def lease(self, checks: Any, wants: Any, *, usage: Any = None) -> Any:
+        raise AssertionError("never called")
+
+    def give_back(self, grants: Any) -> int:
+        raise AssertionError("never called")
+
+
+def test_a_capabilitys_methods_without_the_capability_are_a_warning(settings: Any) -> None:
+    settings.RATELIMITS = {**BASE, "BACKEND": "tests.test_capabilities.LeasesWithoutTheCapability"}
+    found = check_capabilities()
+    assert [(message.id, message.msg) for message in found] == [
+        (
+            W023,
+            "RATELIMITS['BACKEND'] 'tests.test_capabilities.LeasesWithoutTheCapability' has give_back and lease, but "
+            "not ratelimits.backends.LeaseSupport among its bases: the engine never uses them.",
+        )
     ]
-    assert not issubclass(MemoryBackend, RegionSupport)
+    assert get_limiter().leaser is None  # and indeed it leases nothing

@@ -377,9 +377,15 @@ def test_the_policy_source_path_01_documented_still_loads_and_is_a_warning(setti
     messages = check_deployment()
     assert ids(messages) == ["ratelimits.W022"]
     assert messages[0].msg == (
-        "RATELIMITS['POLICIES']['SOURCE'] is 'ratelimits.sources.DatabasePolicySource', the path 0.1 documented: "
+        "RATELIMITS['POLICIES']['SOURCE'] is 'ratelimits.sources.DatabasePolicySource', where the class used to be: "
         "it is read as 'ratelimits.store.database.DatabasePolicySource' until 0.3, then refused."
     )
+    settings.RATELIMITS = {
+        "BACKEND": "redis",
+        "POLICIES": {"SOURCE": "ratelimits.policies.database.DatabasePolicySource"},
+    }
+    assert conf.policies.source == "ratelimits.store.database.DatabasePolicySource"
+    assert ids(check_deployment()) == ["ratelimits.W022"]
     settings.RATELIMITS = {"BACKEND": "redis", "POLICIES": {"SOURCE": "database"}}
     assert check_deployment() == []
 
@@ -388,9 +394,10 @@ def test_importing_the_01_module_of_the_database_source_warns() -> None:
     sys.modules.pop("ratelimits.sources", None)
     with pytest.warns(
         DeprecationWarning, match=r"ratelimits\.sources is deprecated .* POLICIES\['SOURCE'\] = 'database'"
-    ):
+    ) as warned:
         from ratelimits.sources import DatabasePolicySource as Retired
     assert Retired is DatabasePolicySource
+    assert warned[0].filename == __file__  # the warning points at the import, not into ratelimits
 
 
 def test_a_cache_and_a_url_are_not_both_the_limiters_redis(settings: Any) -> None:

@@ -209,6 +209,26 @@ def test_fixed_window_resets_at_boundary(backend: Any, clock: FakeClock) -> None
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_changed_policy_reads_its_state_in_the_new_terms(
+    backend: Any, clock: FakeClock, algorithm: Algorithm
+) -> None:
+    """A limit lowered under a caller who spent it: each store reads the old state in the new terms,
+    keeps that reading through a denial (the first request after the change is denied), and names
+    the same wait as the reference (memory)."""
+    reference = MemoryBackend(clock=clock)
+    before, after = policy("10/s", algorithm=algorithm), policy("1/s", burst=5, algorithm=algorithm)
+    for store in (backend, reference):
+        assert all(store.decide([Check(before, ALICE)]).allowed for _ in range(10))
+    seen = []
+    for step_us in (10_000, 190_000, 600_000, 400_000, 1_000_000, 3_000_000):
+        clock.advance(step_us)
+        ours, theirs = backend.decide([Check(after, ALICE)]), reference.decide([Check(after, ALICE)])
+        assert_same_decision(ours, theirs)
+        seen.append(theirs.allowed)
+    assert False in seen and True in seen  # the change denied some, and let the caller back in
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_memory_and_redis_agree_on_random_traffic(redis_server: Any, redis_client: Any, algorithm: Algorithm) -> None:
     """The reference and the Lua script decide the same thing, to the microsecond."""
     rng = random.Random(f"contract-{algorithm.value}")

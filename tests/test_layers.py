@@ -18,7 +18,7 @@ The layers, from the bottom (a module may import its own layer and those below):
    module)
 1. values: algorithms, identity, decisions, counters, the adaptive capacity, the metrics' recorder;
    policies and the settings source
-2. stores: the backends
+2. backends: where limiter state lives, the core contract and its capabilities
 3. the policy store: models, the database source, versioning, audit, usage records and their readers
 4. the engine
 5. HTTP: throttles, DRF, middleware, headers, problems, views, status, the OpenAPI schema; the test

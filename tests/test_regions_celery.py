@@ -5,7 +5,7 @@ Two private redis-servers are regions ``a`` and ``b``; a PostgreSQL database of 
 and ``celery -A project beat`` run on RabbitMQ (a queue named for this run) with the demo's
 settings and ``REGIONS`` naming the two servers, so beat schedules ``ratelimits.reconcile_regions``
 every second (``project/celery.py``). This process sends the traffic: one paced thread per region
-deciding one global subject's requests (``tests/support/regions.py``, as ``python -m bench.regions``).
+deciding one global subject's requests (``bench/support/regions.py``, as ``python -m bench.regions``).
 
 1. Demand moves a -> b -> a over 60 s (twice the global rate in the busy region, 5 % of it in the
    other). The busy region's share passes 0.4 within 2 s of each move (the margin is derived where

@@ -150,7 +150,7 @@ class Grant:
 
 @dataclass(frozen=True, slots=True)
 class UsagePeek:
-    """Usage counters read without claiming them (:meth:`Backend.peek_usage`)."""
+    """Usage counters read without claiming them (:meth:`UsageSupport.peek_usage`)."""
 
     #: ``{minute: {field: count}}`` of the minutes that had counters.
     counts: dict[int, dict[str, int]]
@@ -373,7 +373,9 @@ class BulletinSupport(Backend):
 class RegionSupport(Backend):
     """Capability: a region's share of each global policy, as the reconciler writes it into this store.
 
-    What ``REGIONS`` needs ([regions](regions.md)).
+    What ``REGIONS`` needs ([regions](regions.md)). Its :meth:`Backend.decide` enforces a global
+    policy (``policy.is_global``) at this region's share of it, the even split where no share is
+    written (:func:`ratelimits.algorithms.global_bucket`); these methods say what it enforces.
     """
 
     @abstractmethod

@@ -8,13 +8,15 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from ..algorithms import ALGORITHMS, State, global_bucket, slots
 from ..conf import conf
 from ..counters import ALLOWED, EXTRA_TOKENS, LIMITED, SHED, Usage, count, overflow_of
 from ..decisions import Decision, Result, Verdict
 from ..policies.values import Check
-from .base import BulletinSupport, UsagePeek, UsageSupport, new_slot, slot_keys
+from ..shares import ShareRecord
+from .base import BulletinSupport, RegionSupport, UsagePeek, UsageSupport, new_slot, slot_keys
 
 __all__ = ["MemoryBackend"]
 
@@ -23,7 +25,7 @@ def _wall_clock_us() -> int:
     return time.time_ns() // 1000
 
 
-class MemoryBackend(UsageSupport, BulletinSupport):
+class MemoryBackend(UsageSupport, BulletinSupport, RegionSupport):
     """Same semantics as the Redis backend, with state in a dict guarded by a lock.
 
     State is per process: with several workers each enforces the limits on its own, which is
@@ -218,6 +220,13 @@ class MemoryBackend(UsageSupport, BulletinSupport):
         with self._lock:
             self.version = str(max(int(self.version or 0), version))
             return self.version
+
+    def shares(self, checks: Sequence[Check]) -> dict[str, ShareRecord]:
+        """None: no reconciler reaches one process's memory, so every global policy keeps the even split."""
+        return {}
+
+    def last_reconciliation(self) -> dict[str, Any] | None:
+        return None
 
     def _load(self, key: str, now: int) -> State | None:
         entry = self._state.get(key)

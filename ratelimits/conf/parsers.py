@@ -33,10 +33,12 @@ POLICY_SOURCES = {
     "settings": "ratelimits.policies.SettingsPolicySource",
     "database": "ratelimits.store.database.DatabasePolicySource",
 }
-#: Paths of a policy source that earlier releases documented -> where the class lives now. Read as
-#: the new path until 0.3 (``ratelimits.W022`` says so), so no module of the old path is imported.
+#: Paths of a policy source that the docs gave before -> where the class lives now: 0.1's, and the
+#: one the docs of this release gave until the policy store had a folder of its own. Read as the new
+#: path until 0.3 (``ratelimits.W022`` says so), so no module of the old path is imported.
 RETIRED_POLICY_SOURCES = {
     "ratelimits.sources.DatabasePolicySource": POLICY_SOURCES["database"],
+    "ratelimits.policies.database.DatabasePolicySource": POLICY_SOURCES["database"],
 }
 #: The subject kinds ``DIMENSIONS`` may limit.
 DIMENSION_KINDS = ("ip", "user", "api_key", "org")

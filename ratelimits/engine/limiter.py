@@ -25,7 +25,7 @@ import redis
 
 from .._process import ProcessWide
 from ..backends import Backend, PolicyFailed, get_backend
-from ..backends.base import LeaseSupport, UsageSupport, store_threads, takes_slots
+from ..backends.base import BulletinSupport, LeaseSupport, UsageSupport, store_threads, takes_slots
 from ..backends.memory import MemoryBackend
 from ..choices import FailMode
 from ..conf import LocalPathSettings, conf
@@ -236,7 +236,8 @@ class Limiter:
 
     def _leases(self) -> LeaseSupport:
         """The backend, as it takes leases: asked for only where it does (the local path leases only then)."""
-        assert self.leaser is not None, f"{type(self.backend).__name__} takes no leases"
+        if self.leaser is None:
+            raise TypeError(f"{type(self.backend).__name__} takes no leases (no LeaseSupport)")
         return self.leaser
 
     def _note_send(self, consume: bool) -> tuple[float, int] | None:
@@ -680,7 +681,9 @@ def build_limiter(
     ``USAGE['FLUSH_EVERY']``; ``clock`` the local path's (monotonic seconds).
     """
     local = MemoryBackend(usage_cap=usage_cap)
-    if backend.shared and (settings.denials or (settings.leases and isinstance(backend, LeaseSupport))):
+    # Memory is trusted only while the store's invalidation channel is live: none, no local path.
+    heard = isinstance(backend, BulletinSupport)
+    if backend.shared and heard and (settings.denials or (settings.leases and isinstance(backend, LeaseSupport))):
         local_path = LocalPath(backend, breaker, settings, clock=clock)
         return LocalLimiter(backend, breaker, local_path, local=local, local_share=local_share, usage_every=usage_every)
     return Limiter(backend, breaker, local=local, local_share=local_share, usage_every=usage_every)

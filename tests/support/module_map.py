@@ -17,7 +17,7 @@ from tests.test_layers import MODULES, folder_of, layer
 PAGE = Path(__file__).resolve().parent.parent.parent / "docs" / "architecture.md"
 _BLOCK = re.compile(r"(<!-- module-map:start -->\n).*?(<!-- module-map:end -->)", re.DOTALL)
 #: Each layer's name, as the page's layer table gives it.
-LAYER_NAMES = ("foundation", "values", "stores", "policy store", "engine", "HTTP", "operator surfaces")
+LAYER_NAMES = ("foundation", "values", "backends", "policy store", "engine", "HTTP", "operator surfaces")
 
 
 def purpose(path: Path) -> str:
