@@ -36,25 +36,31 @@ FLOOD_PER_REQUEST = 5
 @dataclass(frozen=True)
 class Run:
     label: str
-    maxmemory: str | None
+    #: Bytes the keys may take: ``maxmemory`` is set this far above what the server uses once the
+    #: decide function is loaded (code no eviction can free: a bare ``maxmemory`` this small would
+    #: leave no room at all, and every write would be refused). ``None``: no ``maxmemory``.
+    room: int | None
 
 
 RUNS = [
     Run("no eviction (no maxmemory)", None),
-    Run("allkeys-lru, 4 MB", "4mb"),
-    Run("allkeys-lru, 1.2 MB", "1200kb"),
+    Run("allkeys-lru, 3 MB for keys", 3_000_000),
+    Run("allkeys-lru, 300 kB for keys", 300_000),
 ]
 
 
 def measure(run: Run) -> str:
-    config = ("--maxmemory", run.maxmemory, "--maxmemory-policy", "allkeys-lru") if run.maxmemory else ()
+    config = ("--maxmemory-policy", "allkeys-lru") if run.room else ()
     with RedisServer(config=config) as server:
         backend = RedisBackend(make_client(server.url, 2.0, 2.0))
         caller = Check(Policy("tier:caller", parse_rate("20/s"), 20), Subject(SubjectKind.API_KEY, "caller"))
         crowd = Policy("tier:crowd", parse_rate("20/s"), 20)
         client = server.client()
+        backend.decide([caller], consume=False)  # the decide function loaded: what no eviction frees
+        if run.room:
+            client.config_set("maxmemory", int(client.info("memory")["used_memory"]) + run.room)
         filled = 0
-        while run.maxmemory and int(client.info("stats")["evicted_keys"]) == 0:  # full before measuring
+        while run.room and int(client.info("stats")["evicted_keys"]) == 0:  # full before measuring
             with client.pipeline(transaction=False) as pipe:
                 for _ in range(2000):
                     pipe.set(f"rl:{{fill{filled}}}:x", "1" * 40, px=3_600_000)
