@@ -152,3 +152,13 @@ def test_the_hot_keys_benchmark_compares_every_mode_on_the_long_tail() -> None:
         for mode in ("central", "default"):
             assert re.search(rf"^{scenario} +{mode} +[\d,]+ ", stdout, re.MULTILINE), (scenario, mode, stdout)
         assert re.search(rf"^  {scenario} +worker CPU +[\d.]+x, Redis CPU +[\d.]+x, script calls", stdout, re.MULTILINE)
+
+
+@pytest.mark.slow
+def test_the_eviction_benchmark_runs_every_memory_size() -> None:
+    """Every run reports its keys, evictions and admissions: the smallest once crashed, its maxmemory
+    below what the loaded decide function takes (every write refused)."""
+    stdout = run_bench("bench.eviction", timeout=300)
+    for label in ("no eviction (no maxmemory)", "allkeys-lru, 3 MB for keys", "allkeys-lru, 300 kB for keys"):
+        figures = r" +keys +\d+, evicting +\d+/s: asked \d+, admitted \d+, the limit allows \d+ \([\d.]+x\)$"
+        assert re.search(rf"^{re.escape(label)}{figures}", stdout, re.MULTILINE), (label, stdout)
