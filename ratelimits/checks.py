@@ -118,7 +118,7 @@ E002 = "ratelimits.E002"  # retired after 0.1.0: any invalid value (each setting
 E003 = "ratelimits.E003"  # RATELIMITS is not a dict
 E004 = "ratelimits.E004"  # the limiter's Redis refused its credentials, or its TLS handshake failed
 E005 = "ratelimits.E005"  # retired before release: a setting under both names is W015
-W001 = "ratelimits.W001"  # memory backend outside DEBUG
+W001 = "ratelimits.W001"  # memory (or another per-process backend) outside DEBUG
 W002 = "ratelimits.W002"  # throttle installed without the problem+json exception handler
 W003 = "ratelimits.W003"  # a setting is set that the configured policy source does not read
 W004 = "ratelimits.W004"  # the limiter's Redis may evict its keys (a maxmemory-policy other than noeviction)
@@ -178,6 +178,14 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     return messages
 
 
+def _shared(backend: str) -> bool:
+    """Whether the backend ``BACKEND`` names shares its state between processes (an unknown one: say so)."""
+    try:
+        return backend_class(backend).shared
+    except ConfigurationError:
+        return True  # check_settings reports it
+
+
 def _finding(finding: Finding) -> CheckMessage:
     if finding.kind == "unknown":
         return Error(finding.message, hint=finding.hint, id=E001)
@@ -198,6 +206,16 @@ def check_deployment(app_configs: Any = None, **kwargs: Any) -> list[CheckMessag
         metrics = conf.metrics.settings
     except ConfigurationError:
         return messages  # check_settings reports it
+    if backend != "memory" and not settings.DEBUG and not _shared(backend):
+        messages.append(
+            Warning(
+                f"{Settings.backend.field} is {backend!r}, whose state lives in each process (its class says "
+                "shared = False): every worker process counts on its own.",
+                hint=f"Use a backend that shares its state between processes, such as 'redis' "
+                f"(see {documentation.page('backends')}).",
+                id=W001,
+            )
+        )
     if backend == "memory" and not settings.DEBUG:
         messages.append(
             Warning(

@@ -18,7 +18,7 @@ from django.utils import timezone
 from ratelimits.backends import CAPABILITIES, BulletinSupport, LeaseSupport, RegionSupport, UsageSupport
 from ratelimits.backends.memory import MemoryBackend
 from ratelimits.backends.redis import RedisBackend
-from ratelimits.checks import E183, W023, check_capabilities
+from ratelimits.checks import E183, W001, W023, check_capabilities, check_deployment
 from ratelimits.engine import get_limiter
 from ratelimits.usage import drain
 from ratelimits.usage.live import read_live
@@ -169,3 +169,16 @@ def test_a_capabilitys_methods_without_the_capability_are_a_warning(settings: An
         )
     ]
     assert get_limiter().leaser is None  # and indeed it leases nothing
+
+
+def test_a_per_process_backend_outside_debug_is_a_warning(settings: Any) -> None:
+    """As the memory backend is: the documented DictBackend keeps its state in each process."""
+    settings.DEBUG = False
+    settings.RATELIMITS = BASE
+    found = [message for message in check_deployment() if message.id == W001]
+    assert [message.msg for message in found] == [
+        f"RATELIMITS['BACKEND'] is '{CORE_ONLY}', whose state lives in each process (its class says shared = False): "
+        "every worker process counts on its own."
+    ]
+    settings.RATELIMITS = {**BASE, "BACKEND": SHARED_CORE_ONLY}
+    assert [message for message in check_deployment() if message.id == W001] == []
