@@ -368,6 +368,20 @@ def test_a_redis_the_memory_backend_never_uses_is_a_warning(settings: Any) -> No
     assert check_deployment() == []
 
 
+def test_tiers_that_drop_a_default_tiers_name_say_how_to_mend_it(settings: Any) -> None:
+    """TIERS replaces the default tiers whole: a project naming only its own is told which names it has."""
+    settings.RATELIMITS = {"BACKEND": "redis", "TIERS": {"anonymous": {"rate": "2/m"}, "free": {"rate": "3/s"}}}
+    messages = check_settings()
+    assert [(m.id, m.msg) for m in messages] == [
+        (
+            "ratelimits.E111",
+            "RATELIMITS['POLICIES']['DEFAULT_TIERS']['authenticated']: 'authenticated' is not in RATELIMITS['TIERS'] "
+            "(its tiers: 'anonymous', 'free'). A project's TIERS replaces the default tiers whole: name one of its "
+            "tiers here, or add a tier 'authenticated'",
+        )
+    ]
+
+
 @pytest.mark.django_db
 def test_the_policy_source_path_01_documented_still_loads_and_is_a_warning(settings: Any) -> None:
     settings.RATELIMITS = {"BACKEND": "redis", "POLICIES": {"SOURCE": "ratelimits.sources.DatabasePolicySource"}}

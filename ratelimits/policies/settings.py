@@ -52,8 +52,11 @@ class SettingsPolicySource(SnapshotPolicySource):
             for kind in ("anonymous", "authenticated"):
                 default = conf.policies.default_tiers.get(kind)
                 if default is None or default not in snapshot.tiers:
+                    names = ", ".join(map(repr, sorted(snapshot.tiers))) or "none"
                     raise ConfigurationError(
-                        f"{Policies.default_tiers.field}['{kind}']: {default!r} is not in {Settings.tiers.field}"
+                        f"{Policies.default_tiers.field}['{kind}']: {default!r} is not in {Settings.tiers.field} "
+                        f"(its tiers: {names}). A project's TIERS replaces the default tiers whole: name one of its "
+                        f"tiers here, or add a tier {default!r}"
                     )
                 where = field_of_scope(from_drf[default][0]) if default in from_drf else Policies.default_tiers.field
                 detail = f"default tier for {kind} callers ({where})"
