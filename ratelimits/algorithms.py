@@ -169,9 +169,55 @@ def fixed_window(state: State | None, now: int, limit: int, period_us: int, burs
             converted = (window, count, limit, period_us)
         elif state[0] == window:
             count = int(state[1])
+    return _counted(window, count, until_next, limit, period_us, cost, converted, soft=False)
+
+
+def period_window(
+    state: State | None,
+    now: int,
+    limit: int,
+    period_us: int,
+    cost: int,
+    bounds: tuple[int, int, int],
+    soft: bool,
+) -> Outcome:
+    """A quota's count in the billing period holding ``now``: ``[b0, b1)`` before ``b1``, else ``[b1, b2)``.
+
+    ``bounds`` are three period starts around now (:meth:`ratelimits.periods.BillingPeriod.bounds`);
+    the window is named by its start, and ``period_us`` (the unit's longest period) is only the terms
+    a count was written in. ``soft``: past the limit, admitted all the same and counted (the overage).
+    """
+    lo, mid, hi = bounds
+    window, until_next = (lo, mid - now) if now < mid else (mid, hi - now)
+    count, converted = 0, None
+    if state is not None:
+        if _other_terms(state, 2, limit, period_us):
+            # Another limit: the same share of it, while the period is the same one. Another unit
+            # (its start moved): a period of its own, counted afresh.
+            count = _share(state[1], limit, state[2], True) if state[0] == window and state[3] == period_us else 0
+            converted = (window, count, limit, period_us)
+        elif state[0] == window:
+            count = int(state[1])
+    return _counted(window, count, until_next, limit, period_us, cost, converted, soft=soft)
+
+
+def _counted(
+    window: int,
+    count: int,
+    until_next: int,
+    limit: int,
+    period_us: int,
+    cost: int,
+    converted: State | None,
+    *,
+    soft: bool,
+) -> Outcome:
+    """A window's verdict on ``cost`` more with ``count`` spent; ``soft``: past the limit, admitted and counted."""
     terms = (limit, period_us)
     if count + cost <= limit:
         return Outcome(True, limit - count - cost, until_next, 0, (window, count + cost, *terms), converted)
+    if soft:
+        return Outcome(True, 0, until_next, 0, (window, count + cost, *terms), converted)
     return Outcome(False, max(limit - count, 0), until_next, until_next, (window, count, *terms), converted)
 
 

@@ -53,7 +53,7 @@ def rate_limit_headers(decision: Decision) -> dict[str, str]:
     if closest is None or style == "none":
         return headers
     policy = closest.check.policy
-    static = _static_parts(policy)
+    static = _static_parts(policy, decision.now_us)
     remaining = closest.remaining
     # Refused: when this request could pass, what a client waits for (Retry-After's exact wait).
     # Slots have no window: they come back when requests finish, not at a time we could name.
@@ -62,7 +62,7 @@ def rate_limit_headers(decision: Decision) -> dict[str, str]:
         with_keys = settings.partition_key
         key = _partition_key(closest.check) if with_keys else ""
         if settings.policies == "all":
-            headers["RateLimit-Policy"] = _policy_list(decision.results, with_keys)
+            headers["RateLimit-Policy"] = _policy_list(decision.results, with_keys, decision.now_us)
         else:
             headers["RateLimit-Policy"] = static.policy + key
         if policy.holds_slots:
@@ -88,7 +88,7 @@ _PolicyLists = dict[tuple[int, ...], tuple[tuple[Policy | Check, ...], str]]
 _lists: tuple[_PolicyLists, _PolicyLists] = ({}, {})
 
 
-def _policy_list(results: Sequence[Result], with_keys: bool) -> str:
+def _policy_list(results: Sequence[Result], with_keys: bool, now_us: int) -> str:
     """``RateLimit-Policy`` as a List of every enforced policy of the results, each once, in their order."""
     memo = _lists[with_keys]
     named: list[Policy | Check] = (
@@ -99,16 +99,18 @@ def _policy_list(results: Sequence[Result], with_keys: bool) -> str:
         return memo[ids][1]
     except KeyError:
         pass
-    listed = _join_policies([result.check for result in results], with_keys)
+    listed = _join_policies([result.check for result in results], with_keys, now_us)
+    if any(result.check.policy.period is not None for result in results):
+        return listed  # a billing period's window is the period in force: not kept past it
     return remember(memo, ids, (tuple(named), listed))[1]
 
 
-def _join_policies(checks: Sequence[Check], with_keys: bool) -> str:
+def _join_policies(checks: Sequence[Check], with_keys: bool, now_us: int) -> str:
     # Names are the List's keys: a policy checked twice (two subjects of one policy) is listed once.
     items: list[str] = []
     names: list[str] = []
     for check in checks:
-        static = _static_parts(check.policy)
+        static = _static_parts(check.policy, now_us)
         if static.listed and static.quoted not in names:
             names.append(static.quoted)
             items.append(static.policy + _partition_key(check) if with_keys else static.policy)
@@ -130,18 +132,22 @@ class _Static(NamedTuple):
 _parts: dict[int, tuple[Policy, _Static]] = {}
 
 
-def _static_parts(policy: Policy) -> _Static:
+def _static_parts(policy: Policy, now_us: int) -> _Static:
     try:
         return _parts[id(policy)][1]
     except KeyError:
         pass
     quoted = f'"{policy.name}"'
+    listed = not policy.shadow and policy.algorithm is not Algorithm.FLEET
+    if policy.period is not None:
+        # The quota over the period in force (a month of 28 to 31 days): made per response, not kept.
+        length = policy.period.length_us(now_us)
+        return _Static(quoted, f"{quoted};q={policy.capacity};w={ceil_div(length, US)}", str(policy.capacity), listed)
     if policy.holds_slots:
         described = f'{quoted};q={policy.capacity};qu="concurrent-requests"'
     else:
         quota, window = quota_and_window(policy)
         described = f"{quoted};q={quota};w={window}"
-    listed = not policy.shadow and policy.algorithm is not Algorithm.FLEET
     static = _Static(quoted, described, str(policy.capacity), listed)
     remember(_parts, id(policy), (policy, static))
     return static

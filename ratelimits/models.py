@@ -25,6 +25,7 @@ from .algorithms import RATE_ALGORITHMS, Algorithm
 from .choices import HTTP_METHODS, SHEDDABLE, FailMode, Priority
 from .exceptions import ConfigurationError
 from .identity import ASSIGNABLE_KINDS, SubjectKind
+from .periods import QuotaMode, parse_calendar_quota, zone_info
 from .rates import MAX_LIMIT, check_burst, parse_rate
 
 ALGORITHM_CHOICES = [(a.value, a.value.replace("_", " ")) for a in RATE_ALGORITHMS]
@@ -32,6 +33,10 @@ FAIL_MODE_CHOICES = [("", "fleet default"), *((mode.value, mode.description) for
 PRIORITY_CHOICES = [(p.value, p.value) for p in Priority]
 METHOD_CHOICES = [(m, m) for m in ("ANY", *HTTP_METHODS)]
 SCOPE_CHOICES = [("region", "each region"), ("global", "global: shared by every region")]
+QUOTA_MODE_CHOICES = [
+    (QuotaMode.HARD.value, "hard: refuse once spent"),
+    (QuotaMode.SOFT.value, "soft: admit, count the overage"),
+]
 _SCOPE_HELP = "Global: one limit for every region together, each enforcing its share (token bucket only)."
 SUBJECT_KINDS = [(kind.value, kind.label) for kind in ASSIGNABLE_KINDS]
 
@@ -66,6 +71,40 @@ def validate_rate(value: str) -> None:
         parse_rate(value, field="rate")
     except ConfigurationError as exc:
         raise ValidationError(str(exc).removeprefix("rate: ")) from None
+
+
+def validate_quota(value: str) -> None:
+    """A model-field validator: a calendar quota (``"50000/month"``) or a fixed window's rate (``"500/h"``)."""
+    try:
+        if parse_calendar_quota(value, field="quota") is None:
+            parse_rate(value, field="quota")
+    except ConfigurationError as exc:
+        raise ValidationError(str(exc).removeprefix("quota: ")) from None
+
+
+def validate_zone(value: str) -> None:
+    """A model-field validator: an IANA time zone name this system knows."""
+    try:
+        zone_info(value, field="zone")
+    except ConfigurationError as exc:
+        raise ValidationError(str(exc).removeprefix("zone: ")) from None
+
+
+def quota_limit(value: str) -> int | None:
+    """A quota's limit, calendar or not (``None`` if it is not one)."""
+    try:
+        calendar = parse_calendar_quota(value)
+        return calendar[0] if calendar is not None else parse_rate(value).limit
+    except ConfigurationError:
+        return None
+
+
+def _renews(quota: str) -> bool:
+    """Whether a quota renews by calendar period, so that an anchor moves it."""
+    try:
+        return parse_calendar_quota(quota) is not None
+    except ConfigurationError:
+        return False
 
 
 def validate_endpoint(value: str) -> None:
@@ -198,7 +237,25 @@ class Tier(Revisioned):
         null=True, blank=True, validators=[MinValueValidator(1)], help_text="Requests in flight at once (optional)."
     )
     quota = models.CharField(
-        max_length=32, blank=True, validators=[validate_rate], help_text='Optional long-period quota, e.g. "10000/d".'
+        max_length=32,
+        blank=True,
+        validators=[validate_quota],
+        help_text=(
+            'Optional quota: per calendar day, week or month ("10000/d", "50000/week", "1000000/month"), '
+            'renewing on each customer\'s anchor; any other period is a fixed window ("500/h").'
+        ),
+    )
+    quota_zone = models.CharField(
+        max_length=64,
+        blank=True,
+        validators=[validate_zone],
+        help_text="The time zone of the quota's days, weeks and months (an IANA name, e.g. Europe/Paris; empty: UTC).",
+    )
+    quota_mode = models.CharField(
+        max_length=4,
+        choices=QUOTA_MODE_CHOICES,
+        default=QuotaMode.HARD.value,
+        help_text="Soft: admit past the quota and count the overage (billed), instead of refusing.",
     )
     algorithm = models.CharField(max_length=20, choices=ALGORITHM_CHOICES, default=Algorithm.TOKEN_BUCKET.value)
     fail_mode = models.CharField(max_length=10, choices=FAIL_MODE_CHOICES, blank=True)
@@ -227,19 +284,38 @@ class Tier(Revisioned):
         validate_storable(self, rates=(("rate", "burst"),), counts=("concurrency",))
         if self.scope == "global":
             validate_global(self.algorithm, self.quota)
+        self._validate_quota()
         capacity = self.capacity
         if capacity is None or not self.enabled:
             return  # the field validator reports a bad rate; a disabled tier limits nothing
         if self.quota:
-            try:
-                capacity = min(capacity, parse_rate(self.quota).limit)
-            except ConfigurationError:
-                return
+            limit = quota_limit(self.quota)
+            if limit is None:
+                return  # the field validator reports it
+            capacity = min(capacity, limit)
         costly = EndpointPolicy.objects.filter(enabled=True, exempt=False, cost__gt=capacity).order_by("-cost").first()
         if costly is not None:
             raise ValidationError(
                 f"With a capacity of {capacity}, every request to {costly} (cost {costly.cost}) from this tier would "
                 f"be denied. Raise the burst to at least {costly.cost} or lower that endpoint's cost."
+            )
+
+    def _validate_quota(self) -> None:
+        """A zone or the soft mode only with a quota by calendar day, week or month."""
+        if not self.quota:
+            if self.quota_zone or self.quota_mode == QuotaMode.SOFT.value:
+                field = "quota_zone" if self.quota_zone else "quota_mode"
+                raise ValidationError({field: "There is no quota to apply this to: give a quota, or leave it empty."})
+            return
+        if quota_limit(self.quota) is None:
+            return  # the field validator reports it
+        if parse_calendar_quota(self.quota) is None and (self.quota_zone or self.quota_mode == QuotaMode.SOFT.value):
+            field = "quota_zone" if self.quota_zone else "quota_mode"
+            raise ValidationError(
+                {
+                    field: "A time zone or the soft mode needs a quota per calendar day, week or month "
+                    "(such as 50000/month)."
+                }
             )
 
     def describe(self) -> str:
@@ -257,6 +333,14 @@ class SubjectAssignment(Revisioned):
     tier = models.ForeignKey(Tier, on_delete=models.PROTECT, related_name="assignments")
     starts_at = models.DateTimeField(null=True, blank=True)
     expires_at = models.DateTimeField(null=True, blank=True)
+    quota_anchor = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text=(
+            "When this customer's billing periods renew (their subscription's start): a monthly quota renews "
+            "on its day of the month at its time, in the tier's quota zone. Empty: the calendar's own starts."
+        ),
+    )
     note = models.CharField(max_length=200, blank=True)
 
     class Meta:
@@ -270,6 +354,14 @@ class SubjectAssignment(Revisioned):
         self.subject_id = validate_subject(self.subject_kind, self.subject_id)
         if self.starts_at and self.expires_at and self.expires_at <= self.starts_at:
             raise ValidationError({"expires_at": "The expiry must come after the start."})
+        if self.quota_anchor is not None and self.tier_id is not None and not _renews(self.tier.quota):
+            # An anchor the tier's quota has no use for would silently do nothing.
+            raise ValidationError(
+                {
+                    "quota_anchor": f"Tier {self.tier} has no quota per calendar day, week or month to renew "
+                    f"({self.tier.quota or 'no quota'}): leave the anchor empty, or give the tier such a quota."
+                }
+            )
 
 
 class EndpointPolicy(Revisioned):

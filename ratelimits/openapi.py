@@ -25,10 +25,13 @@ from .conf import conf
 from .counters import METRICS
 from .identity import SubjectKind
 from .models import MAX_ENDPOINT_LENGTH
+from .periods import Unit
 from .policies.values import OriginKind, Scope
 from .problems import CONTENT_TYPE, QUOTA_EXCEEDED, REDUCED_CAPACITY
 from .throttles import RateLimitThrottle
+from .usage.readers import MAX_QUOTA_PERIODS
 from .usage.records import MAX_RANGE
+from .views import QuotaUsageListSerializer
 
 __all__ = ["FIELD_ERRORS", "RateLimitAutoSchema", "documented_headers", "is_rate_limited"]
 
@@ -280,6 +283,14 @@ class RateLimitResourceSerializer(serializers.Serializer):  # type: ignore[type-
     region_share = serializers.FloatField(required=False, min_value=0, max_value=1)
     region_limit = serializers.IntegerField(required=False, min_value=0)
     reconciled_at = serializers.DateTimeField(required=False, allow_null=True)
+    # Quotas by billing period only: the period in force, as the caller's anchor and zone make it.
+    period_unit = serializers.ChoiceField(required=False, choices=[unit.value for unit in Unit])
+    period_zone = serializers.CharField(required=False, help_text="The IANA time zone the period is counted in.")
+    period_start = serializers.DateTimeField(required=False)
+    period_end = serializers.DateTimeField(required=False, help_text="When the quota renews.")
+    soft = serializers.BooleanField(
+        required=False, help_text="Admitted past the quota, the overage counted (billed), not refused."
+    )
 
 
 #: The caller's usage since midnight UTC, a count per metric (``ratelimits.counters.METRICS``).
@@ -340,6 +351,23 @@ class UsageViewSchema(OpenApiViewExtension):  # type: ignore[no-untyped-call]
         ]
         responses = {200: self.target.serializer_class, 400: FIELD_ERRORS}
         return _documented_get(self.target, parameters=parameters, responses=responses)
+
+
+class QuotaUsageViewSchema(OpenApiViewExtension):  # type: ignore[no-untyped-call]
+    """The parameter and bodies of :class:`~ratelimits.views.QuotaUsageView` and its subclasses."""
+
+    target_class = "ratelimits.views.QuotaUsageView"
+    match_subclasses = True
+
+    def view_replacement(self) -> type[APIView]:
+        periods = OpenApiParameter(
+            "periods",
+            {"type": "integer", "minimum": 1, "maximum": MAX_QUOTA_PERIODS},
+            default=3,
+            description="How many billing periods, the current one last.",
+        )
+        responses = {200: QuotaUsageListSerializer, 400: FIELD_ERRORS}
+        return _documented_get(self.target, parameters=[periods], responses=responses)
 
 
 def _documented_get(view: type[APIView], **schema: Any) -> type[APIView]:

@@ -34,6 +34,7 @@ from .decisions import UNLIMITED, US, Decision, Peek, peek
 from .engine import get_limiter
 from .exceptions import BackendUnavailable
 from .identity import Identity, Subject, SubjectKind, identify, normalize_ip
+from .periods import DAY_US, BillingPeriod, Unit
 from .policies.snapshot import endpoint_slug
 from .policies.source import get_policy_source
 from .policies.values import Check, OriginKind, Policy, Role, policy_from_config
@@ -44,9 +45,11 @@ __all__ = [
     "EffectiveCheck",
     "EffectiveLimits",
     "RegionShare",
+    "billing_period",
     "current_limits",
     "effective_limits",
     "limit_status_call",
+    "quota_checks",
     "stand_in",
 ]
 
@@ -167,6 +170,7 @@ def current_limits(request: Request, *, endpoint: str, method: str | None = None
                 # setting's name) is the operator's: the admin's page and the command show it.
                 "origin": str(entry.kind),
                 **(_region_fields(entry.region_share) if entry.region_share else {}),
+                **_period_fields(policy),
             }
         )
     return {
@@ -175,6 +179,51 @@ def current_limits(request: Request, *, endpoint: str, method: str | None = None
         "degraded": limits.degraded,
         "resources": resources,
         "today": today_usage(identity.caller),
+    }
+
+
+#: What a quota of ``"N/d"`` in UTC, with no anchor, counts: the calendar day in UTC.
+UTC_DAY = BillingPeriod(Unit.DAY)
+
+
+def billing_period(policy: Policy) -> BillingPeriod | None:
+    """A quota's billing period: its own, or the plain UTC day an epoch-aligned day quota counts
+    (``None`` for a quota of another period, or a policy that is no quota)."""
+    if policy.role is not Role.QUOTA:
+        return None
+    if policy.period is not None:
+        return policy.period
+    return UTC_DAY if policy.rate.period_us == DAY_US else None
+
+
+def quota_checks(request: HttpRequest, identity: Identity) -> list[Check]:
+    """The caller's quotas by billing period, as the policy source resolves its requests (spends nothing).
+
+    Those on the caller or its organisation: the subjects usage is recorded under (a quota placed
+    on a user whose requests carry API keys is counted in the store, not in the usage records).
+    """
+    source = get_policy_source()
+    counted = {identity.caller, identity.organization}
+    explained = source.explain(request, identity)
+    return [
+        entry.check
+        for entry in explained
+        if billing_period(entry.check.policy) is not None and entry.check.subject in counted
+    ]
+
+
+def _period_fields(policy: Policy) -> dict[str, Any]:
+    """A quota by billing period: the period in force now, in the caller's zone, from their anchor."""
+    period = billing_period(policy)
+    if period is None:
+        return {}
+    now = datetime.now(UTC)
+    return {
+        "period_unit": period.unit.value,
+        "period_zone": period.zone,
+        "period_start": period.start(now).isoformat(),
+        "period_end": period.next_start(now).isoformat(),
+        "soft": policy.soft,
     }
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import csv
+import io
 from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.utils.dateparse import parse_datetime
@@ -12,23 +14,26 @@ from rest_framework import serializers
 from rest_framework.exceptions import ValidationError
 from rest_framework.generics import ListAPIView
 from rest_framework.pagination import LimitOffsetPagination
+from rest_framework.renderers import BaseRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.settings import api_settings
 from rest_framework.views import APIView
 
 from .choices import HTTP_METHODS
 from .decisions import Decision
 from .drf import endpoint_name
 from .endpoints import is_known_endpoint
-from .identity import identify
+from .identity import SubjectKind, identify
 from .models import MAX_ENDPOINT_LENGTH, validate_endpoint
-from .status import current_limits, limit_status_call
+from .periods import Unit
+from .status import billing_period, current_limits, limit_status_call, quota_checks
 from .throttles import RateLimitThrottle
 from .usage.live import read_live
-from .usage.readers import caller_filters, endpoint_series
+from .usage.readers import MAX_QUOTA_PERIODS, caller_filters, endpoint_series, quota_periods
 from .usage.records import MAX_RANGE
 
-__all__ = ["RateLimitStatusThrottle", "RateLimitStatusView", "UsageView"]
+__all__ = ["QuotaUsageView", "RateLimitStatusThrottle", "RateLimitStatusView", "UsageView"]
 
 
 class UsageSerializer(serializers.Serializer):  # type: ignore[type-arg]
@@ -110,6 +115,117 @@ def _moment(raw: str | None, field: str, default: datetime) -> datetime:
             {field: f"{raw!r} is not an ISO 8601 datetime with an offset, e.g. 2026-11-30T00:00:00Z."}
         )
     return moment
+
+
+class QuotaPeriodSerializer(serializers.Serializer):  # type: ignore[type-arg]
+    """One billing period of a quota: what it allowed, and what the caller spent of it."""
+
+    start = serializers.DateTimeField(help_text="When the period began, in the quota's time zone.")
+    end = serializers.DateTimeField(help_text="When it renews (or renewed).")
+    quota = serializers.IntegerField(min_value=1)
+    used = serializers.IntegerField(min_value=0, help_text="Tokens the admitted requests spent in the period.")
+    remaining = serializers.IntegerField(min_value=0)
+    overage = serializers.IntegerField(
+        min_value=0, help_text="Spent past the quota: what a soft quota admitted and bills for."
+    )
+    live = serializers.BooleanField(help_text="Some of it is the limiter's live counters: it may still grow.")
+
+
+class QuotaUsageSerializer(serializers.Serializer):  # type: ignore[type-arg]
+    """A quota of the caller's, by billing period."""
+
+    policy = serializers.CharField()
+    subject = serializers.ChoiceField(choices=[kind.value for kind in SubjectKind])
+    period_unit = serializers.ChoiceField(choices=[unit.value for unit in Unit])
+    period_zone = serializers.CharField(help_text="The IANA time zone the periods are counted in.")
+    soft = serializers.BooleanField(help_text="Admitted past the quota, the overage counted, not refused.")
+    periods = QuotaPeriodSerializer(many=True, help_text="Oldest first; the current period last.")
+
+
+class QuotaUsageListSerializer(serializers.Serializer):  # type: ignore[type-arg]
+    """``GET /v1/usage/quota``: each quota of the caller by calendar day, week or month."""
+
+    quotas = QuotaUsageSerializer(many=True)
+
+
+#: ``CSV``'s columns: a quota's, then a period's.
+QUOTA_CSV_COLUMNS = (
+    *("policy", "subject", "period_unit", "period_zone", "soft"),
+    *("start", "end", "quota", "used", "remaining", "overage", "live"),
+)
+
+
+class QuotaCSVRenderer(BaseRenderer):
+    """``?format=csv``: one row per quota and period (an error body, as its fields' name and value)."""
+
+    media_type = "text/csv"
+    format = "csv"
+    charset = "utf-8"
+
+    def render(self, data: Any, accepted_media_type: str | None = None, renderer_context: Any = None) -> bytes:
+        out = io.StringIO()
+        writer = csv.writer(out)
+        if isinstance(data, dict) and "quotas" in data:
+            writer.writerow(QUOTA_CSV_COLUMNS)
+            for quota in data["quotas"]:
+                for period in quota["periods"]:
+                    row = {**quota, **period}
+                    writer.writerow([row[column] for column in QUOTA_CSV_COLUMNS])
+        elif isinstance(data, dict):
+            writer.writerow(("field", "error"))
+            writer.writerows((field, value) for field, value in data.items())
+        return out.getvalue().encode()
+
+
+class QuotaUsageView(APIView):
+    """``GET /v1/usage/quota?periods=3``: the caller's usage against each quota by billing period.
+
+    Each of the caller's quotas by calendar day, week or month (docs/plans.md): its last ``periods``
+    billing periods (1 to 12, default 3), the current one last, counted from the caller's own
+    anchor in the quota's zone, with what each allowed, what was spent (tokens), what is left and
+    the overage past it. ``?format=csv`` gives the same as CSV. The caller is whoever authenticated
+    the request: no parameter can name another subject. Read as every reader of usage reads
+    (:func:`ratelimits.usage.readers.quota_periods`), the minutes not drained yet included.
+    """
+
+    throttle_scope = "usage"
+    # The project's renderers (as DRF's APIView reads them: once), and CSV for ``?format=csv``.
+    renderer_classes = [*cast("list[type[BaseRenderer]]", api_settings.DEFAULT_RENDERER_CLASSES), QuotaCSVRenderer]
+
+    def get(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        raw = request.query_params.get("periods", "3")
+        if not (raw.isascii() and raw.isdigit() and 1 <= int(raw) <= MAX_QUOTA_PERIODS):
+            raise ValidationError({"periods": f"{raw!r} must be a whole number from 1 to {MAX_QUOTA_PERIODS}."})
+        count = int(raw)
+        identity = identify(request, endpoint="usage", auth=request.auth, user=request.user)
+        quotas = []
+        for check in quota_checks(request, identity):
+            policy = check.policy
+            period = billing_period(policy)
+            assert period is not None  # quota_checks gives those that have one
+            periods = quota_periods(check.subject, period, policy.rate.limit, count=count)
+            quotas.append(
+                {
+                    "policy": policy.name,
+                    "subject": check.subject.kind,
+                    "period_unit": period.unit.value,
+                    "period_zone": period.zone,
+                    "soft": policy.soft,
+                    "periods": [
+                        {
+                            "start": row.start.isoformat(),
+                            "end": row.end.isoformat(),
+                            "quota": row.quota,
+                            "used": row.used,
+                            "remaining": row.remaining,
+                            "overage": row.overage,
+                            "live": row.live,
+                        }
+                        for row in periods
+                    ],
+                }
+            )
+        return Response({"quotas": quotas})
 
 
 class RateLimitStatusThrottle(RateLimitThrottle):

@@ -247,6 +247,8 @@ def test_export_document_uses_natural_keys() -> None:
         "burst": 100,
         "concurrency": None,
         "quota": "1000/d",
+        "quota_zone": "",
+        "quota_mode": "hard",
         "algorithm": "token_bucket",
         "fail_mode": "",
         "scope": "region",
@@ -260,6 +262,7 @@ def test_export_document_uses_natural_keys() -> None:
         "tier": "gold",
         "starts_at": "2024-01-01T00:00:00Z",
         "expires_at": "2099-01-01T00:00:00Z",
+        "quota_anchor": None,
         "note": "",
     }
     assert [(e["endpoint"], e["method"]) for e in document["endpoints"]] == [("charges", "POST"), ("health", "ANY")]

@@ -11,7 +11,7 @@ each have their own (``TOP_LEVEL``).
 
 The layers, from the bottom (a module may import its own layer and those below):
 
-0. foundation: settings, exceptions, the named choices, rates, the documentation's addresses, the
+0. foundation: settings, exceptions, the named choices, rates and billing periods, the documentation's addresses, the
    private helpers every layer uses (bounded memos, process-wide values, integer arithmetic); and the
    deprecated ``client``, which re-exports the client distribution (``ratelimits_client``, outside the
    package: clients/python) and imports nothing else (tests/test_client.py checks it loads no other
@@ -62,6 +62,7 @@ TOP_LEVEL: dict[str, int] = {
     "ratelimits._process": 0,
     "ratelimits.choices": 0,
     "ratelimits.rates": 0,
+    "ratelimits.periods": 0,
     "ratelimits.documentation": 0,
     "ratelimits.redis_url": 0,
     "ratelimits.algorithms": 1,

@@ -259,6 +259,7 @@ DEMO_OPERATIONS = {
     ("post", "/v1/reports/export"),
     ("get", "/v1/rate_limit"),
     ("get", "/v1/usage"),
+    ("get", "/v1/usage/quota"),
 }
 
 

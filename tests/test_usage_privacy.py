@@ -99,7 +99,7 @@ def test_no_raw_identity_is_stored_in_redis_and_the_drained_rows_carry_the_label
     # pace of about one write a second, and the next request's end would write them.
     assert set(UsageSubject.objects.values_list("kind", "value")) >= {("api_key", f"ApiKey:{keys[0].pk}")}
     write_pending()
-    assert drain(now=time.time() + 120) == 1
+    assert drain(now=time.time() + 120) in (1, 2)  # two when the requests fell either side of a minute's end
     rows = {(r.subject_kind, r.subject_id, r.organization, r.endpoint) for r in UsageRecord.objects.all()}
     assert rows == {
         ("api_key", f"ApiKey:{keys[0].pk}", "org-privacy-0", "customers"),
@@ -204,7 +204,8 @@ def test_a_subject_without_a_label_is_recorded_under_its_digest_and_logged(
     write_pending()
     UsageSubject.objects.filter(value="198.51.100.92").delete()  # as if its writes had failed for good
     with caplog.at_level(logging.WARNING, logger="ratelimits"):
-        assert drain(now=time.time() + 120) == 1
+        # One minute drained, or two when the requests fell either side of a minute's end (CI met one).
+        assert drain(now=time.time() + 120) in (1, 2)
     digest = Subject(SubjectKind.IP, "198.51.100.92").digest
     assert {(r.subject_id, r.allowed) for r in UsageRecord.objects.all()} == {
         ("198.51.100.91", 1),

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from ratelimits.views import UsageView
+from ratelimits.views import QuotaUsageView, UsageView
 
 from . import views
 
@@ -11,4 +11,5 @@ urlpatterns = [
     path("v1/reports/export", views.ReportExport.as_view(), name="reports-export"),
     path("v1/rate_limit", views.RateLimitStatus.as_view(), name="rate-limit"),
     path("v1/usage", UsageView.as_view(), name="usage"),
+    path("v1/usage/quota", QuotaUsageView.as_view(), name="usage-quota"),
 ]

@@ -20,6 +20,7 @@ __all__ = [
     "DEADLINE",
     "LEASE",
     "OLD_WINDOW_FORMATS",
+    "PERIOD",
     "REFUNDABLE",
     "REFUNDED_STATE",
     "REFUND_CHECK",
@@ -40,12 +41,16 @@ __all__ = [
 REQUEST = struct.Struct("<dBdddddd")
 #: The request header's last field: the call's deadline.
 DEADLINE = struct.Struct("<d")
-#: A check's record (``CHECK``): algorithm code, flags (1: shadow; 2: a global policy), limit,
-#: period (us), burst, cost, and the state TTL (ms, for ``PX``); a global policy's adds
-#: ``FALLBACK``: its share in a region without a share record.
+#: A check's record (``CHECK``): algorithm code, flags (1: shadow; 2: a global policy; 4: a quota by
+#: billing period; 8: soft, admitting past its limit), limit, period (us), burst, cost, and the state
+#: TTL (ms, for ``PX``); a global policy's adds ``FALLBACK``: its share in a region without a share
+#: record; a billing period's is followed, per request, by ``PERIOD``.
 CHECK = struct.Struct("<BBddddd")
 _FALLBACK = struct.Struct("<d")
-_GLOBAL_FLAG = 2
+_GLOBAL_FLAG, _PERIOD_FLAG, _SOFT_FLAG = 2, 4, 8
+#: A billing period's three starts around now (us; ``PERIOD`` in ``lua/decide.lua``): the request's
+#: own part of a quota's record (:meth:`ratelimits.periods.BillingPeriod.bounds`).
+PERIOD = struct.Struct("<ddd")
 #: ``lua/refund.lua``'s header (now) and each check's record before what the decide call reported.
 REFUND_NOW = struct.Struct("<d")
 REFUND_CHECK = struct.Struct("<Bddddd")
@@ -67,6 +72,8 @@ def check_record(check: Check) -> bytes:
         pass
     policy = check.policy
     flags = policy.shadow | (_GLOBAL_FLAG if policy.is_global else 0)
+    if policy.period is not None:
+        flags |= _PERIOD_FLAG | (_SOFT_FLAG if policy.soft else 0)
     record = CHECK.pack(
         policy.algorithm.code,
         flags,

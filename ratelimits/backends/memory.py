@@ -10,7 +10,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..algorithms import ALGORITHMS, State, global_bucket, slots
+from ..algorithms import State, global_bucket, slots
 from ..conf import conf
 from ..counters import ALLOWED, EXTRA_TOKENS, LIMITED, SHED, Usage, count, overflow_of
 from ..decisions import Decision, Result, Verdict
@@ -95,9 +95,7 @@ class MemoryBackend(UsageSupport, BulletinSupport, RegionSupport):
                             policy.even_share,
                         )
                     else:
-                        outcome = ALGORITHMS[policy.algorithm](
-                            state, now, policy.rate.limit, policy.rate.period_us, policy.burst, check.cost
-                        )
+                        outcome = policy.evaluate(state, now, check.cost)
                     expires = now + policy.state_ttl_ms * 1000
                     if outcome.allowed:
                         pending[key] = outcome.new_state

@@ -46,6 +46,7 @@ from .base import (
 from .codec import (
     DEADLINE,
     LEASE,
+    PERIOD,
     REFUND_CHECK,
     REFUND_NOW,
     REFUNDABLE,
@@ -425,8 +426,11 @@ class RedisBackend(LeaseSupport, UsageSupport, BulletinSupport, RegionSupport, H
             len(overflow),
             deadline,
         )
+        records = compiled.records
+        if compiled.periods:  # a quota by billing period: the starts around now follow its record
+            records = compiled.records_at(int(now) if now >= 0 else time.time_ns() // 1000)
         args: list[Any] = [
-            b"".join((header, compiled.records, overflow, slot.encode() if slot else b"")),
+            b"".join((header, records, overflow, slot.encode() if slot else b"")),
             usage.field if usage else "",
         ]
         if wants is not None:
@@ -821,6 +825,8 @@ class _Compiled(NamedTuple):
     shares: tuple[str, ...]
     #: The keys a consuming call holds its slot under (empty: it takes none).
     held: tuple[str, ...]
+    #: Whether a check is a quota by billing period, whose record each call completes (:meth:`records_at`).
+    periods: bool
 
     @classmethod
     def of(cls, checks: tuple[Check, ...], prefix: str) -> _Compiled:
@@ -832,7 +838,19 @@ class _Compiled(NamedTuple):
             b"".join(map(check_record, checks)),
             tuple(layout.share_key(key) for check, key in zip(checks, keys, strict=True) if check.policy.is_global),
             slot_keys(checks, keys),
+            any(check.policy.period is not None for check in checks),
         )
+
+    def records_at(self, now_us: int) -> bytes:
+        """The records with each billing period's starts around ``now_us`` (the app's clock; the
+        script picks among them by its own)."""
+        parts = []
+        for check in self.checks:
+            parts.append(check_record(check))
+            period = check.policy.period
+            if period is not None:
+                parts.append(PERIOD.pack(*period.bounds(now_us)))
+        return b"".join(parts)
 
 
 #: ``Result(...)`` without the Python-level ``__new__`` a NamedTuple has: one per check of every decision.

@@ -839,6 +839,7 @@ def _leasable(check: Check) -> bool:
     Only a bucket's tokens are leased, or a fixed window's (spent within the window): not a sliding
     window's, whose count weighs on the next window too, nor a slot (counted live). Nor the
     failed-authentication limit's: it must let exactly its burst of failures through, fleet-wide.
+    Nor a soft quota's, whose count past its limit is the overage billed.
     Nor a global policy's: its region's share changes under it (docs/regions.md). Nor a shadow
     policy's, which never spends.
     """
@@ -847,6 +848,7 @@ def _leasable(check: Check) -> bool:
     return (
         (algorithm is Algorithm.TOKEN_BUCKET or algorithm is Algorithm.FIXED_WINDOW)
         and not policy.shadow
+        and not policy.soft
         and policy.role is not Role.FAILED_AUTH
         and not policy.is_global
     )

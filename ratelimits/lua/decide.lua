@@ -59,7 +59,8 @@
 -- allowed exactly when its retry_us is 0 (a denial's wait is at least 1 us); -1: it failed (see
 -- phase 1). A refundable call (consume = 2: one slot group of a cluster decision) adds one more
 -- string: per check, REFUNDABLE packed, what lua/refund.lua needs to give back exactly what the
--- check spent (a token bucket's arrival time after it, and what the bucket had been given back).
+-- check spent (a token bucket's arrival time after it, and what the bucket had been given back; a
+-- billing period's start, the window it counted in, and 0).
 -- A leasing call (consume = 3: refundable, and leasing) adds another: per check, LEASE packed, the
 -- tokens taken for the worker beyond its cost (as many of its wants as the bucket held; none
 -- unless the request was admitted). They are taken as the request's cost is: really spent here,
@@ -78,11 +79,13 @@ local SLOT_RETRY_US = 1000000
 -- many checks are of global policies, the overflow row's length, and the call's deadline (us, Redis TIME; 0: none): a call
 -- that runs after it does nothing and answers the error LATE, for its worker stopped waiting
 -- and decided the request without it (ratelimits/backends/deadline.py).
--- CHECK: algorithm code, flags (1: shadow, reported but never denies; 2: a global policy), limit
--- (requests per period; slots), period (us; a slot's TTL), burst (GCRA capacity in requests), cost
+-- CHECK: algorithm code, flags (1: shadow, reported but never denies; 2: a global policy; 4: a
+-- quota by billing period; 8: soft, admitting past its limit), limit (requests per period; slots),
+-- period (us; a slot's TTL; a billing period's longest), burst (GCRA capacity in requests), cost
 -- (tokens it spends), the state's TTL (ms, for PX); a global policy's adds FALLBACK: its share
--- while it has no record.
-local REQUEST, CHECK, FALLBACK = '<dBdddddd', '<BBddddd', '<d'
+-- while it has no record; a billing period's adds PERIOD: three period starts (us) around now, the
+-- middle one nearest (ratelimits/periods.py), of which the store's clock picks its period.
+local REQUEST, CHECK, FALLBACK, PERIOD = '<dBdddddd', '<BBddddd', '<d', '<ddd'
 local GCRA_STATE, SLIDING_STATE, FIXED_STATE = '<dd', '<ddddd', '<dddd'
 -- A bucket given back to: arrival time, capacity, us given back so far, and a last byte no
 -- decimal has. Also each check's REFUNDABLE part.
@@ -121,6 +124,9 @@ local unpack_args, pack, floor, ceil, max, min
 -- The call's clock (us) and what it does, which the algorithms below read: set by decide().
 -- server_clock: `now` is Redis TIME, the clock keys expire by.
 local now, consume, refundable, leasing, server_clock
+-- Set per check, for a quota by billing period (by_period): its starts around now, and whether it
+-- is soft (admits past its limit, counting the overage).
+local by_period, soft, period_lo, period_mid, period_hi = false, false, 0, 0, 0
 
 -- A TTL (ms, a whole number) as the decimal PX takes. Given a number, Redis formats it on every
 -- call (%.17g, about 1,600 instructions); a Redis Function's library keeps each policy's text
@@ -311,8 +317,18 @@ local function sliding_window(value, limit, period, burst, cost)
 end
 
 local function fixed_window(value, limit, period, burst, cost)
-  local window, elapsed = split(period)
-  local until_next = period - elapsed
+  local window, until_next
+  if by_period then  -- named by its start: [lo, mid) before mid, else [mid, hi)
+    if now < period_mid then
+      window, until_next = period_lo, period_mid - now
+    else
+      window, until_next = period_mid, period_hi - now
+    end
+  else
+    local elapsed
+    window, elapsed = split(period)
+    until_next = period - elapsed
+  end
   local count = 0
   if value then
     local w, c, old_limit, old_period
@@ -323,8 +339,13 @@ local function fixed_window(value, limit, period, burst, cost)
       w, c, old_limit, old_period = unpack_args(FIXED_STATE, value)
     end
     if old_limit ~= limit or old_period ~= period then
-      -- Written under another limit or window: the same share, while its window is current.
-      if w == split(old_period) then count = share(c, old_limit, limit, old_period == period) end
+      -- Written under another limit or window: the same share, while its window is current (a
+      -- billing period's, while it is the same period of the same unit).
+      if by_period then
+        if w == window and old_period == period then count = share(c, old_limit, limit, true) end
+      elseif w == split(old_period) then
+        count = share(c, old_limit, limit, old_period == period)
+      end
       converted = pack(FIXED_STATE, window, count, limit, period)
     elseif w == window then
       count = c
@@ -336,6 +357,7 @@ local function fixed_window(value, limit, period, burst, cost)
     end
     return true, limit - count - cost - granted, until_next, 0, pack(FIXED_STATE, window, count + cost + granted, limit, period)
   end
+  if soft then return true, 0, until_next, 0, pack(FIXED_STATE, window, count + cost, limit, period) end
   return false, max(limit - count, 0), until_next, until_next, nil
 end
 
@@ -433,6 +455,7 @@ local function decide(KEYS, ARGV)
   refundable = consume >= 2
   consume = consume >= 1
   spent_tat, given_back, want, granted, converted, share = 0, 0, 0, 0, nil, 1
+  by_period, soft = false, false
   local usage = ARGV[2]
   local n = #KEYS - 1 - globals
   if globals > 0 then n = n - 1 end
@@ -464,6 +487,15 @@ local function decide(KEYS, ARGV)
     algorithm, shadow, limit, period, burst, cost, ttl, pos = unpack_args(CHECK, ARGV[1], pos)
     local holds_slot = algorithm >= CONCURRENCY  -- CONCURRENCY and FLEET, the codes after the rate algorithms
     local evaluate = algorithms[algorithm]
+    -- (A billing period's quota is never a global policy: a record has FALLBACK or PERIOD, not both.)
+    if shadow >= 4 then  -- a quota by billing period (4), soft (8): its starts around now follow
+      soft = shadow >= 8
+      if soft then shadow = shadow - 8 end
+      by_period, shadow = true, shadow - 4
+      period_lo, period_mid, period_hi, pos = unpack_args(PERIOD, ARGV[1], pos)
+    elseif by_period then  -- the check before was one
+      by_period, soft = false, false
+    end
     if shadow >= 2 then  -- a global policy: its region's share of a token bucket
       local fallback
       fallback, pos = unpack_args(FALLBACK, ARGV[1], pos)
@@ -526,6 +558,11 @@ local function decide(KEYS, ARGV)
     if refundable then
       if evaluate == token_bucket and retry == 0 then
         refunds[i] = pack(REFUNDABLE, spent_tat, given_back)
+      elseif by_period and retry == 0 then
+        -- A billing period's count: the period it was counted in, named by its start (lua/refund.lua).
+        local counted_in = period_mid
+        if now < period_mid then counted_in = period_lo end
+        refunds[i] = pack(REFUNDABLE, counted_in, 0)
       else
         refunds[i] = pack(REFUNDABLE, 0, 0)
       end

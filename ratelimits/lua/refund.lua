@@ -20,7 +20,8 @@
 --
 -- CHECK: algorithm code, limit, period (us), cost, consumed_at (the decide script's now, us), burst,
 -- then what the decide call reported for it (REFUNDABLE in decide.lua): a token bucket's arrival
--- time after the request, and what the bucket had been given back until then.
+-- time after the request, and what the bucket had been given back until then; a billing period's
+-- start (the window its count is in, named by it), and 0; a window's, 0 and 0.
 --
 -- A state written in other terms than the check's (its policy changed since the request; the
 -- decide script converted it) is given nothing back: the request's spend was in the old terms.
@@ -109,6 +110,8 @@ for i = 1, n do
         end
       else
         local consumed = window_of(consumed_at, period)
+        -- A billing period's window is named by its start, which the decide call reported.
+        if algorithm == FIXED_WINDOW and spent_tat > 0 then consumed = spent_tat end
         if algorithm == SLIDING_WINDOW then
           local w, current, previous, written_limit, written_period
           if #value == 24 then

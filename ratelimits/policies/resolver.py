@@ -156,6 +156,8 @@ def _resolve(
     for subject, assignment in placements:
         policies = snapshot.tiers.get(assignment.tier, ())
         for policy in policies:
+            if assignment.anchor is not None and policy.role is Role.QUOTA:
+                policy = snapshot.anchored(policy, assignment.anchor)  # the subject's own billing periods
             if now is None:  # nothing can override it
                 _add(found, policy, assignment.origin, subject, cost)
             else:

@@ -21,6 +21,7 @@ from ..algorithms import Algorithm
 from ..choices import FailMode, Priority
 from ..exceptions import ConfigurationError
 from ..identity import SubjectKind
+from ..periods import DAY_US, LONGEST_US, QuotaMode, parse_calendar_quota, zone_info
 from ..rates import MAX_BURST, MAX_LIMIT, MAX_REFILL_US, Rate, parse_rate
 from .values import (
     DEFAULT_RULE,
@@ -73,6 +74,9 @@ class Assignment:
     tier: str
     origin: Origin
     window: Window = ALWAYS
+    #: When the subject's billing periods renew (the start of their subscription; ``None``: the
+    #: calendar's own starts): the tier's quota by day, week or month is counted from it.
+    anchor: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +194,8 @@ class PolicySnapshot:
     #: DRF throttle rates this snapshot's own policies replace: (DRF's setting, its rate, what
     #: replaces it, that policy), for the system checks to name.
     replaced: list[tuple[str, str, str, str]] = field(default_factory=list)
+    #: (policy id, anchor) -> (the policy, it renewing at the anchor): a subject's quota, built on first use.
+    anchored_policies: dict[tuple[int, datetime], tuple[Policy, Policy]] = field(default_factory=dict)
     _fleet_resolved: dict[Priority, tuple[Check, Origin]] | None = field(default=None, repr=False)
     #: (asked at, the answer) of :meth:`next_change`, valid until that answer.
     _next_change: tuple[datetime, datetime | None] | None = field(default=None, repr=False)
@@ -212,6 +218,14 @@ class PolicySnapshot:
         """The rule for ``endpoint`` called with ``method``: a method's own beats any method's."""
         rules = self.endpoints
         return rules.get(f"{method.upper()} {endpoint}") or rules.get(endpoint) or DEFAULT_RULE
+
+    def anchored(self, policy: Policy, anchor: datetime) -> Policy:
+        """``policy`` renewing at ``anchor`` (:meth:`Policy.anchored`): one object per pair, kept."""
+        key = (id(policy), anchor)
+        kept = self.anchored_policies.get(key)
+        if kept is None:
+            kept = self.anchored_policies[key] = (policy, policy.anchored(anchor))
+        return kept[1]
 
     @property
     def has_windows(self) -> bool:
@@ -242,6 +256,41 @@ def endpoint_key(name: str) -> str:
     return f"{method.upper()} {rest.strip()}" if rest else name
 
 
+def quota_policy(
+    tier: str, quota: object, *, zone: object, mode: object, field: str, fail_mode: FailMode, shadow: bool = False
+) -> Policy:
+    """A tier's quota: ``"10000/month"`` per billing period in ``zone``, hard or soft; ``"500/h"`` a fixed window.
+
+    A calendar day, week or month (``"/d"``, ``"/week"``, ``"/month"``) is counted from each
+    customer's anchor (:meth:`Policy.anchored`); the plain UTC day, hard, is the epoch-aligned
+    fixed window, which counts the same days. Any other period is a fixed window aligned to the
+    epoch, and takes neither a zone nor the soft mode.
+    """
+    quota_mode = QuotaMode.parse(mode, field=f"{field}['quota_mode']")
+    zone_name = str(zone)
+    zone_info(zone, field=f"{field}['quota_zone']")
+    calendar = parse_calendar_quota(quota, zone=zone_name, field=f"{field}['quota']")
+    name = f"tier:{tier}:quota"
+    soft = quota_mode is QuotaMode.SOFT
+    if calendar is None:
+        if zone_name != "UTC" or soft:
+            raise ConfigurationError(
+                f"{field}['quota']: {quota!r}: a quota in a time zone, or a soft one, renews by calendar "
+                "day, week or month ('10000/d', '50000/week', '1000000/month')"
+            )
+        limit = parse_rate(quota, field=f"{field}['quota']")
+        return Policy(name, limit, limit.limit, Algorithm.FIXED_WINDOW, fail_mode, shadow, tier, Role.QUOTA)
+    count, period = calendar
+    if count > MAX_LIMIT:
+        raise ConfigurationError(f"{field}['quota']: {quota!r} is too large; the limit must be at most {MAX_LIMIT}")
+    if period.is_utc_day and not soft:  # the UTC day, as it has always been counted
+        return Policy(name, Rate(count, DAY_US), count, Algorithm.FIXED_WINDOW, fail_mode, shadow, tier, Role.QUOTA)
+    rate = Rate(count, LONGEST_US[period.unit])
+    return Policy(
+        name, rate, count, Algorithm.FIXED_WINDOW, fail_mode, shadow, tier, Role.QUOTA, period=period, soft=soft
+    )
+
+
 def endpoint_slug(name: str) -> str:
     """An endpoint name usable inside a policy name ("POST charges" becomes "POST/charges")."""
     slug = re.sub(r"[^A-Za-z0-9_.:/-]+", "/", name.strip())
@@ -251,10 +300,11 @@ def endpoint_slug(name: str) -> str:
 def tier_policies(
     name: str, config: Any, *, field: str, fail_mode: FailMode, shadow: bool = False
 ) -> tuple[Policy, ...]:
-    """A tier's policies from ``{"rate", "burst", "algorithm", "fail_mode", "quota", "concurrency"}``.
+    """A tier's policies from ``{"rate", "burst", "algorithm", "fail_mode", "quota", "quota_zone",
+    "quota_mode", "concurrency"}``.
 
-    The rate always; the quota (a fixed window) and the concurrency limit when given. Every one
-    carries the tier's name and its role.
+    The rate always; the quota (a fixed window, or a billing period: :func:`quota_policy`) and the
+    concurrency limit when given. Every one carries the tier's name and its role.
     """
     rate = policy_from_config(
         f"tier:{name}",
@@ -262,11 +312,12 @@ def tier_policies(
         field=field,
         default_fail_mode=fail_mode,
         tier=name,
-        extra_keys=frozenset({"quota", "concurrency"}),
+        extra_keys=frozenset({"quota", "quota_zone", "quota_mode", "concurrency"}),
     )
     rate = replace(rate, shadow=shadow) if shadow else rate
     policies = [rate]
-    quota = config.get("quota") if isinstance(config, Mapping) else None
+    options = config if isinstance(config, Mapping) else {}
+    quota = options.get("quota")
     if quota is not None and rate.is_global:
         raise ConfigurationError(
             f"{field}['quota']: a global tier cannot have a quota: a fixed window's count cannot be split "
@@ -274,19 +325,21 @@ def tier_policies(
             "keep the quota on a regional tier"
         )
     if quota is not None:
-        limit = parse_rate(quota, field=f"{field}['quota']")
         policies.append(
-            Policy(
-                f"tier:{name}:quota",
-                limit,
-                limit.limit,
-                Algorithm.FIXED_WINDOW,
-                rate.fail_mode,
-                shadow,
+            quota_policy(
                 name,
-                Role.QUOTA,
+                quota,
+                zone=options.get("quota_zone") or "UTC",
+                mode=options.get("quota_mode") or QuotaMode.HARD,
+                field=field,
+                fail_mode=rate.fail_mode,
+                shadow=shadow,
             )
         )
+    else:  # a zone, or the soft mode, would silently do nothing
+        for option, harmless in (("quota_zone", "UTC"), ("quota_mode", QuotaMode.HARD)):
+            if options.get(option) not in (None, "", harmless):
+                raise ConfigurationError(f"{field}[{option!r}]: there is no quota to apply it to; give 'quota'")
     concurrency = config.get("concurrency") if isinstance(config, Mapping) else None
     if concurrency is not None:
         in_flight = positive_int(concurrency, field=f"{field}['concurrency']")

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import random
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from enum import StrEnum
 from typing import Any, NamedTuple
 
 from .._memo import remember
 from .._numbers import ceil_div
-from ..algorithms import RATE_ALGORITHMS, Algorithm
+from ..algorithms import ALGORITHMS, RATE_ALGORITHMS, Algorithm, Outcome, State, period_window
 from ..choices import SHEDDABLE, FailMode, Priority
 from ..conf import Shedding, conf
 from ..exceptions import ConfigurationError
 from ..identity import Subject, SubjectKind, subject_of
+from ..periods import DAY_US, LONGEST_US, BillingPeriod, Unit
 from ..rates import MAX_LIMIT, MAX_PERIOD_US, Rate, check_burst, parse_rate
 
 __all__ = [
@@ -56,6 +59,10 @@ STATE_LAYOUTS = {
 }
 #: The state layout letter of a global token bucket (tokens, time, share: ``lua/decide.lua``).
 GLOBAL_LAYOUT = "g"
+#: The state layout letter of a quota counted by billing period: a fixed window's layout, the window
+#: named by its start (us) where an epoch-aligned window is named by its index. A key of its own, so
+#: neither ever reads the other's count as its own.
+PERIOD_LAYOUT = "p"
 
 
 class Scope(StrEnum):
@@ -118,6 +125,11 @@ class Policy:
     is_shard: bool = False
     #: ``GLOBAL``: one limit across every region, each region enforcing its share (token buckets only).
     scope: Scope = Scope.REGION
+    #: A quota counted by calendar day, week or month in a zone from a customer's anchor (a fixed
+    #: window whose ``rate.period_us`` is the unit's longest period); ``None``: windows of the rate's period.
+    period: BillingPeriod | None = None
+    #: A quota that admits past its limit and counts the overage (billed) instead of refusing.
+    soft: bool = False
 
     #: The most a subject can spend at once: the burst for a bucket, the limit for windows.
     capacity: int = field(init=False, repr=False, compare=False)
@@ -139,6 +151,8 @@ class Policy:
         check_burst(self.rate, self.burst, field=f"{self.name}: burst")  # every policy fits the store
         if self.scope is not Scope.REGION:
             self._check_global()
+        if self.period is not None or self.soft:
+            self._check_quota()
         if type(self.fail_mode) is not FailMode:
             object.__setattr__(self, "fail_mode", FailMode.parse(self.fail_mode, field=f"{self.name}: fail_mode"))
         # Derived once here: all of them are read on every decision.
@@ -147,7 +161,7 @@ class Policy:
         is_global = self.scope is Scope.GLOBAL
         object.__setattr__(self, "is_global", is_global)
         object.__setattr__(self, "even_share", 1 / conf.regions.count if is_global else 1.0)
-        layout = GLOBAL_LAYOUT if is_global else STATE_LAYOUTS[self.algorithm]
+        layout = GLOBAL_LAYOUT if is_global else PERIOD_LAYOUT if self.period else STATE_LAYOUTS[self.algorithm]
         object.__setattr__(self, "key_suffix", f":{self.name}:{self.algorithm.code}{layout}")
         object.__setattr__(self, "holds_slots", self.algorithm.holds_slots)
         object.__setattr__(self, "shard", self._shard() if not self.is_shard else None)
@@ -162,6 +176,47 @@ class Policy:
             )
         if self.scope is Scope.GLOBAL and self.shards != 1:
             raise ConfigurationError(f"{self.name}: a global policy cannot be sharded (shards {self.shards})")
+
+    def evaluate(self, state: State | None, now: int, cost: int) -> Outcome:
+        """This policy's arithmetic (:mod:`ratelimits.algorithms`) on a stored state, at ``now`` (us).
+
+        What a backend calls for a check that counts (not a slot, nor a global policy's share of a
+        region): the algorithm's function, with a quota's billing period where it has one.
+        """
+        limit, period_us = self.rate.limit, self.rate.period_us
+        if self.period is not None:
+            return period_window(state, now, limit, period_us, cost, self.period.bounds(now), self.soft)
+        return ALGORITHMS[self.algorithm](state, now, limit, period_us, self.burst, cost)
+
+    def anchored(self, anchor: datetime) -> Policy:
+        """This quota renewing at a customer's ``anchor`` (the start of their subscription).
+
+        A quota by calendar day, week or month: its period from the anchor. The plain UTC day,
+        counted as an epoch-aligned window, becomes a calendar day from the anchor's time of day.
+        Any other policy (a rate, a quota of hours) has no billing period: itself.
+        """
+        if self.period is not None:
+            return replace(self, period=self.period.with_anchor(anchor))
+        if self.role is Role.QUOTA and self.algorithm is Algorithm.FIXED_WINDOW and self.rate.period_us == DAY_US:
+            day = BillingPeriod(Unit.DAY, "UTC", anchor)
+            return replace(self, rate=Rate(self.rate.limit, LONGEST_US[Unit.DAY]), period=day)
+        return self
+
+    def _check_quota(self) -> None:
+        if self.algorithm is not Algorithm.FIXED_WINDOW:
+            raise ConfigurationError(
+                f"{self.name}: a billing period or a soft limit needs the fixed_window algorithm, "
+                f"not {self.algorithm.value}"
+            )
+        if self.period is not None and self.rate.period_us != LONGEST_US[self.period.unit]:
+            raise ConfigurationError(
+                f"{self.name}: a calendar {self.period.unit.value}'s rate period must be its longest, "
+                f"{LONGEST_US[self.period.unit]} us, not {self.rate.period_us}"
+            )
+        if self.period is None:
+            raise ConfigurationError(f"{self.name}: a soft limit is a quota by billing period (day, week or month)")
+        if self.shards != 1 or self.scope is not Scope.REGION:
+            raise ConfigurationError(f"{self.name}: a quota by billing period is neither sharded nor global")
 
     def _shard(self) -> Policy | None:
         """One sub-bucket's policy: a token bucket's period ``shards`` times longer (the rate split
@@ -205,13 +260,18 @@ class Policy:
                 span = int(span / conf.regions.reconcile.floor)
         elif self.algorithm is Algorithm.SLIDING_WINDOW:
             span = 2 * period
-        else:
+        else:  # a fixed window; by billing period, its longest
             span = period
         return ceil_div(span, 1000) + 1000
 
     @property
     def window_seconds(self) -> int:
-        """Seconds over which ``capacity`` is granted (refill time of a full bucket), rounded up."""
+        """Seconds over which ``capacity`` is granted (refill time of a full bucket), rounded up.
+
+        A quota by billing period: the length of the period in force now (a month of 28 to 31 days).
+        """
+        if self.period is not None:
+            return ceil_div(self.period.length_us(time.time_ns() // 1000), 1_000_000)
         if self.algorithm is Algorithm.TOKEN_BUCKET:
             return max(ceil_div(self.burst * self.rate.period_us, self.rate.limit * 1_000_000), 1)
         return max(ceil_div(self.rate.period_us, 1_000_000), 1)
@@ -225,10 +285,14 @@ class Policy:
             return "never shed (counted in flight)"
         if self.algorithm.holds_slots:
             return f"{self.rate.limit} in flight"
+        if self.period is not None:
+            text = f"{self.rate.limit} per {self.period.describe()}"
+            return f"{text}, soft (overage counted)" if self.soft else text
         text = self.rate.describe()
         if self.algorithm is Algorithm.TOKEN_BUCKET:
             return f"{text}, burst {self.burst}"
-        return f"{text} ({self.algorithm.value.replace('_', ' ')})"
+        text = f"{text} ({self.algorithm.value.replace('_', ' ')})"
+        return f"{text}, soft (overage counted)" if self.soft else text
 
     def scaled(self, share: float, *, at_least: int = 1) -> Policy:
         """This policy cut down to ``share`` of its rate and burst (for per-process fallback).

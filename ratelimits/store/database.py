@@ -274,9 +274,18 @@ def _tier(tier: Tier, mode: FailMode, shadow: bool) -> tuple[Policy, ...]:
         "fail_mode": tier.fail_mode or mode,
         "scope": tier.scope or "region",
         "quota": tier.quota or None,
+        "quota_zone": tier.quota_zone or None,
+        "quota_mode": tier.quota_mode or None,
         "concurrency": tier.concurrency or None,  # the admin stores "none" as empty, never as 0
     }
     return tier_policies(tier.name, config, field=f"tier {tier.name}", fail_mode=mode, shadow=tier.shadow or shadow)
+
+
+def _aware(moment: datetime | None) -> datetime | None:
+    """A datetime as an instant: with ``USE_TZ`` False, Django gives naive ones, in ``TIME_ZONE``."""
+    if moment is None or moment.tzinfo is not None:
+        return moment
+    return timezone.make_aware(moment, timezone.get_default_timezone())
 
 
 def _default_tiers(snapshot: PolicySnapshot, fleet: FleetSettings | None) -> None:
@@ -307,7 +316,7 @@ def _assignments(snapshot: PolicySnapshot, now: datetime) -> None:
     )
     for row in live:
         origin = Origin(OriginKind.ASSIGNMENT, f"assignment #{row.pk} ({row.tier.name})")
-        entry = Assignment(row.tier.name, origin, Window(row.starts_at, row.expires_at))
+        entry = Assignment(row.tier.name, origin, Window(row.starts_at, row.expires_at), _aware(row.quota_anchor))
         kind = _kind(row, "assignment")
         if kind is SubjectKind.IP:
             try:

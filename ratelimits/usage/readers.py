@@ -23,8 +23,9 @@ from typing import Any
 from django.db.models import F, Max, Q, QuerySet, Sum
 from django.db.models.functions import Trunc
 
-from ..identity import Subject
+from ..identity import Subject, SubjectKind
 from ..models import UsageRecord
+from ..periods import BillingPeriod
 from .live import LiveRow, read_live
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "TOTALS",
     "EndpointPeriod",
     "Period",
+    "QuotaPeriod",
     "ReportFilters",
     "caller_filters",
     "coverage",
@@ -44,6 +46,7 @@ __all__ = [
     "live_rows",
     "period_bounds",
     "period_starts",
+    "quota_periods",
     "rolled_up_until",
     "time_series",
     "today_usage",
@@ -279,3 +282,62 @@ def today_usage(caller: Subject, *, now: datetime | None = None) -> dict[str, in
     live = read_live(midnight, now + STEPS["minute"], caller=caller, now=now.timestamp())
     [day] = time_series(filters, live.rows)
     return {metric: getattr(day, metric) for metric in TOTALS}
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaPeriod:
+    """A caller's usage against its quota in one billing period."""
+
+    start: datetime
+    end: datetime
+    quota: int
+    #: Tokens the caller's admitted requests spent in it (what the quota counts).
+    used: int
+    #: Some of it was read from the store's counters, not drained yet: it may still grow.
+    live: bool = False
+
+    @property
+    def remaining(self) -> int:
+        return max(self.quota - self.used, 0)
+
+    @property
+    def overage(self) -> int:
+        """What a soft quota admitted past the quota (a hard one refuses it: 0, but for requests
+        decided without the store, which no quota counted)."""
+        return max(self.used - self.quota, 0)
+
+
+#: The most billing periods one read may cover (a year of months).
+MAX_QUOTA_PERIODS = 12
+
+
+def quota_periods(
+    subject: Subject, period: BillingPeriod, quota: int, *, count: int = 3, now: datetime | None = None
+) -> list[QuotaPeriod]:
+    """``subject``'s usage against ``quota`` in its last ``count`` billing periods, the current one last.
+
+    ``subject``: the quota's (a caller, or an organisation placed on the tier: its callers' usage
+    together). Read from the hourly rows (and the minutes not drained yet), as every reader of
+    usage reads: a period is summed from the hours that start in it, so a bound off the hour (an
+    anchor at 09:30, a zone half an hour off UTC) counts from the hour it falls in.
+    """
+    now = now or datetime.now(tz=UTC)
+    starts = [period.start(now)]
+    while len(starts) < min(count, MAX_QUOTA_PERIODS):
+        starts.insert(0, period.start(starts[0] - timedelta(microseconds=1)))
+    ends = [*starts[1:], period.next_start(now)]
+    first, until = floor_period(starts[0], "hour"), floor_period(now, "hour") + STEPS["hour"]
+    if subject.kind == SubjectKind.ORG:
+        filters = ReportFilters(first, until, "hour", organization=subject.value)
+        live = read_live(first, until, now=now.timestamp())
+    else:
+        filters = caller_filters(subject, first, until, "hour")
+        live = read_live(first, until, caller=subject, now=now.timestamp())
+    hours = time_series(filters, live.rows)
+    found = []
+    for start, end in zip(starts, ends, strict=True):
+        first, last = floor_period(start, "hour"), floor_period(end, "hour")
+        inside = [hour for hour in hours if first <= hour.start < last]
+        used = sum(hour.tokens for hour in inside)
+        found.append(QuotaPeriod(start, end, quota, used, any(hour.live for hour in inside)))
+    return found
