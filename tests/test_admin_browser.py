@@ -208,3 +208,46 @@ def test_the_banner_and_the_origins_an_operator_reads_in_chromium(
     assert by_tier["gold"][6] == "RATELIMITS['TIERS']['gold']"
     [gold] = [row for row in checks if row[0] == "tier:gold"]
     assert gold[4] == "RATELIMITS['POLICIES']['TIER_FUNC'] returned 'gold'"
+
+
+def test_a_plan_by_the_month_is_set_up_in_chromium(chromium: str, live_server: Any, django_user_model: Any) -> None:
+    """A tier sold by the month in Paris, its bad zone refused on the field, then a customer's anchor."""
+    django_user_model.objects.create_superuser("plans", "plans@example.com", PASSWORD)
+    tier_url = live_server.url + reverse("admin:ratelimits_tier_add")
+    assignment_url = live_server.url + reverse("admin:ratelimits_subjectassignment_add")
+
+    with launch(chromium) as browser:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        problems = watch(page)
+        log_in(page, tier_url, "plans")
+        page.fill("#id_name", "metered")
+        page.fill("#id_rate", "25/s")
+        page.fill("#id_quota", "1000000/month")
+        page.fill("#id_quota_zone", "Europe/Pariss")
+        page.select_option("#id_quota_mode", "soft")
+        page.click("input[name=_save]")
+        page.wait_for_selector(".errornote")
+        zone_errors = page.text_content(".field-quota_zone .errorlist") or ""
+        page.fill("#id_quota_zone", "Europe/Paris")
+        page.click("input[name=_save]")
+        page.wait_for_selector(".messagelist .success")
+
+        page.goto(assignment_url)
+        page.select_option("#id_subject_kind", "api_key")
+        page.fill("#id_subject_id", "ApiKey:77")
+        page.click(".field-tier .select2-selection")  # the tier is an autocomplete
+        page.fill(".select2-search__field", "metered")
+        page.click(".select2-results__option >> text=metered")
+        page.fill("#id_quota_anchor_0", "2026-05-17")
+        page.fill("#id_quota_anchor_1", "10:00:00")
+        page.click("input[name=_save]")
+        page.wait_for_selector(".messagelist .success")
+        page.screenshot(path=str(screenshot_path("plan-by-the-month.png")), full_page=True)
+
+    assert problems == []
+    assert "not a time zone this system knows" in zone_errors
+    tier = Tier.objects.get(name="metered")
+    assert (tier.quota, tier.quota_zone, tier.quota_mode) == ("1000000/month", "Europe/Paris", "soft")
+    assignment = SubjectAssignment.objects.get(subject_id="ApiKey:77")
+    assert assignment.tier == tier
+    assert assignment.quota_anchor == timezone.make_aware(dt.datetime(2026, 5, 17, 10, 0))

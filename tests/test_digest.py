@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
@@ -11,6 +12,7 @@ from django.core import mail
 from django.utils import timezone
 
 from ratelimits.models import AuditEntry, Override, UsageRecord
+from ratelimits.periods import BillingPeriod, Unit
 from ratelimits.reports.digest import near_limit_digest, send_digest
 from ratelimits.store.expiry import expire_policies
 
@@ -73,3 +75,14 @@ def test_expired_overrides_and_assignments_are_removed_with_an_audit_entry() -> 
     assert list(Override.objects.values_list("pk", flat=True)) == [kept.pk]
     assert not type(old).objects.filter(pk=old.pk).exists()
     assert AuditEntry.objects.filter(action="deleted", reason="expired").count() == 2
+
+
+def test_a_quota_by_month_is_shared_over_the_days_of_the_month_in_force(settings: Any) -> None:
+    settings.RATELIMITS = {
+        "TIERS": {"metered": {"rate": "10/s", "quota": "3100/month"}},
+        "POLICIES": {"DEFAULT_TIERS": {"anonymous": "metered", "authenticated": "metered"}},
+    }
+    days = BillingPeriod(Unit.MONTH).length_us(int(time.time() * 1_000_000)) // 86_400_000_000
+    daily = 3100 // days  # 100 a day in a month of 31 days (not 3100 / 31 days and 3 hours, its longest)
+    usage("ApiKey:5", "metered", 0, allowed=daily - 1, tokens=daily - 1)
+    assert near_limit_digest(DAY).near_limit == [("api_key", "ApiKey:5", "metered", daily - 1, daily)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 
@@ -95,8 +96,12 @@ def _daily_quotas() -> dict[str, int]:
     which decides nothing and so never hears that policies changed.
     """
     daily = {}
+    now_us = time.time_ns() // 1000
     for name, policies in build_policy_source().snapshot().tiers.items():
         for policy in policies:
             if policy.role is Role.QUOTA:
-                daily[name] = policy.rate.limit * 86_400_000_000 // policy.rate.period_us
+                # A quota by billing period: over the period in force (a month of 28 to 31 days), not
+                # its longest, which only bounds how long its count is kept.
+                span = policy.period.length_us(now_us) if policy.period is not None else policy.rate.period_us
+                daily[name] = policy.rate.limit * 86_400_000_000 // span
     return daily
