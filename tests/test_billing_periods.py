@@ -26,6 +26,7 @@ from ratelimits.backends.codec import read_state
 from ratelimits.backends.memory import MemoryBackend
 from ratelimits.backends.redis import RedisBackend, make_client
 from ratelimits.choices import FailMode
+from ratelimits.conf import LocalPathSettings
 from ratelimits.exceptions import ConfigurationError
 from ratelimits.headers import rate_limit_headers
 from ratelimits.identity import Subject
@@ -42,6 +43,7 @@ from .support.clients import client_for
 from .support.clock import FakeClock
 from .support.redis_server import RedisServer
 from .support.settings import merged
+from .test_local_path import limiter_on
 
 PARIS = ZoneInfo("Europe/Paris")
 NEW_YORK = ZoneInfo("America/New_York")
@@ -325,6 +327,24 @@ def test_a_cluster_request_refused_in_another_slot_gives_its_period_back(
         assert not refused.allowed and refused.results[0].allowed  # the quota's group admitted it
     assert stored_count(backend, Check(policy, ACME)) == 0
     assert [backend.decide([Check(policy, ACME)]).allowed for _ in range(3)] == [True, True, False]
+
+
+def test_a_leased_quota_gives_its_unused_tokens_back_to_the_period(own_redis: RedisServer) -> None:
+    """The local path leases a hard monthly quota like a fixed window; what a lease leaves unused
+    goes back into the billing period it was taken from, so the count is what was admitted."""
+    limiter = limiter_on(own_redis, prefix="plans", local=LocalPathSettings(leases=True, lease_share=0.25))
+    check = Check(quota(1000, BillingPeriod(Unit.MONTH, "Europe/Paris")), ACME)
+    admitted = sum(limiter.decide([check]).allowed for _ in range(40))
+    path = limiter.local_path
+    assert path is not None and path.counts["leases"] > 0, path.counts  # leased, not all asked of the store
+    deadline = time.monotonic() + 10
+    while path._expiring and time.monotonic() < deadline:  # leases run out (0.5 s) and go back
+        limiter.return_leases()
+        time.sleep(0.01)  # polling the leases' expiry, a state no event announces
+    assert not path._expiring
+    assert path.counts["tokens_returned"] > 0, path.counts
+    stored = read_state(Algorithm.FIXED_WINDOW, own_redis.client().get(check.key("plans")))
+    assert (admitted, stored[1]) == (40, 40)
 
 
 # -- what callers see ----------------------------------------------------------------------------------
