@@ -4,8 +4,9 @@
 database (``migrate`` and ``seed_demo`` run against it). Four client threads call
 ``GET /v1/customers`` for a baseline, then another connection holds ``ratelimits_tier`` under
 ``ACCESS EXCLUSIVE`` for 10 s while an unrelated endpoint policy is changed and published: every
-worker then wants to reload, and meets the lock. Requests keep their latency (p99 within 2x the
-baseline's), and the change applies once the lock is released.
+worker then wants to reload, and meets the lock. Requests keep their latency (none waits for the
+release; the p99 within 2x the baseline's plus one reload's bounded wait), and the change applies
+once the lock is released.
 
 Every wait is a bounded poll; every process started here is stopped by its PID.
 """
@@ -34,6 +35,8 @@ CLIENTS = 4
 #: lock window alone could double it).
 BASELINE_S, WARM_UP_S = 12.0, 2.0
 LOCK_S = 10.0
+#: POLICIES['LOAD_TIMEOUT']'s default: the longest a reload waits on the lock before it gives up.
+LOAD_TIMEOUT_S = 0.1
 #: What the change makes of the customers endpoint: a per-caller limit ``RateLimit-Policy`` then lists.
 NEW_LIMIT = '"endpoint:customers";q=7;w=60'
 
@@ -114,7 +117,13 @@ def test_a_locked_tier_table_keeps_latency_and_the_change_applies_after(demo: De
         f"change applied {(min(applied) - released_at) * 1000:.0f} ms after the release"
     )
     assert len(during) > 20 * LOCK_S  # requests kept completing while the lock held
-    assert p99(during) <= 2 * p99(baseline)
+    # No request waited for the lock's release (the finding's stall: 8.2 s of it).
+    assert max(during) < LOCK_S / 2
+    # Each worker thread's first reload after the change waits up to POLICIES['LOAD_TIMEOUT'] on the
+    # lock, then keeps its snapshot: up to 8 requests of the ~600 (gunicorn 2x4), about the 1% the
+    # p99 reads, may carry that wait. So the p99 is within 2x the baseline's plus that wait (the
+    # bound without it failed once beside the CPU hogs and a test suite: 281 ms against 238).
+    assert p99(during) <= 2 * p99(baseline) + LOAD_TIMEOUT_S
     assert applied and min(applied) >= released_at - 0.5  # not before the lock went (the reload needs it)
     assert min(applied) - released_at < 6  # the background retry's backoff caps at 5 s
     # The demo's fleet sheds "normal" requests above 4 in flight: a 503 now and then is the shedder.

@@ -12,50 +12,10 @@ import warnings
 from typing import Any
 
 import ratelimits_client
-from ratelimits_client import (
-    IDEMPOTENCY_KEY,
-    IDEMPOTENT_METHODS,
-    AdaptiveThrottle,
-    Advice,
-    ClientError,
-    GiveUp,
-    OverloadedError,
-    RateLimitedError,
-    Retrier,
-    RetryBudget,
-    RetryError,
-    RetryOptions,
-    ThrottledLocally,
-    Verdict,
-    async_httpx_transport,
-    httpx_transport,
-    read_advice,
-    session,
-)
 
-__all__ = [
-    "IDEMPOTENCY_KEY",
-    "IDEMPOTENT_METHODS",
-    "AdaptiveThrottle",
-    "Advice",
-    "AsyncRetryTransport",
-    "ClientError",
-    "GiveUp",
-    "OverloadedError",
-    "RateLimitedError",
-    "Retrier",
-    "RetryAdapter",
-    "RetryBudget",
-    "RetryError",
-    "RetryOptions",
-    "RetryTransport",
-    "ThrottledLocally",
-    "Verdict",
-    "async_httpx_transport",
-    "httpx_transport",
-    "read_advice",
-    "session",
-]
+#: The client's names, each the client's own object (read from it when first named: the transport
+#: adapters each need an optional library).
+__all__ = list(ratelimits_client.__all__)
 
 # stacklevel 2: the warning names the module that imported this one (the import system's frames
 # are skipped), where the import to change is.
@@ -70,7 +30,7 @@ warnings.warn(
 
 
 def __getattr__(name: str) -> Any:
-    """The adapter classes, from ``ratelimits_client`` when first named (each needs its own optional library)."""
-    if name in ("RetryAdapter", "RetryTransport", "AsyncRetryTransport"):
+    """``ratelimits_client``'s ``name``, the same object."""
+    if name in __all__:
         return getattr(ratelimits_client, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,54 +3,12 @@
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
-from ratelimits_client.policy import (
-    IDEMPOTENCY_KEY,
-    IDEMPOTENT_METHODS,
-    LONGEST_SLEEP,
-    MAX_PROBLEM_BYTES,
-    AdaptiveThrottle,
-    Advice,
-    ClientError,
-    GiveUp,
-    OverloadedError,
-    RateLimitedError,
-    Retrier,
-    RetryBudget,
-    RetryError,
-    RetryOptions,
-    ThrottledLocally,
-    Verdict,
-    parse_problem,
-    parse_ratelimit_reset,
-    parse_retry_after,
-    problem_retry_after,
-    read_advice,
-)
+from ratelimits_client import policy as _client_policy
 
-__all__ = [
-    "IDEMPOTENCY_KEY",
-    "IDEMPOTENT_METHODS",
-    "LONGEST_SLEEP",
-    "MAX_PROBLEM_BYTES",
-    "AdaptiveThrottle",
-    "Advice",
-    "ClientError",
-    "GiveUp",
-    "OverloadedError",
-    "RateLimitedError",
-    "Retrier",
-    "RetryBudget",
-    "RetryError",
-    "RetryOptions",
-    "ThrottledLocally",
-    "Verdict",
-    "parse_problem",
-    "parse_ratelimit_reset",
-    "parse_retry_after",
-    "problem_retry_after",
-    "read_advice",
-]
+#: ``ratelimits_client.policy``'s names, each its own object.
+__all__ = list(_client_policy.__all__)
 
 # stacklevel 2: the warning names the importing module (see ratelimits/client/__init__.py).
 warnings.warn(
@@ -60,3 +18,10 @@ warnings.warn(
     DeprecationWarning,
     stacklevel=2,
 )
+
+
+def __getattr__(name: str) -> Any:
+    """``ratelimits_client.policy``'s ``name``, the same object."""
+    if name in __all__:
+        return getattr(_client_policy, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
