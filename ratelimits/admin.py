@@ -255,6 +255,7 @@ class OverrideAdmin(AuditedAdmin):
         "multiplier",
         "scope",
         "concurrency",
+        ("quota", "quota_mode"),
         "reason",
         "expires_at",
         "confirm_expired",

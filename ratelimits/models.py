@@ -487,6 +487,21 @@ class Override(Revisioned):
         blank=True,
         help_text="Of the replacement rate or the multiplied one. " + _SCOPE_HELP,
     )
+    quota = models.CharField(
+        max_length=32,
+        blank=True,
+        validators=[validate_quota],
+        help_text=(
+            'Replacement quota for every endpoint (a deal: "2000000/month"), counted in the tier\'s quota zone '
+            "from the subject's anchor; what was spent of the tier's in the period carries over, as a share."
+        ),
+    )
+    quota_mode = models.CharField(
+        max_length=4,
+        choices=[("", "as the tier's"), *QUOTA_MODE_CHOICES],
+        blank=True,
+        help_text="Of the replacement quota. Soft: admit past it and count the overage.",
+    )
     reason = models.TextField(help_text="Why: shown in the audit trail.")
     expires_at = models.DateTimeField(help_text="After this the override stops applying on its own.")
     created_by = models.ForeignKey(
@@ -517,6 +532,8 @@ class Override(Revisioned):
             parts.append(describe_limit(self.rate, self.burst))
         if self.concurrency:
             parts.append(f"{self.concurrency} in flight")
+        if self.quota:
+            parts.append(f"quota {self.quota}" + (f" ({self.quota_mode})" if self.quota_mode else ""))
         return "; ".join(parts) or "—"
 
     def clean(self) -> None:
@@ -527,8 +544,12 @@ class Override(Revisioned):
             raise ValidationError("Give either replacement values (rate, burst) or a multiplier, not both.")
         if self.burst and not self.rate:
             raise ValidationError({"burst": "A burst needs a rate."})
-        if self.multiplier is None and not self.rate and not self.concurrency:
-            raise ValidationError("Give a replacement rate, a multiplier, or a concurrency limit.")
+        if self.multiplier is None and not self.rate and not self.concurrency and not self.quota:
+            raise ValidationError("Give a replacement rate, a multiplier, a concurrency limit, or a quota.")
+        if self.quota and self.endpoint:
+            raise ValidationError({"quota": "A quota counts every endpoint: leave the endpoint empty for it."})
+        if self.quota_mode and not self.quota:
+            raise ValidationError({"quota_mode": "A mode applies to a replacement quota: give one."})
         if self.scope and self.multiplier is None and not self.rate:
             raise ValidationError({"scope": "A scope applies to a rate: give a replacement rate or a multiplier."})
         validate_storable(self, rates=(("rate", "burst"),), counts=("concurrency",))

@@ -270,7 +270,7 @@ def test_override_without_reason_is_refused(admin_client: Client) -> None:
 
     data.update(reason="incident 9", rate="", multiplier="")
     errors = form_errors(admin_client.post(url("override_add"), data))
-    assert errors["__all__"] == ["Give a replacement rate, a multiplier, or a concurrency limit."]
+    assert errors["__all__"] == ["Give a replacement rate, a multiplier, a concurrency limit, or a quota."]
 
     data.update(subject_kind="ip", subject_id="not-an-ip", rate="5/s")
     errors = form_errors(admin_client.post(url("override_add"), data))

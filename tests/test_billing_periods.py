@@ -30,7 +30,7 @@ from ratelimits.conf import LocalPathSettings
 from ratelimits.exceptions import ConfigurationError
 from ratelimits.headers import rate_limit_headers
 from ratelimits.identity import Subject
-from ratelimits.models import SubjectAssignment, Tier, UsageRecord
+from ratelimits.models import Override, SubjectAssignment, Tier, UsageRecord
 from ratelimits.periods import DAY_US, LONGEST_US, BillingPeriod, Unit, parse_calendar_quota
 from ratelimits.policies import Check, Policy
 from ratelimits.policies.snapshot import tier_policies
@@ -500,3 +500,72 @@ def test_a_bad_period_count_is_a_400_naming_it(metered: Tier, periods: str) -> N
     reply = client_for("sk_metered_bad").get("/v1/usage/quota", {"periods": periods})
     assert reply.status_code == 400
     assert "periods" in reply.json()
+
+
+# -- an override's own quota: a deal for one customer -------------------------------------------------
+
+
+def override_for(key: Any, **fields: Any) -> Override:
+    return Override.objects.create(
+        subject_kind="api_key",
+        subject_id=f"ApiKey:{key.pk}",
+        reason="the annual deal",
+        expires_at=timezone.now() + timedelta(days=365),
+        **fields,
+    )
+
+
+@pytest.mark.django_db
+def test_an_overrides_quota_replaces_the_tiers_from_the_customers_anchor(metered: Tier) -> None:
+    key = ApiKeyFactory(raw="sk_metered_deal")
+    anchor = timezone.now() - timedelta(days=20, hours=5)
+    SubjectAssignment.objects.create(
+        subject_kind="api_key", subject_id=f"ApiKey:{key.pk}", tier=metered, quota_anchor=anchor
+    )
+    deal = override_for(key, quota="5/month")
+    engine.reset()
+    client = client_for("sk_metered_deal")
+    assert [client.get("/v1/customers").status_code for _ in range(6)] == [200] * 5 + [429]
+    refused = client.get("/v1/customers")
+    assert refused.json()["violated-policies"] == ["tier:metered:quota"]
+    renews = BillingPeriod(Unit.MONTH, "Europe/Paris", anchor).next_start(timezone.now())
+    assert abs(int(refused["Retry-After"]) - (renews - timezone.now()).total_seconds()) <= 2
+    resources = client.get("/v1/rate_limit", {"endpoint": "customers"}).json()["resources"]
+    (quota_row,) = [r for r in resources if r["policy"] == "tier:metered:quota"]
+    assert (quota_row["limit"], quota_row["origin"], quota_row["period_zone"]) == (5, "override", "Europe/Paris")
+    assert deal.describe() == "quota 5/month"
+
+
+@pytest.mark.django_db
+def test_an_overrides_quota_gives_one_to_a_customer_whose_tier_has_none(settings: Any) -> None:
+    plain = Tier.objects.create(name="plain", rate="100/s", burst=100)
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"POLICIES": {"SOURCE": "database"}})
+    key = ApiKeyFactory(raw="sk_plain_deal")
+    SubjectAssignment.objects.create(subject_kind="api_key", subject_id=f"ApiKey:{key.pk}", tier=plain)
+    override_for(key, quota="2/week", quota_mode="hard")
+    engine.reset()
+    client = client_for("sk_plain_deal")
+    assert [client.get("/v1/customers").status_code for _ in range(3)] == [200, 200, 429]
+    resources = client.get("/v1/rate_limit", {"endpoint": "customers"}).json()["resources"]
+    (quota_row,) = [r for r in resources if r["policy"] == "tier:plain:quota"]
+    assert (quota_row["period_unit"], quota_row["remaining"]) == ("week", 0)
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("fields", "error"),
+    [
+        ({"quota": "5/month", "endpoint": "charges"}, "quota"),
+        ({"rate": "5/s", "quota_mode": "soft"}, "quota_mode"),
+        ({"quota": "5/2month"}, "quota"),
+    ],
+)
+def test_an_overrides_bad_quota_fails_its_field(fields: dict[str, str], error: str) -> None:
+    row = Override(
+        subject_kind="api_key", subject_id="ApiKey:9", reason="a deal", expires_at=timezone.now() + timedelta(days=1)
+    )
+    for name, value in fields.items():
+        setattr(row, name, value)
+    with pytest.raises(ValidationError) as caught:
+        row.full_clean()
+    assert error in caught.value.message_dict

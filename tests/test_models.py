@@ -205,7 +205,7 @@ def test_override_rate_or_multiplier_not_both() -> None:
     burst_and_multiplier = errors_of(valid(Override, rate="", burst=5, multiplier=Decimal("2")))
     assert burst_and_multiplier == both
     neither = errors_of(valid(Override, rate=""))
-    assert neither == {NON_FIELD_ERRORS: ["Give a replacement rate, a multiplier, or a concurrency limit."]}
+    assert neither == {NON_FIELD_ERRORS: ["Give a replacement rate, a multiplier, a concurrency limit, or a quota."]}
     valid(Override, rate="", multiplier=Decimal("0.5")).full_clean()
 
 

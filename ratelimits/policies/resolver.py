@@ -155,13 +155,22 @@ def _resolve(
     found: list[Resolved] = []
     for subject, assignment in placements:
         policies = snapshot.tiers.get(assignment.tier, ())
+        anchor = assignment.anchor
         for policy in policies:
-            if assignment.anchor is not None and policy.role is Role.QUOTA:
-                policy = snapshot.anchored(policy, assignment.anchor)  # the subject's own billing periods
+            if anchor is not None and policy.role is Role.QUOTA:
+                policy = snapshot.anchored(policy, anchor)  # the subject's own billing periods
             if now is None:  # nothing can override it
                 _add(found, policy, assignment.origin, subject, cost)
+            elif policy.role is Role.QUOTA:
+                quota = _quota_override(snapshot, subject, now, policy, tier=assignment.tier, anchor=anchor)
+                _add(found, *(quota or (policy, assignment.origin)), subject, cost)
             else:
                 _add(found, *_overridden(snapshot, subject, endpoint, policy, now, assignment.origin), subject, cost)
+        if now is not None and not any(p.role is Role.QUOTA for p in policies):
+            # A quota an override gives a subject whose tier has none.
+            quota = _quota_override(snapshot, subject, now, None, tier=assignment.tier, anchor=anchor)
+            if quota is not None:
+                _add(found, *quota, subject, cost)
         if now is not None and not any(p.holds_slots for p in policies):
             in_flight = _concurrency_override(snapshot, subject, endpoint, now, tier=assignment.tier)
             if in_flight is not None:
@@ -255,7 +264,8 @@ def _assignment(snapshot: PolicySnapshot, subject: Subject, now: datetime) -> As
 def _overridden(
     snapshot: PolicySnapshot, subject: Subject, endpoint: str, policy: Policy, now: datetime, origin: Origin
 ) -> tuple[Policy, Origin]:
-    """An override for this endpoint beats a general one, which beats the tier (quotas are kept)."""
+    """An override for this endpoint beats a general one, which beats the tier (a quota is replaced
+    only by an override's own quota: :func:`_quota_override`)."""
     if policy.role is Role.QUOTA:
         return policy, origin
     if policy.holds_slots:
@@ -274,6 +284,29 @@ def _overridden(
                 if replaced is not None:
                     return replaced, override.origin
     return policy, origin
+
+
+def _quota_override(
+    snapshot: PolicySnapshot,
+    subject: Subject,
+    now: datetime,
+    base: Policy | None,
+    *,
+    tier: str,
+    anchor: datetime | None,
+) -> tuple[Policy, Origin] | None:
+    """The newest live override of ``subject`` that gives a quota, made of the tier's (``base``)."""
+    for override in snapshot.overrides.get((subject.kind, subject.value), ()):
+        if override.quota and not override.endpoint and override.window.covers(now):
+            key = (override.id, "quota", tier)
+            if key not in snapshot.derived:
+                snapshot.derived[key] = override.quota_of(
+                    base, tier=tier, fail_mode=snapshot.default_fail_mode, anchor=anchor
+                )
+            derived = snapshot.derived[key]
+            assert derived is not None
+            return derived, override.origin
+    return None
 
 
 def _concurrency_override(

@@ -95,6 +95,27 @@ class OverrideRule:
     origin: Origin
     #: The scope of the policy it makes (``None``: its base's).
     scope: Scope | None = None
+    #: A replacement quota (``"2000000/month"``), for every endpoint, and its mode ("": the tier's).
+    quota: str | None = None
+    quota_mode: str = ""
+
+    def quota_of(self, base: Policy | None, *, tier: str, fail_mode: FailMode, anchor: datetime | None) -> Policy:
+        """The quota this override makes for a subject of ``tier`` whose quota is ``base`` (``None``:
+        the tier has none). Under the tier quota's name, so that what was spent of it in the period
+        carries over (as a share of the new limit); in its zone, renewing at the subject's anchor."""
+        assert self.quota is not None
+        zone = base.period.zone if base is not None and base.period is not None else "UTC"
+        mode = self.quota_mode or (QuotaMode.SOFT if base is not None and base.soft else QuotaMode.HARD)
+        policy = quota_policy(
+            tier,
+            self.quota,
+            zone=zone,
+            mode=mode,
+            field=f"override #{self.id}",
+            fail_mode=base.fail_mode if base is not None else fail_mode,
+            shadow=self.shadow or bool(base is not None and base.shadow),
+        )
+        return policy.anchored(anchor) if anchor is not None else policy
 
     def apply(self, base: Policy | None, *, name: str, fail_mode: FailMode) -> Policy | None:
         """The policy this override makes of ``base`` (``None`` if a multiplier has nothing to scale).

@@ -36,6 +36,7 @@ from ..policies.snapshot import (
     Window,
     endpoint_key,
     endpoint_rule,
+    quota_policy,
     tier_policies,
 )
 from ..policies.source import ObservedDecision, SnapshotPolicySource, in_event_loop
@@ -366,6 +367,11 @@ def _overrides(snapshot: PolicySnapshot, now: datetime, shadow: bool) -> None:
             if row.concurrency is not None and row.concurrency > MAX_LIMIT:
                 raise ConfigurationError(f"override #{row.pk} concurrency: {row.concurrency} is too large")
             scope = Scope.parse(row.scope, field=f"override #{row.pk} scope") if row.scope else None
+            if row.quota:  # checked now, not while a request resolves
+                mode = row.quota_mode or "hard"
+                quota_policy(
+                    "override", row.quota, zone="UTC", mode=mode, field=f"override #{row.pk}", fail_mode=FailMode.OPEN
+                )
         except ConfigurationError as exc:
             logger.error("ratelimits: %s", exc)
             continue
@@ -381,6 +387,8 @@ def _overrides(snapshot: PolicySnapshot, now: datetime, shadow: bool) -> None:
                 multiplier=float(row.multiplier) if row.multiplier is not None else None,
                 concurrency=row.concurrency,
                 scope=scope,
+                quota=row.quota or None,
+                quota_mode=row.quota_mode,
                 shadow=row.shadow or shadow,
                 origin=Origin(OriginKind.OVERRIDE, f"override #{row.pk}: {row.reason[:80]}"),
             )
