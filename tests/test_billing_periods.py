@@ -552,6 +552,25 @@ def test_an_overrides_quota_gives_one_to_a_customer_whose_tier_has_none(settings
 
 
 @pytest.mark.django_db
+def test_an_overrides_hourly_quota_on_a_soft_zoned_tier_is_a_fixed_window(metered: Tier) -> None:
+    """The tier's zone and soft mode belong to its calendar quota: an override's "500/h" takes neither."""
+    Tier.objects.filter(pk=metered.pk).update(quota_mode="soft")
+    key = ApiKeyFactory(raw="sk_metered_hourly")
+    SubjectAssignment.objects.create(subject_kind="api_key", subject_id=f"ApiKey:{key.pk}", tier=metered)
+    override_for(key, quota="2/h")
+    engine.reset()
+    client = client_for("sk_metered_hourly")
+    assert [client.get("/v1/customers").status_code for _ in range(3)] == [200, 200, 429]
+    resources = client.get("/v1/rate_limit", {"endpoint": "customers"}).json()["resources"]
+    (quota_row,) = [r for r in resources if r["policy"] == "tier:metered:quota"]
+    assert (quota_row["window_seconds"], quota_row["algorithm"], "period_unit" in quota_row) == (
+        3600,
+        "fixed_window",
+        False,
+    )
+
+
+@pytest.mark.django_db
 @pytest.mark.parametrize(
     ("fields", "error"),
     [

@@ -104,8 +104,11 @@ class OverrideRule:
         the tier has none). Under the tier quota's name, so that what was spent of it in the period
         carries over (as a share of the new limit); in its zone, renewing at the subject's anchor."""
         assert self.quota is not None
-        zone = base.period.zone if base is not None and base.period is not None else "UTC"
-        mode = self.quota_mode or (QuotaMode.SOFT if base is not None and base.soft else QuotaMode.HARD)
+        zone, mode = "UTC", self.quota_mode or QuotaMode.HARD
+        if parse_calendar_quota(self.quota) is not None and base is not None:
+            # A calendar quota takes the tier's zone and mode; a fixed window ("500/h") has neither.
+            zone = base.period.zone if base.period is not None else "UTC"
+            mode = self.quota_mode or (QuotaMode.SOFT if base.soft else QuotaMode.HARD)
         policy = quota_policy(
             tier,
             self.quota,
