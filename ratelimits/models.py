@@ -550,6 +550,10 @@ class Override(Revisioned):
             raise ValidationError({"quota": "A quota counts every endpoint: leave the endpoint empty for it."})
         if self.quota_mode and not self.quota:
             raise ValidationError({"quota_mode": "A mode applies to a replacement quota: give one."})
+        if self.quota_mode == QuotaMode.SOFT.value and quota_limit(self.quota) is not None and not _renews(self.quota):
+            raise ValidationError(
+                {"quota_mode": "The soft mode needs a quota per calendar day, week or month (such as 50000/month)."}
+            )
         if self.scope and self.multiplier is None and not self.rate:
             raise ValidationError({"scope": "A scope applies to a rate: give a replacement rate or a multiplier."})
         validate_storable(self, rates=(("rate", "burst"),), counts=("concurrency",))

@@ -577,6 +577,7 @@ def test_an_overrides_hourly_quota_on_a_soft_zoned_tier_is_a_fixed_window(metere
         ({"quota": "5/month", "endpoint": "charges"}, "quota"),
         ({"rate": "5/s", "quota_mode": "soft"}, "quota_mode"),
         ({"quota": "5/2month"}, "quota"),
+        ({"quota": "500/h", "quota_mode": "soft"}, "quota_mode"),
     ],
 )
 def test_an_overrides_bad_quota_fails_its_field(fields: dict[str, str], error: str) -> None:
