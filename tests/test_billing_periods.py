@@ -41,13 +41,14 @@ from ratelimits.usage.subjects import write_pending
 from .factories import ApiKeyFactory
 from .support.clients import client_for
 from .support.clock import FakeClock
-from .support.redis_server import RedisServer
+from .support.redis_server import RedisServer, script_calls
 from .support.settings import merged
 from .test_local_path import limiter_on
 
 PARIS = ZoneInfo("Europe/Paris")
 NEW_YORK = ZoneInfo("America/New_York")
 ACME = Subject("api_key", "acme")
+PARIS_MONTH = BillingPeriod(Unit.MONTH, "Europe/Paris")
 
 
 def us(moment: datetime) -> int:
@@ -304,6 +305,19 @@ def test_the_store_clock_picks_the_period_at_the_boundary(
         if not decision.allowed:
             time.sleep(0.001)  # pacing the wait for the boundary, not synchronising with it
     assert sides == {False: 20, True: 20}
+
+
+def test_a_quota_by_month_rides_in_the_decisions_one_call(own_redis: RedisServer) -> None:
+    """No extra round trip: a request with a rate and a monthly quota is one script call and nothing else."""
+    backend = RedisBackend(make_client(own_redis.url, 2.0, 2.0))
+    checks = [Check(Policy("tier:pro", Rate(100, 1_000_000), 100), ACME), Check(quota(1000, PARIS_MONTH), ACME)]
+    backend.decide(checks)  # the script loaded, the connection made
+    client = own_redis.client()
+    client.config_resetstat()
+    for _ in range(20):
+        assert backend.decide(checks).allowed
+    client.close()
+    assert script_calls(own_redis) == 20  # one per decision, its MGET, TIME and SETs inside it
 
 
 def test_a_cluster_request_refused_in_another_slot_gives_its_period_back(
