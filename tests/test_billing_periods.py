@@ -7,6 +7,8 @@ tier says it.
 
 from __future__ import annotations
 
+import csv
+import io
 import math
 import time
 from datetime import UTC, datetime, timedelta
@@ -603,3 +605,40 @@ def test_an_overrides_bad_quota_fails_its_field(fields: dict[str, str], error: s
     with pytest.raises(ValidationError) as caught:
         row.full_clean()
     assert error in caught.value.message_dict
+
+
+@pytest.mark.django_db
+def test_the_admin_report_of_one_customer_has_its_billing_periods_with_csv(metered: Tier, admin_client: Any) -> None:
+    Tier.objects.filter(pk=metered.pk).update(quota="5/month", quota_mode="soft")
+    key = ApiKeyFactory(raw="sk_metered_report")
+    subject = f"ApiKey:{key.pk}"
+    anchor = (timezone.now() - timedelta(days=40)).replace(minute=0, second=0, microsecond=0)
+    SubjectAssignment.objects.create(subject_kind="api_key", subject_id=subject, tier=metered, quota_anchor=anchor)
+    month = BillingPeriod(Unit.MONTH, "Europe/Paris", anchor)
+    current = month.start(timezone.now())
+    previous = month.start(current - timedelta(microseconds=1))
+    hour_row(subject, previous + timedelta(days=1), 7)
+    hour_row(subject, current + timedelta(hours=1), 3)
+    engine.reset()
+    params = {
+        "subject": f"api_key:{subject}",
+        "granularity": "day",
+        "from": (previous + timedelta(days=2)).astimezone(UTC).strftime("%Y-%m-%d %H:%M"),
+        "to": (timezone.now() + timedelta(hours=1)).astimezone(UTC).strftime("%Y-%m-%d %H:%M"),
+    }
+    page = admin_client.get("/admin/ratelimits/fleetsettings/usage/", params)
+    assert page.status_code == 200 and page.context["form"].is_valid(), page.context["form"].errors
+    [table] = [s["table"] for s in page.context["sections"] if s["table"].name == "billing_periods"]
+    found = [(r["period_start"], r["quota"], r["used"], r["overage"]) for r in table.rows]
+    assert found == [(previous, 5, 7, 2), (current, 5, 3, 0)]  # the range starts inside the earlier period
+    exported = admin_client.get(
+        "/admin/ratelimits/fleetsettings/usage/", {**params, "format": "csv", "table": "billing_periods"}
+    )
+    header, *rows = csv.reader(io.StringIO(exported.content.decode()))
+    assert header[:2] == ["Quota", "Period start"] and [row[4] for row in rows] == ["7", "3"]
+    # Not one subject: the table says how to get it.
+    everyone = admin_client.get(
+        "/admin/ratelimits/fleetsettings/usage/", {k: v for k, v in params.items() if k != "subject"}
+    )
+    [empty] = [s["table"] for s in everyone.context["sections"] if s["table"].name == "billing_periods"]
+    assert empty.rows == [] and "Filter the report by one" in empty.description

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import urlencode
 
@@ -20,8 +20,10 @@ from django.urls import reverse
 
 from ..identity import SubjectKind
 from ..models import UsageRecord
+from ..status import billing_period, quota_checks, stand_in
 from ..usage.live import LiveRow
 from ..usage.readers import (
+    MAX_QUOTA_PERIODS,
     OUTCOMES,
     STEPS,
     SUMS,
@@ -33,6 +35,7 @@ from ..usage.readers import (
     grouped_usage,
     live_rows,
     period_bounds,
+    quota_periods,
     time_series,
     usage_records,
 )
@@ -397,12 +400,72 @@ def throttled_endpoints(filters: ReportFilters, by: str = "requests", live: Sequ
     return Table("throttled_endpoints", "Most throttled endpoints", description, ENDPOINT_COLUMNS, rows)
 
 
+QUOTA_COLUMNS = (
+    Column("policy", "Quota", numeric=False),
+    Column("period_start", "Period start", numeric=False),
+    Column("period_end", "Renews", numeric=False),
+    Column("quota", "Quota"),
+    Column("used", "Used"),
+    Column("remaining", "Remaining"),
+    Column("overage", "Overage"),
+    Column("live", "Live", numeric=False),
+)
+
+
+def billing_periods(filters: ReportFilters, by: str = "requests", live: Sequence[LiveRow] = ()) -> Table:
+    """One subject's quotas by billing period over the range: what each period allowed, what was
+    spent, and the overage past it (a soft quota's bill). Empty unless the report is of one subject."""
+    title = "Billing periods"
+    if not (filters.subject_kind and filters.subject_id) or filters.subject_kind not in _STANDS_IN:
+        description = "Filter the report by one API key, user, organisation or IP address to see its quotas by period."
+        return Table("billing_periods", title, description, QUOTA_COLUMNS)
+    caller = stand_in(endpoint=filters.endpoint or "usage", **{_STANDS_IN[filters.subject_kind]: filters.subject_id})
+    rows = []
+    for check in quota_checks(caller.request, caller.identity):
+        period = billing_period(check.policy)
+        assert period is not None  # quota_checks gives those that have one
+        # The periods the range overlaps, counted back from its end (or now, if that is earlier).
+        now = min(filters.end, datetime.now(tz=UTC))
+        count, start = 1, period.start(now)
+        while count < MAX_QUOTA_PERIODS and start > filters.start:
+            count, start = count + 1, period.start(start - timedelta(microseconds=1))
+        for row in quota_periods(check.subject, period, check.policy.rate.limit, count=count, now=now):
+            rows.append(
+                {
+                    "policy": check.policy.name,
+                    "period_start": row.start,
+                    "period_end": row.end,
+                    "quota": row.quota,
+                    "used": row.used,
+                    "remaining": row.remaining,
+                    "overage": row.overage,
+                    "live": LIVE if row.live else "",
+                }
+            )
+    description = (
+        "The subject's quotas by calendar day, week or month, each period of the range from its own anchor "
+        f"(at most {MAX_QUOTA_PERIODS}), summed from the hourly rows: the overage is what a soft quota "
+        "admitted past it."
+    )
+    return Table("billing_periods", title, description, QUOTA_COLUMNS, rows)
+
+
+#: The report's subject kinds, as :func:`~ratelimits.status.stand_in` takes them.
+_STANDS_IN: dict[str, str] = {
+    SubjectKind.API_KEY: "api_key",
+    SubjectKind.USER: "user",
+    SubjectKind.ORG: "org",
+    SubjectKind.IP: "ip",
+}
+
+
 #: The tables of the page, by name (``?format=csv&table=<name>``; ``series`` is the time series).
 TABLES: dict[str, Callable[[ReportFilters, str, Sequence[LiveRow]], Table]] = {
     "top_consumers": top_consumers,
     "throttled_subjects": throttled_subjects,
     "throttled_endpoints": throttled_endpoints,
     "near_limit": near_limit,
+    "billing_periods": billing_periods,
 }
 
 
