@@ -10,7 +10,9 @@ from __future__ import annotations
 import csv
 import io
 import math
+import random
 import time
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from zoneinfo import ZoneInfo
@@ -50,6 +52,7 @@ from .test_local_path import limiter_on
 PARIS = ZoneInfo("Europe/Paris")
 NEW_YORK = ZoneInfo("America/New_York")
 ACME = Subject("api_key", "acme")
+BOB = Subject("api_key", "bob")
 PARIS_MONTH = BillingPeriod(Unit.MONTH, "Europe/Paris")
 
 
@@ -307,6 +310,36 @@ def test_the_store_clock_picks_the_period_at_the_boundary(
         if not decision.allowed:
             time.sleep(0.001)  # pacing the wait for the boundary, not synchronising with it
     assert sides == {False: 20, True: 20}
+
+
+@pytest.mark.parametrize("soft", [False, True])
+def test_memory_and_redis_agree_on_random_traffic_across_periods(
+    redis_server: RedisServer, redis_client: Any, soft: bool
+) -> None:
+    """The reference and the Lua script count billing periods alike, to the microsecond, across
+    daylight-saving days and renewals: days renewing at 02:30 in Paris, from late March on."""
+    rng = random.Random(f"periods-{soft}")
+    memory_clock, redis_clock = FakeClock(), FakeClock()
+    memory = MemoryBackend(clock=memory_clock)
+    remote = RedisBackend(make_client(redis_server.url, 2.0, 2.0), clock=redis_clock)
+    day = BillingPeriod(Unit.DAY, "Europe/Paris", datetime(2026, 1, 5, 2, 30, tzinfo=PARIS))
+    week = BillingPeriod(Unit.WEEK, "Europe/Paris", datetime(2026, 1, 7, 9, 0, tzinfo=PARIS))
+    policies = [quota(6, day, soft=soft), replace(quota(20, week, soft=soft), name="tier:pro:weekly")]
+    memory_clock.now = redis_clock.now = us(datetime(2026, 3, 27, 12, tzinfo=PARIS))
+    seen = set()
+    for _ in range(400):
+        step = rng.choice([0, 1_000, 600_000_000, 3_600_000_000, 5 * 3_600_000_000, 20 * 3_600_000_000])
+        memory_clock.advance(step)
+        redis_clock.advance(step)
+        checks = [Check(p, rng.choice([ACME, BOB]), cost=rng.randint(1, 3)) for p in policies]
+        consume = rng.random() > 0.1
+        ours, theirs = memory.decide(checks, consume=consume), remote.decide(checks, consume=consume)
+        assert ours.verdict == theirs.verdict and ours.retry_after_us == theirs.retry_after_us
+        assert [(r.allowed, r.remaining, r.reset_us, r.retry_us) for r in ours.results] == [
+            (r.allowed, r.remaining, r.reset_us, r.retry_us) for r in theirs.results
+        ]
+        seen.add(theirs.allowed)
+    assert seen == ({True} if soft else {True, False})
 
 
 def test_a_quota_by_month_rides_in_the_decisions_one_call(own_redis: RedisServer) -> None:
