@@ -50,8 +50,12 @@ class Trickle:
             f"Authorization: Bearer {GLOBEX_KEY}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {BODY_BYTES}\r\n\r\n"
         )
-        self.sock.sendall(head.encode())
+        # Taken before the head is sent: the server cannot start its body deadline before it has the
+        # head, so the 408 comes at least BODY_TIMEOUT after this on any machine. (Taken after the
+        # send, a client thread descheduled for a moment starts later than the server: a 408 at
+        # 9.991 s failed the bound beside the CPU hogs.)
         self.opened = time.monotonic()
+        self.sock.sendall(head.encode())
         self.reply = b""
         self.answered_after: float | None = None
         self.stop = threading.Event()
