@@ -22,7 +22,7 @@ from enum import StrEnum
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from .exceptions import ConfigurationError
-from .rates import MAX_LIMIT
+from .rates import parse_limit
 
 __all__ = ["DAY_US", "LONGEST_US", "BillingPeriod", "QuotaMode", "Unit", "parse_calendar_quota"]
 
@@ -242,9 +242,4 @@ def parse_calendar_quota(value: object, *, zone: str = "UTC", field: str = "quot
             f"{field}: {value!r}: a calendar quota renews every {unit.value}; "
             f"give one, as '{match['limit']}/{unit.value}'"
         )
-    limit = int(match["limit"])
-    if limit == 0:
-        raise ConfigurationError(f"{field}: {value!r} allows nothing; the limit must be at least 1")
-    if limit > MAX_LIMIT:
-        raise ConfigurationError(f"{field}: {value!r} is too large; the limit must be at most {MAX_LIMIT}")
-    return limit, BillingPeriod(unit, zone)
+    return parse_limit(match["limit"], field=field, value=value), BillingPeriod(unit, zone)

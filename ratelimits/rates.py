@@ -16,6 +16,7 @@ __all__ = [
     "Rate",
     "check_burst",
     "parse_duration",
+    "parse_limit",
     "parse_rate",
 ]
 
@@ -125,13 +126,19 @@ def parse_rate(value: object, *, field: str = "rate") -> Rate:
         raise ConfigurationError(
             f"{field}: {value!r} is not a rate; expected 'N/period' such as '100/s', '5/10m' or '1000/h'"
         )
-    limit = int(match["limit"])
+    limit = parse_limit(match["limit"], field=field, value=value)
+    period_us = _period_us(match["period"], match["unit"], field=field, value=value)
+    return Rate(limit, period_us)
+
+
+def parse_limit(digits: str, *, field: str, value: object) -> int:
+    """A rate's or a quota's ``N``: at least 1, at most :data:`MAX_LIMIT`; the error names ``field`` and ``value``."""
+    limit = int(digits)
     if limit == 0:
         raise ConfigurationError(f"{field}: {value!r} allows nothing; the limit must be at least 1")
     if limit > MAX_LIMIT:
         raise ConfigurationError(f"{field}: {value!r} is too large; the limit must be at most {MAX_LIMIT}")
-    period_us = _period_us(match["period"], match["unit"], field=field, value=value)
-    return Rate(limit, period_us)
+    return limit
 
 
 def parse_duration(value: object, *, field: str = "duration") -> int:

@@ -304,9 +304,7 @@ def quota_policy(
             )
         limit = parse_rate(quota, field=f"{field}['quota']")
         return Policy(name, limit, limit.limit, Algorithm.FIXED_WINDOW, fail_mode, shadow, tier, Role.QUOTA)
-    count, period = calendar
-    if count > MAX_LIMIT:
-        raise ConfigurationError(f"{field}['quota']: {quota!r} is too large; the limit must be at most {MAX_LIMIT}")
+    count, period = calendar  # its limit already checked, as a rate's is
     if period.is_utc_day and not soft:  # the UTC day, as it has always been counted
         return Policy(name, Rate(count, DAY_US), count, Algorithm.FIXED_WINDOW, fail_mode, shadow, tier, Role.QUOTA)
     rate = Rate(count, LONGEST_US[period.unit])
