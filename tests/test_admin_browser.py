@@ -236,7 +236,10 @@ def test_a_plan_by_the_month_is_set_up_in_chromium(chromium: str, live_server: A
         page.select_option("#id_subject_kind", "api_key")
         page.fill("#id_subject_id", "ApiKey:77")
         page.click(".field-tier .select2-selection")  # the tier is an autocomplete
-        page.fill(".select2-search__field", "metered")
+        # Wait for the search's own answer: an option clicked from the unfiltered list that opened
+        # first would leave the search in flight, and the save's navigation would abort it.
+        with page.expect_response(lambda response: "term=metered" in response.url):
+            page.fill(".select2-search__field", "metered")
         page.click(".select2-results__option >> text=metered")
         page.fill("#id_quota_anchor_0", "2026-05-17")
         page.fill("#id_quota_anchor_1", "10:00:00")
