@@ -34,7 +34,6 @@ from .decisions import UNLIMITED, US, Decision, Peek, peek
 from .engine import get_limiter
 from .exceptions import BackendUnavailable
 from .identity import Identity, Subject, SubjectKind, identify, normalize_ip
-from .periods import DAY_US, BillingPeriod, Unit
 from .policies.snapshot import endpoint_slug
 from .policies.source import get_policy_source
 from .policies.values import Check, OriginKind, Policy, Role, policy_from_config
@@ -45,7 +44,6 @@ __all__ = [
     "EffectiveCheck",
     "EffectiveLimits",
     "RegionShare",
-    "billing_period",
     "current_limits",
     "effective_limits",
     "limit_status_call",
@@ -183,19 +181,6 @@ def current_limits(request: Request, *, endpoint: str, method: str | None = None
 
 
 #: What a quota of ``"N/d"`` in UTC, with no anchor, counts: the calendar day in UTC.
-UTC_DAY = BillingPeriod(Unit.DAY)
-
-
-def billing_period(policy: Policy) -> BillingPeriod | None:
-    """A quota's billing period: its own, or the plain UTC day an epoch-aligned day quota counts
-    (``None`` for a quota of another period, or a policy that is no quota)."""
-    if policy.role is not Role.QUOTA:
-        return None
-    if policy.period is not None:
-        return policy.period
-    return UTC_DAY if policy.rate.period_us == DAY_US else None
-
-
 def quota_checks(request: HttpRequest, identity: Identity) -> list[Check]:
     """The caller's quotas by billing period, as the policy source resolves its requests (spends nothing).
 
@@ -208,13 +193,13 @@ def quota_checks(request: HttpRequest, identity: Identity) -> list[Check]:
     return [
         entry.check
         for entry in explained
-        if billing_period(entry.check.policy) is not None and entry.check.subject in counted
+        if entry.check.policy.billing_period is not None and entry.check.subject in counted
     ]
 
 
 def _period_fields(policy: Policy) -> dict[str, Any]:
     """A quota by billing period: the period in force now, in the caller's zone, from their anchor."""
-    period = billing_period(policy)
+    period = policy.billing_period
     if period is None:
         return {}
     now = datetime.now(UTC)

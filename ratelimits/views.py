@@ -27,7 +27,7 @@ from .endpoints import is_known_endpoint
 from .identity import SubjectKind, identify
 from .models import MAX_ENDPOINT_LENGTH, validate_endpoint
 from .periods import Unit
-from .status import billing_period, current_limits, limit_status_call, quota_checks
+from .status import current_limits, limit_status_call, quota_checks
 from .throttles import RateLimitThrottle
 from .usage.live import read_live
 from .usage.readers import MAX_QUOTA_PERIODS, caller_filters, endpoint_series, quota_periods
@@ -201,7 +201,7 @@ class QuotaUsageView(APIView):
         quotas = []
         for check in quota_checks(request, identity):
             policy = check.policy
-            period = billing_period(policy)
+            period = policy.billing_period
             assert period is not None  # quota_checks gives those that have one
             periods = quota_periods(check.subject, period, policy.rate.limit, count=count)
             quotas.append(

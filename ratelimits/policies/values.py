@@ -63,6 +63,8 @@ GLOBAL_LAYOUT = "g"
 #: named by its start (us) where an epoch-aligned window is named by its index. A key of its own, so
 #: neither ever reads the other's count as its own.
 PERIOD_LAYOUT = "p"
+#: The billing period of a plain day quota (``"10000/d"``): the UTC calendar day.
+UTC_DAY = BillingPeriod(Unit.DAY)
 
 
 class Scope(StrEnum):
@@ -187,6 +189,16 @@ class Policy:
         if self.period is not None:
             return period_window(state, now, limit, period_us, cost, self.period.bounds(now), self.soft)
         return ALGORITHMS[self.algorithm](state, now, limit, period_us, self.burst, cost)
+
+    @property
+    def billing_period(self) -> BillingPeriod | None:
+        """A quota's billing period: its own, or the plain UTC day an epoch-aligned day quota counts
+        (``None`` for a quota of another period, or a policy that is no quota)."""
+        if self.role is not Role.QUOTA:
+            return None
+        if self.period is not None:
+            return self.period
+        return UTC_DAY if self.rate.period_us == DAY_US else None
 
     def anchored(self, anchor: datetime) -> Policy:
         """This quota renewing at a customer's ``anchor`` (the start of their subscription).

@@ -20,7 +20,7 @@ from django.urls import reverse
 
 from ..identity import SubjectKind
 from ..models import UsageRecord
-from ..status import billing_period, quota_checks, stand_in
+from ..status import quota_checks, stand_in
 from ..usage.live import LiveRow
 from ..usage.readers import (
     MAX_QUOTA_PERIODS,
@@ -422,7 +422,7 @@ def billing_periods(filters: ReportFilters, by: str = "requests", live: Sequence
     caller = stand_in(endpoint=filters.endpoint or "usage", **{_STANDS_IN[filters.subject_kind]: filters.subject_id})
     rows = []
     for check in quota_checks(caller.request, caller.identity):
-        period = billing_period(check.policy)
+        period = check.policy.billing_period
         assert period is not None  # quota_checks gives those that have one
         # The periods the range overlaps, counted back from its end (or now, if that is earlier).
         now = min(filters.end, datetime.now(tz=UTC))
