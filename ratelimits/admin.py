@@ -1,4 +1,4 @@
-"""The Django admin for policies: tiers, assignments, endpoints, overrides, fleet settings, audit.
+"""The Django admin for policies (tiers, assignments, endpoints, overrides, fleet settings, audit) and notices.
 
 Every save, delete and action runs inside :func:`~ratelimits.store.audit.audit_context`, so the audit
 trail knows who did it and why; every committed change reaches every worker on its next request.
@@ -28,11 +28,15 @@ from .models import (
     SUBJECT_KINDS,
     AuditEntry,
     ConcurrentEdit,
+    Delivery,
+    DeliveryAttempt,
     EndpointPolicy,
     FleetSettings,
+    Notice,
     Override,
     SubjectAssignment,
     Tier,
+    WebhookEndpoint,
     describe_limit,
     expired,
     validate_endpoint,
@@ -480,6 +484,80 @@ class AuditEntryAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     def has_change_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
         return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
+        return False
+
+
+class _ReadOnly:
+    """An admin of rows the app writes: listed and read, never added or changed by hand."""
+
+    def has_add_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
+        return False
+
+
+@admin.register(WebhookEndpoint)
+class WebhookEndpointAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    list_display = ("subject_kind", "subject_id", "url", "enabled", "created_at")
+    list_filter = ("enabled", "subject_kind")
+    search_fields = ("subject_id", "url", "description")
+    fields = (("subject_kind", "subject_id"), "url", "secret", "enabled", "description")
+
+    def formfield_for_dbfield(self, db_field: Any, request: HttpRequest, **kwargs: Any) -> Any:
+        if db_field.name == "url":
+            kwargs["assume_scheme"] = "https"  # a URL typed without its scheme is sent over TLS
+        return super().formfield_for_dbfield(db_field, request, **kwargs)
+
+
+class DeliveryInline(_ReadOnly, admin.TabularInline):  # type: ignore[type-arg]
+    model = Delivery
+    fields = ("endpoint", "state", "attempts", "last_status", "last_error", "next_attempt_at", "delivered_at")
+    readonly_fields = fields
+    extra = 0
+    show_change_link = True
+
+
+@admin.register(Notice)
+class NoticeAdmin(_ReadOnly, admin.ModelAdmin):  # type: ignore[type-arg]
+    list_display = ("created_at", "kind", "subject_kind", "subject_id", "policy", "threshold", "used", "limit", "sent")
+    list_filter = ("kind", "subject_kind", "threshold")
+    search_fields = ("subject_id", "policy")
+    date_hierarchy = "created_at"
+    inlines = (DeliveryInline,)
+
+    @admin.display(description="delivered")
+    def sent(self, obj: Notice) -> str:
+        states = [delivery.state for delivery in obj.deliveries.all()]
+        return f"{states.count('delivered')} of {len(states)}" if states else "no webhook"
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Notice]:
+        return super().get_queryset(request).prefetch_related("deliveries")
+
+
+class DeliveryAttemptInline(_ReadOnly, admin.TabularInline):  # type: ignore[type-arg]
+    model = DeliveryAttempt
+    fields = ("at", "status", "error", "took_ms")
+    readonly_fields = fields
+    extra = 0
+    verbose_name_plural = "log: each attempt"
+
+
+@admin.register(Delivery)
+class DeliveryAdmin(_ReadOnly, admin.ModelAdmin):  # type: ignore[type-arg]
+    list_display = ("notice", "endpoint", "state", "attempts", "last_status", "next_attempt_at", "delivered_at")
+    list_filter = ("state",)
+    search_fields = ("notice__subject_id", "endpoint__url")
+    list_select_related = ("notice", "endpoint")
+    inlines = (DeliveryAttemptInline,)
+    actions = ("send_again",)
+
+    @admin.action(description="Send the selected deliveries again now")
+    def send_again(self, request: HttpRequest, queryset: QuerySet[Delivery]) -> None:
+        count = queryset.update(state="pending", next_attempt_at=timezone.now(), claimed_until=None)
+        self.message_user(request, f"{count} deliveries will be sent on the next sweep.", messages.SUCCESS)
 
     def has_delete_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
         return False

@@ -58,6 +58,7 @@ from .conf import (
 )
 from .endpoints import DrfRoute, drf_routes, route_endpoints
 from .exceptions import BackendUnavailable, ConfigurationError
+from .models import WebhookEndpoint
 from .policies.settings import SettingsPolicySource, dimensions_from_settings
 from .policies.source import get_policy_source
 from .policies.throttle_rates import SETTING as DRF_RATES
@@ -99,6 +100,7 @@ __all__ = [
     "W020",
     "W021",
     "W022",
+    "W024",
     "check_capabilities",
     "check_database",
     "check_deployment",
@@ -135,6 +137,7 @@ W021 = "ratelimits.W021"  # in DEBUG: usage counted minutes ago is still undrain
 E183 = "ratelimits.E183"  # a setting needs a capability (leases, usage, the bulletin, regions) the backend lacks
 W023 = "ratelimits.W023"  # a backend class with a capability's methods but not the capability among its bases
 W022 = "ratelimits.W022"  # POLICIES['SOURCE'] names where the database source used to be (read until 0.3)
+W024 = "ratelimits.W024"  # webhook endpoints are enabled in the admin, but USAGE['NOTICES'] is off
 #: The id of each setting's invalid value (declared with the setting, in ratelimits.conf).
 SETTING_IDS: dict[str, str] = {name: setting.id for name, setting in SETTINGS.items()}
 
@@ -862,7 +865,29 @@ def check_database(app_configs: Any = None, databases: Any = None, **kwargs: Any
             messages.extend(_replaced(getattr(source.snapshot(), "replaced", [])))
     except (ConfigurationError, DatabaseError):
         pass  # the settings' checks, or the migrations above, say why
+    messages.extend(_idle_webhooks())
     return messages
+
+
+def _idle_webhooks() -> list[CheckMessage]:
+    """Webhook endpoints that nothing will send to: ``USAGE['NOTICES']`` is off."""
+    try:
+        if conf.usage.notices.enabled:
+            return []
+        count = WebhookEndpoint.objects.filter(enabled=True).count()
+    except (ConfigurationError, DatabaseError):
+        return []  # the settings' checks, or the migrations above, say why
+    if not count:
+        return []
+    return [
+        Warning(
+            f"{count} webhook endpoint(s) are enabled in the admin, but RATELIMITS['USAGE']['NOTICES'] is False: "
+            "no notice is made, and nothing is delivered to them.",
+            hint="Remove RATELIMITS['USAGE']['NOTICES'] = False (notices are on by default), or disable the endpoints "
+            f"({documentation.page('notices')}).",
+            id=W024,
+        )
+    ]
 
 
 def unapplied_migrations(alias: str = "default") -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import ipaddress
 import re
+import secrets
 from decimal import Decimal
 from typing import Any, ClassVar
 
@@ -23,10 +24,12 @@ from django.utils import timezone
 from . import documentation
 from .algorithms import RATE_ALGORITHMS, Algorithm
 from .choices import HTTP_METHODS, SHEDDABLE, FailMode, Priority
+from .conf import conf
 from .exceptions import ConfigurationError
 from .identity import ASSIGNABLE_KINDS, SubjectKind
 from .periods import QuotaMode, parse_calendar_quota, zone_info
 from .rates import MAX_LIMIT, check_burst, parse_rate
+from .webhooks import UnsafeURL, check_url
 
 ALGORITHM_CHOICES = [(a.value, a.value.replace("_", " ")) for a in RATE_ALGORITHMS]
 FAIL_MODE_CHOICES = [("", "fleet default"), *((mode.value, mode.description) for mode in FailMode)]
@@ -745,3 +748,127 @@ class UsageSubject(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} {self.value}"
+
+
+def new_webhook_secret() -> str:
+    """A fresh signing secret: 32 random bytes, with a prefix that says what it is when it leaks."""
+    return "whsec_" + secrets.token_urlsafe(32)
+
+
+class WebhookEndpoint(models.Model):
+    """Where one customer (a subject) is told of its notices: a URL, signed with its own secret."""
+
+    subject_kind = models.CharField(max_length=10, choices=SUBJECT_KINDS)
+    subject_id = models.CharField(
+        max_length=200, help_text="API key identity, user id or organisation id, as on its tier assignment."
+    )
+    url = models.URLField(max_length=500, help_text="Receives a signed POST for each notice (https:// in production).")
+    secret = models.CharField(
+        max_length=100,
+        default=new_webhook_secret,
+        help_text="Signs each delivery (HMAC-SHA256): give it to the customer, who verifies with it.",
+    )
+    enabled = models.BooleanField(default=True, help_text="Off: new notices are not delivered here.")
+    description = models.CharField(max_length=200, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering: ClassVar = ["subject_kind", "subject_id", "url"]
+        indexes: ClassVar = [models.Index(fields=["subject_kind", "subject_id"])]
+
+    def __str__(self) -> str:
+        return f"{self.get_subject_kind_display()} {self.subject_id} → {self.url}"
+
+    def clean(self) -> None:
+        self.subject_id = validate_subject(self.subject_kind, self.subject_id)
+        try:
+            check_url(self.url, allow_private=conf.usage.notices.allow_private_urls, resolve=False)
+        except UnsafeURL as exc:
+            hint = " (RATELIMITS['USAGE']['NOTICES']['ALLOW_PRIVATE_URLS'] allows it, for development)"
+            raise ValidationError({"url": f"{exc}{hint if 'public' in str(exc) else ''}."}) from None
+
+
+NOTICE_KINDS = [
+    ("quota.threshold", "quota threshold crossed"),
+    ("refusals", "refused again and again"),
+]
+
+
+class Notice(models.Model):
+    """A subject crossed a threshold in one period: made once, whichever process saw it first.
+
+    ``threshold`` is a percentage of the quota (``quota.threshold``) or the number of refusals
+    within the rule's window (``refusals``); ``period_start`` names the billing period (or, for
+    refusals, the hour) it is deduplicated in.
+    """
+
+    kind = models.CharField(max_length=20, choices=NOTICE_KINDS)
+    subject_kind = models.CharField(max_length=10)
+    subject_id = models.CharField(max_length=200)
+    policy = models.CharField(max_length=200, blank=True, help_text="The quota crossed (empty for refusals).")
+    threshold = models.PositiveIntegerField()
+    period_start = models.DateTimeField()
+    used = models.PositiveBigIntegerField(help_text="What was spent (or refused) when it was seen.")
+    limit = models.PositiveBigIntegerField(help_text="The quota (or the rule's number of refusals).")
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+
+    class Meta:
+        ordering: ClassVar = ["-created_at"]
+        constraints: ClassVar = [
+            models.UniqueConstraint(
+                fields=["kind", "subject_kind", "subject_id", "policy", "threshold", "period_start"],
+                name="ratelimits_notice_once_per_period",
+            )
+        ]
+        indexes: ClassVar = [models.Index(fields=["subject_kind", "subject_id", "created_at"])]
+
+    def __str__(self) -> str:
+        if self.kind == "refusals":
+            return f"{self.subject_kind} {self.subject_id} refused {self.used} times"
+        return f"{self.subject_kind} {self.subject_id} past {self.threshold}% of {self.policy}"
+
+
+DELIVERY_STATES = [("pending", "pending"), ("delivered", "delivered"), ("failed", "given up")]
+
+
+class Delivery(models.Model):
+    """One notice to one webhook endpoint: tried until the receiver answers 2xx, or given up."""
+
+    notice = models.ForeignKey(Notice, on_delete=models.CASCADE, related_name="deliveries")
+    endpoint = models.ForeignKey(WebhookEndpoint, on_delete=models.CASCADE, related_name="deliveries")
+    state = models.CharField(max_length=10, choices=DELIVERY_STATES, default="pending")
+    attempts = models.PositiveIntegerField(default=0)
+    next_attempt_at = models.DateTimeField(default=timezone.now)
+    #: Until when a sender has it: no other sender takes it before (a sender that died lets go then).
+    claimed_until = models.DateTimeField(null=True, blank=True)
+    last_status = models.PositiveIntegerField(null=True, blank=True, help_text="The receiver's last HTTP status.")
+    last_error = models.CharField(max_length=500, blank=True)
+    delivered_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        verbose_name_plural = "deliveries"
+        ordering: ClassVar = ["-created_at"]
+        constraints: ClassVar = [
+            models.UniqueConstraint(fields=["notice", "endpoint"], name="ratelimits_delivery_once_per_endpoint")
+        ]
+        indexes: ClassVar = [models.Index(fields=["state", "next_attempt_at"])]
+
+    def __str__(self) -> str:
+        return f"{self.notice} → {self.endpoint.url} ({self.state})"
+
+
+class DeliveryAttempt(models.Model):
+    """One POST of a delivery, and what came of it: the delivery log."""
+
+    delivery = models.ForeignKey(Delivery, on_delete=models.CASCADE, related_name="log")
+    at = models.DateTimeField(default=timezone.now)
+    status = models.PositiveIntegerField(null=True, blank=True)
+    error = models.CharField(max_length=500, blank=True)
+    took_ms = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        ordering: ClassVar = ["-at"]
+
+    def __str__(self) -> str:
+        return f"{self.at:%Y-%m-%d %H:%M:%S} {self.status or self.error}"

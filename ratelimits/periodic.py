@@ -4,7 +4,8 @@ Usage is counted in the store, per minute, in the decision's own round trip. Not
 the database until a drain moves the closed minutes into ``UsageRecord`` rows (the readers see the
 minutes not drained yet live, for an hour), and counters nothing drains expire after two days.
 The roll-up and the purges keep the tables small; expired overrides and assignments are deleted
-(audited). These are :data:`JOBS`:
+(audited); the notices' deliveries due are sent, and repeated refusals looked for. These are
+:data:`JOBS`:
 
 - with Celery, :func:`install_beat_schedule` adds them to the project's beat schedule in one line
   (its own entries of the same name win), and beat sends the tasks of :mod:`ratelimits.tasks`;
@@ -18,6 +19,7 @@ the only module that does).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,20 +37,24 @@ class Job:
 
     name: str
     task: str
-    #: Seconds between runs (``None``: ``USAGE['DRAIN_EVERY']``, read when it is asked for).
-    every_s: float | None
+    #: Seconds between runs, or the setting that says, read when it is asked for.
+    every_s: float | Callable[[], float]
     #: Whether ``manage.py ratelimits_drain`` runs it too (the digest mails people: Celery's alone).
     in_command: bool = True
+    #: Whether a run not started within its interval is dropped (``expires``), not run late: a
+    #: backlog of sweeps after a worker's outage would each find nothing the first did not.
+    drop_late: bool = False
 
     @property
     def interval(self) -> float:
-        return conf.usage.drain_every if self.every_s is None else self.every_s
+        return self.every_s() if callable(self.every_s) else self.every_s
 
 
 JOBS = (
-    Job("ratelimits-drain-usage", DRAIN_TASK, None),
+    Job("ratelimits-drain-usage", DRAIN_TASK, lambda: conf.usage.drain_every),
     Job("ratelimits-maintain-usage", "ratelimits.maintain_usage", 15 * 60.0),
     Job("ratelimits-expire-policies", "ratelimits.expire_policies", 60 * 60.0),
+    Job("ratelimits-send-notices", "ratelimits.send_notices", lambda: conf.usage.notices.every, drop_late=True),
     Job("ratelimits-near-limit-digest", "ratelimits.near_limit_digest", 24 * 60 * 60.0, in_command=False),
 )
 
@@ -56,10 +62,16 @@ JOBS = (
 def beat_schedule() -> dict[str, dict[str, Any]]:
     """:data:`JOBS` as Celery beat entries; with ``REGIONS``, the reconciliation round too.
 
-    A round of reconciliation not started within its interval is dropped (``expires``), not run
-    late in a burst.
+    A round of reconciliation, or a sweep of the notices, not started within its interval is
+    dropped (``expires``), not run late in a burst.
     """
-    schedule: dict[str, dict[str, Any]] = {job.name: {"task": job.task, "schedule": job.interval} for job in JOBS}
+    schedule: dict[str, dict[str, Any]] = {}
+    for job in JOBS:
+        interval = job.interval
+        entry: dict[str, Any] = {"task": job.task, "schedule": interval}
+        if job.drop_late:
+            entry["options"] = {"expires": interval}
+        schedule[job.name] = entry
     if conf.regions.stores:
         interval = conf.regions.reconcile.interval
         schedule["ratelimits-reconcile-regions"] = {

@@ -15,8 +15,16 @@ from . import usage
 from .reconciler import reconcile
 from .reports.digest import send_digest
 from .store.expiry import expire_policies as _expire_policies
+from .store.notices import sweep
 
-__all__ = ["drain_usage", "expire_policies", "maintain_usage", "near_limit_digest", "reconcile_regions"]
+__all__ = [
+    "drain_usage",
+    "expire_policies",
+    "maintain_usage",
+    "near_limit_digest",
+    "reconcile_regions",
+    "send_notices",
+]
 
 
 @shared_task(name="ratelimits.drain_usage", acks_late=True, reject_on_worker_lost=True)
@@ -35,6 +43,16 @@ def maintain_usage() -> dict[str, Any]:
 def expire_policies() -> int:
     """Delete overrides and assignments past their expiry (audited); return how many."""
     return _expire_policies()
+
+
+@shared_task(name="ratelimits.send_notices", acks_late=True, reject_on_worker_lost=True)
+def send_notices() -> dict[str, int]:
+    """Make notices of repeated refusals, then send the webhook deliveries due; return how many of each.
+
+    A worker killed mid-send has its task delivered again, and each delivery it had claimed is
+    sent by a later sweep once the claim lapses: none is lost.
+    """
+    return sweep()
 
 
 @shared_task(name="ratelimits.near_limit_digest")

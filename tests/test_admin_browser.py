@@ -15,9 +15,12 @@ from django.utils import timezone
 
 from ratelimits.admin import EffectivePolicyForm
 from ratelimits.engine import get_limiter, get_policy_source
-from ratelimits.models import AuditEntry, EndpointPolicy, Override, SubjectAssignment, Tier
+from ratelimits.models import AuditEntry, Delivery, EndpointPolicy, Override, SubjectAssignment, Tier, WebhookEndpoint
+from ratelimits.store import notices
+from ratelimits.thresholds import Crossing
 
 from .support.browser import PASSWORD, launch, log_in, screenshot_path, watch
+from .support.receiver import Receiver
 from .support.settings import merged
 
 API_KEY = "ApiKey:3"
@@ -254,3 +257,57 @@ def test_a_plan_by_the_month_is_set_up_in_chromium(chromium: str, live_server: A
     assignment = SubjectAssignment.objects.get(subject_id="ApiKey:77")
     assert assignment.tier == tier
     assert assignment.quota_anchor == timezone.make_aware(dt.datetime(2026, 5, 17, 10, 0))
+
+
+def test_a_customers_webhook_is_set_up_and_its_deliveries_read_in_chromium(
+    chromium: str, live_server: Any, django_user_model: Any, settings: Any
+) -> None:
+    """An endpoint added as an operator would (a private URL refused on the field first); then a
+    notice delivered to it, read in the notices' list and the delivery's log."""
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"USAGE": {"NOTICES": {"TIMEOUT": "5s"}}})
+    django_user_model.objects.create_superuser("hooks", "hooks@example.com", PASSWORD)
+    add_url = live_server.url + reverse("admin:ratelimits_webhookendpoint_add")
+
+    with launch(chromium) as browser:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        problems = watch(page)
+        log_in(page, add_url, "hooks")
+        made_secret = page.input_value("#id_secret")  # one made for the operator, to give the customer
+        page.select_option("#id_subject_kind", "api_key")
+        page.fill("#id_subject_id", "ApiKey:88")
+        page.fill("#id_url", "http://10.0.0.5/hooks")
+        page.click("input[name=_save]")
+        page.wait_for_selector(".errornote")
+        url_errors = page.text_content(".field-url .errorlist") or ""
+        page.fill("#id_url", "https://hooks.example.com/ratelimits")
+        page.click("input[name=_save]")
+        page.wait_for_selector(".messagelist .success")
+    assert problems == []
+    assert "not a public address" in url_errors and "ALLOW_PRIVATE_URLS" in url_errors
+    endpoint = WebhookEndpoint.objects.get(subject_id="ApiKey:88")
+    assert endpoint.url == "https://hooks.example.com/ratelimits" and endpoint.secret == made_secret
+    assert made_secret.startswith("whsec_")
+
+    # A notice for that customer, delivered to a receiver of this test (the endpoint pointed at it).
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"USAGE": {"NOTICES": {"ALLOW_PRIVATE_URLS": True}}})
+    with Receiver() as receiver:
+        WebhookEndpoint.objects.filter(pk=endpoint.pk).update(url=receiver.url)
+        [notice] = notices.record(
+            [Crossing("api_key", "ApiKey:88", "tier:pro:quota", 80, 1_796_083_200_000_000, 8, 10)]
+        )
+        assert notices.send_due() == 1
+    delivery = Delivery.objects.get(notice=notice)
+    list_url = live_server.url + reverse("admin:ratelimits_notice_changelist")
+    delivery_url = live_server.url + reverse("admin:ratelimits_delivery_change", args=[delivery.pk])
+
+    with launch(chromium) as browser:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        problems = watch(page)
+        log_in(page, list_url, "hooks")
+        row = page.text_content("#result_list tbody tr") or ""
+        page.goto(delivery_url)
+        log = page.text_content(".inline-group") or ""
+        page.screenshot(path=str(screenshot_path("webhook-delivery.png")), full_page=True)
+    assert problems == []
+    assert "ApiKey:88" in row and "tier:pro:quota" in row and "1 of 1" in row
+    assert "204" in log and "log: each attempt" in log.lower()

@@ -43,7 +43,7 @@ from ratelimits.engine.limiter import build_limiter
 from ratelimits.engine.local import LEASE
 from ratelimits.exceptions import BackendUnavailable
 from ratelimits.identity import Subject, SubjectKind
-from ratelimits.models import UsageRecord
+from ratelimits.models import Notice, UsageRecord
 from ratelimits.policies import Check, concurrency_policy
 from ratelimits.store.database import DatabasePolicySource
 
@@ -166,6 +166,18 @@ def test_an_adrf_view_with_the_async_throttle(limits: Any) -> None:
     denied = responses[-1]
     assert denied["Content-Type"] == "application/problem+json"
     assert json.loads(denied.content)["violated-policies"] == ["tier:free"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_async_views_quota_crossings_are_noticed_off_the_loop(settings: Any, limits: Any) -> None:
+    """The crossings are seen on the loop, in memory; their rows are written after each response,
+    in a thread (Django's async ``request_finished``), never a query on the loop."""
+    tiers = {**BASE["TIERS"], "anon": {"rate": "1000/s", "quota": "5/month"}}
+    settings.RATELIMITS = {**limits, "TIERS": tiers, "USAGE": {"NOTICES": {"QUOTA_THRESHOLDS": [60, 100]}}}
+    responses = burst("/t/async/plain", 7)
+    assert [r.status_code for r in responses] == [200] * 5 + [429] * 2
+    rows = list(Notice.objects.order_by("threshold").values_list("subject_kind", "policy", "threshold", "used"))
+    assert rows == [("ip", "tier:anon:quota", 60, 3), ("ip", "tier:anon:quota", 100, 5)]
 
 
 def test_slots_are_held_while_an_async_view_runs_and_released_after(settings: Any, limits: Any, gate: Gate) -> None:

@@ -282,6 +282,16 @@ BAD_VALUES = [
     (("METRICS", "MULTIPROCESS"), "yes", "ratelimits.E176", "'yes' must be True or False"),
     (("METRICS", "FLUSH_INTERVAL"), "2m", "ratelimits.E177", "120 s is longer than a minute"),
     (("METRICS", "FLUSH_INTERVAL"), 0, "ratelimits.E177", "0 must be a positive number"),
+    (("USAGE", "NOTICES", "QUOTA_THRESHOLDS"), "80", "ratelimits.E185", "must be a list of percentages"),
+    (("USAGE", "NOTICES", "QUOTA_THRESHOLDS"), [80, 0], "ratelimits.E185", "0 must be a percentage from 1 to 1000"),
+    (("USAGE", "NOTICES", "REFUSALS"), 0, "ratelimits.E186", "must be a positive integer or None"),
+    (("USAGE", "NOTICES", "REFUSALS_WITHIN"), "a while", "ratelimits.E187", "is not a duration"),
+    (("USAGE", "NOTICES", "EVERY"), 0, "ratelimits.E188", "must be a positive number of seconds"),
+    (("USAGE", "NOTICES", "TIMEOUT"), "soon", "ratelimits.E189", "is not a duration"),
+    (("USAGE", "NOTICES", "RETRY_FIRST"), -1, "ratelimits.E190", "must be a positive number of seconds"),
+    (("USAGE", "NOTICES", "RETRY_LONGEST"), "later", "ratelimits.E191", "is not a duration"),
+    (("USAGE", "NOTICES", "RETRY_FOR"), "ever", "ratelimits.E192", "is not a duration"),
+    (("USAGE", "NOTICES", "ALLOW_PRIVATE_URLS"), "yes", "ratelimits.E193", "must be True or False"),
 ]
 
 

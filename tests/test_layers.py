@@ -11,12 +11,14 @@ each have their own (``TOP_LEVEL``).
 
 The layers, from the bottom (a module may import its own layer and those below):
 
-0. foundation: settings, exceptions, the named choices, rates and billing periods, the documentation's addresses, the
+0. foundation: settings, exceptions, the named choices, rates and billing periods, the documentation's addresses,
+   the webhooks' signature and one delivery attempt, the
    private helpers every layer uses (bounded memos, process-wide values, integer arithmetic); and the
    deprecated ``client``, which re-exports the client distribution (``ratelimits_client``, outside the
    package: clients/python) and imports nothing else (tests/test_client.py checks it loads no other
    module)
-1. values: algorithms, identity, decisions, counters, the adaptive capacity, the metrics' recorder;
+1. values: algorithms, identity, decisions, counters, the adaptive capacity, the metrics' recorder, the quota
+   thresholds a decision shows crossed;
    policies and the settings source
 2. backends: where limiter state lives, the core contract and its capabilities
 3. the policy store: models, the database source, versioning, audit, usage records and their readers
@@ -65,12 +67,14 @@ TOP_LEVEL: dict[str, int] = {
     "ratelimits.periods": 0,
     "ratelimits.documentation": 0,
     "ratelimits.redis_url": 0,
+    "ratelimits.webhooks": 0,
     "ratelimits.algorithms": 1,
     "ratelimits.identity": 1,
     "ratelimits.decisions": 1,
     "ratelimits.counters": 1,
     "ratelimits.shares": 1,
     "ratelimits.adaptive": 1,
+    "ratelimits.thresholds": 1,
     "ratelimits.metrics": 1,
     "ratelimits.models": 3,
     "ratelimits.sources": 3,
@@ -99,6 +103,7 @@ FUNCTION_LEVEL = {
     ("ratelimits.apps", "ratelimits.checks"),
     ("ratelimits.apps", "ratelimits.store"),
     ("ratelimits.apps", "ratelimits.store.audit"),
+    ("ratelimits.apps", "ratelimits.store.notices"),
     ("ratelimits.apps", "ratelimits.usage"),
     ("ratelimits.apps", "ratelimits.usage.subjects"),
 }

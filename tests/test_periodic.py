@@ -66,12 +66,15 @@ def test_install_adds_the_schedule_once_celery_has_read_the_settings(settings: A
         "ratelimits-drain-usage": 10.0,
         "ratelimits-maintain-usage": 900.0,
         "ratelimits-expire-policies": 3600.0,
+        "ratelimits-send-notices": 10.0,
         "ratelimits-near-limit-digest": 86400.0,
     }
+    assert schedule["ratelimits-send-notices"]["options"] == {"expires": 10.0}  # a late sweep is dropped
     assert {schedule[job.name]["task"] for job in JOBS} == {
         "ratelimits.drain_usage",
         "ratelimits.maintain_usage",
         "ratelimits.expire_policies",
+        "ratelimits.send_notices",
         "ratelimits.near_limit_digest",
     }
 
@@ -168,6 +171,7 @@ def test_once_runs_every_job_and_the_report_says_when_the_drain_ran(admin_client
         "ratelimits-drain-usage",
         "ratelimits-maintain-usage",
         "ratelimits-expire-policies",
+        "ratelimits-send-notices",
     ]
     assert lines[0] == "ratelimits-drain-usage: 1"  # one batch applied
     assert sum(row.allowed for row in UsageRecord.objects.filter(granularity="minute")) == 4

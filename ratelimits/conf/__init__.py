@@ -599,6 +599,68 @@ class Shedding(Namespace):
     adaptive = Mount(Adaptive)
 
 
+class Notices(Switchable):
+    """``USAGE['NOTICES']``: customers told when they near a quota or keep being refused."""
+
+    doc = (
+        "`True` (the default), `False`, or a dict: notices when a subject crosses a share of a quota or is refused "
+        "again and again, sent as a signal, listed in the admin and delivered to the customer's signed webhooks "
+        "([notices](notices.md))"
+    )
+    id = "ratelimits.E184"
+    switch = True
+
+    quota_thresholds = Setting(
+        [80, 100],
+        parse.quota_percents,
+        id="ratelimits.E185",
+        doc="the percentages of a quota by billing period whose crossing is a notice, once per period (past 100: a "
+        "soft quota's overage); `[]`: none",
+    )
+    refusals = Setting(
+        100,
+        parse.optional_positive_int,
+        id="ratelimits.E186",
+        doc="a subject refused (429) this many times within `REFUSALS_WITHIN` is a notice, at most once an hour; "
+        "`None`: never. Read from the drained usage records",
+    )
+    refusals_within = Setting(
+        "5m",
+        parse.seconds,
+        id="ratelimits.E187",
+        doc="the window `REFUSALS` counts refusals in (whole minutes: usage is counted by the minute)",
+    )
+    every = Setting(
+        "10s",
+        parse.seconds,
+        id="ratelimits.E188",
+        doc="how often the periodic work sends the deliveries due and looks for refusals: the Celery beat entry "
+        "`ratelimits.periodic.beat_schedule()` gives, and `manage.py ratelimits_drain` runs",
+    )
+    timeout = Setting(
+        "5s", parse.seconds, id="ratelimits.E189", doc="how long one delivery attempt waits for the receiver"
+    )
+    retry_first = Setting(
+        "30s", parse.seconds, id="ratelimits.E190", doc="the wait before a failed delivery's first retry; each doubles"
+    )
+    retry_longest = Setting("1h", parse.seconds, id="ratelimits.E191", doc="the longest wait between two retries")
+    retry_for = Setting(
+        "3d",
+        parse.seconds,
+        id="ratelimits.E192",
+        doc="how long a delivery is retried before it is given up (a receiver down for an hour, or a weekend, "
+        "loses nothing)",
+    )
+    allow_private_urls = Setting(
+        False,
+        parse.boolean,
+        id="ratelimits.E193",
+        doc="`True` lets a webhook URL lead to a loopback, private or link-local address: for development and tests. "
+        "Off, such a URL is refused when saved and when sent to (a customer's URL must not reach the fleet's own "
+        "services)",
+    )
+
+
 class Usage(Switchable):
     """``USAGE``: usage counted in the decision's round trip, and drained into reports."""
 
@@ -633,6 +695,7 @@ class Usage(Switchable):
         doc="how often the periodic work drains the counters into the database: the Celery beat entry "
         "`ratelimits.periodic.beat_schedule()` gives, and `manage.py ratelimits_drain`'s default `--every`",
     )
+    notices = Mount(Notices)
 
 
 _LOCAL = LocalPathSettings()

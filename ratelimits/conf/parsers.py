@@ -254,6 +254,22 @@ def thresholds(value: object, field: str) -> dict[Priority, int]:
     return thresholds
 
 
+#: The highest threshold a quota may have: a soft quota is spent past 100%, up to any overage.
+MAX_QUOTA_PERCENT = 1000
+
+
+def quota_percents(value: object, field: str) -> tuple[int, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ConfigurationError(f"{field}: {value!r} must be a list of percentages, such as [80, 100]")
+    for percent in value:
+        if isinstance(percent, bool) or not isinstance(percent, int) or not 1 <= percent <= MAX_QUOTA_PERCENT:
+            raise ConfigurationError(
+                f"{field}: {percent!r} must be a percentage from 1 to {MAX_QUOTA_PERCENT} "
+                "(past 100: a soft quota's overage)"
+            )
+    return tuple(sorted(set(value)))
+
+
 def dotted_callable(value: object, field: str) -> Callable[..., Any]:
     if callable(value):
         return value

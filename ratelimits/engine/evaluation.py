@@ -29,6 +29,7 @@ from ..metrics import Recorder, get_recorder
 from ..policies.snapshot import PolicySnapshot
 from ..policies.source import PolicySource, get_policy_source
 from ..policies.values import Check, KeptChecks, Policy, check_for
+from ..thresholds import observe as observe_thresholds
 from .bodies import receive_body
 from .failed_auth import presented_authorization
 from .holding import Held, hold, holds_anything
@@ -341,14 +342,16 @@ def _prepare_checks(checks: Sequence[Check], endpoint: str, consume: bool) -> _P
 
 def _conclude(request: HttpRequest, pending: _Pending, decision: Decision) -> Decision:
     """The steps after a decision, in this order: hold what it took (or let its shedder's place
-    go), record it in the metrics, tell the policy source, log what shadow policies would deny,
-    and teach the local path a refused credential."""
+    go), record it in the metrics, tell the policy source, report the quota thresholds it shows
+    crossed, log what shadow policies would deny, and teach the local path a refused credential."""
     _hold_what_it_took(request, pending, decision)
     shadow = decision.shadow_violated
     if pending.recorder is not None:
         _record(pending.recorder, request, pending.endpoint, decision, time.perf_counter() - pending.started, shadow)
     # After holding: if observing fails, closing the response still releases what this request holds.
     pending.source.observe(decision)
+    if pending.consume and pending.identity is not None:
+        observe_thresholds(decision)
     if shadow:
         _log_shadow(pending, shadow)
     local = pending.limiter.local_path

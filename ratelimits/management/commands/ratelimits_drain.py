@@ -18,6 +18,7 @@ from ...exceptions import ConfigurationError
 from ...periodic import DRAIN_TASK, JOBS, Job
 from ...rates import parse_duration
 from ...store.expiry import expire_policies
+from ...store.notices import sweep as send_notices
 from ...usage import drain, maintain
 
 logger = logging.getLogger("ratelimits")
@@ -27,6 +28,7 @@ RUNS: dict[str, Callable[[], object]] = {
     DRAIN_TASK: drain,
     "ratelimits.maintain_usage": maintain,
     "ratelimits.expire_policies": expire_policies,
+    "ratelimits.send_notices": send_notices,
 }
 
 
