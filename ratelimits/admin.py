@@ -12,7 +12,7 @@ from typing import Any
 from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
-from django.db.models import Model, QuerySet
+from django.db.models import Model, Q, QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
@@ -554,10 +554,16 @@ class DeliveryAdmin(_ReadOnly, admin.ModelAdmin):  # type: ignore[type-arg]
     inlines = (DeliveryAttemptInline,)
     actions = ("send_again",)
 
-    @admin.action(description="Send the selected deliveries again now")
+    @admin.action(description="Send the selected deliveries again now", permissions=["send_again"])
     def send_again(self, request: HttpRequest, queryset: QuerySet[Delivery]) -> None:
-        count = queryset.update(state="pending", next_attempt_at=timezone.now(), claimed_until=None)
+        now = timezone.now()
+        # Not one a sender holds now: it would be sent twice. Retried for RETRY_FOR from now.
+        free = queryset.filter(Q(claimed_until__isnull=True) | Q(claimed_until__lt=now))
+        count = free.update(state="pending", next_attempt_at=now, retry_from=now)
         self.message_user(request, f"{count} deliveries will be sent on the next sweep.", messages.SUCCESS)
+
+    def has_send_again_permission(self, request: HttpRequest) -> bool:
+        return bool(request.user.has_perm("ratelimits.change_delivery"))
 
     def has_delete_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
         return False

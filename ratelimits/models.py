@@ -774,7 +774,12 @@ class WebhookEndpoint(models.Model):
 
     class Meta:
         ordering: ClassVar = ["subject_kind", "subject_id", "url"]
-        indexes: ClassVar = [models.Index(fields=["subject_kind", "subject_id"])]
+        constraints: ClassVar = [
+            # The same URL twice would get every notice twice.
+            models.UniqueConstraint(
+                fields=["subject_kind", "subject_id", "url"], name="ratelimits_webhook_once_per_subject"
+            )
+        ]
 
     def __str__(self) -> str:
         return f"{self.get_subject_kind_display()} {self.subject_id} → {self.url}"
@@ -841,6 +846,10 @@ class Delivery(models.Model):
     next_attempt_at = models.DateTimeField(default=timezone.now)
     #: Until when a sender has it: no other sender takes it before (a sender that died lets go then).
     claimed_until = models.DateTimeField(null=True, blank=True)
+    #: Which sender has it: only that sender records what came of its attempt.
+    claim = models.CharField(max_length=32, blank=True)
+    #: Retried until ``USAGE['NOTICES']['RETRY_FOR']`` after this (its creation, or "send again").
+    retry_from = models.DateTimeField(default=timezone.now)
     last_status = models.PositiveIntegerField(null=True, blank=True, help_text="The receiver's last HTTP status.")
     last_error = models.CharField(max_length=500, blank=True)
     delivered_at = models.DateTimeField(null=True, blank=True)

@@ -70,7 +70,8 @@ def beat_schedule() -> dict[str, dict[str, Any]]:
         interval = job.interval
         entry: dict[str, Any] = {"task": job.task, "schedule": interval}
         if job.drop_late:
-            entry["options"] = {"expires": interval}
+            # Beat's clock against the worker's: a minute's room, so a skew of seconds drops nothing.
+            entry["options"] = {"expires": max(2 * interval, 60.0)}
         schedule[job.name] = entry
     if conf.regions.stores:
         interval = conf.regions.reconcile.interval

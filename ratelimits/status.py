@@ -180,7 +180,6 @@ def current_limits(request: Request, *, endpoint: str, method: str | None = None
     }
 
 
-#: What a quota of ``"N/d"`` in UTC, with no anchor, counts: the calendar day in UTC.
 def quota_checks(request: HttpRequest, identity: Identity) -> list[Check]:
     """The caller's quotas by billing period, as the policy source resolves its requests (spends nothing).
 

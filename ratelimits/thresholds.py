@@ -2,9 +2,9 @@
 
 Every decision brings back each check's ``remaining``: for a quota, how much of the billing period
 is left once this request is counted. So a crossing (80% of this month's quota spent) is known
-from what the store already answered, with no call of its own. A refusal by the quota is the 100%
-crossing too: a caller refused by its quota has spent it, whichever process admitted its last
-request.
+from what the store already answered, with no call of its own. A refusal by the quota shows what
+was spent too: a caller refused by a spent quota shows the 100% crossing, whichever process
+admitted its last request.
 
 :class:`ThresholdWatch` remembers, in this process, what it has reported, so that a crossing costs
 one report per process and period, not one per request. What it reports waits in it until the
@@ -24,9 +24,14 @@ from dataclasses import dataclass
 from ._process import ProcessWide
 from .conf import conf
 from .decisions import Decision
+from .exceptions import ConfigurationError
 from .policies.values import Role
 
-__all__ = ["Crossing", "ThresholdWatch", "observe", "threshold_watch"]
+__all__ = ["PENDING_LIMIT", "Crossing", "ThresholdWatch", "observe", "threshold_watch"]
+
+#: The most crossings waiting to be written in one process: decisions made outside a request (no
+#: response to write them after) must not make the list grow for ever.
+PENDING_LIMIT = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +73,10 @@ class ThresholdWatch:
         found = self.crossings(decision)
         if found:
             with self._lock:
-                self.pending += found
+                room = PENDING_LIMIT - len(self.pending)
+                self.pending += found[:room]
+            if len(found) > room:
+                self.forget(found[room:])  # reported by their subjects' next requests
 
     def take(self) -> list[Crossing]:
         """The crossings waiting to be written, handed over (and no longer waiting)."""
@@ -81,7 +89,10 @@ class ThresholdWatch:
 
         A shadow quota's crossings are not reported: it enforces nothing, so it has nothing to warn of.
         """
-        if not self.thresholds or decision.degraded:  # a degraded decision's counts are not the store's
+        if not self.thresholds or decision.degraded or decision.local is not None:
+            # A degraded decision's counts are not the store's; one answered from memory (a
+            # remembered refusal, a lease) was timed by this worker's clock, which may place it in
+            # another period than the store's would near a boundary: the next store call tells.
             return []
         found: list[Crossing] = []
         for result in decision.results:
@@ -91,13 +102,12 @@ class ThresholdWatch:
             period = policy.billing_period
             if period is None:
                 continue
-            limit = policy.rate.limit
-            if not result.allowed:
-                used = limit  # refused by the quota: all of it is spent
-            elif decision.allowed:
-                used = limit - result.remaining
-            else:
+            if result.allowed and not decision.allowed:
                 continue  # refused by another limit: this request spent nothing of the quota
+            # Admitted: what is spent with this request. Refused by the quota: what was spent
+            # before it (all of it, unless the request cost more than was left).
+            limit = policy.rate.limit
+            used = limit - result.remaining
             passed = [t for t in self.thresholds if used * 100 >= t * limit]
             if passed:
                 lo, mid, _ = period.bounds(decision.now_us)
@@ -129,8 +139,13 @@ class ThresholdWatch:
 
 
 def _build() -> ThresholdWatch | None:
-    settings = conf.usage.notices
-    return ThresholdWatch(settings.quota_thresholds) if settings.enabled and settings.quota_thresholds else None
+    try:
+        settings = conf.usage.notices
+        thresholds = settings.quota_thresholds if settings.enabled else ()
+    except ConfigurationError:
+        # manage.py check names the setting; a request is never refused for how notices are set.
+        return None
+    return ThresholdWatch(thresholds) if thresholds else None
 
 
 _watch: ProcessWide[ThresholdWatch | None] = ProcessWide(_build)

@@ -6,9 +6,9 @@ The signature is Stripe's scheme with our header's name. Each request carries
 
 where ``v1`` is the hex HMAC-SHA256, keyed with the endpoint's secret, of the timestamp, a ``.``
 and the raw body. The timestamp is signed, so a receiver that refuses old ones
-(:data:`TOLERANCE_S`) refuses a replayed delivery; a secret being rolled signs with each secret
-(several ``v1``). :func:`verify` is what a Python receiver calls; the scheme is short enough to
-write in any language (docs/notices.md).
+(:data:`TOLERANCE_S`) refuses a replayed delivery. :func:`verify` accepts any one of several
+``v1`` (room for signing with two secrets while one is replaced); it is what a Python receiver
+calls, and the scheme is short enough to write in any language (docs/notices.md).
 
 :func:`post` sends one attempt. It follows no redirect (a receiver's 3xx is its answer) and, unless
 told otherwise, refuses an address that is loopback, private, link-local or otherwise not public
@@ -20,12 +20,14 @@ This module imports nothing of Django's: a receiver may use :func:`verify` alone
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import http.client
 import ipaddress
 import socket
 import ssl
+import threading
 import time
 import urllib.parse
 from dataclasses import dataclass
@@ -65,16 +67,15 @@ def verify(
     """Whether ``header`` signs ``body`` with ``secret``, at a time within ``tolerance_s`` of now.
 
     ``body`` is the request's raw body, as received (not parsed and dumped again). Any one of
-    several ``v1`` may match (a secret being rolled signs with both); a header that cannot be read
-    is ``False``, never an exception.
+    several ``v1`` may match; a header that cannot be read is ``False``, never an exception.
     """
     stamp: int | None = None
     macs: list[str] = []
     for part in header.split(","):
         name, _, value = part.strip().partition("=")
-        if name == "t" and value.isascii() and value.isdigit():
+        if name == "t" and value.isascii() and value.isdigit() and len(value) <= 12:
             stamp = int(value)
-        elif name == "v1":
+        elif name == "v1" and value.isascii():
             macs.append(value)
     if stamp is None or not macs:
         return False
@@ -130,8 +131,21 @@ def _written_private(host: str) -> bool:
         return False  # a name: checked once resolved, when sent to
 
 
+#: IPv6 prefixes that carry an IPv4 address inside (NAT64's well-known prefix, and the local one).
+_NAT64 = (ipaddress.IPv6Network("64:ff9b::/96"), ipaddress.IPv6Network("64:ff9b:1::/48"))
+
+
 def _public(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    return ip.is_global and not ip.is_multicast
+    """Whether ``ip`` is a public unicast address, and so is any IPv4 address it carries inside
+    (mapped, 6to4, Teredo, NAT64): those lead where the IPv4 address does."""
+    if not ip.is_global or ip.is_multicast or ip.is_reserved or ip.is_unspecified:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address):
+        inner = [ip.ipv4_mapped, ip.sixtofour, *(ip.teredo or ())]
+        if any(ip in network for network in _NAT64):
+            inner.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+        return all(_public(address) for address in inner if address is not None)
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,21 +192,46 @@ def post(
     try:
         parts, address = check_url(url, allow_private=allow_private)
         connection = _connection(parts, address, timeout_s)
+        # One deadline for the whole attempt: the socket's timeout bounds each read, and a receiver
+        # that drips its answer a byte at a time is cut off when the attempt's time is up.
+        cut = threading.Event()
+        deadline = started + timeout_s
+        watchdog = threading.Timer(max(deadline - time.monotonic(), 0.0), _cut, [connection, cut])
+        watchdog.daemon = True
+        watchdog.start()
         try:
-            target = parts.path or "/"
-            if parts.query:
-                target += f"?{parts.query}"
-            connection.request("POST", target, body=body, headers=headers)
+            connection.request("POST", _target(parts), body=body, headers=headers)
             answer = connection.getresponse()
             answer.read(_MAX_ANSWER)
             status = answer.status
+            answered_in_time = time.monotonic() < deadline
         finally:
+            watchdog.cancel()
             connection.close()
+        if cut.is_set() and not answered_in_time:  # what was read before the cut is no answer
+            return Attempt(None, f"no whole answer within {timeout_s:g} s", took())
     except UnsafeURL as exc:
         return Attempt(None, f"refused: {exc}", took())
-    except (OSError, http.client.HTTPException, ssl.SSLError) as exc:
+    except Exception as exc:  # the receiver's trouble, whatever its form, is an attempt that failed
         return Attempt(None, f"{type(exc).__name__}: {exc}", took())
     return Attempt(status, "" if 200 <= status < 300 else f"HTTP {status}", took())
+
+
+def _target(parts: urllib.parse.SplitResult) -> str:
+    """The request's path and query, percent-encoded where the URL was typed with other characters."""
+    target = urllib.parse.quote(parts.path or "/", safe="/%:@!$&'()*+,;=-._~")
+    if parts.query:
+        target += "?" + urllib.parse.quote(parts.query, safe="/%:@!$&'()*+,;=-._~?")
+    return target
+
+
+def _cut(connection: http.client.HTTPConnection, cut: threading.Event) -> None:
+    """End an attempt past its deadline: shutting the socket down wakes a read blocked on it."""
+    cut.set()
+    sock = connection.sock
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
 
 
 def _connection(parts: urllib.parse.SplitResult, address: str, timeout_s: float) -> http.client.HTTPConnection:

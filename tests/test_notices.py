@@ -8,7 +8,12 @@ worker killed mid-outage, and gunicorn: ``test_notices_celery.py``.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import threading
+import time
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -79,7 +84,7 @@ def test_a_signature_verifies_and_nothing_else_does() -> None:
     assert not verify("whsec_1", body + b" ", header, now=1_800_000_010)  # another body
     assert not verify("whsec_1", body, header, now=1_800_000_000 + 301)  # replayed too late
     assert verify("whsec_1", body, f"{header},v1=00ff", now=1_800_000_000)  # a rolled secret's second v1
-    for junk in ("", "t=abc,v1=", "v1=deadbeef", "t=1800000000", ",,,="):
+    for junk in ("", "t=abc,v1=", "v1=deadbeef", "t=1800000000", ",,,=", "t=1800000000,v1=\u00e9", "t=" + "9" * 5000):
         assert not verify("whsec_1", body, junk, now=1_800_000_000)
 
 
@@ -90,6 +95,9 @@ def test_a_signature_verifies_and_nothing_else_does() -> None:
         ("http://10.1.2.3/hooks", "not a public address"),
         ("http://169.254.169.254/latest/meta-data", "not a public address"),  # a cloud's metadata service
         ("http://[::1]/hooks", "not a public address"),
+        ("http://[::ffff:10.0.0.1]/hooks", "not a public address"),  # IPv4-mapped
+        ("http://[64:ff9b::a00:1]/hooks", "not a public address"),  # NAT64 to 10.0.0.1
+        ("http://[2002:a00:1::1]/hooks", "not a public address"),  # 6to4 from 10.0.0.1
         ("http://localhost/hooks", "not a public address"),
         ("ftp://example.com/hooks", "not an http:// or https:// URL"),
         ("https:///hooks", "not an http:// or https:// URL"),
@@ -128,6 +136,45 @@ def test_an_attempt_is_signed_follows_no_redirect_and_a_receiver_down_is_an_atte
     assert not down.delivered and down.status is None and "Connection" in down.error
 
 
+def test_a_url_typed_with_other_characters_is_sent_percent_encoded() -> None:
+    with Receiver() as receiver:
+        attempt = post(f"{receiver.url}/caf\u00e9?q=\u00e0 b", "whsec_9", b"{}", event="ntc_2", allow_private=True)
+    assert attempt.delivered
+    assert [r.path for r in receiver.received] == ["/hooks/caf%C3%A9?q=%C3%A0%20b"]
+
+
+def test_an_attempt_ends_at_its_deadline_whatever_the_receiver_does() -> None:
+    """A receiver that drips its answer a byte at a time, each within the socket's timeout, is cut
+    off when the attempt's time is up (it would drip for 30 s)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def drip() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\n")
+            for _ in range(300):  # 30 s at most, then the test's server ends
+                if stop.wait(0.1):
+                    return
+                with contextlib.suppress(OSError):
+                    conn.sendall(b"X")
+
+    dripping = threading.Thread(target=drip, daemon=True)
+    dripping.start()
+    url = f"http://127.0.0.1:{server.getsockname()[1]}/hooks"
+    try:
+        started = time.monotonic()
+        attempt = post(url, "whsec_9", b"{}", event="ntc_3", timeout_s=1.0, allow_private=True)
+        took = time.monotonic() - started
+    finally:
+        stop.set()
+        dripping.join(5)
+        server.close()
+    assert not attempt.delivered and attempt.status is None
+    assert took < 15  # cut at 1 s; the margin is for a loaded machine, far below the 30 s of drip
+
+
 # -- thresholds from the decisions -------------------------------------------------------------
 
 
@@ -160,6 +207,32 @@ def test_a_request_refused_by_another_limit_spends_nothing_and_crosses_nothing()
     assert first.allowed and not second.allowed
     assert [c.used for c in watch.crossings(first)] == [1]
     assert watch.crossings(second) == [] and ThresholdWatch([50]).crossings(second) == []
+
+
+def test_a_refusal_shows_what_was_spent_before_it() -> None:
+    """A request costing more than is left is refused, and the quota is not spent: no 100% yet."""
+    clock = FakeClock()
+    backend = MemoryBackend(clock=clock)
+    clock.now = us(DECEMBER + timedelta(days=1))
+    watch = ThresholdWatch([80, 100])
+    for _ in range(8):
+        watch.crossings(backend.decide([Check(monthly(10), ACME)]))
+    refused = backend.decide([Check(monthly(10), ACME, cost=5)])
+    assert not refused.allowed and watch.crossings(refused) == []
+    spent = [backend.decide([Check(monthly(10), ACME)]) for _ in range(3)]  # 9, 10, then refused
+    assert [d.allowed for d in spent] == [True, True, False]
+    assert [c.threshold for c in watch.crossings(spent[1])] == [100]
+    assert [c.used for c in ThresholdWatch([100]).crossings(spent[2])] == [10]  # another process: from the refusal
+
+
+def test_an_answer_from_memory_reports_nothing() -> None:
+    """A remembered refusal or a lease was timed by the worker's clock: the store's next answer tells."""
+    clock = FakeClock()
+    backend = MemoryBackend(clock=clock)
+    clock.now = us(DECEMBER + timedelta(days=1))
+    decision = backend.decide([Check(monthly(1), ACME)])
+    assert [c.threshold for c in ThresholdWatch([100]).crossings(decision)] == [100]
+    assert ThresholdWatch([100]).crossings(replace(decision, local="lease")) == []
 
 
 def test_a_shadow_quota_reports_nothing() -> None:
@@ -354,7 +427,7 @@ def test_a_delivery_is_given_up_after_retry_for_and_an_endpoint_turned_off_gets_
         delivery = Delivery.objects.get()
         assert (delivery.state, delivery.attempts, delivery.last_status) == ("failed", 1, None)
         assert "given up after 1 attempts" in delivery.last_error and len(receiver.received) == 1
-        Delivery.objects.update(state="pending", next_attempt_at=now, created_at=now)  # the admin's "send again"
+        Delivery.objects.update(state="pending", next_attempt_at=now, retry_from=now)  # as "send again" does
         WebhookEndpoint.objects.update(enabled=False)
         assert notices.send_due(now + timedelta(seconds=1)) == 0
     delivery.refresh_from_db()
@@ -372,6 +445,10 @@ def test_a_webhook_url_inside_is_refused_on_its_field_unless_allowed(settings: A
     settings.RATELIMITS = merged(settings.RATELIMITS, {"USAGE": {"NOTICES": {"ALLOW_PRIVATE_URLS": True}}})
     endpoint.full_clean()
     assert endpoint.subject_id == "ApiKey:7" and endpoint.secret.startswith("whsec_") and len(endpoint.secret) > 40
+    endpoint.save()
+    twice = WebhookEndpoint(subject_kind="api_key", subject_id="ApiKey:7", url="http://10.0.0.5/hooks")
+    with pytest.raises(ValidationError, match="already exists"):  # every notice would be sent twice
+        twice.full_clean()
 
 
 @pytest.mark.django_db
@@ -384,23 +461,44 @@ def test_endpoints_that_nothing_sends_to_are_a_warning(settings: Any) -> None:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_admin_lists_notices_and_each_deliverys_log(fast: None, admin_client: Any) -> None:
+def test_a_sender_that_overran_its_claim_records_nothing(fast: None) -> None:
+    """Only the claim's holder settles a delivery: a late sender cannot undo what the next one did."""
     with Receiver() as receiver:
-        _, notice = noticed(receiver.url)
-        notices.send_due()
+        noticed(receiver.url)
+        assert notices.send_due() == 1
     delivery = Delivery.objects.get()
-    listing = admin_client.get(reverse("admin:ratelimits_notice_changelist"))
-    page = admin_client.get(reverse("admin:ratelimits_delivery_change", args=[delivery.pk]))
-    assert listing.status_code == 200 and "1 of 1" in listing.content.decode()  # delivered to its one endpoint
-    assert page.status_code == 200 and "204" in page.content.decode()
+    notices._settle(delivery, "a-claim-that-lapsed", "pending", 500, "HTTP 500", timezone.now())
+    delivery.refresh_from_db()
+    assert (delivery.state, delivery.attempts, delivery.last_status, delivery.claim) == ("delivered", 1, 204, "")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_admin_lists_notices_and_each_deliverys_log_and_sends_a_given_up_one_again(
+    fast: None, admin_client: Any
+) -> None:
+    with Receiver(status=500) as receiver:
+        _, notice = noticed(receiver.url)
+        now = timezone.now()
+        notices.send_due(now)
+        notices.send_due(now + timedelta(minutes=2))  # past RETRY_FOR: given up
+        delivery = Delivery.objects.get()
+        assert delivery.state == "failed"
+        listing = admin_client.get(reverse("admin:ratelimits_notice_changelist"))
+        page = admin_client.get(reverse("admin:ratelimits_delivery_change", args=[delivery.pk]))
+        again = admin_client.post(
+            reverse("admin:ratelimits_delivery_changelist"),
+            {"action": "send_again", "_selected_action": [delivery.pk]},
+            follow=True,
+        )
+        receiver.status = 204  # the customer fixed their receiver
+        assert notices.send_due() == 1  # retried for RETRY_FOR from the click: sent at once
+    assert listing.status_code == 200 and "0 of 1" in listing.content.decode()  # its one endpoint, not reached
+    assert page.status_code == 200 and "HTTP 500" in page.content.decode()  # the log
     assert admin_client.get(reverse("admin:ratelimits_notice_add")).status_code == 403  # the app writes them
-    again = admin_client.post(
-        reverse("admin:ratelimits_delivery_changelist"),
-        {"action": "send_again", "_selected_action": [delivery.pk]},
-        follow=True,
-    )
     assert "1 deliveries will be sent on the next sweep" in again.content.decode()
-    assert Delivery.objects.get().state == "pending" and notice.pk
+    delivery.refresh_from_db()
+    assert (delivery.state, delivery.attempts) == ("delivered", 2) and len(receiver.received) == 2
+    assert notice.pk
 
 
 # -- the request path's cost -------------------------------------------------------------------
@@ -429,11 +527,23 @@ def test_notices_cost_no_redis_call(settings: Any, own_redis: RedisServer) -> No
     """The same traffic, crossing 50%, 80% and 100% of a quota, runs the same commands with notices on or off."""
     tier = Tier.objects.create(name="metered", rate="100/s", burst=100, quota="10/month")
     redis = {"URL": own_redis.url, "SOCKET_TIMEOUT": "2s", "CONNECT_TIMEOUT": "2s"}
+    # No leases: when a worker takes and gives back a lease depends on timing, not on notices.
     settings.RATELIMITS = merged(
-        settings.RATELIMITS, {"BACKEND": "redis", "REDIS": redis, "POLICIES": {"SOURCE": "database"}}
+        settings.RATELIMITS,
+        {"BACKEND": "redis", "REDIS": redis, "POLICIES": {"SOURCE": "database"}, "LOCAL_PATH": {"LEASES": False}},
     )
     on = commands_of(own_redis, settings, tier, "sk_noticed_one", {"QUOTA_THRESHOLDS": [50, 80, 100]})
     assert Notice.objects.count() == 3
     off = commands_of(own_redis, settings, tier, "sk_unnoticed_two", False)
     assert Notice.objects.count() == 3
     assert on == off and on["fcall"] + on.get("evalsha", 0) == 10  # one script call per decision, whatever else
+
+
+@pytest.mark.django_db
+def test_a_bad_notices_setting_never_refuses_a_request(settings: Any) -> None:
+    """``manage.py check`` names it (ratelimits.E185); requests are served without notices."""
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"USAGE": {"NOTICES": {"QUOTA_THRESHOLDS": "80"}}})
+    ApiKeyFactory(raw="sk_badly_noticed")
+    engine.reset()
+    assert [client_for("sk_badly_noticed").get("/v1/customers").status_code for _ in range(2)] == [200, 200]
+    assert Notice.objects.count() == 0

@@ -147,12 +147,16 @@ def test_each_crossing_reaches_the_receiver_once_through_an_outage_and_a_killed_
 
     answered = [r for r in final if r.answered]
     assert thresholds(final) == [80, 100]  # each once
-    assert thresholds(final, answered=False) == [80, 100, 100]  # and the one the killed worker never heard back on
+    # And the attempt the killed worker never heard back on (more than one if an attempt held there
+    # reached its deadline before the kill, and the next came to the held receiver too).
+    unanswered = [r.headers[EVENT_HEADER] for r in final if not r.answered]
+    assert unanswered and set(unanswered) == {answered[1].headers[EVENT_HEADER]}
     assert len({r.headers[EVENT_HEADER] for r in answered}) == 2
     for delivery in answered:
         assert verify(secret, delivery.body, delivery.headers[SIGNATURE_HEADER])
-    assert [r.headers[EVENT_HEADER] for r in final if not r.answered] == [answered[1].headers[EVENT_HEADER]]
     assert got == final[: len(got)]
     assert [(t, s) for t, s, _, _ in states] == [(80, "delivered"), (100, "delivered")]
     [(_, _, attempts, logged)] = [row for row in states if row[0] == 100]
-    assert attempts >= 3 and logged == attempts  # two or more refused at connect, then the one answered
+    # Two or more refused at connect, any held attempts that reached their deadline, the one answered;
+    # the killed attempt is in neither count.
+    assert attempts >= 3 and logged == attempts

@@ -614,21 +614,21 @@ class Notices(Switchable):
         [80, 100],
         parse.quota_percents,
         id="ratelimits.E185",
-        doc="the percentages of a quota by billing period whose crossing is a notice, once per period (past 100: a "
-        "soft quota's overage); `[]`: none",
+        doc="the percentages of a quota by billing period (1 to 100) whose crossing is a notice, once per period; "
+        "`[]`: none",
     )
     refusals = Setting(
         100,
         parse.optional_positive_int,
         id="ratelimits.E186",
-        doc="a subject refused (429) this many times within `REFUSALS_WITHIN` is a notice, at most once an hour; "
-        "`None`: never. Read from the drained usage records",
+        doc="a subject refused (429) this many times within `REFUSALS_WITHIN` is a notice, at most once a clock "
+        "hour; `None`: never. Read from the drained usage records",
     )
     refusals_within = Setting(
         "5m",
-        parse.seconds,
+        parse.refusal_window,
         id="ratelimits.E187",
-        doc="the window `REFUSALS` counts refusals in (whole minutes: usage is counted by the minute)",
+        doc="the window `REFUSALS` counts refusals in: whole minutes (usage is counted by the minute), at most an hour",
     )
     every = Setting(
         "10s",

@@ -254,20 +254,24 @@ def thresholds(value: object, field: str) -> dict[Priority, int]:
     return thresholds
 
 
-#: The highest threshold a quota may have: a soft quota is spent past 100%, up to any overage.
-MAX_QUOTA_PERCENT = 1000
-
-
 def quota_percents(value: object, field: str) -> tuple[int, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise ConfigurationError(f"{field}: {value!r} must be a list of percentages, such as [80, 100]")
     for percent in value:
-        if isinstance(percent, bool) or not isinstance(percent, int) or not 1 <= percent <= MAX_QUOTA_PERCENT:
-            raise ConfigurationError(
-                f"{field}: {percent!r} must be a percentage from 1 to {MAX_QUOTA_PERCENT} "
-                "(past 100: a soft quota's overage)"
-            )
+        if isinstance(percent, bool) or not isinstance(percent, int) or not 1 <= percent <= 100:
+            # Past 100 would be a soft quota's overage, which a decision does not bring back.
+            raise ConfigurationError(f"{field}: {percent!r} must be a percentage from 1 to 100")
     return tuple(sorted(set(value)))
+
+
+def refusal_window(value: object, field: str) -> float:
+    found = seconds(value, field)
+    if found % 60 or not 60 <= found <= 3600:
+        raise ConfigurationError(
+            f"{field}: {value!r} must be whole minutes, from one to sixty: refusals are counted by the minute, "
+            "and told at most once a clock hour"
+        )
+    return found
 
 
 def dotted_callable(value: object, field: str) -> Callable[..., Any]:

@@ -29,6 +29,8 @@ class Migration(migrations.Migration):
                 ("attempts", models.PositiveIntegerField(default=0)),
                 ("next_attempt_at", models.DateTimeField(default=django.utils.timezone.now)),
                 ("claimed_until", models.DateTimeField(blank=True, null=True)),
+                ("claim", models.CharField(blank=True, max_length=32)),
+                ("retry_from", models.DateTimeField(default=django.utils.timezone.now)),
                 (
                     "last_status",
                     models.PositiveIntegerField(blank=True, help_text="The receiver's last HTTP status.", null=True),
@@ -152,7 +154,11 @@ class Migration(migrations.Migration):
             ],
             options={
                 "ordering": ["subject_kind", "subject_id", "url"],
-                "indexes": [models.Index(fields=["subject_kind", "subject_id"], name="ratelimits__subject_b63da2_idx")],
+                "constraints": [
+                    models.UniqueConstraint(
+                        fields=("subject_kind", "subject_id", "url"), name="ratelimits_webhook_once_per_subject"
+                    )
+                ],
             },
         ),
         migrations.AddField(

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import json
 import logging
-import time
+import secrets
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.core.signals import request_finished
-from django.db import transaction
-from django.db.models import Q, Sum
+from django.db import router, transaction
+from django.db.models import F, Q, Sum
 from django.dispatch import Signal
 from django.utils import timezone
 
@@ -40,6 +40,7 @@ __all__ = [
     "QUOTA_THRESHOLD",
     "REFUSALS",
     "backoff_s",
+    "claim_s",
     "connect",
     "find_refusals",
     "notice_created",
@@ -52,6 +53,7 @@ __all__ = [
 
 logger = logging.getLogger("ratelimits")
 
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 QUOTA_THRESHOLD = "quota.threshold"
 REFUSALS = "refusals"
 
@@ -59,11 +61,14 @@ REFUSALS = "refusals"
 #: ``notice_created.send(sender=Notice, notice=notice)``.
 notice_created = Signal()
 
-#: How long past its attempt's timeout a claim holds: time enough to record what came of the
-#: attempt. A sender that died lets go of its claim then.
+#: How long past its attempt's deadline a claim holds: time enough to resolve the receiver's name
+#: and record what came of the attempt. A sender that died lets go of its claim then.
 _CLAIM_MARGIN_S = 10.0
 #: The most deliveries one sweep sends (the rest wait for the next sweep, or another worker's).
 SWEEP_LIMIT = 200
+#: How long one sweep goes on taking deliveries: receivers that each take their whole timeout
+#: must not hold one worker (or the drain command's loop) for long.
+SWEEP_BUDGET_S = 30.0
 
 
 def connect() -> None:
@@ -96,7 +101,11 @@ def sweep() -> dict[str, int]:
     """The periodic work of notices: repeated refusals made notices, then the deliveries due sent."""
     if not conf.usage.notices.enabled:
         return {}
-    refusals = len(find_refusals())
+    try:
+        refusals = len(find_refusals())
+    except Exception:  # the deliveries due are sent all the same
+        logger.exception("ratelimits: looking for repeated refusals failed")
+        refusals = 0
     return {"refusals": refusals, "delivered": send_due()}
 
 
@@ -104,7 +113,7 @@ def record(crossings: Sequence[Crossing]) -> list[Notice]:
     """The notices of ``crossings`` that no process had made yet, made (with their deliveries)."""
     made = []
     for crossing in crossings:
-        period_start = datetime.fromtimestamp(crossing.period_start_us / 1_000_000, tz=UTC)
+        period_start = EPOCH + timedelta(microseconds=crossing.period_start_us)
         notice = _make(
             kind=QUOTA_THRESHOLD,
             subject_kind=crossing.subject_kind,
@@ -124,13 +133,13 @@ def find_refusals(now: datetime | None = None) -> list[Notice]:
     """Subjects refused ``USAGE['NOTICES']['REFUSALS']`` times or more within ``REFUSALS_WITHIN``: their notices, made.
 
     Read from the drained minutes of the usage records (the counters every decision already
-    keeps), so a burst is seen a drain after its minute closed. Once an hour per subject.
+    keeps), so a burst is seen a drain after its minute closed. Once per subject and clock hour.
     """
     settings = conf.usage.notices
     if not settings.enabled or settings.refusals is None:
         return []
     now = now or timezone.now()
-    minutes = max(1, round(settings.refusals_within / 60))
+    minutes = int(settings.refusals_within // 60)  # whole minutes, checked with the setting
     since = now.replace(second=0, microsecond=0) - timedelta(minutes=minutes)
     rows = (
         UsageRecord.objects.filter(granularity="minute", period_start__gte=since, throttled__gt=0)
@@ -161,7 +170,7 @@ def find_refusals(now: datetime | None = None) -> list[Notice]:
 def _make(**fields: Any) -> Notice | None:
     """The notice of ``fields``, made with its deliveries if no process made it before; else ``None``."""
     unique = {k: fields.pop(k) for k in ("kind", "subject_kind", "subject_id", "policy", "threshold", "period_start")}
-    with transaction.atomic():
+    with transaction.atomic(using=router.db_for_write(Notice)):
         notice, created = Notice.objects.get_or_create(**unique, defaults=fields)
         if not created:
             return None
@@ -190,8 +199,6 @@ def payload(notice: Notice) -> bytes:
     }
     if notice.kind == QUOTA_THRESHOLD:
         data["policy"] = notice.policy
-    else:
-        data["within_s"] = round(conf.usage.notices.refusals_within)
     body = {
         "id": event_id(notice),
         "type": notice.kind,
@@ -209,31 +216,58 @@ def event_id(notice: Notice) -> str:
 def backoff_s(attempts: int) -> float:
     """The wait after ``attempts`` failed attempts: ``RETRY_FIRST``, doubling, at most ``RETRY_LONGEST``."""
     settings = conf.usage.notices
-    return float(min(settings.retry_first * 2.0 ** max(attempts - 1, 0), settings.retry_longest))
+    doublings = min(max(attempts - 1, 0), 40)  # past 40 the longest wait has long been reached
+    return float(min(settings.retry_first * 2.0**doublings, settings.retry_longest))
+
+
+def claim_s() -> float:
+    """How long a sender holds a delivery: its attempt's deadline, and time to record what came of it."""
+    return conf.usage.notices.timeout + _CLAIM_MARGIN_S
 
 
 def send_due(now: datetime | None = None, *, limit: int = SWEEP_LIMIT) -> int:
-    """Send the deliveries that are due and claimed by no live sender; return how many were delivered."""
-    now = now or timezone.now()
-    unclaimed = Q(claimed_until__isnull=True) | Q(claimed_until__lt=now)
-    due = Delivery.objects.filter(unclaimed, state="pending", next_attempt_at__lte=now).order_by("next_attempt_at")
+    """Send the deliveries that are due and claimed by no live sender; return how many were delivered.
+
+    ``now`` (for tests) moves the sweep's clock: each delivery is read at ``now`` plus the time
+    the sweep has run. A sweep stops taking deliveries after :data:`SWEEP_BUDGET_S`; the next
+    sweep, or another worker's, takes the rest.
+    """
+    started = timezone.now()
+    offset = (now - started) if now is not None else timedelta(0)
+
+    def clock() -> datetime:
+        return timezone.now() + offset
+
+    due = Delivery.objects.filter(_unclaimed(clock()), state="pending", next_attempt_at__lte=clock())
     delivered = 0
-    for pk in list(due.values_list("pk", flat=True)[:limit]):
-        claim = now + timedelta(seconds=conf.usage.notices.timeout + _CLAIM_MARGIN_S)
-        if not Delivery.objects.filter(unclaimed, pk=pk, state="pending").update(claimed_until=claim):
-            continue  # another sender has it
-        delivered += _attempt(Delivery.objects.select_related("notice", "endpoint").get(pk=pk), now)
+    for pk in list(due.order_by("next_attempt_at").values_list("pk", flat=True)[:limit]):
+        if timezone.now() - started > timedelta(seconds=SWEEP_BUDGET_S):
+            break
+        moment, token = clock(), secrets.token_hex(16)
+        taken = Delivery.objects.filter(_unclaimed(moment), pk=pk, state="pending", next_attempt_at__lte=moment)
+        if not taken.update(claimed_until=moment + timedelta(seconds=claim_s()), claim=token):
+            continue  # another sender has it, or has just tried it
+        try:
+            delivery = Delivery.objects.select_related("notice", "endpoint").get(pk=pk)
+            delivered += _attempt(delivery, token, moment)
+        except Exception:  # one delivery's trouble (a row deleted meanwhile) must not stop the others
+            logger.exception("ratelimits: the delivery %s could not be attempted", pk)
+            Delivery.objects.filter(pk=pk, claim=token).update(claim="", claimed_until=None)
     return delivered
 
 
-def _attempt(delivery: Delivery, started: datetime) -> bool:
+def _unclaimed(now: datetime) -> Q:
+    return Q(claimed_until__isnull=True) | Q(claimed_until__lt=now)
+
+
+def _attempt(delivery: Delivery, token: str, started: datetime) -> bool:
     settings = conf.usage.notices
     endpoint, notice = delivery.endpoint, delivery.notice
-    if started - delivery.created_at > timedelta(seconds=settings.retry_for):
-        _settle(delivery, "failed", None, f"given up after {delivery.attempts} attempts", started, tried=False)
+    if started - delivery.retry_from > timedelta(seconds=settings.retry_for):
+        _settle(delivery, token, "failed", None, f"given up after {delivery.attempts} attempts", started, tried=False)
         return False
     if not endpoint.enabled:
-        _settle(delivery, "failed", None, "the endpoint was disabled", started, tried=False)
+        _settle(delivery, token, "failed", None, "the endpoint was disabled", started, tried=False)
         return False
     attempt = post(
         endpoint.url,
@@ -242,21 +276,21 @@ def _attempt(delivery: Delivery, started: datetime) -> bool:
         event=event_id(notice),
         timeout_s=settings.timeout,
         allow_private=settings.allow_private_urls,
-        now=time.time(),
     )
     DeliveryAttempt.objects.create(
         delivery=delivery, at=started, status=attempt.status, error=attempt.error[:500], took_ms=attempt.took_ms
     )
     if attempt.delivered:
-        _settle(delivery, "delivered", attempt.status, "", started, delivered=True)
+        _settle(delivery, token, "delivered", attempt.status, "", started, delivered=True)
         return True
     logger.info("ratelimits: delivery of %s to %s failed: %s", event_id(notice), endpoint.url, attempt.error)
-    _settle(delivery, "pending", attempt.status, attempt.error, started)
+    _settle(delivery, token, "pending", attempt.status, attempt.error, started)
     return False
 
 
 def _settle(
     delivery: Delivery,
+    token: str,
     state: str,
     status: int | None,
     error: str,
@@ -265,14 +299,21 @@ def _settle(
     delivered: bool = False,
     tried: bool = True,
 ) -> None:
-    """Record what came of an attempt (``tried``) or of giving up, and let go of the claim."""
+    """Record what came of an attempt (``tried``) or of giving up, and let go of the claim.
+
+    Only while the claim is still this sender's: a sender that overran its claim records nothing
+    (its attempt is in the log), and the row stays as the sender that took it over leaves it.
+    """
     attempts = delivery.attempts + tried
-    Delivery.objects.filter(pk=delivery.pk).update(
+    settled = Delivery.objects.filter(pk=delivery.pk, claim=token).update(
         state=state,
-        attempts=attempts,
+        attempts=F("attempts") + int(tried),
         last_status=status,
         last_error=error[:500],
         delivered_at=at if delivered else None,
         next_attempt_at=at + timedelta(seconds=backoff_s(attempts)),
         claimed_until=None,
+        claim="",
     )
+    if not settled:
+        logger.warning("ratelimits: the delivery %s overran its claim; another sender has it", delivery.pk)
