@@ -471,24 +471,6 @@ class FleetSettingsAdmin(AuditedAdmin):
         self.message_user(request, f"Counters reset for {subject.kind} {subject.value}.", messages.SUCCESS)
 
 
-@admin.register(AuditEntry)
-class AuditEntryAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
-    list_display = ("at", "actor", "action", "model", "object_repr", "reason")
-    list_filter = ("action", "model")
-    search_fields = ("object_repr", "reason", "object_id")
-    date_hierarchy = "at"
-    readonly_fields = ("at", "actor", "action", "model", "object_id", "object_repr", "before", "after", "reason")
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
-        return False
-
-
 class _ReadOnly:
     """An admin of rows the app writes: listed and read, never added or changed by hand."""
 
@@ -496,6 +478,18 @@ class _ReadOnly:
         return False
 
     def has_change_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
+        return False
+
+
+@admin.register(AuditEntry)
+class AuditEntryAdmin(_ReadOnly, admin.ModelAdmin):  # type: ignore[type-arg]
+    list_display = ("at", "actor", "action", "model", "object_repr", "reason")
+    list_filter = ("action", "model")
+    search_fields = ("object_repr", "reason", "object_id")
+    date_hierarchy = "at"
+    readonly_fields = ("at", "actor", "action", "model", "object_id", "object_repr", "before", "after", "reason")
+
+    def has_delete_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
         return False
 
 

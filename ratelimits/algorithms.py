@@ -24,6 +24,8 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
+from .periods import counted_period
+
 
 class Algorithm(StrEnum):
     """How a policy counts. The values are the names used in settings and the admin."""
@@ -187,8 +189,7 @@ def period_window(
     the window is named by its start, and ``period_us`` (the unit's longest period) is only the terms
     a count was written in. ``soft``: past the limit, admitted all the same and counted (the overage).
     """
-    lo, mid, hi = bounds
-    window, until_next = (lo, mid - now) if now < mid else (mid, hi - now)
+    window, until_next = counted_period(bounds, now)
     count, converted = 0, None
     if state is not None:
         if _other_terms(state, 2, limit, period_us):

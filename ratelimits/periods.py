@@ -17,14 +17,23 @@ from __future__ import annotations
 import calendar
 import re
 from dataclasses import dataclass, field
-from datetime import UTC, date, datetime, time, timedelta
+from datetime import UTC, date, datetime, time, timedelta, tzinfo
 from enum import StrEnum
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from .exceptions import ConfigurationError
 from .rates import parse_limit
 
-__all__ = ["DAY_US", "LONGEST_US", "BillingPeriod", "QuotaMode", "Unit", "parse_calendar_quota"]
+__all__ = [
+    "DAY_US",
+    "LONGEST_US",
+    "BillingPeriod",
+    "QuotaMode",
+    "Unit",
+    "counted_period",
+    "from_us",
+    "parse_calendar_quota",
+]
 
 DAY_US = 86_400_000_000
 _HOUR_US = 3_600_000_000
@@ -122,12 +131,12 @@ class BillingPeriod:
     def start(self, moment: datetime) -> datetime:
         """The start of the period holding ``moment`` (aware), in this period's zone."""
         us = _instant_us(moment)
-        return _from_us(self._starts_around(us)[1], self._tz)
+        return from_us(self._starts_around(us)[1], self._tz)
 
     def next_start(self, moment: datetime) -> datetime:
         """The end of the period holding ``moment``: the next one's start."""
         us = _instant_us(moment)
-        return _from_us(self._starts_around(us)[2], self._tz)
+        return from_us(self._starts_around(us)[2], self._tz)
 
     def bounds(self, now_us: int) -> tuple[int, int, int]:
         """Three period starts (us since the epoch) around ``now_us``, the middle one nearest to it.
@@ -152,7 +161,7 @@ class BillingPeriod:
 
     def _starts_around(self, now_us: int) -> tuple[int, int, int]:
         """The start of the period before the one holding ``now_us``, its start, and the next one's."""
-        local = _from_us(now_us, self._tz).replace(tzinfo=None)
+        local = from_us(now_us, self._tz).replace(tzinfo=None)
         start = self._wall_start(local)
         # A wall time a daylight-saving change repeats reads either side of it: the period holding
         # ``now_us`` is the one whose instants hold it.
@@ -163,7 +172,7 @@ class BillingPeriod:
         return self._us(self._shift(start, -1)), self._us(start), self._us(self._shift(start, 1))
 
     def _step(self, start_us: int, periods: int) -> int:
-        wall = _from_us(start_us, self._tz).replace(tzinfo=None)
+        wall = from_us(start_us, self._tz).replace(tzinfo=None)
         return self._us(self._shift(self._wall_start(wall), periods))
 
     def _anchor_local(self) -> datetime:
@@ -206,8 +215,17 @@ def _instant_us(moment: datetime) -> int:
     return (moment - _EPOCH) // _US
 
 
-def _from_us(us: int, tz: ZoneInfo) -> datetime:
+def from_us(us: int, tz: tzinfo = UTC) -> datetime:
+    """The instant ``us`` microseconds after the epoch, in ``tz``."""
     return (_EPOCH + timedelta(microseconds=us)).astimezone(tz)
+
+
+def counted_period(bounds: tuple[int, int, int], now_us: int) -> tuple[int, int]:
+    """The period a store whose clock reads ``now_us`` counts in, among :meth:`BillingPeriod.bounds`:
+    its start and the time until the next (us). The one rule the store, the reference arithmetic and
+    the notices each read a period by (``lua/decide.lua`` says it again, in Lua)."""
+    lo, mid, hi = bounds
+    return (lo, mid - now_us) if now_us < mid else (mid, hi - now_us)
 
 
 def zone_info(name: object, *, field: str) -> ZoneInfo:

@@ -25,6 +25,7 @@ from ._process import ProcessWide
 from .conf import conf
 from .decisions import Decision
 from .exceptions import ConfigurationError
+from .periods import counted_period
 from .policies.values import Role
 
 __all__ = ["PENDING_LIMIT", "Crossing", "ThresholdWatch", "observe", "threshold_watch"]
@@ -110,8 +111,7 @@ class ThresholdWatch:
             used = limit - result.remaining
             passed = [t for t in self.thresholds if used * 100 >= t * limit]
             if passed:
-                lo, mid, _ = period.bounds(decision.now_us)
-                start_us = lo if decision.now_us < mid else mid  # the period the store counted in
+                start_us, _ = counted_period(period.bounds(decision.now_us), decision.now_us)
                 subject = result.check.subject
                 found += self._new(subject.kind.value, subject.value, policy.name, passed, start_us, used, limit)
         return found

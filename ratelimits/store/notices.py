@@ -32,6 +32,7 @@ from django.utils import timezone
 
 from ..conf import conf
 from ..models import Delivery, DeliveryAttempt, Notice, UsageRecord, WebhookEndpoint
+from ..periods import from_us
 from ..thresholds import Crossing, threshold_watch
 from ..usage.records import OVERFLOW, UNRESOLVED
 from ..webhooks import post
@@ -53,7 +54,6 @@ __all__ = [
 
 logger = logging.getLogger("ratelimits")
 
-EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 QUOTA_THRESHOLD = "quota.threshold"
 REFUSALS = "refusals"
 
@@ -113,14 +113,13 @@ def record(crossings: Sequence[Crossing]) -> list[Notice]:
     """The notices of ``crossings`` that no process had made yet, made (with their deliveries)."""
     made = []
     for crossing in crossings:
-        period_start = EPOCH + timedelta(microseconds=crossing.period_start_us)
         notice = _make(
             kind=QUOTA_THRESHOLD,
             subject_kind=crossing.subject_kind,
             subject_id=crossing.subject_id,
             policy=crossing.policy,
             threshold=crossing.threshold,
-            period_start=period_start,
+            period_start=from_us(crossing.period_start_us),
             used=crossing.used,
             limit=crossing.limit,
         )
