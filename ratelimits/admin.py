@@ -20,7 +20,7 @@ from django.utils import timezone
 
 from .autocomplete import subject_suggestions_view
 from .backends import HealthSupport, RegionSupport, StoreHealth, get_backend
-from .choices import HTTP_METHODS
+from .choices import HTTP_METHODS, Counts
 from .conf import conf
 from .exceptions import BackendUnavailable
 from .identity import SubjectKind, normalize_ip
@@ -217,13 +217,24 @@ class SubjectAssignmentAdmin(AuditedAdmin):
 
 @admin.register(EndpointPolicy)
 class EndpointPolicyAdmin(AuditedAdmin):
-    list_display = ("__str__", "cost", "priority", "per_caller", "all_callers", "exempt", "enabled", "shadow")
-    list_filter = ("priority", "method", "exempt", "enabled", "shadow")
+    list_display = (
+        "__str__",
+        "cost",
+        "priority",
+        "per_caller",
+        "all_callers",
+        "charged",
+        "exempt",
+        "enabled",
+        "shadow",
+    )
+    list_filter = ("priority", "method", "counts", "exempt", "enabled", "shadow")
     search_fields = ("endpoint", "description")
     actions = (ENABLE, DISABLE, SHADOW_ON, SHADOW_OFF)
     fields = (
         ("endpoint", "method"),
         ("cost", "priority"),
+        ("counts", "max_cost"),
         ("per_caller_rate", "per_caller_burst"),
         ("endpoint_rate", "endpoint_burst", "endpoint_shards"),
         ("exempt", "enabled", "shadow"),
@@ -235,6 +246,11 @@ class EndpointPolicyAdmin(AuditedAdmin):
     @admin.display(description="per caller")
     def per_caller(self, obj: EndpointPolicy) -> str:
         return describe_limit(obj.per_caller_rate, obj.per_caller_burst) if obj.per_caller_rate else "—"
+
+    @admin.display(description="charged")
+    def charged(self, obj: EndpointPolicy) -> str:
+        text = Counts(obj.counts).description if obj.counts in Counts._value2member_map_ else obj.counts
+        return f"{text}, trued up to {obj.max_cost}" if obj.max_cost else text
 
     @admin.display(description="all callers")
     def all_callers(self, obj: EndpointPolicy) -> str:
@@ -371,8 +387,9 @@ class FleetSettingsAdmin(AuditedAdmin):
         endpoints = [
             {
                 "endpoint": key,
-                "cost": rule.cost,
+                "cost": rule.cost if rule.max_cost is None else f"{rule.cost} (trued up to {rule.max_cost})",
                 "priority": rule.priority.value,
+                "counts": rule.counts.description,
                 "per_caller": rule.per_caller.describe() if rule.per_caller else "",
                 "endpoint_wide": rule.endpoint_wide.describe() if rule.endpoint_wide else "",
                 "exempt": rule.exempt,

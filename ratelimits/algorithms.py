@@ -364,3 +364,129 @@ ALGORITHMS = {
     Algorithm.SLIDING_WINDOW: sliding_window,
     Algorithm.FIXED_WINDOW: fixed_window,
 }
+
+
+#: A token bucket's holes: refunds time has not reached yet, ``(end, length)`` in its queue's
+#: coordinates (us), highest first, holes that touch made one. Those apart are kept apart by a
+#: spend nobody gave back: at most this many are kept, the lowest dropped (taken as reached, so
+#: that a refund behind it gives back less, never more).
+MAX_HOLES = 64
+Holes = tuple[tuple[float, float], ...]
+
+
+def frontier(queue_end: float, unpaid: float, holes: Holes) -> tuple[float, Holes]:
+    """How far time has paid a token bucket's queue, and the holes beyond that point.
+
+    A bucket's queue, in coordinates that refunds never shift (its arrival time plus every us
+    given back so far: ``queue_end``), holds each admission's interval in order; a refund cuts the
+    unpaid end of one out (a hole) and time pays the rest from the front, skipping holes. The
+    point time has reached is where the unpaid intervals beyond it, holes left out, add up to
+    ``unpaid`` (the arrival time less now): walked down from the end, through the holes.
+    """
+    at, left = queue_end, unpaid
+    for n, (end, length) in enumerate(holes):
+        gap = max(at - end, 0.0)
+        if gap >= left:
+            return at - left, holes[:n]
+        left -= gap
+        at = end - length
+    return at - left, holes
+
+
+def with_hole(holes: Holes, end: float, length: float) -> Holes:
+    """``holes`` with one more, in its place (highest first), holes that touch made one (within a
+    microsecond: positions near 2^50 us are doubles rounded to a quarter of one)."""
+    merged: list[tuple[float, float]] = []
+    for hole_end, hole_length in sorted((*holes, (end, length)), reverse=True):
+        if merged and merged[-1][0] - merged[-1][1] - hole_end < 1:
+            above_end = merged[-1][0]
+            merged[-1] = (above_end, above_end - (hole_end - hole_length))
+        else:
+            merged.append((hole_end, hole_length))
+    return tuple(merged[:MAX_HOLES])
+
+
+def settled(
+    algorithm: Algorithm,
+    state: State | None,
+    now: int,
+    limit: int,
+    period_us: int,
+    burst: int,
+    change: int,
+    *,
+    taken_us: int,
+    spent_tat: float,
+    given_back: float,
+    refunded: float = 0.0,
+    holes: Holes = (),
+    is_global: bool = False,
+) -> tuple[State, float, Holes] | None:
+    """A spend's state after its cost changed by ``change`` tokens (fewer give back, more charge):
+    ``lua/refund.lua``'s rule, and the memory backend's. ``None``: left as it is.
+
+    ``taken_us``, ``spent_tat`` and ``given_back`` are what the spend recorded
+    (:class:`~ratelimits.decisions.Spent`); a token bucket's ``refunded`` (us given back to it so
+    far) and ``holes`` (:func:`frontier`) come back as they are after the change. Given back: the
+    part of the spend time has not paid yet, wherever the refunds of other spends came in the
+    meantime, in whatever order. Charged: whether or not the limit has room, in the window the
+    spend was made in while it still counts (a bucket's arrival time moves later, a full bucket's
+    from now). A state in other terms (its policy changed) is left as it is.
+    """
+    if change == 0 or algorithm.holds_slots:
+        return None
+    if is_global:
+        if state is None:
+            return None
+        held, at, spent_share, full, written_burst = state[:5]
+        # Given back up to the share's burst it was spent at, as the bucket was written (refund.lua).
+        new_held = held + (-change if change > 0 else min(-change, written_burst * spent_share - held))
+        if change < 0 and new_held <= held:
+            return None
+        return (new_held, at, spent_share, full, written_burst), refunded, holes
+    if algorithm is Algorithm.TOKEN_BUCKET:
+        interval = period_us / limit
+        capacity = burst * interval
+        if change > 0:
+            tat, written = (float(now), capacity) if state is None else (state[0], state[1])
+            if written != capacity:
+                return None
+            return (max(tat, now) + change * interval, capacity), refunded, holes if tat > now else ()
+        if state is None:
+            return None
+        tat, written = state[0], state[1]
+        if written != capacity or tat <= now or refunded < given_back:
+            return None  # other terms; nothing unpaid; a bucket reset since (given back less than then)
+        reached, beyond = frontier(tat + refunded, tat - now, holes)
+        end = spent_tat + given_back  # the spend's end in the queue's coordinates
+        spend = -change * interval
+        outstanding = min(spend, end - reached)
+        if spend - outstanding < 1:
+            # Less than a microsecond paid: the rounding of doubles near 2^50 us, not time (whose
+            # clock counts whole microseconds). Owed whole, or a storm's refunds would each leave a
+            # sliver spent, and their sum keep a token from coming back.
+            outstanding = spend
+        if outstanding <= 0:
+            return None
+        new_tat = max(tat - outstanding, float(now))
+        cut = tat - new_tat
+        return (new_tat, capacity), refunded + cut, with_hole(beyond, end, cut)
+    if state is None or (
+        len(state) > (3 if algorithm is Algorithm.SLIDING_WINDOW else 2)
+        and (state[-2] != limit or state[-1] != period_us)
+    ):
+        return None
+    consumed = taken_us // period_us
+    if algorithm is Algorithm.FIXED_WINDOW and spent_tat > 0:
+        consumed = int(spent_tat)  # a billing period's, named by its start
+    window = state[0]
+    if algorithm is Algorithm.SLIDING_WINDOW:
+        current, previous = state[1], state[2]
+        if window == consumed:
+            return (window, max(current + change, 0), previous, limit, period_us), refunded, holes
+        if window == consumed + 1:
+            return (window, current, max(previous + change, 0), limit, period_us), refunded, holes
+        return None
+    if window == consumed:
+        return (window, max(state[1] + change, 0), limit, period_us), refunded, holes
+    return None

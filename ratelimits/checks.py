@@ -13,7 +13,7 @@ import functools
 import ssl
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import redis
@@ -34,6 +34,7 @@ from .backends import (
     HealthSupport,
     LeaseSupport,
     RegionSupport,
+    SettleSupport,
     UsageSupport,
     backend_class,
     get_backend,
@@ -527,6 +528,17 @@ def _capabilities_needed(backend: type[Backend]) -> list[tuple[type[object], str
     with contextlib.suppress(ConfigurationError):
         if conf.regions.stores:
             needs.append((RegionSupport, Regions.stores.field, "names regions", f"remove {Regions.field()}"))
+    with contextlib.suppress(ConfigurationError):
+        settling = sorted(
+            name
+            for name, config in conf.endpoints.items()
+            if isinstance(config, Mapping) and (config.get("counts", "all") != "all" or config.get("max_cost"))
+        )
+        if settling:
+            field = f"{Settings.endpoints.field}[{settling[0]!r}]"
+            needs.append(
+                (SettleSupport, field, "charges by outcome or trues its cost up", "remove counts and max_cost")
+            )
     return needs
 
 

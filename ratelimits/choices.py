@@ -1,4 +1,4 @@
-"""The named choices settings, models and policies share: fail modes, priority classes, HTTP methods."""
+"""The named choices settings, models and policies share: fail modes, priorities, what is charged, HTTP methods."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Self
 
 from .exceptions import ConfigurationError
 
-__all__ = ["HTTP_METHODS", "SHEDDABLE", "FailMode", "Priority"]
+__all__ = ["HTTP_METHODS", "SHEDDABLE", "Counts", "FailMode", "Priority"]
 
 
 class Choice(StrEnum):
@@ -50,6 +50,42 @@ class Priority(Choice):
     HIGH = "high"
     NORMAL = "normal"
     LOW = "low"
+
+
+class Counts(Choice):
+    """Which of an endpoint's responses its requests are charged for; the others are given back
+    once the response is closed (:mod:`ratelimits.engine.settling`)."""
+
+    #: Every response (the default: nothing to settle).
+    ALL = "all"
+    #: Successes only (below 400): a request that failed costs the caller nothing.
+    SUCCESSES = "successes"
+    #: Client errors only (400 to 499): to limit scanners and bad scripts, not use.
+    CLIENT_ERRORS = "client_errors"
+    #: Every response but the server's errors (500 and up): the caller never pays for our fault.
+    NO_SERVER_ERRORS = "no_server_errors"
+
+    def counts(self, status: int) -> bool:
+        """Whether a response of ``status`` is charged."""
+        if self is Counts.SUCCESSES:
+            return status < 400
+        if self is Counts.CLIENT_ERRORS:
+            return 400 <= status < 500
+        if self is Counts.NO_SERVER_ERRORS:
+            return status < 500
+        return True
+
+    @property
+    def description(self) -> str:
+        return _COUNTS_DESCRIPTIONS[self]
+
+
+_COUNTS_DESCRIPTIONS = {
+    Counts.ALL: "every response",
+    Counts.SUCCESSES: "successes only (below 400)",
+    Counts.CLIENT_ERRORS: "client errors only (4xx)",
+    Counts.NO_SERVER_ERRORS: "every response but server errors (5xx)",
+}
 
 
 #: The classes the shedders may turn away, lowest first (their thresholds must rise in this order).

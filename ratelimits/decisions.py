@@ -13,7 +13,7 @@ from .algorithms import Algorithm
 if TYPE_CHECKING:
     from .policies.values import Check
 
-__all__ = ["UNLIMITED", "Decision", "Peek", "Result", "Verdict", "admitted", "peek"]
+__all__ = ["UNLIMITED", "Decision", "Peek", "Result", "Spent", "Verdict", "admitted", "peek"]
 
 US = 1_000_000
 
@@ -53,6 +53,26 @@ class Result(NamedTuple):
 
 
 @dataclass(frozen=True, slots=True)
+class Spent:
+    """What one check spent as the store took it, and what giving it back or charging more needs.
+
+    Tokens a request spent (its own cost, where its endpoint settles after the response:
+    :mod:`ratelimits.engine.settling`), or tokens a leasing call took for the worker beyond it
+    (a lease's grant). ``lua/refund.lua`` gives back no more of them than time has not yet
+    refilled, and charges more in the terms they were spent in.
+    """
+
+    check: Check
+    tokens: int
+    #: The store's clock when it took them (us), and what the decide call reported for the check
+    #: (``REFUNDABLE`` in ``lua/decide.lua``): a token bucket's arrival time after the spend and
+    #: what it had been given back until then; a billing period's start, and 0; a window's, 0, 0.
+    taken_us: int
+    spent_tat: float
+    given_back: float
+
+
+@dataclass(frozen=True, slots=True)
 class Decision:
     """Everything decided about one request, as returned by a single backend call."""
 
@@ -75,6 +95,9 @@ class Decision:
     #: How this worker answered without asking the store: ``"denial"`` (a remembered denial) or
     #: ``"lease"`` (tokens it leased); ``None`` when the store decided (:mod:`ratelimits.engine.local`).
     local: str | None = None
+    #: What each rate check spent, where the request's charge is settled after its response (its
+    #: endpoint counts by outcome, or trues its cost up): empty otherwise, and when nothing was spent.
+    spent: tuple[Spent, ...] = ()
 
     @property
     def allowed(self) -> bool:
@@ -164,9 +187,9 @@ def admitted(
     local: str | None = None,
 ) -> Decision:
     """``Decision(Verdict.ALLOW, results, 0, now_us, False, policy_version, slot, slot_keys, None,
-    local)``: an admission, the store's or memory's, made once per request. A frozen dataclass's
+    local, ())``: an admission, the store's or memory's, made once per request. A frozen dataclass's
     ``__init__`` sets each field through ``object.__setattr__`` (about a microsecond for these
-    ten); the slots' own descriptors set them in half that."""
+    eleven); the slots' own descriptors set them in half that."""
     made = _new(Decision)
     _verdict(made, Verdict.ALLOW)
     _results(made, results)
@@ -178,6 +201,7 @@ def admitted(
     _slot_keys(made, slot_keys)
     _stray_slot(made, None)
     _local(made, local)
+    _spent(made, ())
     return made
 
 
@@ -187,11 +211,12 @@ _new = object.__new__
 _setters = {name: Decision.__dict__[name].__set__ for name in Decision.__dataclass_fields__}
 _verdict, _results, _retry_after_us = _setters["verdict"], _setters["results"], _setters["retry_after_us"]
 _now_us, _degraded, _policy_version = _setters["now_us"], _setters["degraded"], _setters["policy_version"]
-_slot, _slot_keys, _stray_slot, _local = (
+_slot, _slot_keys, _stray_slot, _local, _spent = (
     _setters["slot"],
     _setters["slot_keys"],
     _setters["stray_slot"],
     _setters["local"],
+    _setters["spent"],
 )
 
 

@@ -32,6 +32,7 @@ from .conf import conf
 from .decisions import Decision, Result, Verdict, peek
 from .engine.bodies import BodyNotReceived
 from .engine.evaluation import adecide_checks, aevaluate, decide_checks, evaluate
+from .engine.holding import note_status
 from .exceptions import ConfigurationError
 from .identity import Subject, SubjectKind, client_ip, subject_of
 from .middleware import _auser, _is_drf_view, _set_headers, throttling
@@ -597,7 +598,7 @@ def _wrapped(view: View, stack: _Stack, group: str) -> View:
             refused = _before(request, outcome)
             if refused is not None:
                 return refused
-            return _after(outcome, await target(request, *args, **kwargs))
+            return _after(request, outcome, await target(request, *args, **kwargs))
 
         return awrapper  # type: ignore[return-value]
 
@@ -616,7 +617,7 @@ def _wrapped(view: View, stack: _Stack, group: str) -> View:
         refused = _before(request, outcome)
         if refused is not None:
             return refused
-        return _after(outcome, target(request, *args, **kwargs))
+        return _after(request, outcome, target(request, *args, **kwargs))
 
     return wrapper  # type: ignore[return-value]
 
@@ -629,9 +630,12 @@ def _before(request: Any, outcome: _Outcome) -> HttpResponse | None:
     return None
 
 
-def _after(outcome: _Outcome, response: HttpResponse) -> HttpResponse:
-    if outcome.decision is not None:
-        _set_headers(response, outcome.decision)
+def _after(request: Any, outcome: _Outcome, response: HttpResponse) -> HttpResponse:
+    decision = outcome.decision
+    if decision is not None:
+        _set_headers(response, decision)
+        if decision.spent:  # its endpoint charges by outcome, or trues its cost up
+            note_status(request, response.status_code)
     return response
 
 

@@ -22,7 +22,7 @@ from .engine import evaluate
 from .engine.bodies import BodyNotReceived
 from .engine.evaluation import aevaluate, early_refusals, endpoint_of, refuse_early
 from .engine.failed_auth import get_failed_authentication
-from .engine.holding import note_response
+from .engine.holding import note_response, note_status
 from .headers import rate_limit_headers
 from .problems import body_timeout_response, problem_response
 
@@ -69,6 +69,8 @@ def _add_headers(request: HttpRequest, response: HttpResponse) -> HttpResponse:
     decision = getattr(request, "ratelimit", None)
     if isinstance(decision, Decision) and decision.allowed:
         _set_headers(response, decision)
+        if decision.spent:  # its endpoint charges by outcome, or trues its cost up
+            note_status(request, response.status_code)
     return response
 
 

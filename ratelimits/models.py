@@ -23,7 +23,7 @@ from django.utils import timezone
 
 from . import documentation
 from .algorithms import RATE_ALGORITHMS, Algorithm
-from .choices import HTTP_METHODS, SHEDDABLE, FailMode, Priority
+from .choices import HTTP_METHODS, SHEDDABLE, Counts, FailMode, Priority
 from .conf import conf
 from .exceptions import ConfigurationError
 from .identity import ASSIGNABLE_KINDS, SubjectKind
@@ -34,6 +34,7 @@ from .webhooks import UnsafeURL, check_url
 ALGORITHM_CHOICES = [(a.value, a.value.replace("_", " ")) for a in RATE_ALGORITHMS]
 FAIL_MODE_CHOICES = [("", "fleet default"), *((mode.value, mode.description) for mode in FailMode)]
 PRIORITY_CHOICES = [(p.value, p.value) for p in Priority]
+COUNTS_CHOICES = [(c.value, c.description) for c in Counts]
 METHOD_CHOICES = [(m, m) for m in ("ANY", *HTTP_METHODS)]
 SCOPE_CHOICES = [("region", "each region"), ("global", "global: shared by every region")]
 QUOTA_MODE_CHOICES = [
@@ -392,6 +393,19 @@ class EndpointPolicy(Revisioned):
         help_text="Split the all-callers limit over this many keys, which spread over a Redis Cluster's nodes "
         "(hot-key sharding; see docs/scaling.md). 1: one key.",
     )
+    counts = models.CharField(
+        max_length=20,
+        choices=COUNTS_CHOICES,
+        default=Counts.ALL.value,
+        help_text="Which responses are charged; the cost of the others is given back once they are sent.",
+    )
+    max_cost = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="The most a view may true a request's cost up to (request.ratelimit_cost): admitted at the "
+        "cost, charged what the view says after the response. Empty: the cost is fixed.",
+    )
     exempt = models.BooleanField(default=False, help_text="Never limited (health checks, staff tools).")
     enabled = models.BooleanField(default=True)
     shadow = models.BooleanField(default=False, help_text="Count and report, but never deny.")
@@ -409,8 +423,17 @@ class EndpointPolicy(Revisioned):
 
     def clean(self) -> None:
         validate_storable(
-            self, rates=(("per_caller_rate", "per_caller_burst"), ("endpoint_rate", "endpoint_burst")), counts=("cost",)
+            self,
+            rates=(("per_caller_rate", "per_caller_burst"), ("endpoint_rate", "endpoint_burst")),
+            counts=("cost", "max_cost"),
         )
+        if self.max_cost is not None and self.cost and self.max_cost < self.cost:
+            raise ValidationError(
+                {
+                    "max_cost": f"{self.max_cost} is less than the cost {self.cost}, which every request is "
+                    "admitted at: the most a view may true a request's cost up to is at least that."
+                }
+            )
         if self.enabled and not self.exempt and self.cost:
             for tier in Tier.objects.filter(enabled=True):
                 capacity = tier.capacity

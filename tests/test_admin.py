@@ -254,6 +254,24 @@ def test_endpoint_cost_above_a_tier_capacity_is_refused(admin_client: Client) ->
     assert not EndpointPolicy.objects.exists()
 
 
+def test_an_endpoint_that_settles_is_saved_and_a_max_cost_below_its_cost_refused(admin_client: Client) -> None:
+    data = form_data(admin_client.get(url("endpointpolicy_add")))
+    data.update(endpoint="customers-export", cost="3", max_cost="2", counts="no_server_errors")
+    errors = form_errors(admin_client.post(url("endpointpolicy_add"), data))
+    assert errors["max_cost"] == [
+        "2 is less than the cost 3, which every request is admitted at: the most a view may true a "
+        "request's cost up to is at least that."
+    ]
+    data.update(counts="sometimes")
+    assert "Select a valid choice" in form_errors(admin_client.post(url("endpointpolicy_add"), data))["counts"][0]
+    data.update(max_cost="15", counts="no_server_errors")
+    assert admin_client.post(url("endpointpolicy_add"), data).status_code == 302
+    row = EndpointPolicy.objects.get(endpoint="customers-export")
+    assert (row.cost, row.max_cost, row.counts) == (3, 15, "no_server_errors")
+    listed = admin_client.get(url("endpointpolicy_changelist")).content.decode()
+    assert "every response but server errors (5xx), trued up to 15" in listed
+
+
 def test_override_without_reason_is_refused(admin_client: Client) -> None:
     data = form_data(admin_client.get(url("override_add")))
     data.update(

@@ -259,6 +259,43 @@ def test_a_plan_by_the_month_is_set_up_in_chromium(chromium: str, live_server: A
     assert assignment.quota_anchor == timezone.make_aware(dt.datetime(2026, 5, 17, 10, 0))
 
 
+def test_an_endpoint_charged_by_outcome_and_work_is_set_up_in_chromium(
+    chromium: str, live_server: Any, django_user_model: Any, settings: Any
+) -> None:
+    """An export charged by the rows it returned and never for our 5xx: a max cost below the cost
+    refused on its field, then saved, and the limits in force say how it is charged."""
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"POLICIES": {"SOURCE": "database"}})
+    django_user_model.objects.create_superuser("charges", "charges@example.com", PASSWORD)
+    add_url = live_server.url + reverse("admin:ratelimits_endpointpolicy_add")
+    in_force_url = live_server.url + reverse("admin:ratelimits_limits_in_force")
+
+    with launch(chromium) as browser:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        problems = watch(page)
+        log_in(page, add_url, "charges")
+        page.fill("#id_endpoint", "customers-export")
+        page.fill("#id_cost", "2")
+        page.select_option("#id_counts", "no_server_errors")
+        page.fill("#id_max_cost", "1")
+        page.click("input[name=_save]")
+        page.wait_for_selector(".errornote")
+        max_cost_errors = page.text_content(".field-max_cost .errorlist") or ""
+        page.fill("#id_max_cost", "50")
+        page.click("input[name=_save]")
+        page.wait_for_selector(".messagelist .success")
+        listed = page.text_content("#result_list") or ""
+        page.goto(in_force_url)
+        in_force = page.text_content("#limits-endpoints") or ""
+        page.screenshot(path=str(screenshot_path("endpoint-charged-by-outcome.png")), full_page=True)
+
+    assert problems == []
+    assert "less than the cost 2" in max_cost_errors
+    assert "every response but server errors (5xx), trued up to 50" in listed
+    assert "2 (trued up to 50)" in in_force and "every response but server errors (5xx)" in in_force
+    row = EndpointPolicy.objects.get(endpoint="customers-export")
+    assert (row.cost, row.max_cost, row.counts) == (2, 50, "no_server_errors")
+
+
 def test_a_customers_webhook_is_set_up_and_its_deliveries_read_in_chromium(
     chromium: str, live_server: Any, django_user_model: Any, settings: Any
 ) -> None:

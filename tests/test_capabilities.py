@@ -15,7 +15,14 @@ from django.core.management import call_command
 from django.core.management.base import SystemCheckError
 from django.utils import timezone
 
-from ratelimits.backends import CAPABILITIES, BulletinSupport, LeaseSupport, RegionSupport, UsageSupport
+from ratelimits.backends import (
+    CAPABILITIES,
+    BulletinSupport,
+    LeaseSupport,
+    RegionSupport,
+    SettleSupport,
+    UsageSupport,
+)
 from ratelimits.backends.memory import MemoryBackend
 from ratelimits.backends.redis import RedisBackend
 from ratelimits.checks import E183, W001, W023, check_capabilities, check_deployment
@@ -104,8 +111,13 @@ def test_the_engine_leaves_out_what_the_backend_lacks(settings: Any) -> None:
             RegionSupport,
             "RATELIMITS['REGIONS']['STORES'] names regions",
         ),
+        (
+            {"ENDPOINTS": {"exports": {"max_cost": 50}, "charges": {"counts": "no_server_errors"}}},
+            SettleSupport,
+            "RATELIMITS['ENDPOINTS']['charges'] charges by outcome or trues its cost up",
+        ),
     ],
-    ids=["usage", "bulletin", "leases", "regions"],
+    ids=["usage", "bulletin", "leases", "regions", "settling"],
 )
 def test_each_setting_that_needs_a_capability_is_refused_without_it(
     settings: Any, changes: dict[str, Any], capability: type, said: str
@@ -128,6 +140,7 @@ def test_the_shipped_backends_have_what_their_settings_need(settings: Any) -> No
         "POLICIES": {"SOURCE": "database"},
         "LOCAL_PATH": {"LEASES": True},
         "REGIONS": {"CURRENT": "eu", "STORES": {"eu": "redis://127.0.0.1:1/0", "us": "redis://127.0.0.1:2/0"}},
+        "ENDPOINTS": {"exports": {"max_cost": 50, "counts": "successes"}},
     }
     assert messages_of(settings, {**everything, "BACKEND": "redis"}) == []
     assert issubclass(RedisBackend, tuple(CAPABILITIES))

@@ -1,5 +1,7 @@
 """Views used only by the tests."""
 
+from typing import Any
+
 from adrf.views import APIView as AsyncAPIView
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.urls import path
@@ -128,3 +130,60 @@ urlpatterns += [
     path("async/ping", AsyncPing.as_view(), name="async-ping"),
     path("streaming", streaming, name="streaming"),
 ]
+
+
+# -- charges settled after the response (docs/charging.md) ---------------------------------------
+
+
+def _outcome_of(request: HttpRequest, query: Any, target: object) -> int:
+    """The status the query asks for (``?status=500``), after setting the request's true cost on
+    ``target`` if asked (``?cost=7``): what a view that charges by outcome or by work does. With
+    ``?gate=1``, held inside until the test opens ``tests.support.gate.GATE`` first."""
+    if "gate" in query:
+        from .support.gate import GATE
+
+        if not GATE.pass_through():
+            return 504
+    if "cost" in query:
+        cost = query["cost"]  # a number, or anything else a buggy view could set
+        target.ratelimit_cost = int(cost) if cost.lstrip("-").isdigit() else cost  # type: ignore[attr-defined]
+    return int(query.get("status", 200))
+
+
+class Charged(APIView):
+    """A DRF view whose status and true cost the query sets: ``counts`` and ``max_cost`` at work."""
+
+    throttle_scope = "charged"
+
+    def get(self, request):  # type: ignore[no-untyped-def]
+        return Response({"ok": True}, status=_outcome_of(request, request.query_params, request))
+
+
+@throttle(endpoint="plain-charged")
+def plain_charged(request: HttpRequest) -> HttpResponse:
+    return HttpResponse("plain charged", status=_outcome_of(request, request.GET, request))
+
+
+class AsyncCharged(AsyncAPIView):
+    throttle_scope = "async-charged"
+    throttle_classes = [AsyncRateLimitThrottle]
+
+    async def get(self, request):  # type: ignore[no-untyped-def]
+        return Response({"ok": True}, status=_outcome_of(request, request.query_params, request))
+
+
+urlpatterns += [
+    path("charged", Charged.as_view(), name="charged"),
+    path("plain-charged", plain_charged, name="plain-charged"),
+    path("async/charged", AsyncCharged.as_view(), name="async-charged"),
+]
+
+
+def _graphql(request: HttpRequest) -> HttpResponse:
+    """docs/charging.md's GraphQL endpoint, as the page writes it (imported when first asked)."""
+    from .support.documented_graphql import graphql
+
+    return graphql(request)  # type: ignore[no-any-return]
+
+
+urlpatterns += [path("graphql", _graphql, name="graphql")]

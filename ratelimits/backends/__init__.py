@@ -24,6 +24,7 @@ from .base import (
     LeaseSupport,
     PolicyFailed,
     RegionSupport,
+    SettleSupport,
     StoreHealth,
     UsageSupport,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "LeaseSupport",
     "PolicyFailed",
     "RegionSupport",
+    "SettleSupport",
     "StoreHealth",
     "UsageSupport",
     "backend_class",

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from asgiref.sync import sync_to_async
 
+from ..decisions import Spent
 from ..exceptions import BackendUnavailable
 
 if TYPE_CHECKING:
@@ -136,16 +137,9 @@ class StoreHealth:
         return None if self.maxmemory_policy is None else self.maxmemory_policy != "noeviction"
 
 
-@dataclass(frozen=True, slots=True)
-class Grant:
-    """Tokens a leasing decide call took for the worker beyond a check's cost, and how to give back the rest."""
-
-    check: Check
-    tokens: int
-    #: The store's clock when it took them (us), and what ``lua/refund.lua`` needs (see ``REFUNDABLE``).
-    taken_us: int
-    spent_tat: float
-    given_back: float
+#: Tokens a leasing decide call took for the worker beyond a check's cost, and how to give back the
+#: rest: what a check spent, as a request's own spend is recorded (the one record serves both).
+Grant = Spent
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +159,7 @@ class Backend(ABC):
     :meth:`renew`, :meth:`clear`; :meth:`adecide` runs :meth:`decide` in a thread unless
     overridden). Everything else a store may do is a capability, an abstract subclass of its
     own that a backend class adds to its bases (``class MyBackend(UsageSupport, BulletinSupport)``):
-    :class:`LeaseSupport`, :class:`UsageSupport`, :class:`BulletinSupport`,
+    :class:`LeaseSupport`, :class:`SettleSupport`, :class:`UsageSupport`, :class:`BulletinSupport`,
     :class:`RegionSupport` and :class:`HealthSupport`. The engine uses a capability only where
     the backend has it, and ``manage.py check`` refuses a setting that needs one it lacks
     (``ratelimits.E183``, naming both). ``tests/test_contract.py`` is the contract's suite.
@@ -288,6 +282,38 @@ class LeaseSupport(Backend):
         return None
 
 
+class SettleSupport(Backend):
+    """Capability: a request's spend settled after its response: given back, or charged more.
+
+    What an endpoint that counts by outcome or trues its cost up needs (``count``, ``max_cost``:
+    :mod:`ratelimits.engine.settling`). The request is decided as any is, and its decision
+    records what each rate check spent (:attr:`~ratelimits.decisions.Decision.spent`); after the
+    response, :meth:`settle` gives back what the endpoint does not count, or charges what the view
+    said the request really cost beyond its estimate.
+    """
+
+    @abstractmethod
+    def decide_to_settle(self, checks: Sequence[Check], *, usage: Usage | None = None) -> Decision:
+        """Decide and consume as :meth:`Backend.decide` does; an admission also records what each
+        rate check spent (``Decision.spent``, in the order of the checks; a slot is not a spend)."""
+
+    async def adecide_to_settle(self, checks: Sequence[Check], *, usage: Usage | None = None) -> Decision:
+        """:meth:`decide_to_settle` for async code (as :meth:`Backend.adecide` is :meth:`Backend.decide`'s)."""
+        return await in_thread(lambda: self.decide_to_settle(checks, usage=usage), self._unheld, executor=STORE_THREADS)
+
+    @abstractmethod
+    def settle(self, changes: Sequence[tuple[Spent, int]], usage: Usage | None = None, tokens: int = 0) -> int:
+        """Change what each spend cost by ``(spent, tokens)``: fewer tokens give back, more charge.
+
+        Given back: no more than the state still holds of the spend (what time refilled since is
+        not given twice), as ``lua/refund.lua`` gives back. Charged: whether or not the limit has
+        room, in the window the spend was made in while it still counts (a bucket's debt makes
+        its next requests wait for it). A state written in other terms since (its policy changed)
+        is left as it is. ``usage``: the request's usage row, whose tokens change by ``tokens``
+        (its counts stay; a row's tokens never fall below none). Returns how many states changed.
+        """
+
+
 class UsageSupport(Backend):
     """Capability: the per-minute usage counters decisions count into, drained into the database.
 
@@ -408,6 +434,7 @@ class HealthSupport(Backend):
 #: Every capability a backend may have, and what it is called in messages.
 CAPABILITIES: dict[type[object], str] = {
     LeaseSupport: "token leases",
+    SettleSupport: "settling a charge after the response",
     UsageSupport: "usage counters",
     BulletinSupport: "the policy version bulletin",
     RegionSupport: "region shares",

@@ -42,7 +42,7 @@ from redis.cluster import RedisCluster
 from ..algorithms import Algorithm
 from ..conf import conf
 from ..counters import Usage
-from ..decisions import Decision, Result
+from ..decisions import Decision, Result, Spent
 from ..exceptions import BackendUnavailable
 from ..policies.values import Check
 from . import layout
@@ -67,6 +67,7 @@ from .redis import (
     policy_failed,
     renew_call,
     script_error,
+    settle_call,
     unavailable,
     with_deadline,
 )
@@ -198,13 +199,41 @@ class ClusterBackend(RedisBackend):
     ) -> tuple[Decision, list[Grant]]:
         return self._decided(checks, consume=True, usage=usage, wants=wants)
 
+    def decide_to_settle(self, checks: Sequence[Check], *, usage: Usage | None = None) -> Decision:
+        return self._decided(checks, consume=True, usage=usage, refundable=True)[0]
+
+    def settle(self, changes: Sequence[tuple[Spent, int]], usage: Usage | None = None, tokens: int = 0) -> int:
+        """One refund call per hash slot the spends' keys are in, sent at once. The usage row's
+        tokens change in the first spend's group's hash, where its decision counted it (the first
+        check's group counts the request, and a caller's own policies share the caller's tag)."""
+        if not changes:
+            return 0
+        prefix = self.prefix
+        groups = _by_slot(changes, lambda change: change[0].check.key(prefix))
+        calls = []
+        for n, (hash_slot, group) in enumerate(groups.items()):
+            counted = None
+            if usage is not None and tokens and n == 0:
+                counted = (layout.usage_key(prefix, usage.minute, layout.slot_tag(hash_slot)), usage, tokens)
+            calls.append(_Call(hash_slot, *settle_call(group, prefix, self.clock, counted)))
+        return self._run_counted(REFUND, calls)
+
     def _decided(
-        self, checks: Sequence[Check], *, consume: bool, usage: Usage | None, wants: Sequence[int] | None = None
+        self,
+        checks: Sequence[Check],
+        *,
+        consume: bool,
+        usage: Usage | None,
+        wants: Sequence[int] | None = None,
+        refundable: bool = False,
     ) -> tuple[Decision, list[Grant]]:
-        """One call per slot group, sent at once: the decision, and what a leasing call (``wants``) took."""
+        """One call per slot group, sent at once: the decision, and what a leasing call (``wants``)
+        took; ``refundable``, an admission records what each rate check spent (``Decision.spent``)."""
         slot = new_slot(checks) if consume else None
         sent = self.store_clock.now_us()
-        calls = self.decide_calls(checks, consume=consume, usage=usage, slot=slot, wants=wants)
+        calls = self.decide_calls(
+            checks, consume=consume, usage=usage, slot=slot, wants=wants, refundable=True if refundable else None
+        )
         self._run_calls(DECIDE, calls)
         for call in calls:
             if call.error is None:
@@ -253,6 +282,8 @@ class ClusterBackend(RedisBackend):
             decision = Decision.from_results(decided, now_us=now_us, policy_version=version)
             return (decision if stray is None else _with_stray(decision, stray)), []
         decision = Decision.from_results(decided, now_us=now_us, policy_version=version, slot=slot, slot_keys=held)
+        if refundable:
+            decision = replace(decision, spent=_spent(calls))
         return decision, _grants(checks, calls) if wants is not None else []
 
     @staticmethod
@@ -710,6 +741,20 @@ def _grants(checks: Sequence[Check], calls: Sequence[_Call]) -> list[Grant]:
                 spent_tat, given_back = REFUNDABLE.unpack_from(spent, REFUNDABLE.size * n)
                 grants.append((i, Grant(checks[i], int(tokens), call.reply[0], spent_tat, given_back)))
     return [grant for _, grant in sorted(grants, key=lambda pair: pair[0])]
+
+
+def _spent(calls: Sequence[_Call]) -> tuple[Spent, ...]:
+    """What each rate check of an admission spent, in the order of the checks, as each group's
+    refundable call reported it (``REFUNDABLE`` per check of the group)."""
+    found = []
+    for call in calls:
+        report, _ = _reply_tail(call)
+        for n, (i, result) in enumerate(zip(call.indices, call.results, strict=True)):
+            check = result.check
+            if result.allowed and not check.policy.holds_slots:
+                spent_tat, given_back = REFUNDABLE.unpack_from(report, REFUNDABLE.size * n)
+                found.append((i, Spent(check, check.cost, call.reply[0], spent_tat, given_back)))
+    return tuple(spent for _, spent in sorted(found, key=lambda pair: pair[0]))
 
 
 def _by_slot(items: Iterable[T], key: Callable[[T], str] = str) -> dict[int, list[T]]:

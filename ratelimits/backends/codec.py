@@ -99,8 +99,8 @@ OLD_WINDOW_FORMATS = {
     Algorithm.SLIDING_WINDOW: struct.Struct("<ddd"),
     Algorithm.FIXED_WINDOW: struct.Struct("<dd"),
 }
-#: A token bucket a cluster refund gave back to: its arrival time, capacity, the us given back so
-#: far, and a last byte of 255 (``REFUNDED_STATE`` in ``lua/decide.lua``).
+#: A token bucket a refund gave back to: its arrival time, capacity, the us given back so far, and a
+#: byte of 255 (``REFUNDED_STATE`` in ``lua/decide.lua``); then 16 bytes per hole (``lua/refund.lua``).
 REFUNDED_STATE = struct.Struct("<dddB")
 #: A token bucket's state with when its key expires (``TIMED_STATE`` in ``lua/decide.lua``).
 TIMED_STATE = struct.Struct("<ddd")
@@ -115,8 +115,8 @@ def read_state(algorithm: Algorithm, value: bytes) -> State:
     previous layout reads without its terms (``(window, current, previous)``, ``(window, count)``),
     as the script reads it.
     """
-    if algorithm is Algorithm.TOKEN_BUCKET and len(value) == REFUNDED_STATE.size:  # a cluster refund gave back to it
-        return REFUNDED_STATE.unpack(value)[:2]
+    if algorithm is Algorithm.TOKEN_BUCKET and len(value) % 16 == REFUNDED_STATE.size % 16:  # a refund gave back to it
+        return REFUNDED_STATE.unpack_from(value)[:2]
     if algorithm is Algorithm.TOKEN_BUCKET and len(value) == TIMED_STATE.size:  # with its key's expiry
         return TIMED_STATE.unpack(value)[:2]
     layout = STATE_FORMATS[algorithm]

@@ -12,7 +12,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from importlib import resources
 from typing import Any, NamedTuple, cast
@@ -23,7 +23,7 @@ from redis.cluster import RedisCluster
 from .._memo import remember
 from ..conf import conf
 from ..counters import Usage, overflow_of
-from ..decisions import Decision, Result, admitted
+from ..decisions import Decision, Result, Spent, admitted
 from ..exceptions import BackendUnavailable
 from ..policies.values import Check, KeptChecks
 from ..shares import ShareRecord
@@ -36,6 +36,7 @@ from .base import (
     LeaseSupport,
     PolicyFailed,
     RegionSupport,
+    SettleSupport,
     StoreHealth,
     UsagePeek,
     UsageSupport,
@@ -180,7 +181,7 @@ def _glob_escaped(text: str) -> str:
     return re.sub(r"([\\*?\[\]])", r"\\\1", text)
 
 
-class RedisBackend(LeaseSupport, UsageSupport, BulletinSupport, RegionSupport, HealthSupport):
+class RedisBackend(LeaseSupport, SettleSupport, UsageSupport, BulletinSupport, RegionSupport, HealthSupport):
     """Shared state in Redis, one round trip per decision.
 
     The client has tight timeouts and no retries: redis-py would otherwise resend a command
@@ -251,6 +252,25 @@ class RedisBackend(LeaseSupport, UsageSupport, BulletinSupport, RegionSupport, H
             return await super().adecide(checks, consume=consume, usage=usage)  # in a thread
         return (await self._adecided(client, checks, consume=consume, usage=usage))[0]
 
+    def decide_to_settle(self, checks: Sequence[Check], *, usage: Usage | None = None) -> Decision:
+        decision, reply = self._decided(checks, consume=True, usage=usage, refundable=True)
+        return with_spent(decision, reply[0], reply[-1])
+
+    async def adecide_to_settle(self, checks: Sequence[Check], *, usage: Usage | None = None) -> Decision:
+        client = self._loop_client()
+        if client is None:
+            return await super().adecide_to_settle(checks, usage=usage)  # in a thread
+        decision, reply = await self._adecided(client, checks, consume=True, usage=usage, refundable=True)
+        return with_spent(decision, reply[0], reply[-1])
+
+    def settle(self, changes: Sequence[tuple[Spent, int]], usage: Usage | None = None, tokens: int = 0) -> int:
+        """Give back or charge with ``lua/refund.lua``, in one call."""
+        counted = (self._usage_key(usage.minute), usage, tokens) if usage is not None and tokens else None
+        if not changes and counted is None:
+            return 0
+        keys, args = settle_call(changes, self.prefix, self.clock, counted)
+        return int(self._run(REFUND, keys, args))
+
     async def alease(
         self, checks: Sequence[Check], wants: Sequence[int], *, usage: Usage | None = None
     ) -> tuple[Decision, list[Grant]]:
@@ -266,10 +286,16 @@ class RedisBackend(LeaseSupport, UsageSupport, BulletinSupport, RegionSupport, H
         return None if clients is None else clients.current()
 
     def _decided(
-        self, checks: Sequence[Check], *, consume: bool, usage: Usage | None, wants: Sequence[int] | None = None
+        self,
+        checks: Sequence[Check],
+        *,
+        consume: bool,
+        usage: Usage | None,
+        wants: Sequence[int] | None = None,
+        refundable: bool = False,
     ) -> tuple[Decision, Any]:
         """One decide call: the decision, and the script's reply as it came."""
-        call = self._call_for(checks, consume=consume, usage=usage, wants=wants)
+        call = self._call_for(checks, consume=consume, usage=usage, wants=wants, refundable=refundable)
         try:
             reply = self._run(DECIDE, call.keys, call.args, call.stamped if consume else None)
         except BackendUnavailable as exc:
@@ -286,9 +312,10 @@ class RedisBackend(LeaseSupport, UsageSupport, BulletinSupport, RegionSupport, H
         consume: bool,
         usage: Usage | None,
         wants: Sequence[int] | None = None,
+        refundable: bool = False,
     ) -> tuple[Decision, Any]:
         """:meth:`_decided` on the running event loop's ``redis.asyncio`` client."""
-        call = self._call_for(checks, consume=consume, usage=usage, wants=wants)
+        call = self._call_for(checks, consume=consume, usage=usage, wants=wants, refundable=refundable)
         stamp = None
         if consume:
             # Sent once the loop's pool gives it a connection (and it is connected): the worker
@@ -314,11 +341,19 @@ class RedisBackend(LeaseSupport, UsageSupport, BulletinSupport, RegionSupport, H
         return call.decision(reply), reply
 
     def _call_for(
-        self, checks: Sequence[Check], *, consume: bool, usage: Usage | None, wants: Sequence[int] | None
+        self,
+        checks: Sequence[Check],
+        *,
+        consume: bool,
+        usage: Usage | None,
+        wants: Sequence[int] | None,
+        refundable: bool = False,
     ) -> _DecideCall:
         compiled = self._compiled_for(checks)
         slot = new_slot(compiled.checks) if consume and compiled.held else None  # held: it takes slots
-        script_keys, args = self._call_of(compiled, consume=consume, usage=usage, slot=slot, wants=wants)
+        script_keys, args = self._call_of(
+            compiled, consume=consume, usage=usage, slot=slot, wants=wants, refundable=refundable
+        )
         return _DecideCall(self, checks, script_keys, args, slot, compiled.held if slot else ())
 
     def _compiled_for(self, checks: Sequence[Check]) -> _Compiled:
@@ -787,6 +822,45 @@ def give_back_call(
         records.append(REFUND_CHECK.pack(*record) + REFUNDABLE.pack(grant.spent_tat, grant.given_back))
         keys.append(grant.check.key(prefix))
     return keys, [b"".join(records), "", ""]
+
+
+def settle_call(
+    changes: Sequence[tuple[Spent, int]],
+    prefix: str,
+    clock: Callable[[], int] | None,
+    usage: tuple[str, Usage, int] | None = None,
+) -> tuple[list[str], list[Any]]:
+    """``lua/refund.lua``'s KEYS and ARGV changing what each spend cost by ``(spent, tokens)``
+    (fewer give back, more charge), and with ``usage`` (its minute's hash key, the row, and the
+    tokens it gains), the request's usage row."""
+    records = [REFUND_NOW.pack(-1.0 if clock is None else clock())]
+    keys = []
+    for spent, change in changes:
+        policy = spent.check.policy
+        rate = policy.rate
+        record = (policy.algorithm.code, rate.limit, rate.period_us, -change, spent.taken_us, policy.burst)
+        records.append(REFUND_CHECK.pack(*record) + REFUNDABLE.pack(spent.spent_tat, spent.given_back))
+        keys.append(spent.check.key(prefix))
+    args: list[Any] = [b"".join(records), "", "", "", "", 1, ""]
+    if usage is not None:
+        key, row, tokens = usage
+        keys.append(key)
+        args[2:] = [row.field, "a", "", row.tokens, row.overflow, tokens]
+    return keys, args
+
+
+def with_spent(decision: Decision, now_us: int, report: bytes) -> Decision:
+    """An admission of a refundable decide call with what each of its rate checks spent, as the
+    call's report says (``REFUNDABLE`` per check, in their order); a denial as it is."""
+    if not decision.allowed:
+        return decision
+    spent = []
+    for i, result in enumerate(decision.results):
+        check = result.check
+        if result.allowed and not check.policy.holds_slots:
+            spent_tat, given_back = REFUNDABLE.unpack_from(report, REFUNDABLE.size * i)
+            spent.append(Spent(check, check.cost, now_us, spent_tat, given_back))
+    return replace(decision, spent=tuple(spent))
 
 
 #: What means the store could not answer: Redis' errors (timeouts, refused connections, a read-only

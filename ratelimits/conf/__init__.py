@@ -934,7 +934,7 @@ class Settings(Root):
         parse.mapping,
         id="ratelimits.E119",
         shown="`{}` (or DRF's scoped rates)",
-        doc="endpoint → rule ([below](#endpoints)): its cost, priority and limits",
+        doc="endpoint → rule ([below](#endpoints)): its cost, priority and limits, and which responses it charges",
     )
     redis = Mount(Redis)
     policies = Mount(Policies)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -28,13 +29,14 @@ from ..identity import Identity, SubjectKind, django_request, identify, request_
 from ..metrics import Recorder, get_recorder
 from ..policies.snapshot import PolicySnapshot
 from ..policies.source import PolicySource, get_policy_source
-from ..policies.values import Check, KeptChecks, Policy, check_for
+from ..policies.values import Check, EndpointRule, KeptChecks, Policy, check_for
 from ..thresholds import observe as observe_thresholds
 from .bodies import receive_body
 from .failed_auth import presented_authorization
 from .holding import Held, hold, holds_anything
 from .limiter import Limiter, current_limiter, get_limiter
 from .local import LocalPath
+from .settling import Settlement, tell_once
 from .shedding import WorkerShedder, get_worker_shedder
 
 if TYPE_CHECKING:
@@ -140,7 +142,9 @@ async def adecide_checks(
 
 def _decided(pending: _Pending, consume: bool) -> Decision:
     try:
-        return pending.limiter.decide(pending.checks, consume=consume, usage=pending.usage)
+        return pending.limiter.decide(
+            pending.checks, consume=consume, usage=pending.usage, settle=pending.settles is not None
+        )
     except BaseException:
         pending.abandon()
         raise
@@ -148,7 +152,9 @@ def _decided(pending: _Pending, consume: bool) -> Decision:
 
 async def _adecided(pending: _Pending, consume: bool) -> Decision:
     try:
-        return await pending.limiter.adecide(pending.checks, consume=consume, usage=pending.usage)
+        return await pending.limiter.adecide(
+            pending.checks, consume=consume, usage=pending.usage, settle=pending.settles is not None
+        )
     except BaseException:
         pending.abandon()
         raise
@@ -229,6 +235,8 @@ class _Pending:
     generation: int
     snapshot: PolicySnapshot | None
     started: float
+    #: The endpoint's rule, where a request's charge is settled after its response (:mod:`.settling`).
+    settles: EndpointRule | None = None
 
     def abandon(self) -> None:
         """The decision raised: the shedder counted the request in, and nothing is held to count it out."""
@@ -263,8 +271,9 @@ def _prepare(
             remember(_endpoints, path, endpoint)
     shedder = get_worker_shedder() if consume else None
     recorder = get_recorder() if consume else None
+    rule = source.endpoint_rule(endpoint, method)
     if shedder is not None:
-        priority = source.endpoint_rule(endpoint, method).priority
+        priority = rule.priority
         if not shedder.admit(priority):
             if recorder is not None:
                 recorder.decision(endpoint, "shed", "shedder", 0.0)
@@ -278,10 +287,8 @@ def _prepare(
         checks = source.checks_for(request, identity)
         if not tiers:
             checks = [check for check in checks if check.policy.tier is None]
-        if caller_policies is not None:
-            rule = source.endpoint_rule(endpoint, method)
-            if not rule.exempt:
-                checks = _with_caller_policies(checks, caller_policies(source, method), identity, rule.cost)
+        if caller_policies is not None and not rule.exempt:
+            checks = _with_caller_policies(checks, caller_policies(source, method), identity, rule.cost)
         # The request's usage is its own checks' (their cost), whatever else is decided with them.
         usage = usage_of(identity, checks) if consume and limiter.counts_usage else None
         if extra:
@@ -303,6 +310,7 @@ def _prepare(
         generation=generation,
         snapshot=snapshot,
         started=time.perf_counter() if recorder is not None else 0.0,  # what the metrics time the decision from
+        settles=rule if consume and rule.settles and not rule.exempt else None,
     )
 
 
@@ -366,7 +374,15 @@ def _hold_what_it_took(request: HttpRequest, pending: _Pending, decision: Decisi
     store call may still have taken (``stray_slot``), to give it back."""
     shedder = pending.shedder
     if decision.allowed and pending.consume:
-        if holds_anything(decision, shedder):  # else nothing is made for it (the usual request)
+        settlement = None
+        if pending.settles is not None and decision.spent:
+            settlement = Settlement(pending.endpoint, pending.settles, pending.usage, weakref.ref(request))
+        elif pending.settles is not None and pending.limiter.settler is None:
+            tell_once(
+                pending.endpoint,
+                "the backend cannot settle a charge (no SettleSupport): it costs what it was admitted at",
+            )
+        if holds_anything(decision, shedder) or settlement is not None:  # else nothing is made (the usual request)
             # The adaptive capacity times the view, not the store: a slow Redis is the breaker's
             # business, and must not read as every endpoint slowing down.
             hold(
@@ -377,6 +393,7 @@ def _hold_what_it_took(request: HttpRequest, pending: _Pending, decision: Decisi
                     shedder=shedder,
                     endpoint=pending.endpoint,
                     admitted_at=time.monotonic(),
+                    settlement=settlement,
                 ),
             )
         return

@@ -25,12 +25,13 @@ from django.core.signals import request_finished, request_started
 
 from ..decisions import Decision
 from .limiter import Limiter, current_limiter
+from .settling import Settlement, settle
 from .shedding import WorkerShedder, get_worker_shedder
 
 if TYPE_CHECKING:
     from django.http import HttpRequest
 
-__all__ = ["HELD_ATTRIBUTE", "Held", "after_response", "hold", "holds_anything", "note_response"]
+__all__ = ["HELD_ATTRIBUTE", "Held", "after_response", "hold", "holds_anything", "note_response", "note_status"]
 
 logger = logging.getLogger("ratelimits")
 
@@ -49,6 +50,8 @@ class Held:
     admitted_at: float = 0.0
     status: int | None = None
     answered_at: float | None = None
+    #: What settles the request's charge after its response, where its endpoint says so (:mod:`.settling`).
+    settlement: Settlement | None = None
 
 
 #: The request attribute that keeps the list of what it holds.
@@ -191,7 +194,8 @@ def _held_by(request: HttpRequest) -> list[Held] | None:
 def note_response(request: HttpRequest, status: int, *, streaming: bool = False) -> None:
     """Tell the adaptive capacity how the request's view answered: its status, and now.
 
-    Called by :class:`~ratelimits.middleware.EarlyRejectionMiddleware` on the way out. A request
+    Called by :class:`~ratelimits.middleware.EarlyRejectionMiddleware` on the way out (which also
+    tells the request's settlement, :func:`note_status`, if nothing inside it did). A request
     this app refused in the end (a later decision, after the shedder admitted it) never ran its
     view: it teaches nothing. A streaming response is timed to its release, when its body
     has been made.
@@ -199,6 +203,7 @@ def note_response(request: HttpRequest, status: int, *, streaming: bool = False)
     held = _held_by(request)
     if not held:
         return
+    note_status(request, status)
     refused = getattr(request, "ratelimit", None)
     view_ran = not (isinstance(refused, Decision) and not refused.allowed)
     now = None if streaming else time.monotonic()
@@ -209,6 +214,16 @@ def note_response(request: HttpRequest, status: int, *, streaming: bool = False)
             item.status, item.answered_at = status, now
         else:
             item.endpoint = None
+
+
+def note_status(request: HttpRequest, status: int) -> None:
+    """Tell the request's settlement (:mod:`.settling`) its response's status; a middleware or
+    decorator of this app that sees the response calls it, the innermost first (the first wins)."""
+    held = _held_by(request)
+    for item in held or ():
+        settlement = item.settlement
+        if settlement is not None and settlement.status is None:
+            settlement.status = status
 
 
 def after_response(**kwargs: Any) -> None:
@@ -259,6 +274,11 @@ def _release(held: list[Held]) -> None:
                 item.shedder.finish(item.endpoint, latency, error=error, admitted_at=item.admitted_at)
         except Exception:
             logger.exception("ratelimits: the worker shedder could not count a request out")
+        if item.settlement is not None:
+            try:
+                settle(item.limiter, item.decision, item.settlement)
+            except Exception:
+                logger.exception("ratelimits: a request's charge could not be settled (it stays as admitted)")
         try:
             item.limiter.release(item.decision)  # whatever the shedder did
         except Exception:

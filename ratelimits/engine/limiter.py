@@ -25,12 +25,12 @@ import redis
 
 from .._process import ProcessWide
 from ..backends import Backend, PolicyFailed, get_backend
-from ..backends.base import BulletinSupport, LeaseSupport, UsageSupport, store_threads, takes_slots
+from ..backends.base import BulletinSupport, LeaseSupport, SettleSupport, UsageSupport, store_threads, takes_slots
 from ..backends.memory import MemoryBackend
 from ..choices import FailMode
 from ..conf import LocalPathSettings, conf
 from ..counters import ALLOWED, DEGRADED, EXTRA_TOKENS, LIMITED, SHED, Usage
-from ..decisions import UNLIMITED, Decision, Verdict, admitted
+from ..decisions import UNLIMITED, Decision, Spent, Verdict, admitted
 from ..exceptions import BackendUnavailable
 from ..metrics import get_recorder
 from ..policies.values import Check
@@ -75,6 +75,7 @@ class Limiter:
         #: (:mod:`ratelimits.backends.base`): usage is counted only where it can be added to.
         self.usage_store: UsageSupport | None = backend if isinstance(backend, UsageSupport) else None
         self.leaser: LeaseSupport | None = backend if isinstance(backend, LeaseSupport) else None
+        self.settler: SettleSupport | None = backend if isinstance(backend, SettleSupport) else None
         self.breaker = breaker
         #: Where checks that fail locally are decided while the store cannot answer.
         self.local = local
@@ -96,18 +97,59 @@ class Limiter:
         #: Releases that could not reach the store, oldest first; bounded, since slots expire anyway.
         self._unreleased: deque[tuple[Backend, str, tuple[str, ...]]] = deque(maxlen=10_000)
 
-    def decide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
+    def decide(
+        self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None, settle: bool = False
+    ) -> Decision:
         """Decide ``checks`` in one backend round trip, or none; degrade by fail mode if the store fails.
 
         ``usage`` is counted by the backend in the same call (with ``USAGE['FLUSH_EVERY']``,
         here); a degraded decision is counted here, and what is counted here is added to the
-        store's counters later (:meth:`flush_usage`).
+        store's counters later (:meth:`flush_usage`). ``settle``: the request's charge is settled
+        after its response (:mod:`.settling`), so an admission by the store records what each
+        check spent (a store without :class:`~ratelimits.backends.base.SettleSupport` records nothing).
         """
-        return self._keep_slot(self._ask_store(checks, consume=consume, usage=usage)) if checks else UNLIMITED
+        if not checks:
+            return UNLIMITED
+        return self._keep_slot(self._ask_store(checks, consume=consume, usage=usage, settle=settle and consume))
 
-    async def adecide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
+    async def adecide(
+        self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None, settle: bool = False
+    ) -> Decision:
         """:meth:`decide` for async code: the same decision, the store asked without blocking the event loop."""
-        return self._keep_slot(await self._aask_store(checks, consume=consume, usage=usage)) if checks else UNLIMITED
+        if not checks:
+            return UNLIMITED
+        return self._keep_slot(await self._aask_store(checks, consume=consume, usage=usage, settle=settle and consume))
+
+    def settle(self, changes: Sequence[tuple[Spent, int]], usage: Usage | None, tokens: int) -> bool:
+        """Change what an admitted request spent after its response (:mod:`.settling`), and its
+        usage row's tokens by ``tokens``; whether the store took it. Best effort, off the decision
+        path, and never through a breaker that is not closed: what is not settled stays charged."""
+        settler = self.settler
+        if settler is None or not (changes or tokens):
+            return False
+        if self.breaker.state is not BreakerState.CLOSED:
+            logger.info("ratelimits: a charge was not settled (the store is not answering): it stays as admitted")
+            return False
+        counted_here = usage is not None and self.usage_every is not None
+        try:
+            settler.settle(changes, None if counted_here else usage, tokens)
+        except (BackendUnavailable, PolicyFailed) as exc:
+            logger.info("ratelimits: a charge was not settled, it stays as admitted: %s", exc)
+            return False
+        if counted_here and usage is not None:
+            self._settle_counted(usage, tokens)
+        return True
+
+    def _settle_counted(self, usage: Usage, tokens: int) -> None:
+        """The tokens of a row this worker counts itself (``USAGE['FLUSH_EVERY']``) change by ``tokens``:
+        taken off no more than it still holds of the row (what it added to the store is the store's)."""
+        allowed, extra = (usage.minute, usage.field + ALLOWED), (usage.minute, usage.field + EXTRA_TOKENS)
+        with self._count_lock:
+            held = self._local_usage
+            if tokens < 0:
+                tokens = max(tokens, -(held[allowed] + held[extra])) if held[allowed] > 0 else 0
+            if tokens:
+                held[extra] += tokens
 
     def _keep_slot(self, decision: Decision) -> Decision:
         """``decision``, its slot renewed by the process's heartbeat until :meth:`release`."""
@@ -120,16 +162,25 @@ class Limiter:
         return self.local if decision.degraded else self.backend
 
     def _ask_store(
-        self, checks: Sequence[Check], *, consume: bool, usage: Usage | None, wants: list[int] | None = None
+        self,
+        checks: Sequence[Check],
+        *,
+        consume: bool,
+        usage: Usage | None,
+        wants: list[int] | None = None,
+        settle: bool = False,
     ) -> Decision:
-        """Decide ``checks`` with the store (leasing ``wants`` tokens); without it if it cannot answer."""
+        """Decide ``checks`` with the store (leasing ``wants`` tokens; recording what each spent, to
+        ``settle``); without it if it cannot answer."""
         if not self.breaker.allow():
             return self._decide_without_store(checks, consume=consume, usage=usage)
         sent = self._note_send(consume)
         worker_usage, script_usage = self._split_usage(consume, usage)
         try:
-            if wants is None:
-                answer: Any = self.backend.decide(checks, consume=consume, usage=script_usage)
+            if settle and self.settler is not None:
+                answer: Any = self.settler.decide_to_settle(checks, usage=script_usage)
+            elif wants is None:
+                answer = self.backend.decide(checks, consume=consume, usage=script_usage)
             else:
                 answer = self._leases().lease(checks, wants, usage=script_usage)
         except PolicyFailed as exc:
@@ -145,7 +196,13 @@ class Limiter:
         return self._read_answer(answer, sent, wants, worker_usage=worker_usage)
 
     async def _aask_store(
-        self, checks: Sequence[Check], *, consume: bool, usage: Usage | None, wants: list[int] | None = None
+        self,
+        checks: Sequence[Check],
+        *,
+        consume: bool,
+        usage: Usage | None,
+        wants: list[int] | None = None,
+        settle: bool = False,
     ) -> Decision:
         """:meth:`_ask_store`, awaiting the store."""
         ticket = self.breaker.admit()
@@ -154,7 +211,9 @@ class Limiter:
         sent = self._note_send(consume)
         worker_usage, script_usage = self._split_usage(consume, usage)
         asked = (
-            self.backend.adecide(checks, consume=consume, usage=script_usage)
+            self.settler.adecide_to_settle(checks, usage=script_usage)
+            if settle and self.settler is not None
+            else self.backend.adecide(checks, consume=consume, usage=script_usage)
             if wants is None
             else self._leases().alease(checks, wants, usage=script_usage)
         )
@@ -511,13 +570,16 @@ class LocalLimiter(Limiter):
         self.flush_usage()
         self.return_leases()
 
-    def decide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
+    def decide(
+        self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None, settle: bool = False
+    ) -> Decision:
         """:meth:`Limiter.decide`, memory first: a consuming decision may be answered from it (a
         remembered denial, or tokens this worker leased for each check), and is then counted here.
         A peek (``consume=False``) says what is left as a lease's responses say it: the store's,
-        and this worker's lease."""
-        if consume and self.local_path.idle:  # memory has nothing to answer, pay or lease with
-            return super().decide(checks, consume=consume, usage=usage)
+        and this worker's lease. A request to settle after its response is the store's: what it
+        spent must be the store's to give back or charge."""
+        if settle or (consume and self.local_path.idle):  # memory has nothing to answer, pay or lease with
+            return super().decide(checks, consume=consume, usage=usage, settle=settle)
         plan = self._plan_from_memory(checks, consume, usage)
         if isinstance(plan, Decision):
             return plan
@@ -530,10 +592,12 @@ class LocalLimiter(Limiter):
             raise
         return self._keep_slot(decision)
 
-    async def adecide(self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None) -> Decision:
+    async def adecide(
+        self, checks: Sequence[Check], *, consume: bool = True, usage: Usage | None = None, settle: bool = False
+    ) -> Decision:
         """:meth:`decide` for async code: the store asked without blocking the event loop."""
-        if consume and self.local_path.idle:
-            return await super().adecide(checks, consume=consume, usage=usage)
+        if settle or (consume and self.local_path.idle):
+            return await super().adecide(checks, consume=consume, usage=usage, settle=settle)
         plan = self._plan_from_memory(checks, consume, usage)
         if isinstance(plan, Decision):
             return plan

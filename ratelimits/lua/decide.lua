@@ -40,9 +40,10 @@
 -- a raised limit never waits longer, a lowered one never admits more than its new burst.
 --   GCRA           the theoretical arrival time and the capacity (burst x emission interval), us,
 --                  packed (16 bytes), under keys of layout letter c (a previous release's
---                  script, mid-deploy, never meets one). A bucket a cluster refund has given
---                  back to (lua/refund.lua) holds 25: those two, the us given back to it so far,
---                  and 255, kept from then on.
+--                  script, mid-deploy, never meets one). A bucket a refund has given back to
+--                  (lua/refund.lua) holds 25: those two, the us given back to it so far, and
+--                  255, kept from then on; then 16 per refund time has not reached yet (its
+--                  holes), kept as they are until the bucket is full again.
 --   sliding window window index, current count, previous count, limit, period (us), packed
 --                  (40 bytes; the previous layout's 24, without the last two, carry over, read in
 --                  the current policy's terms; the previous release reads a new one's prefix)
@@ -203,20 +204,22 @@ local converted = nil
 local function token_bucket(value, limit, period, burst, cost)
   local interval = period / limit
   local capacity = burst * interval
-  local tat, refunded, expires = now, 0, 0
+  local tat, refunded, expires, holes = now, 0, 0, ''
   if value then
     local written  -- the capacity it was written under
     local size = #value
     if size == TIMED_SIZE then
       tat, written, expires = unpack_args(TIMED_STATE, value)
-    elseif size == 25 then
+    elseif size % 16 == 9 then  -- given back to: 25 bytes, then its holes (lua/refund.lua), kept
       tat, written, refunded = unpack_args(REFUNDED_STATE, value)
+      if size > 25 then holes = string.sub(value, 26) end
     else
       tat, written = unpack_args(GCRA_STATE, value)
     end
     if tat <= now then
-      tat = now
+      tat, holes = now, ''  -- full again: time has reached every hole
     elseif written ~= capacity then
+      holes = ''  -- converted: refunds in the old terms are past giving back (lua/refund.lua)
       -- Written under another rate or burst: the same share of the burst is spent in the new
       -- terms, at most all of it (a debt rounded past the capacity, algorithms.py).
       tat = now + min(tat - now, written) * capacity / written
@@ -252,7 +255,7 @@ local function token_bucket(value, limit, period, burst, cost)
   if fraction > 0 then reset = reset - fraction + 1 end
   local state
   if refunded > 0 then
-    state = pack(REFUNDED_STATE, new_tat, capacity, refunded, REFUNDED_MARK)
+    state = pack(REFUNDED_STATE, new_tat, capacity, refunded, REFUNDED_MARK) .. holes
   elseif server_clock and expires >= new_tat + TTL_SLACK_US then
     keep = true
     state = pack(TIMED_STATE, new_tat, capacity, expires)

@@ -23,7 +23,7 @@ from .values import EndpointRule, Origin, OriginKind, Policy, Role, fleet_checks
 
 __all__ = ["SettingsPolicySource", "dimensions_from_settings", "exempt_rules_from_settings"]
 
-_ENDPOINT_KEYS = {"cost", "priority", "rate", "endpoint_rate", "exempt"}
+_ENDPOINT_KEYS = {"cost", "priority", "rate", "endpoint_rate", "exempt", "counts", "max_cost"}
 
 
 class SettingsPolicySource(SnapshotPolicySource):
@@ -105,6 +105,8 @@ def _endpoint(name: str, config: object, mode: FailMode) -> EndpointRule:
         per_caller=config.get("rate"),
         endpoint_wide=config.get("endpoint_rate"),
         exempt=bool(config.get("exempt", False)),
+        counts=config.get("counts", "all"),
+        max_cost=config.get("max_cost"),
     )
 
 

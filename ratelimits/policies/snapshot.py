@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 from .. import documentation
 from ..algorithms import Algorithm
-from ..choices import FailMode, Priority
+from ..choices import Counts, FailMode, Priority
 from ..exceptions import ConfigurationError
 from ..identity import SubjectKind
 from ..periods import DAY_US, LONGEST_US, QuotaMode, parse_calendar_quota, zone_info
@@ -385,8 +385,11 @@ def endpoint_rule(
     endpoint_wide: Any = None,
     exempt: bool = False,
     shadow: bool = False,
+    counts: Any = Counts.ALL,
+    max_cost: Any = None,
 ) -> EndpointRule:
-    """The rule of endpoint ``name``: its cost and priority, and its own limits (configs or ``None``)."""
+    """The rule of endpoint ``name``: its cost and priority, which responses it charges and how far
+    a request's cost may be trued up, and its own limits (configs or ``None``)."""
     slug = endpoint_slug(name)
 
     def limit(policy_name: str, config: Any, where: str, role: Role) -> Policy | None:
@@ -395,9 +398,19 @@ def endpoint_rule(
         policy = policy_from_config(policy_name, config, field=where, default_fail_mode=fail_mode, role=role)
         return replace(policy, shadow=True) if shadow else policy
 
+    cost = positive_int(cost, field=f"{field}['cost']")
+    if max_cost is not None:
+        max_cost = positive_int(max_cost, field=f"{field}['max_cost']")
+        if max_cost < cost:
+            raise ConfigurationError(
+                f"{field}['max_cost']: {max_cost} is less than the cost {cost}, which every request is "
+                "admitted at: the most a view may true a request's cost up to is at least that"
+            )
     return EndpointRule(
-        cost=positive_int(cost, field=f"{field}['cost']"),
+        cost=cost,
         priority=Priority.parse(priority, field=f"{field}['priority']"),
+        counts=Counts.parse(counts, field=f"{field}['counts']"),
+        max_cost=max_cost,
         per_caller=limit(f"endpoint:{slug}", per_caller, f"{field}['rate']", Role.ENDPOINT),
         endpoint_wide=limit(f"endpoint-all:{slug}", endpoint_wide, f"{field}['endpoint_rate']", Role.ENDPOINT_WIDE),
         exempt=bool(exempt),

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 from .._memo import remember
 from .._numbers import ceil_div
 from ..algorithms import ALGORITHMS, RATE_ALGORITHMS, Algorithm, Outcome, State, period_window
-from ..choices import SHEDDABLE, FailMode, Priority
+from ..choices import SHEDDABLE, Counts, FailMode, Priority
 from ..conf import Shedding, conf
 from ..exceptions import ConfigurationError
 from ..identity import Subject, SubjectKind, subject_of
@@ -405,6 +405,11 @@ class EndpointRule:
     per_caller: Policy | None = None
     endpoint_wide: Policy | None = None
     exempt: bool = False
+    #: Which responses are charged: the others' cost is given back after them.
+    counts: Counts = Counts.ALL
+    #: The most a view may true a request's cost up to (``request.ratelimit_cost``); ``None``: the
+    #: cost is fixed. Charged at ``cost`` when admitted, settled after the response.
+    max_cost: int | None = None
     #: The endpoint policy row or setting the rule was made from.
     origin: Origin = Origin(OriginKind.ENDPOINT, "endpoint rule")
     #: Where the per-caller limit comes from, when not from ``origin`` (a DRF throttle rate).
@@ -412,6 +417,11 @@ class EndpointRule:
     #: Where the per-caller and the all-callers limit come from, said once here, not per request.
     per_caller_origin: Origin = field(init=False, repr=False, compare=False)
     endpoint_wide_origin: Origin = field(init=False, repr=False, compare=False)
+
+    @property
+    def settles(self) -> bool:
+        """Whether a request's charge is settled after its response: by its outcome, or its true cost."""
+        return self.counts is not Counts.ALL or self.max_cost is not None
 
     def __post_init__(self) -> None:
         kind, detail = self.origin.kind, self.origin.detail

@@ -353,6 +353,8 @@ def _endpoint(row: EndpointPolicy, mode: FailMode, shadow: bool) -> EndpointRule
         endpoint_wide=limit(row.endpoint_rate, row.endpoint_burst, row.endpoint_shards or 1),
         exempt=row.exempt,
         shadow=row.shadow or shadow,
+        counts=row.counts,
+        max_cost=row.max_cost,
     )
 
 
