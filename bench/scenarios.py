@@ -11,7 +11,7 @@ import contextlib
 import hashlib
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,8 @@ from ratelimits.engine import get_limiter, get_policy_source
 from ratelimits.engine.evaluation import usage_of
 from ratelimits.identity import identify
 from ratelimits.policies import Check
+from ratelimits.policies.values import check_for
+from ratelimits.rates import parse_rate
 from ratelimits.throttles import RateLimitThrottle
 
 from .settings import DRF_RATES, SCOPE, ratelimits_settings
@@ -199,6 +201,37 @@ def decide_only(backend: RedisBackend, check_lists: list[list[Check]]) -> Callab
     def call(i: int) -> None:
         if not decide(check_lists[i & mask]).allowed:
             raise Invalid("RedisBackend.decide denied a request")
+
+    return call
+
+
+def settling_checks(check_lists: list[list[Check]]) -> list[list[Check]]:
+    """The four-dimension checks at 10 a second (the same unreachable burst): at the bench's
+    million a second a token refills in a microsecond, before any settlement could give it back,
+    and a refund would find nothing unpaid to write."""
+    slower: dict[int, Any] = {}
+
+    def slow(check: Check) -> Check:
+        policy = slower.setdefault(id(check.policy), replace(check.policy, rate=parse_rate("10/s")))
+        return check_for(policy, check.subject, check.cost)
+
+    return [[slow(check) for check in checks] for checks in check_lists]
+
+
+def settle_only(backend: RedisBackend, check_lists: list[list[Check]], *, give_back: bool) -> Callable[[int], None]:
+    """An admission of an endpoint that settles after its response (``counts``, ``max_cost``):
+    the decide call that records each check's spend, and with ``give_back`` the settlement of a
+    response the endpoint does not count, which gives all of it back (docs/charging.md)."""
+    check_lists = settling_checks(check_lists)
+    mask = len(check_lists) - 1
+    decide, settle = backend.decide_to_settle, backend.settle
+
+    def call(i: int) -> None:
+        decision = decide(check_lists[i & mask])
+        if not decision.allowed or len(decision.spent) != 4:
+            raise Invalid("RedisBackend.decide_to_settle denied a request, or recorded no spend")
+        if give_back and settle([(spent, -spent.tokens) for spent in decision.spent]) != 4:
+            raise Invalid("RedisBackend.settle gave back fewer than the four spends")
 
     return call
 
@@ -401,6 +434,20 @@ def build(redis_url: str) -> list[Scenario]:
             decide_only(by_script, check_lists),
             commands=("evalsha", "eval"),
             notes={"checks": names, "sent_as": "script", **subjects},
+        ),
+        Scenario(
+            "decide_4_settling",
+            "RedisBackend.decide_to_settle, 4 checks",
+            settle_only(backend, check_lists, give_back=False),
+            commands=("fcall", "evalsha", "eval"),
+            notes={"checks": names, "records": "each check's spend, for a settlement", **subjects},
+        ),
+        Scenario(
+            "settle_4_refund",
+            "decide_to_settle + settle, 4 checks, all given back",
+            settle_only(backend, check_lists, give_back=True),
+            commands=("fcall", "evalsha", "eval"),
+            notes={"checks": names, "settlement": "lua/refund.lua gives the whole cost back", **subjects},
         ),
         Scenario(
             "envoy_1",

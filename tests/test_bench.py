@@ -37,6 +37,8 @@ def test_a_short_benchmark_run_reports_every_row_target_and_floor(tmp_path: Path
         "drf_stack",
         "decide_4",
         "decide_4_script",
+        "decide_4_settling",
+        "settle_4_refund",
         "envoy_1",
         "envoy_4",
         "limits_fixed_1",
@@ -46,7 +48,7 @@ def test_a_short_benchmark_run_reports_every_row_target_and_floor(tmp_path: Path
     }
     # One call each (an Envoy-style pipeline: two commands a descriptor, in one round trip), and the
     # floor ran the same inner commands as a four-check decision.
-    pipelined = {"envoy_1": 2, "envoy_4": 8}
+    pipelined = {"envoy_1": 2, "envoy_4": 8, "settle_4_refund": 2}  # a settlement: one more call
     assert {key: row["redis_calls_per_decision"] for key, row in rows.items() if key != "drf_stack"} == {
         key: pipelined.get(key, 1) for key in rows if key != "drf_stack"
     }
