@@ -399,8 +399,8 @@ def with_hole(holes: Holes, end: float, length: float) -> Holes:
     merged: list[tuple[float, float]] = []
     for hole_end, hole_length in sorted((*holes, (end, length)), reverse=True):
         if merged and merged[-1][0] - merged[-1][1] - hole_end < 1:
-            above_end = merged[-1][0]
-            merged[-1] = (above_end, above_end - (hole_end - hole_length))
+            above_end, above_length = merged[-1]
+            merged[-1] = (above_end, above_end - min(above_end - above_length, hole_end - hole_length))
         else:
             merged.append((hole_end, hole_length))
     return tuple(merged[:MAX_HOLES])
@@ -471,14 +471,17 @@ def settled(
         new_tat = max(tat - outstanding, float(now))
         cut = tat - new_tat
         return (new_tat, capacity), refunded + cut, with_hole(beyond, end, cut)
-    if state is None or (
-        len(state) > (3 if algorithm is Algorithm.SLIDING_WINDOW else 2)
-        and (state[-2] != limit or state[-1] != period_us)
-    ):
-        return None
+    terms_at = 3 if algorithm is Algorithm.SLIDING_WINDOW else 2
+    if state is not None and len(state) > terms_at and (state[-2] != limit or state[-1] != period_us):
+        return None  # other terms
     consumed = taken_us // period_us
     if algorithm is Algorithm.FIXED_WINDOW and spent_tat > 0:
         consumed = int(spent_tat)  # a billing period's, named by its start
+    if change > 0:
+        charged = _window_charged(algorithm, state, now, limit, period_us, change, consumed, spent_tat > 0)
+        return None if charged is None else (charged, refunded, holes)
+    if state is None:
+        return None
     window = state[0]
     if algorithm is Algorithm.SLIDING_WINDOW:
         current, previous = state[1], state[2]
@@ -490,3 +493,48 @@ def settled(
     if window == consumed:
         return (window, max(state[1] + change, 0), limit, period_us), refunded, holes
     return None
+
+
+def _window_charged(
+    algorithm: Algorithm,
+    state: State | None,
+    now: int,
+    limit: int,
+    period_us: int,
+    change: int,
+    consumed: float,
+    billing: bool,
+) -> State | None:
+    """A window's state charged ``change`` more for a spend made in window ``consumed``: there while
+    it counts (a sliding window's, as current or previous), else in the window now (a billing
+    period's only if its state is of that period or a later one: its start is not known here)."""
+    window = state[0] if state is not None else None
+    if algorithm is Algorithm.SLIDING_WINDOW:
+        current, previous = (state[1], state[2]) if state is not None else (0.0, 0.0)
+        now_window = now // period_us
+        if now_window <= consumed + 1:  # the spend's window still counts, as current or previous
+            if window == consumed:
+                return (window, current + change, previous, limit, period_us)
+            if window == consumed + 1:
+                return (window, current, previous + change, limit, period_us)
+            if now_window == consumed:  # its state gone: made afresh
+                return (now_window, change, 0, limit, period_us)
+            return (now_window, 0, change, limit, period_us)
+        if window == now_window:  # over: the window now pays
+            return (window, current + change, previous, limit, period_us)
+        return (now_window, change, current if window == now_window - 1 else 0, limit, period_us)
+    if billing:
+        if state is None or window is None or window < consumed:
+            return None
+        return (window, state[1] + change, limit, period_us)
+    now_window = now // period_us  # the spend's window, or, over, the one now
+    if window == now_window and state is not None:
+        return (window, state[1] + change, limit, period_us)
+    return (now_window, change, limit, period_us)
+
+
+def charged_window_end(algorithm: Algorithm, state: State, period_us: int) -> int:
+    """Until when a window's state charged by :func:`settled` counts (us): its window's end (a
+    sliding window's, a period more)."""
+    end = (int(state[0]) + 1) * period_us
+    return end + period_us if algorithm is Algorithm.SLIDING_WINDOW else end

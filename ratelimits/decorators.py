@@ -598,7 +598,12 @@ def _wrapped(view: View, stack: _Stack, group: str) -> View:
             refused = _before(request, outcome)
             if refused is not None:
                 return refused
-            return _after(request, outcome, await target(request, *args, **kwargs))
+            try:
+                response = await target(request, *args, **kwargs)
+            except Exception:
+                _failed(request, outcome)
+                raise
+            return _after(request, outcome, response)
 
         return awrapper  # type: ignore[return-value]
 
@@ -617,7 +622,12 @@ def _wrapped(view: View, stack: _Stack, group: str) -> View:
         refused = _before(request, outcome)
         if refused is not None:
             return refused
-        return _after(request, outcome, target(request, *args, **kwargs))
+        try:
+            response = target(request, *args, **kwargs)
+        except Exception:
+            _failed(request, outcome)
+            raise
+        return _after(request, outcome, response)
 
     return wrapper  # type: ignore[return-value]
 
@@ -628,6 +638,12 @@ def _before(request: Any, outcome: _Outcome) -> HttpResponse | None:
     if outcome.decision is not None and outcome.refused:
         return problem_response(outcome.decision)
     return None
+
+
+def _failed(request: Any, outcome: _Outcome) -> None:
+    """The view raised: Django answers 500, which the request's settlement must know."""
+    if outcome.decision is not None and outcome.decision.spent:
+        note_status(request, 500)
 
 
 def _after(request: Any, outcome: _Outcome, response: HttpResponse) -> HttpResponse:

@@ -74,6 +74,13 @@ def _add_headers(request: HttpRequest, response: HttpResponse) -> HttpResponse:
     return response
 
 
+def _failed(request: HttpRequest) -> None:
+    """The view raised: Django answers 500, which the request's settlement must know."""
+    decision = getattr(request, "ratelimit", None)
+    if isinstance(decision, Decision) and decision.spent:
+        note_status(request, 500)
+
+
 def _set_headers(response: HttpResponse, decision: Decision) -> None:
     """The decision's rate-limit headers, where the view set none of its own."""
     for name, value in rate_limit_headers(decision).items():
@@ -288,7 +295,12 @@ def throttling(scope: str | None = None) -> Callable[[View], View]:
                     denied = await _alimit(request, scope or _endpoint(request, view))
                     if denied is not None:
                         return denied
-                return _add_headers(request, await view(request, *args, **kwargs))
+                try:
+                    response = await view(request, *args, **kwargs)
+                except Exception:
+                    _failed(request)
+                    raise
+                return _add_headers(request, response)
 
             awrapper.ratelimit_scope = scope  # type: ignore[attr-defined]
             return awrapper  # type: ignore[return-value]
@@ -299,7 +311,12 @@ def throttling(scope: str | None = None) -> Callable[[View], View]:
                 denied = _limit(request, scope or _endpoint(request, view))
                 if denied is not None:
                     return denied
-            return _add_headers(request, view(request, *args, **kwargs))
+            try:
+                response = view(request, *args, **kwargs)
+            except Exception:
+                _failed(request)
+                raise
+            return _add_headers(request, response)
 
         wrapper.ratelimit_scope = scope  # type: ignore[attr-defined]
         return wrapper  # type: ignore[return-value]

@@ -138,12 +138,15 @@ urlpatterns += [
 def _outcome_of(request: HttpRequest, query: Any, target: object) -> int:
     """The status the query asks for (``?status=500``), after setting the request's true cost on
     ``target`` if asked (``?cost=7``): what a view that charges by outcome or by work does. With
-    ``?gate=1``, held inside until the test opens ``tests.support.gate.GATE`` first."""
+    ``?gate=1``, held inside until the test opens ``tests.support.gate.GATE`` first; with
+    ``?raise=1``, it raises instead."""
     if "gate" in query:
         from .support.gate import GATE
 
         if not GATE.pass_through():
             return 504
+    if "raise" in query:
+        raise RuntimeError("a view that fails: Django answers 500")
     if "cost" in query:
         cost = query["cost"]  # a number, or anything else a buggy view could set
         target.ratelimit_cost = int(cost) if cost.lstrip("-").isdigit() else cost  # type: ignore[attr-defined]

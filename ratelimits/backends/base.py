@@ -302,7 +302,14 @@ class SettleSupport(Backend):
         return await in_thread(lambda: self.decide_to_settle(checks, usage=usage), self._unheld, executor=STORE_THREADS)
 
     @abstractmethod
-    def settle(self, changes: Sequence[tuple[Spent, int]], usage: Usage | None = None, tokens: int = 0) -> int:
+    def settle(
+        self,
+        changes: Sequence[tuple[Spent, int]],
+        usage: Usage | None = None,
+        tokens: int = 0,
+        *,
+        counted_by: Check | None = None,
+    ) -> int:
         """Change what each spend cost by ``(spent, tokens)``: fewer tokens give back, more charge.
 
         Given back: no more than the state still holds of the spend (what time refilled since is
@@ -310,7 +317,9 @@ class SettleSupport(Backend):
         room, in the window the spend was made in while it still counts (a bucket's debt makes
         its next requests wait for it). A state written in other terms since (its policy changed)
         is left as it is. ``usage``: the request's usage row, whose tokens change by ``tokens``
-        (its counts stay; a row's tokens never fall below none). Returns how many states changed.
+        (its counts stay; a row's tokens never fall below none), where ``counted_by`` (the check
+        whose call counted it; the first change's if not said) had it counted. Returns how many
+        states changed.
         """
 
 

@@ -202,21 +202,32 @@ class ClusterBackend(RedisBackend):
     def decide_to_settle(self, checks: Sequence[Check], *, usage: Usage | None = None) -> Decision:
         return self._decided(checks, consume=True, usage=usage, refundable=True)[0]
 
-    def settle(self, changes: Sequence[tuple[Spent, int]], usage: Usage | None = None, tokens: int = 0) -> int:
+    def settle(
+        self,
+        changes: Sequence[tuple[Spent, int]],
+        usage: Usage | None = None,
+        tokens: int = 0,
+        *,
+        counted_by: Check | None = None,
+    ) -> int:
         """One refund call per hash slot the spends' keys are in, sent at once. The usage row's
-        tokens change in the first spend's group's hash, where its decision counted it (the first
-        check's group counts the request, and a caller's own policies share the caller's tag)."""
-        if not changes:
-            return 0
+        tokens change in the hash of ``counted_by``'s slot (the first check's group counts a
+        request), in its group's call, or a call of its own."""
         prefix = self.prefix
-        groups = _by_slot(changes, lambda change: change[0].check.key(prefix))
+        groups: dict[int, list[tuple[Spent, int]]] = _by_slot(changes, lambda change: change[0].check.key(prefix))
+        counted_in = None
+        if usage is not None and tokens:
+            first = counted_by or (changes[0][0].check if changes else None)
+            if first is not None:
+                counted_in = layout.key_slot(first.key(prefix).encode())
+                groups.setdefault(counted_in, [])
         calls = []
-        for n, (hash_slot, group) in enumerate(groups.items()):
+        for hash_slot, group in groups.items():
             counted = None
-            if usage is not None and tokens and n == 0:
+            if usage is not None and hash_slot == counted_in:
                 counted = (layout.usage_key(prefix, usage.minute, layout.slot_tag(hash_slot)), usage, tokens)
             calls.append(_Call(hash_slot, *settle_call(group, prefix, self.clock, counted)))
-        return self._run_counted(REFUND, calls)
+        return self._run_counted(REFUND, calls) if calls else 0
 
     def _decided(
         self,

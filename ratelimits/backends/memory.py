@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from ..algorithms import Algorithm, Holes, State, global_bucket, settled, slots
+from ..algorithms import Algorithm, Holes, State, charged_window_end, global_bucket, settled, slots
 from ..conf import conf
 from ..counters import ALLOWED, EXTRA_TOKENS, LIMITED, SHED, Usage, count, overflow_of
 from ..decisions import Decision, Result, Spent, Verdict
@@ -79,7 +79,14 @@ class MemoryBackend(SettleSupport, UsageSupport, BulletinSupport, RegionSupport)
     async def adecide_to_settle(self, checks: Sequence[Check], *, usage: Usage | None = None) -> Decision:
         return self.decide_to_settle(checks, usage=usage)  # memory: nothing to wait for, as adecide
 
-    def settle(self, changes: Sequence[tuple[Spent, int]], usage: Usage | None = None, tokens: int = 0) -> int:
+    def settle(
+        self,
+        changes: Sequence[tuple[Spent, int]],
+        usage: Usage | None = None,
+        tokens: int = 0,
+        *,
+        counted_by: Check | None = None,
+    ) -> int:
         with self._lock:
             now = self.clock()
             changed = 0
@@ -108,6 +115,9 @@ class MemoryBackend(SettleSupport, UsageSupport, BulletinSupport, RegionSupport)
                     continue
                 new_state, refunded, holes = after
                 expires = entry[1] if entry is not None and state is not None else now
+                if change > 0 and policy.algorithm is not Algorithm.TOKEN_BUCKET and policy.period is None:
+                    # A window charged: kept while it counts (refund.lua's PX).
+                    expires = max(expires, charged_window_end(policy.algorithm, new_state, policy.rate.period_us))
                 if policy.algorithm is Algorithm.TOKEN_BUCKET and not policy.is_global:
                     # Kept until its debt is paid, and a second more (as refund.lua's PX).
                     expires = max(expires, math.ceil(new_state[0]) + 1_000_000)
@@ -129,6 +139,7 @@ class MemoryBackend(SettleSupport, UsageSupport, BulletinSupport, RegionSupport)
         now = self.clock()
         pending: dict[str, State] = {}
         writes: list[tuple[str, State, int]] = []
+        reached: list[str] = []  # token buckets given back to whose holes go with a write
         # States read in other terms (their policy changed), as the new terms read them.
         conversions: list[tuple[str, State, int]] = []
         results = []
@@ -165,6 +176,10 @@ class MemoryBackend(SettleSupport, UsageSupport, BulletinSupport, RegionSupport)
                     pending[key] = outcome.converted
                 if outcome.converted is not None:
                     conversions.append((key, outcome.converted, expires))
+                if key in self._given_back and (outcome.converted is not None or state is None or state[0] <= now):
+                    # Full again (time reached every hole), or in new terms (its refunds are past
+                    # giving back): its holes go, as lua/decide.lua drops them when it writes.
+                    reached.append(key)
             results.append(Result(check, outcome.allowed, outcome.remaining, outcome.reset_us, outcome.retry_us))
         slot = new_slot(checks) if consume else None
         held = slot_keys(checks, keys) if slot else ()
@@ -174,6 +189,9 @@ class MemoryBackend(SettleSupport, UsageSupport, BulletinSupport, RegionSupport)
             # at the new rate from now on; an admission's write of the same key supersedes it.
             for key, state, expires in conversions:
                 self._state[key] = (state, expires)
+            for key in reached:
+                if key in self._given_back and (admitted or any(key == k for k, _, _ in conversions)):
+                    self._given_back[key] = (self._given_back[key][0], ())
         if admitted:
             for key, state, expires in writes:
                 self._state[key] = (state, expires)

@@ -263,7 +263,14 @@ class RedisBackend(LeaseSupport, SettleSupport, UsageSupport, BulletinSupport, R
         decision, reply = await self._adecided(client, checks, consume=True, usage=usage, refundable=True)
         return with_spent(decision, reply[0], reply[-1])
 
-    def settle(self, changes: Sequence[tuple[Spent, int]], usage: Usage | None = None, tokens: int = 0) -> int:
+    def settle(
+        self,
+        changes: Sequence[tuple[Spent, int]],
+        usage: Usage | None = None,
+        tokens: int = 0,
+        *,
+        counted_by: Check | None = None,
+    ) -> int:
         """Give back or charge with ``lua/refund.lua``, in one call."""
         counted = (self._usage_key(usage.minute), usage, tokens) if usage is not None and tokens else None
         if not changes and counted is None:

@@ -376,7 +376,13 @@ def _hold_what_it_took(request: HttpRequest, pending: _Pending, decision: Decisi
     if decision.allowed and pending.consume:
         settlement = None
         if pending.settles is not None and decision.spent:
-            settlement = Settlement(pending.endpoint, pending.settles, pending.usage, weakref.ref(request))
+            settlement = Settlement(
+                pending.endpoint,
+                pending.settles,
+                pending.usage,
+                weakref.ref(request),
+                counted_by=pending.checks[0] if pending.checks else None,
+            )
         elif pending.settles is not None and pending.limiter.settler is None:
             tell_once(
                 pending.endpoint,

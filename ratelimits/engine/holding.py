@@ -218,12 +218,12 @@ def note_response(request: HttpRequest, status: int, *, streaming: bool = False)
 
 def note_status(request: HttpRequest, status: int) -> None:
     """Tell the request's settlement (:mod:`.settling`) its response's status; a middleware or
-    decorator of this app that sees the response calls it, the innermost first (the first wins)."""
+    decorator of this app that sees the response calls it, the innermost first. The last wins:
+    an outer one sees the response as it leaves (a 500 a render raised after the view returned)."""
     held = _held_by(request)
     for item in held or ():
-        settlement = item.settlement
-        if settlement is not None and settlement.status is None:
-            settlement.status = status
+        if item.settlement is not None:
+            item.settlement.status = status
 
 
 def after_response(**kwargs: Any) -> None:

@@ -120,36 +120,49 @@ class Limiter:
             return UNLIMITED
         return self._keep_slot(await self._aask_store(checks, consume=consume, usage=usage, settle=settle and consume))
 
-    def settle(self, changes: Sequence[tuple[Spent, int]], usage: Usage | None, tokens: int) -> bool:
+    def settle(
+        self,
+        changes: Sequence[tuple[Spent, int]],
+        usage: Usage | None,
+        tokens: int,
+        counted_by: Check | None = None,
+    ) -> bool:
         """Change what an admitted request spent after its response (:mod:`.settling`), and its
-        usage row's tokens by ``tokens``; whether the store took it. Best effort, off the decision
-        path, and never through a breaker that is not closed: what is not settled stays charged."""
+        usage row's tokens by ``tokens`` (``counted_by``: the check whose store call counted it);
+        whether the store took it. Best effort, off the decision path, and never through a breaker
+        that is not closed: what is not settled stays as it was admitted."""
         settler = self.settler
         if settler is None or not (changes or tokens):
             return False
         if self.breaker.state is not BreakerState.CLOSED:
             logger.info("ratelimits: a charge was not settled (the store is not answering): it stays as admitted")
             return False
-        counted_here = usage is not None and self.usage_every is not None
+        if usage is not None and self.usage_every is not None:
+            # Counted by this worker: corrected here while it holds the row, else in the store.
+            tokens = self._settle_counted(usage, tokens)
         try:
-            settler.settle(changes, None if counted_here else usage, tokens)
+            settler.settle(changes, usage if tokens else None, tokens, counted_by=counted_by)
         except (BackendUnavailable, PolicyFailed) as exc:
+            if not isinstance(exc, PolicyFailed):
+                self.breaker.record_failure()
             logger.info("ratelimits: a charge was not settled, it stays as admitted: %s", exc)
             return False
-        if counted_here and usage is not None:
-            self._settle_counted(usage, tokens)
+        self.breaker.record_success()
         return True
 
-    def _settle_counted(self, usage: Usage, tokens: int) -> None:
-        """The tokens of a row this worker counts itself (``USAGE['FLUSH_EVERY']``) change by ``tokens``:
-        taken off no more than it still holds of the row (what it added to the store is the store's)."""
+    def _settle_counted(self, usage: Usage, tokens: int) -> int:
+        """Change the tokens of a row this worker counts itself (``USAGE['FLUSH_EVERY']``) by
+        ``tokens``, taking off no more than it still holds of the row; what is left to take off
+        (the rest was added to the store's counters already, which take it)."""
         allowed, extra = (usage.minute, usage.field + ALLOWED), (usage.minute, usage.field + EXTRA_TOKENS)
         with self._count_lock:
             held = self._local_usage
+            here = tokens
             if tokens < 0:
-                tokens = max(tokens, -(held[allowed] + held[extra])) if held[allowed] > 0 else 0
-            if tokens:
-                held[extra] += tokens
+                here = max(tokens, -(held[allowed] + held[extra])) if held[allowed] > 0 else 0
+            if here:
+                held[extra] += here
+        return tokens - here
 
     def _keep_slot(self, decision: Decision) -> Decision:
         """``decision``, its slot renewed by the process's heartbeat until :meth:`release`."""
@@ -576,8 +589,9 @@ class LocalLimiter(Limiter):
         """:meth:`Limiter.decide`, memory first: a consuming decision may be answered from it (a
         remembered denial, or tokens this worker leased for each check), and is then counted here.
         A peek (``consume=False``) says what is left as a lease's responses say it: the store's,
-        and this worker's lease. A request to settle after its response is the store's: what it
-        spent must be the store's to give back or charge."""
+        and this worker's lease. A request to settle after its response is the store's, whole:
+        what it spends must be the store's to give back or charge, and a denial remembered for it
+        would not be exact (a settlement may shorten the wait it names, a true-up lengthen it)."""
         if settle or (consume and self.local_path.idle):  # memory has nothing to answer, pay or lease with
             return super().decide(checks, consume=consume, usage=usage, settle=settle)
         plan = self._plan_from_memory(checks, consume, usage)

@@ -36,7 +36,7 @@ from ..counters import Usage
 from ..decisions import Decision
 
 if TYPE_CHECKING:
-    from ..policies.values import EndpointRule
+    from ..policies.values import Check, EndpointRule
     from .limiter import Limiter
 
 __all__ = ["COST_ATTRIBUTE", "Settlement", "cost_in_the_end", "settle", "tell_once"]
@@ -58,6 +58,8 @@ class Settlement:
     usage: Usage | None
     #: The request its view was given (DRF's or Django's), where the view may set its cost.
     request: weakref.ref[Any]
+    #: The check whose store call counted the request's usage (the first: on a cluster, its group's).
+    counted_by: Check | None = None
     #: The response's status, once a middleware or decorator of this app saw it.
     status: int | None = None
 
@@ -72,7 +74,8 @@ def settle(limiter: Limiter, decision: Decision, settlement: Settlement) -> None
     changes = [(spent, _scaled(spent.tokens, rule.cost, final) - spent.tokens) for spent in decision.spent]
     usage = settlement.usage
     tokens = 0 if usage is None else _scaled(usage.tokens, rule.cost, final) - usage.tokens
-    limiter.settle([(spent, change) for spent, change in changes if change], usage, tokens)
+    changed = [(spent, change) for spent, change in changes if change]
+    limiter.settle(changed, usage, tokens, counted_by=settlement.counted_by)
 
 
 def cost_in_the_end(settlement: Settlement) -> int:
@@ -133,12 +136,14 @@ def _asked_cost(request: Any) -> Any:
 
 def _drf_status(request: Any) -> int | None:
     """A DRF view's response status, where no middleware of this app saw it: the view keeps its
-    response (``APIView.dispatch`` sets ``view.response``)."""
+    response (``APIView.dispatch`` sets ``view.response``); a view that has none raised what its
+    exception handler did not answer, and Django answers 500."""
     context = getattr(request, "parser_context", None) if request is not None else None
     view = context.get("view") if isinstance(context, dict) else None
-    response = getattr(view, "response", None)
-    status = getattr(response, "status_code", None)
-    return status if isinstance(status, int) else None
+    if view is None:
+        return None
+    status = getattr(getattr(view, "response", None), "status_code", None)
+    return status if isinstance(status, int) else 500
 
 
 #: Endpoints whose settlement has been logged about, and why: once per process.

@@ -56,7 +56,8 @@
 -- bucket's arrival time moves later by it (from now, if the bucket had refilled; a bucket never
 -- written, or expired, is a full one), its key living until that time has passed: a debt its
 -- next requests wait for. A window's count grows in the window the request was made in, while
--- that window still counts (as current or, sliding, as previous); a global bucket's tokens fall,
+-- that window still counts (as current or, sliding, as previous), else in the window now (a
+-- billing period's only while its state is of that period or a later one); a global bucket's tokens fall,
 -- below none if need be, while its state lives (decide.lua reports no arrival time for one, which
 -- tells a global bucket gone from a token bucket's). A slot is never charged. A state in other
 -- terms is charged nothing.
@@ -136,7 +137,7 @@ local function with_hole(holes, hole_end, length)
   for i = 1, #holes do
     local above = merged[#merged]
     if above and above[1] - above[2] - holes[i][1] < 1 then
-      above[2] = above[1] - (holes[i][1] - holes[i][2])
+      above[2] = above[1] - min(above[1] - above[2], holes[i][1] - holes[i][2])
     else
       merged[#merged + 1] = {holes[i][1], holes[i][2]}
     end
@@ -180,6 +181,71 @@ for i = 1, n do
         redis.call('SET', key, bucket_value(new_tat, capacity, refunded, holes), 'PX', ttl)
         given = given + 1
       end
+    end
+  elseif cost < 0 then
+    -- A window's charge: in the window the request was made in while it counts, else in the
+    -- window now (algorithms.py, _window_charged), kept while that window counts.
+    local value = redis.call('GET', key)
+    local w, count, previous, terms = nil, 0, 0, true
+    if value and algorithm == SLIDING_WINDOW then
+      local written_limit, written_period
+      if #value == 24 then
+        w, count, previous = unpack_args(OLD_SLIDING, value)
+      else
+        w, count, previous, written_limit, written_period = unpack_args(SLIDING_STATE, value)
+      end
+      terms = written_limit == nil or (written_limit == limit and written_period == period)
+    elseif value then
+      local written_limit, written_period
+      if #value == 16 then
+        w, count = unpack_args(OLD_FIXED, value)
+      else
+        w, count, written_limit, written_period = unpack_args(FIXED_STATE, value)
+      end
+      terms = written_limit == nil or (written_limit == limit and written_period == period)
+    end
+    local charge = -cost
+    local consumed = window_of(consumed_at, period)
+    local now_window = window_of(now, period)
+    local state, ends
+    if terms and algorithm == SLIDING_WINDOW then
+      local charged_window = now_window
+      if now_window <= consumed + 1 then  -- the request's window still counts, current or previous
+        if w == consumed then
+          charged_window = w
+          state = pack(SLIDING_STATE, w, count + charge, previous, limit, period)
+        elseif w == consumed + 1 then
+          charged_window = w
+          state = pack(SLIDING_STATE, w, count, previous + charge, limit, period)
+        elseif now_window == consumed then  -- its state gone: made afresh
+          state = pack(SLIDING_STATE, now_window, charge, 0, limit, period)
+        else
+          state = pack(SLIDING_STATE, now_window, 0, charge, limit, period)
+        end
+      elseif w == now_window then  -- over: the window now pays
+        state = pack(SLIDING_STATE, w, count + charge, previous, limit, period)
+      else
+        local carried = 0
+        if w == now_window - 1 then carried = count end
+        state = pack(SLIDING_STATE, now_window, charge, carried, limit, period)
+      end
+      ends = (charged_window + 2) * period
+    elseif terms and spent_tat > 0 then  -- a billing period's, named by its start: only while its state is
+      if w and w >= spent_tat then state = pack(FIXED_STATE, w, count + charge, limit, period) end
+    elseif terms then
+      if w == now_window then
+        state = pack(FIXED_STATE, w, count + charge, limit, period)
+      else
+        state = pack(FIXED_STATE, now_window, charge, limit, period)
+      end
+      ends = (now_window + 1) * period
+    end
+    if state and ends then
+      redis.call('SET', key, state, 'PX', string.format('%d', ceil((ends - now) / 1000) + 1000))
+      given = given + 1
+    elseif state then
+      redis.call('SET', key, state, 'KEEPTTL')
+      given = given + 1
     end
   else
     local value = redis.call('GET', key)

@@ -20,7 +20,7 @@ from django.db.models import Sum
 from django.db.models.functions import Trunc
 
 from ..backends import UsageSupport, get_backend
-from ..counters import METRICS, OVERFLOW, parse_row
+from ..counters import EXTRA_TOKENS, METRICS, OVERFLOW, parse_row
 from ..metrics import get_recorder
 from ..models import UsageBatch, UsageRecord
 from . import subjects
@@ -147,7 +147,9 @@ def usage_rows(counts: Mapping[str, int]) -> tuple[dict[tuple[str, str, str], di
     by_row: dict[str, dict[str, int]] = {}  # counter row -> metric column -> count
     for field, count in counts.items():
         metric = METRICS.get(field[-1:])
-        if metric is not None and count > 0:
+        # Tokens beyond one a request may be fewer than none: requests a settlement gave back
+        # (docs/charging.md), never more than the row's own.
+        if metric is not None and (count > 0 or (count < 0 and field[-1:] == EXTRA_TOKENS)):
             metrics = by_row.setdefault(field[:-1], {})
             metrics[metric] = metrics.get(metric, 0) + count
     parsed = [(row, by_row[text]) for text in by_row if (row := parse_row(text)) is not None]
@@ -163,7 +165,7 @@ def usage_rows(counts: Mapping[str, int]) -> tuple[dict[tuple[str, str, str], di
         for metric, count in metrics.items():
             values[metric] = values.get(metric, 0) + count
     for values in records.values():  # each allowed request spent one token, plus the extra counted apart
-        values["tokens"] = values.get("tokens", 0) + values.get("allowed", 0)
+        values["tokens"] = max(values.get("tokens", 0) + values.get("allowed", 0), 0)
     return records, digests - labels.keys()
 
 
