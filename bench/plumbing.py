@@ -313,8 +313,8 @@ class _Path:
         def decide_only(i: int) -> None:
             decide(check_lists[i & mask], consume=True, usage=usage_rows[i & mask])
 
-        def backend_only(found: Any, consume: bool = True, usage: Any = None) -> Any:
-            return decide(found, consume=consume, usage=usage)
+        def backend_only(found: Any, consume: bool = True, usage: Any = None, settle: bool = False) -> Any:
+            return decide(found, consume=consume, usage=usage)  # the bench's endpoint settles nothing
 
         throttle = self.throttle
         return [

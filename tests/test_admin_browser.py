@@ -238,9 +238,11 @@ def test_a_plan_by_the_month_is_set_up_in_chromium(chromium: str, live_server: A
         page.goto(assignment_url)
         page.select_option("#id_subject_kind", "api_key")
         page.fill("#id_subject_id", "ApiKey:77")
-        page.click(".field-tier .select2-selection")  # the tier is an autocomplete
-        # Wait for the search's own answer: an option clicked from the unfiltered list that opened
-        # first would leave the search in flight, and the save's navigation would abort it.
+        # The tier is an autocomplete: wait for the list it opens with, then for the search's own
+        # answer. A search typed while the first list is in flight aborts it (select2 does), and an
+        # option clicked from that list would leave the search in flight for the save to abort.
+        with page.expect_response(lambda response: "autocomplete" in response.url and "term=" not in response.url):
+            page.click(".field-tier .select2-selection")
         with page.expect_response(lambda response: "term=metered" in response.url):
             page.fill(".select2-search__field", "metered")
         page.click(".select2-results__option >> text=metered")
