@@ -11,6 +11,8 @@ from typing import Any
 
 from django import forms
 from django.contrib import admin, messages
+from django.contrib.admin import helpers
+from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
 from django.db.models import Model, Q, QuerySet
 from django.http import HttpRequest, HttpResponse
@@ -18,11 +20,12 @@ from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils import timezone
 
+from . import documentation
 from .autocomplete import subject_suggestions_view
 from .backends import HealthSupport, RegionSupport, StoreHealth, get_backend
 from .choices import HTTP_METHODS, Counts
 from .conf import conf
-from .exceptions import BackendUnavailable
+from .exceptions import BackendUnavailable, ConfigurationError
 from .identity import SubjectKind, normalize_ip
 from .models import (
     SUBJECT_KINDS,
@@ -43,6 +46,8 @@ from .models import (
 )
 from .policies.source import get_policy_source
 from .policies.values import every_shard
+from .reports.preview import DAYS as PREVIEW_DAYS
+from .reports.preview import PolicyPreview, base_policies_of, preview_endpoint, preview_override, preview_tier
 from .reports.report import usage_report_view
 from .status import Caller, RegionShare, effective_limits, stand_in
 from .store.audit import audit_context, record_reset
@@ -146,6 +151,80 @@ class AuditedAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             super().delete_queryset(request, queryset)
 
 
+class PreviewedAdmin(AuditedAdmin):
+    """An admin whose change form can show, before saving, what the change would have refused over
+    the last days of recorded usage (:mod:`ratelimits.reports.preview`): the form's *Preview*
+    button validates it as a save would, computes, and shows the form again, unsaved."""
+
+    def previews(self, request: HttpRequest, candidate: Any) -> list[PolicyPreview]:
+        raise NotImplementedError
+
+    def changeform_view(
+        self,
+        request: HttpRequest,
+        object_id: str | None = None,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        may = self.has_add_permission(request) if object_id is None else self.has_change_permission(request)
+        context = {
+            **(extra_context or {}),
+            "can_preview": may,
+            "preview_days": PREVIEW_DAYS,
+            "previews_help": documentation.page("previews"),
+        }
+        if request.method == "POST" and "_preview" in request.POST:
+            return self._preview_view(request, object_id, form_url, context)
+        return super().changeform_view(request, object_id, form_url, context)
+
+    def _preview_view(
+        self, request: HttpRequest, object_id: str | None, form_url: str, extra_context: dict[str, Any]
+    ) -> HttpResponse:
+        """The change form again, bound to what was posted, with what it would have refused: as
+        Django's own change view builds the page, but nothing saved."""
+        obj = self.get_object(request, unquote(object_id)) if object_id else None
+        add = obj is None
+        if object_id and obj is None:
+            redirect: HttpResponse = self._get_obj_does_not_exist_redirect(  # type: ignore[attr-defined]
+                request, self.opts, object_id
+            )
+            return redirect
+        allowed = self.has_add_permission(request) if add else self.has_change_permission(request, obj)
+        if not allowed:
+            raise PermissionDenied
+        form = self.get_form(request, obj, change=not add)(request.POST, request.FILES, instance=obj)
+        previews = None
+        if form.is_valid():
+            try:
+                previews = self.previews(request, form.instance)
+            except ConfigurationError as exc:  # a value the form let through but a policy cannot take
+                form.add_error(None, str(exc))
+        admin_form = helpers.AdminForm(
+            form,
+            list(self.get_fieldsets(request, obj)),  # type: ignore[arg-type]
+            self.get_prepopulated_fields(request, obj),
+            self.get_readonly_fields(request, obj),
+            model_admin=self,
+        )
+        context = {
+            **self.admin_site.each_context(request),
+            "title": f"{'Add' if add else 'Change'} {self.opts.verbose_name}",
+            "subtitle": str(obj) if obj is not None else None,
+            "adminform": admin_form,
+            "object_id": object_id,
+            "original": obj,
+            "is_popup": False,
+            "to_field": None,
+            "media": self.media + admin_form.media,
+            "inline_admin_formsets": [],
+            "errors": helpers.AdminErrorList(form, []),
+            "preserved_filters": self.get_preserved_filters(request),
+            "previews": previews,
+            **extra_context,
+        }
+        return self.render_change_form(request, context, add=add, change=not add, obj=obj, form_url=form_url)
+
+
 def _switch(field: str, value: bool, label: str) -> Any:
     """An admin action setting ``field`` to ``value`` on the selected rows (audited, versioned)."""
 
@@ -167,7 +246,7 @@ SHADOW_OFF = _switch("shadow", False, "Shadow mode off")
 
 
 @admin.register(Tier)
-class TierAdmin(AuditedAdmin):
+class TierAdmin(PreviewedAdmin):
     list_display = ("name", "limits", "concurrency", "quota", "algorithm", "fail_mode", "scope", "enabled", "shadow")
     list_filter = ("enabled", "shadow", "algorithm", "fail_mode", "scope")
     search_fields = ("name", "description")
@@ -185,6 +264,9 @@ class TierAdmin(AuditedAdmin):
         "change_reason",
         "revision",
     )
+
+    def previews(self, request: HttpRequest, candidate: Tier) -> list[PolicyPreview]:
+        return [preview_tier(candidate)]
 
     @admin.display(description="limits")
     def limits(self, obj: Tier) -> str:
@@ -216,7 +298,7 @@ class SubjectAssignmentAdmin(AuditedAdmin):
 
 
 @admin.register(EndpointPolicy)
-class EndpointPolicyAdmin(AuditedAdmin):
+class EndpointPolicyAdmin(PreviewedAdmin):
     list_display = (
         "__str__",
         "cost",
@@ -243,6 +325,9 @@ class EndpointPolicyAdmin(AuditedAdmin):
         "revision",
     )
 
+    def previews(self, request: HttpRequest, candidate: EndpointPolicy) -> list[PolicyPreview]:
+        return preview_endpoint(candidate)
+
     @admin.display(description="per caller")
     def per_caller(self, obj: EndpointPolicy) -> str:
         return describe_limit(obj.per_caller_rate, obj.per_caller_burst) if obj.per_caller_rate else "—"
@@ -261,7 +346,7 @@ class EndpointPolicyAdmin(AuditedAdmin):
 
 
 @admin.register(Override)
-class OverrideAdmin(AuditedAdmin):
+class OverrideAdmin(PreviewedAdmin):
     form = ExpiringForm
     list_display = ("__str__", "values", "expires_at", "active", "created_by", "short_reason", "shadow")
     list_filter = ("subject_kind", "enabled", "shadow")
@@ -283,6 +368,9 @@ class OverrideAdmin(AuditedAdmin):
         ("created_by", "created_at"),
         "revision",
     )
+
+    def previews(self, request: HttpRequest, candidate: Override) -> list[PolicyPreview]:
+        return [preview_override(candidate, base_policies_of(candidate.subject_kind, candidate.subject_id))]
 
     @admin.display(description="values")
     def values(self, obj: Override) -> str:

@@ -298,6 +298,57 @@ def test_an_endpoint_charged_by_outcome_and_work_is_set_up_in_chromium(
     assert (row.cost, row.max_cost, row.counts) == (2, 50, "no_server_errors")
 
 
+def test_a_tier_change_is_previewed_then_saved_in_chromium(
+    chromium: str, live_server: Any, django_user_model: Any, settings: Any
+) -> None:
+    """An operator lowers a tier's rate, previews what it would have refused of the last week (the
+    page shows the range and the customers), then saves it."""
+    from datetime import timedelta
+
+    from ratelimits.models import UsageRecord
+
+    settings.RATELIMITS = merged(settings.RATELIMITS, {"POLICIES": {"SOURCE": "database"}})
+    django_user_model.objects.create_superuser("previewer", "previewer@example.com", PASSWORD)
+    tier = Tier.objects.create(name="browser-metered", rate="100/s", burst=200)
+    start = timezone.now().replace(second=0, microsecond=0) - timedelta(hours=3)
+    UsageRecord.objects.bulk_create(
+        UsageRecord(
+            granularity="minute",
+            period_start=start + timedelta(minutes=minute),
+            subject_kind="api_key",
+            subject_id=f"ApiKey:{n}",
+            tier="browser-metered",
+            endpoint="customers",
+            allowed=600 * (n + 1),
+            tokens=600 * (n + 1),
+        )
+        for n in range(3)
+        for minute in range(30)
+    )
+    url = live_server.url + reverse("admin:ratelimits_tier_change", args=[tier.pk])
+
+    with launch(chromium) as browser:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        problems = watch(page)
+        log_in(page, url, "previewer")
+        page.fill("#id_rate", "5/s")
+        page.fill("#id_burst", "10")
+        page.fill("#id_change_reason", "the free tier, cheaper")
+        page.click("input[name=_preview]")
+        page.wait_for_selector("#ratelimits-preview")
+        preview = page.text_content("#ratelimits-preview") or ""
+        page.screenshot(path=str(screenshot_path("tier-change-previewed.png")), full_page=True)
+        kept = page.input_value("#id_rate")  # the form again, as it was filled
+        page.click("input[name=_save]")
+        page.wait_for_selector(".messagelist .success")
+
+    assert problems == []
+    assert "requests refused" in preview and "ApiKey:2" in preview and "Nothing has been saved" in preview
+    assert kept == "5/s"
+    saved = Tier.objects.get(pk=tier.pk)
+    assert (saved.rate, saved.burst, saved.revision) == ("5/s", 10, tier.revision + 1)  # saved once: by the save
+
+
 def test_a_customers_webhook_is_set_up_and_its_deliveries_read_in_chromium(
     chromium: str, live_server: Any, django_user_model: Any, settings: Any
 ) -> None:

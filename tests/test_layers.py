@@ -75,6 +75,7 @@ TOP_LEVEL: dict[str, int] = {
     "ratelimits.shares": 1,
     "ratelimits.adaptive": 1,
     "ratelimits.thresholds": 1,
+    "ratelimits.replay": 1,
     "ratelimits.metrics": 1,
     "ratelimits.models": 3,
     "ratelimits.sources": 3,

@@ -363,36 +363,49 @@ def _overrides(snapshot: PolicySnapshot, now: datetime, shadow: bool) -> None:
     for row in Override.objects.filter(enabled=True, expires_at__gt=now).order_by("-created_at", "-id"):
         kind = _kind(row, "override")
         try:
-            rate = parse_rate(row.rate, field=f"override #{row.pk} rate") if row.rate else None
-            if rate is not None:
-                check_burst(rate, row.burst or rate.limit, field=f"override #{row.pk} burst")
-            if row.concurrency is not None and row.concurrency > MAX_LIMIT:
-                raise ConfigurationError(f"override #{row.pk} concurrency: {row.concurrency} is too large")
-            scope = Scope.parse(row.scope, field=f"override #{row.pk} scope") if row.scope else None
-            if row.quota:  # checked now, not while a request resolves
-                mode = row.quota_mode or "hard"
-                quota_policy(
-                    "override", row.quota, zone="UTC", mode=mode, field=f"override #{row.pk}", fail_mode=FailMode.OPEN
-                )
+            rule = override_rule(row, shadow)
         except ConfigurationError as exc:
             logger.error("ratelimits: %s", exc)
             continue
         if kind is None:
             continue
-        overrides[(kind, row.subject_id)].append(
-            OverrideRule(
-                id=row.pk,
-                endpoint=row.endpoint,
-                window=Window(None, row.expires_at),
-                rate=rate,
-                burst=row.burst,
-                multiplier=float(row.multiplier) if row.multiplier is not None else None,
-                concurrency=row.concurrency,
-                scope=scope,
-                quota=row.quota or None,
-                quota_mode=row.quota_mode,
-                shadow=row.shadow or shadow,
-                origin=Origin(OriginKind.OVERRIDE, f"override #{row.pk}: {row.reason[:80]}"),
-            )
-        )
+        overrides[(kind, row.subject_id)].append(rule)
     snapshot.overrides = dict(overrides)
+
+
+def override_rule(row: Override, shadow: bool = False) -> OverrideRule:
+    """What an override row replaces, as the resolver applies it (checked: a row saved around the
+    admin's validation raises :class:`ConfigurationError`)."""
+    rate = parse_rate(row.rate, field=f"override #{row.pk} rate") if row.rate else None
+    if rate is not None:
+        check_burst(rate, row.burst or rate.limit, field=f"override #{row.pk} burst")
+    if row.concurrency is not None and row.concurrency > MAX_LIMIT:
+        raise ConfigurationError(f"override #{row.pk} concurrency: {row.concurrency} is too large")
+    scope = Scope.parse(row.scope, field=f"override #{row.pk} scope") if row.scope else None
+    if row.quota:  # checked now, not while a request resolves
+        mode = row.quota_mode or "hard"
+        quota_policy("override", row.quota, zone="UTC", mode=mode, field=f"override #{row.pk}", fail_mode=FailMode.OPEN)
+    return OverrideRule(
+        id=row.pk or 0,
+        endpoint=row.endpoint,
+        window=Window(None, row.expires_at),
+        rate=rate,
+        burst=row.burst,
+        multiplier=float(row.multiplier) if row.multiplier is not None else None,
+        concurrency=row.concurrency,
+        scope=scope,
+        quota=row.quota or None,
+        quota_mode=row.quota_mode,
+        shadow=row.shadow or shadow,
+        origin=Origin(OriginKind.OVERRIDE, f"override #{row.pk}: {row.reason[:80]}"),
+    )
+
+
+def tier_of(row: Tier) -> tuple[Policy, ...]:
+    """A tier row's policies, as a request meets them (a row not saved yet too: a preview's)."""
+    return _tier(row, FailMode.OPEN, False)
+
+
+def endpoint_rule_of(row: EndpointPolicy) -> EndpointRule:
+    """An endpoint policy row's rule, as a request meets it (a row not saved yet too: a preview's)."""
+    return _endpoint(row, FailMode.OPEN, False)
