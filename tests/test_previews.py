@@ -265,3 +265,22 @@ def test_the_command_refuses_what_it_cannot_preview(arguments: list[str], said: 
 
     with pytest.raises(CommandError, match=re.escape(said)):
         call_command("ratelimits_preview", *arguments, stdout=StringIO())
+
+
+def test_the_commands_errors_name_its_flags_and_an_unknown_endpoint_is_refused() -> None:
+    from django.core.management.base import CommandError
+
+    with pytest.raises(CommandError, match=re.escape("--rate: '0/s' allows nothing")):
+        call_command("ratelimits_preview", "--tier", "anonymous", "--rate", "0/s", stdout=StringIO())
+    with pytest.raises(CommandError, match="'nosuch' has no rule in force and no usage recorded"):
+        call_command("ratelimits_preview", "--endpoint", "nosuch", "--rate", "1/s", stdout=StringIO())
+
+
+def test_a_quota_by_the_month_is_noted_as_in_the_tiers_own_periods_not_left_out() -> None:
+    traffic = day_of_traffic(12, subjects=3)
+    record(traffic, "metered", "customers", {s: [False] * len(i) for s, i in traffic.items()})
+    tier = Tier.objects.create(name="metered", rate="20/s", burst=40)
+    tier.quota = "100/month"
+    found = preview_tier(tier, now=NOW)
+    assert found.left_out == [] and any("not each customer's anchor" in note for note in found.notes)
+    assert "100 per calendar month" in "; ".join(found.previewed)

@@ -104,7 +104,7 @@ def cost_in_the_end(settlement: Settlement) -> int:
     if isinstance(asked, bool) or not isinstance(asked, int) or asked < 0:
         tell_once(
             settlement.endpoint,
-            f"request.{COST_ATTRIBUTE} = {asked!r} is not a whole number of tokens: it costs {rule.cost}",
+            f"request.{COST_ATTRIBUTE} = {asked!r} is not a number of tokens from 0 to max_cost: it costs {rule.cost}",
         )
         return rule.cost
     if asked > rule.max_cost:

@@ -83,6 +83,8 @@ class PolicyPreview:
     current: list[str]
     #: Policies the records cannot replay, and why.
     left_out: list[str] = field(default_factory=list)
+    #: What is replayed only in part, or taken as it is not: said beside the figures.
+    notes: list[str] = field(default_factory=list)
     requests: int = 0
     refused_then: int = 0
     #: Requests the new policies would have refused: at least, at most (over every arrival order).
@@ -131,14 +133,15 @@ def preview(
     since = until - timedelta(days=days)
     if not settings.USE_TZ:  # the records' times are naive UTC then
         until, since = until.astimezone(UTC).replace(tzinfo=None), since.astimezone(UTC).replace(tzinfo=None)
-    replayable_new, left_out = _replayable(new)
-    replayable_old, _ = _replayable(old)
+    replayable_new, left_out, notes = _replayable(new)
+    replayable_old, _, _ = _replayable(old)
     result = PolicyPreview(
         since=since,
         until=until,
         previewed=[policy.describe() for policy in replayable_new],
         current=[policy.describe() for policy in replayable_old],
         left_out=left_out,
+        notes=notes,
     )
     by_subject = _demand(records, since, until, result, overflow=shared)
     if shared:
@@ -171,8 +174,11 @@ def preview(
     return result
 
 
-def _replayable(policies: Iterable[Policy]) -> tuple[list[Policy], list[str]]:
-    kept, left_out = [], []
+def _replayable(policies: Iterable[Policy]) -> tuple[list[Policy], list[str], list[str]]:
+    """The policies the records can replay; those they cannot, and notes on those replayed in part."""
+    kept: list[Policy] = []
+    left_out: list[str] = []
+    notes: list[str] = []
     for policy in policies:
         if policy.holds_slots:
             left_out.append(f"{policy.describe()}: requests in flight cannot be told from counts per period")
@@ -181,8 +187,8 @@ def _replayable(policies: Iterable[Policy]) -> tuple[list[Policy], list[str]]:
         else:
             kept.append(policy)
             if policy.period is not None:
-                left_out.append(f"{policy.describe()}: replayed in the tier's own periods, not each customer's anchor")
-    return kept, left_out
+                notes.append(f"{policy.describe()} is replayed in the tier's own periods, not each customer's anchor")
+    return kept, left_out, notes
 
 
 def limit_of(policy: Policy) -> Limit:
@@ -347,7 +353,7 @@ def preview_tier(candidate: Tier, *, days: int = DAYS, now: datetime | None = No
     name = current.name if current is not None else candidate.name
     found = preview(_in_force(candidate), _in_force(current), records=Q(tier=name), days=days, now=now)
     if SubjectAssignment.objects.filter(tier__name=name).exclude(subject_kind__in=CALLER_KINDS).exists():
-        found.left_out.append(
+        found.notes.append(
             "the tier's organisations and networks share one budget among their callers, which the records "
             "count apart: they are replayed as each caller's own"
         )
@@ -370,9 +376,13 @@ def preview_endpoint(
     records = Q(endpoint=(current or candidate).endpoint)
     notes = []
     if current is not None and current.cost != candidate.cost:
-        notes.append(f"the change of cost ({current.cost} to {candidate.cost}) on the caller's other limits")
+        notes.append(
+            f"the change of cost ({current.cost} to {candidate.cost}) is not replayed on the caller's other limits"
+        )
     if candidate.counts != "all" or candidate.max_cost:
-        notes.append("what is given back or charged after the response (counts, max_cost): the records' own tokens")
+        notes.append(
+            "what is given back or charged after the response (counts, max_cost) is as the records' tokens say"
+        )
     previews = []
     for attribute, shared in (("per_caller", False), ("endpoint_wide", True)):
         after = getattr(new, attribute) if new is not None else None
@@ -386,7 +396,7 @@ def preview_endpoint(
                 now=now,
                 shared=shared,
             )
-            found.left_out += notes
+            found.notes += notes
             previews.append(found)
     return previews
 
@@ -409,7 +419,7 @@ def preview_override(
         now=now,
     )
     if candidate.subject_kind not in CALLER_KINDS or "/" in candidate.subject_id:
-        found.left_out.append(
+        found.notes.append(
             f"an override of a {candidate.subject_kind} is shared by its callers, which the records count "
             "apart: only records under this very subject are replayed"
         )

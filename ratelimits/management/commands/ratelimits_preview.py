@@ -12,7 +12,7 @@ from django.db.models import Q
 
 from ...choices import FailMode
 from ...exceptions import ConfigurationError
-from ...models import validate_endpoint
+from ...models import UsageRecord, validate_endpoint
 from ...policies.snapshot import endpoint_key, endpoint_rule, tier_policies
 from ...policies.source import get_policy_source
 from ...policies.values import Origin, OriginKind, Policy, Role
@@ -46,7 +46,7 @@ class Command(BaseCommand):
         try:
             previews = self._tier(options) if options["tier"] else self._endpoint(options)
         except ConfigurationError as exc:
-            raise CommandError(str(exc)) from None
+            raise CommandError(_flags(str(exc))) from None
         previews = [(label, make(days)) for label, make in previews]
         if options["json"]:
             self.stdout.write(json.dumps([{"limit": label, **_jsonable(p)} for label, p in previews], indent=2))
@@ -89,8 +89,12 @@ class Command(BaseCommand):
             raise CommandError("--quota is a tier's.")
         if options["burst"] and not options["rate"]:
             raise CommandError("--burst goes with --rate: give the endpoint's new rate per caller too.")
+        if not (options["rate"] or options["endpoint_rate"]):
+            raise CommandError("Give --rate or --endpoint-rate: what the endpoint's limits would be.")
         snapshot = get_policy_source().snapshot()
         current = snapshot.endpoints.get(endpoint_key(name))
+        if current is None and not UsageRecord.objects.filter(endpoint=name).exists():
+            raise CommandError(f"--endpoint: {name!r} has no rule in force and no usage recorded (a typo?).")
         per_caller = {"rate": options["rate"], **({"burst": options["burst"]} if options["burst"] else {})}
         new = endpoint_rule(
             name,
@@ -121,6 +125,23 @@ class Command(BaseCommand):
         return ", ".join(sorted(get_policy_source().snapshot().tiers)) or "none"
 
 
+#: What a value's message calls it, and the flag it was given by.
+_FLAGS = {
+    "--tier['rate']": "--rate",
+    "--tier['burst']": "--burst",
+    "--tier['quota']": "--quota",
+    "--endpoint['rate']": "--rate",
+    "--endpoint['endpoint_rate']": "--endpoint-rate",
+}
+
+
+def _flags(message: str) -> str:
+    """A policy's message about a value, naming the flag it was given by."""
+    for named, flag in _FLAGS.items():
+        message = message.replace(named, flag)
+    return message
+
+
 def _config(policy: Policy | None) -> dict[str, Any] | None:
     return None if policy is None else {"rate": str(policy.rate), "burst": policy.burst}
 
@@ -146,6 +167,8 @@ def _text(label: str, found: PolicyPreview, days: int) -> str:
     ]
     if found.left_out:
         lines.append(f"  not replayed: {'; '.join(found.left_out)}")
+    if found.notes:
+        lines.append(f"  note: {'; '.join(found.notes)}")
     if found.top:
         lines.append(f"  the {len(found.top)} most refused (of {TOP} listed at most):")
         width = max(len(f"{row.subject_kind} {row.subject_id}") for row in found.top)
